@@ -1,0 +1,21 @@
+"""nybble: int4 weight-only GEMM for JAX on NVIDIA Hopper.
+
+    qw = nybble.quantize(w, group_size=128)      # (K, N) float -> QuantizedWeight
+    y = nybble.matmul(x, qw)                     # Mosaic GPU kernel on Hopper, XLA elsewhere
+"""
+
+from nybble.kernels.api import matmul
+from nybble.packing import pack_int4, unpack_int4
+from nybble.quant import QuantizedWeight, dequantize, quantize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "QuantizedWeight",
+    "__version__",
+    "dequantize",
+    "matmul",
+    "pack_int4",
+    "quantize",
+    "unpack_int4",
+]

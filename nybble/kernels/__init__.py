@@ -1,0 +1,28 @@
+"""int4 matmul implementations: the Hopper Mosaic GPU kernel, the XLA path, and the dispatch between them."""
+
+from typing import Any
+
+from nybble.kernels.api import IMPLEMENTATIONS, available_implementations, matmul, num_sms
+from nybble.kernels.reference import reference_matmul, relative_error
+from nybble.kernels.xla import xla_matmul
+
+
+def __getattr__(name: str) -> Any:
+    # `interpret` lives with the Mosaic GPU kernels; imported on first use to keep `import nybble` light.
+    if name == "interpret":
+        from nybble.kernels.mosaic_gpu.interpret import interpret
+
+        return interpret
+    raise AttributeError(f"module 'nybble.kernels' has no attribute {name!r}")
+
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "available_implementations",
+    "interpret",
+    "matmul",
+    "num_sms",
+    "reference_matmul",
+    "relative_error",
+    "xla_matmul",
+]

@@ -1,0 +1,118 @@
+"""``nybble.matmul``: one call, the best implementation this backend can run, the same numbers everywhere."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+from nybble.kernels.xla import xla_matmul
+from nybble.quant.qweight import QuantizedWeight
+
+Implementation = Literal["mosaic_gpu", "xla"]
+# Tried in this order by implementation=None; XLA runs everywhere and comes last.
+IMPLEMENTATIONS: tuple[str, ...] = ("mosaic_gpu", "xla")
+SUPPORTED_X_DTYPES = ("bfloat16", "float16", "float32")
+DEFAULT_NUM_SMS = 132  # H100 SXM / H200: used only when no GPU device can be asked (lowering on a CPU)
+
+
+def _gpu_device() -> Any | None:
+    """The first local GPU device, or None; asked at call time, never inside a kernel."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return None
+    return devices[0] if devices else None
+
+
+def hopper_device() -> Any | None:
+    """The first local GPU if it is a Hopper (compute capability 9.x), else None."""
+    dev = _gpu_device()
+    if dev is None:
+        return None
+    return dev if str(getattr(dev, "compute_capability", "")).startswith("9") else None
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the local Hopper GPU, or the H100/H200 count when none is local."""
+    dev = hopper_device()
+    return int(getattr(dev, "core_count", DEFAULT_NUM_SMS)) if dev is not None else DEFAULT_NUM_SMS
+
+
+def _check_args(x: Any, qw: Any) -> None:
+    if not isinstance(qw, QuantizedWeight):
+        raise TypeError(
+            f"nybble.matmul: the weight must be a nybble.QuantizedWeight (from nybble.quantize), got "
+            f"{type(qw).__name__}"
+        )
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"nybble.matmul: x must be an array of shape (..., K), got {type(x).__name__}")
+    k, n = qw.shape
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(
+            f"nybble.matmul: x has shape {tuple(x.shape)} but the weight has shape (K, N) = ({k}, {n}); "
+            f"x.shape[-1] must equal K = {k}"
+        )
+    if np.dtype(x.dtype).name not in SUPPORTED_X_DTYPES:
+        raise TypeError(
+            f"nybble.matmul: x has dtype {np.dtype(x.dtype).name}; supported: {SUPPORTED_X_DTYPES} "
+            f"(cast x first, e.g. x.astype(jnp.bfloat16))"
+        )
+
+
+def _mosaic_gpu_unavailable(x: Any, qw: QuantizedWeight) -> str | None:
+    """Why the Mosaic GPU kernel cannot run these arguments here, or None when it can."""
+    try:
+        from nybble.kernels import mosaic_gpu
+
+        is_supported, is_interpret_active = mosaic_gpu.is_supported, mosaic_gpu.is_interpret_active
+    except (ImportError, AttributeError) as e:  # only while the kernel package is broken
+        return f"the Mosaic GPU kernel failed to import ({e})"
+    if (reason := is_supported(x, qw)) is not None:
+        return reason
+    if is_interpret_active() or hopper_device() is not None:
+        return None
+    return (
+        f"it needs a Hopper GPU (compute capability 9.x) and the default backend is "
+        f"{jax.default_backend()!r}; on a CPU run it inside `with nybble.kernels.interpret():`"
+    )
+
+
+def matmul(x: Any, qw: QuantizedWeight, *, implementation: Implementation | None = None) -> jax.Array:
+    """``x @ dequantize(qw)``: x of shape (..., K) in bf16/f16/f32, result (..., N) in ``x.dtype``.
+
+    Accumulates in float32. Works under ``jit``, ``vmap`` and ``grad`` (with respect to ``x``).
+
+    Args:
+      x: activations, any leading batch dims.
+      qw: the weight, from :func:`nybble.quantize`.
+      implementation: None picks the best that can run here: the Mosaic GPU kernel on a Hopper GPU
+        (or inside ``nybble.kernels.interpret()``), else XLA. ``"mosaic_gpu"`` or ``"xla"`` forces one;
+        a forced implementation that cannot run raises ``NotImplementedError`` saying why.
+    """
+    _check_args(x, qw)
+    if implementation is None:
+        implementation = "mosaic_gpu" if _mosaic_gpu_unavailable(x, qw) is None else "xla"
+    if implementation == "xla":
+        return xla_matmul(x, qw)
+    if implementation == "mosaic_gpu":
+        if (reason := _mosaic_gpu_unavailable(x, qw)) is not None:
+            raise NotImplementedError(f"nybble.matmul(implementation='mosaic_gpu') cannot run: {reason}")
+        from nybble.kernels.mosaic_gpu import mosaic_gpu_matmul
+
+        x2d = x.reshape(-1, x.shape[-1])
+        y = mosaic_gpu_matmul(x2d, qw, num_sms=num_sms())
+        return y.reshape(*x.shape[:-1], qw.shape[1])
+    raise ValueError(
+        f"nybble.matmul: unknown implementation {implementation!r}; choose one of {IMPLEMENTATIONS} or None"
+    )
+
+
+def available_implementations(x: Any, qw: QuantizedWeight) -> dict[str, str | None]:
+    """Each implementation mapped to None (it can run these arguments here) or the reason it cannot."""
+    _check_args(x, qw)
+    return {"mosaic_gpu": _mosaic_gpu_unavailable(x, qw), "xla": None}
+
+
+__all__ = ["IMPLEMENTATIONS", "available_implementations", "matmul", "num_sms"]

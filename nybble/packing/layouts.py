@@ -1,0 +1,76 @@
+"""Named weight layouts: how a (K, N) matrix of int4 codes is laid out in memory, with exact inverses.
+
+A layout maps logical codes ``q`` of shape (K_pad, N_pad), int8 in [-8, 7], to the bytes the kernels read,
+and back. Add a layout by registering a :class:`WeightLayout`; ``QuantizedWeight.layout`` names one.
+
+``nk_int4`` (the default): W^T stored K-major, shape (N_pad, K_pad // 2) uint8. Byte (n, j) holds q[2j, n]
+in its low nibble and q[2j + 1, n] in its high nibble, two's complement. That is exactly the memory of a
+``jnp.int4`` array of shape (N_pad, K_pad), so XLA reads it as int4 through a free bitcast and a Mosaic GPU
+kernel can TMA a (tile_n, tile_k // 2) byte block and load it as an int4 (tile_n, tile_k) WGMMA operand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from nybble.packing.nibbles import pack_int4, unpack_int4
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightLayout:
+    name: str
+    # Logical int8 codes (K_pad, N_pad) -> stored uint8 array.
+    pack: Callable[[Any], Any]
+    # Stored uint8 array, K_pad -> logical int8 codes (K_pad, N_pad).
+    unpack: Callable[[Any, int], Any]
+    # Stored shape for a (K_pad, N_pad) weight.
+    stored_shape: Callable[[int, int], tuple[int, ...]]
+    description: str
+
+
+def _nk_int4_pack(codes_kn: Any) -> Any:
+    return pack_int4(codes_kn.T, axis=-1, signed=True)
+
+
+def _nk_int4_unpack(packed: Any, k_pad: int) -> Any:
+    return unpack_int4(packed, k_pad, axis=-1, signed=True).T
+
+
+def nk_int4_as_int4(packed: jax.Array) -> jax.Array:
+    """Views ``nk_int4`` bytes (N_pad, K_pad // 2) as a ``jnp.int4`` array (N_pad, K_pad), no arithmetic."""
+    n_pad, half_k = packed.shape
+    return jax.lax.bitcast_convert_type(packed, jnp.int4).reshape(n_pad, 2 * half_k)
+
+
+LAYOUTS: dict[str, WeightLayout] = {}
+
+
+def register_layout(layout: WeightLayout) -> WeightLayout:
+    if layout.name in LAYOUTS:
+        raise ValueError(f"layout {layout.name!r} is already registered")
+    LAYOUTS[layout.name] = layout
+    return layout
+
+
+def get_layout(name: str) -> WeightLayout:
+    try:
+        return LAYOUTS[name]
+    except KeyError:
+        raise ValueError(f"unknown weight layout {name!r}; known layouts: {sorted(LAYOUTS)}") from None
+
+
+register_layout(
+    WeightLayout(
+        name="nk_int4",
+        pack=_nk_int4_pack,
+        unpack=_nk_int4_unpack,
+        stored_shape=lambda k_pad, n_pad: (n_pad, k_pad // 2),
+        description="W^T K-major, two int4 per byte along K (low nibble = even k): jnp.int4 memory order",
+    )
+)
+DEFAULT_LAYOUT = "nk_int4"

@@ -1,0 +1,87 @@
+"""nybble.matmul on the XLA path: against a float64 reference, under jit/vmap/grad, and its refusals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nybble
+from nybble.kernels import available_implementations, reference_matmul, relative_error
+
+# ||out - ref|| / ||ref|| for bf16/f16 outputs (the weight itself is rounded to x.dtype, then one
+# rounding of the f32 accumulator to the output dtype) and for f32.
+TOLERANCE = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3, jnp.float32: 1e-5}
+
+
+def _random_case(key, batch, k, n, group, symmetric, dtype):
+    kw, kx = jax.random.split(key)
+    w = jax.random.normal(kw, (k, n), jnp.float32) * 0.05
+    x = jax.random.normal(kx, (*batch, k), jnp.float32).astype(dtype)
+    return x, nybble.quantize(w, group_size=group, symmetric=symmetric)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize(("batch", "k", "n", "group", "symmetric"), [
+    ((1,), 576, 1536, 128, True),
+    ((7,), 1536, 576, 64, False),
+    ((2, 5), 100, 70, None, True),
+    ((3,), 256, 192, 32, False),
+    ((100,), 320, 128, 256, True),
+])
+def test_xla_matches_float64_reference(dtype, batch, k, n, group, symmetric):
+    seed = np.random.SeedSequence().entropy % 2**31  # fresh data every run
+    x, qw = _random_case(jax.random.key(seed), batch, k, n, group, symmetric, dtype)
+    y = nybble.matmul(x, qw, implementation="xla")
+    assert y.shape == (*batch, n) and y.dtype == dtype
+    err = relative_error(y, reference_matmul(x, qw))
+    assert err < TOLERANCE[dtype], f"seed {seed}: relative error {err}"
+
+
+def test_small_integers_are_exact():
+    """Small-integer activations and power-of-two scales: every product and sum is exact in f32."""
+    rng = np.random.default_rng()
+    q = rng.integers(-7, 8, size=(256, 128))
+    q[0] = 7
+    q[128] = -7
+    w = (q * 0.5).astype(np.float32)
+    qw = nybble.quantize(w, group_size=128)
+    x = jnp.asarray(rng.integers(-3, 4, size=(9, 256)), jnp.float32)
+    y = nybble.matmul(x, qw, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x) @ w)
+
+
+def test_default_picks_xla_on_cpu_and_agrees():
+    x, qw = _random_case(jax.random.key(3), (4,), 256, 128, 128, True, jnp.bfloat16)
+    reasons = available_implementations(x, qw)
+    assert reasons["xla"] is None and "Hopper" in reasons["mosaic_gpu"]
+    np.testing.assert_array_equal(np.asarray(nybble.matmul(x, qw)),
+                                  np.asarray(nybble.matmul(x, qw, implementation="xla")))
+
+
+def test_jit_vmap_grad():
+    x, qw = _random_case(jax.random.key(4), (6,), 192, 64, 64, False, jnp.float32)
+    f = jax.jit(lambda x, qw: nybble.matmul(x, qw, implementation="xla"))
+    np.testing.assert_allclose(np.asarray(f(x, qw)), reference_matmul(x, qw), rtol=1e-4, atol=1e-4)
+    ys = jax.vmap(lambda row: nybble.matmul(row, qw))(x)
+    np.testing.assert_allclose(np.asarray(ys), reference_matmul(x, qw), rtol=1e-4, atol=1e-4)
+    # d/dx sum(x @ W * c) = c @ W^T
+    c = jax.random.normal(jax.random.key(5), (6, 64))
+    g = jax.grad(lambda x: jnp.sum(nybble.matmul(x, qw) * c))(x)
+    w = np.asarray(nybble.dequantize(qw), np.float64)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(c, np.float64) @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_refusals():
+    x, qw = _random_case(jax.random.key(6), (2,), 128, 64, 64, True, jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"x has shape \(2, 100\).*\(K, N\) = \(128, 64\).*K = 128"):
+        nybble.matmul(jnp.ones((2, 100), jnp.bfloat16), qw)
+    with pytest.raises(TypeError, match="x has dtype int32"):
+        nybble.matmul(jnp.ones((2, 128), jnp.int32), qw)
+    with pytest.raises(TypeError, match=r"must be a nybble\.QuantizedWeight.*ndarray"):
+        nybble.matmul(x, np.ones((128, 64)))
+    with pytest.raises(TypeError, match=r"x must be an array of shape \(..., K\)"):
+        nybble.matmul([1.0] * 128, qw)
+    with pytest.raises(ValueError, match="unknown implementation 'cuda'"):
+        nybble.matmul(x, qw, implementation="cuda")
+    with pytest.raises(NotImplementedError, match=r"needs a Hopper GPU.*nybble\.kernels\.interpret"):
+        nybble.matmul(x, qw, implementation="mosaic_gpu")
