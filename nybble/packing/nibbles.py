@@ -40,6 +40,8 @@ def _normalize_axis(axis: int, ndim: int, what: str) -> int:
 def _check_range(values: ArrayLike, signed: bool) -> None:
     lo, hi = (-8, 7) if signed else (0, 15)
     v = np.asarray(values)
+    if v.size == 0 or (v.min() >= lo and v.max() <= hi):  # the fast path: two reductions
+        return
     bad = (v < lo) | (v > hi)
     if bad.any():
         where = tuple(int(i) for i in np.argwhere(bad)[0])
@@ -75,11 +77,11 @@ def pack_int4(values: ArrayLike, *, axis: int = -1, signed: bool = True) -> Arra
     axis = _normalize_axis(axis, values.ndim, "pack_int4")
     if _is_concrete(values):
         _check_range(values, signed)
-    v = xp.moveaxis(values.astype(xp.int32) if dtype.itemsize < 4 else values, axis, -1)
+    # uint8 all the way: the cast wraps two's complement (-1 -> 0xFF), the mask keeps its low nibble.
+    v = xp.moveaxis(values, axis, -1).astype(xp.uint8) & 0xF
     if v.shape[-1] % 2:
         v = xp.concatenate([v, xp.zeros((*v.shape[:-1], 1), v.dtype)], axis=-1)
-    v = v & 0xF  # two's complement: -1 -> 0b1111
-    packed = (v[..., 0::2] | (v[..., 1::2] << 4)).astype(xp.uint8)
+    packed = v[..., 0::2] | (v[..., 1::2] << 4)
     return xp.moveaxis(packed, -1, axis)
 
 
@@ -104,9 +106,15 @@ def unpack_int4(packed: ArrayLike, length: int, *, axis: int = -1, signed: bool 
             f"unpack_int4: length {length} does not fit {n_bytes} packed byte(s) on axis {axis} "
             f"(rule: ceil(length / 2) == {n_bytes}, so length must be {2 * n_bytes - 1} or {2 * n_bytes})"
         )
-    p = xp.moveaxis(packed, axis, -1).astype(xp.int32)
+    p = xp.moveaxis(packed, axis, -1)
     lo, hi = p & 0xF, p >> 4
-    if signed:  # sign-extend a nibble: 0..7 stay, 8..15 become -8..-1
-        lo, hi = (lo ^ 8) - 8, (hi ^ 8) - 8
-    values = xp.stack([lo, hi], axis=-1).reshape(*p.shape[:-1], 2 * n_bytes)[..., :length]
-    return xp.moveaxis(values.astype(xp.int8), -1, axis)
+    if signed:  # sign-extend a nibble in int8: 0..7 stay, 8..15 become -8..-1
+        lo, hi = (lo.astype(xp.int8) ^ 8) - 8, (hi.astype(xp.int8) ^ 8) - 8
+    else:
+        lo, hi = lo.astype(xp.int8), hi.astype(xp.int8)
+    if xp is np:  # interleave into a preallocated array: no stacked temporary
+        values = np.empty((*p.shape[:-1], 2 * n_bytes), np.int8)
+        values[..., 0::2], values[..., 1::2] = lo, hi
+    else:
+        values = xp.stack([lo, hi], axis=-1).reshape(*p.shape[:-1], 2 * n_bytes)
+    return xp.moveaxis(values[..., :length], -1, axis)
