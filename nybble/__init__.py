@@ -4,6 +4,7 @@
     y = nybble.matmul(x, qw)                     # Mosaic GPU kernel on Hopper, XLA elsewhere
 """
 
+from nybble.checkpoint import load, save
 from nybble.kernels.api import matmul
 from nybble.packing import pack_int4, unpack_int4
 from nybble.quant import QuantizedWeight, dequantize, quantize
@@ -14,8 +15,10 @@ __all__ = [
     "QuantizedWeight",
     "__version__",
     "dequantize",
+    "load",
     "matmul",
     "pack_int4",
     "quantize",
+    "save",
     "unpack_int4",
 ]

@@ -151,3 +151,17 @@ def test_asymmetric_covers_shifted_ranges(w):
     qw = nybble.quantize(w, group_size=64, symmetric=False, scale_dtype=jnp.float32)
     _, bound = _step_and_bound(qw, w)
     assert (np.abs(np.asarray(nybble.dequantize(qw)) - w) <= bound + 1e-3).all()
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_groups_made_only_of_padding_stay_finite(symmetric):
+    """K = 96 at g32 pads to 128 rows: the last group has no real rows and must hold zeros, not NaN."""
+    w = np.random.default_rng(3).standard_normal((96, 16)).astype(np.float32)
+    qw = nybble.quantize(w, group_size=32, symmetric=symmetric)
+    assert qw.num_groups == 4
+    for a in (qw.scales, qw.offsets):
+        if a is not None:
+            assert np.isfinite(np.asarray(a, np.float32)).all()
+            np.testing.assert_array_equal(np.asarray(a, np.float32)[3], 0)
+    y = nybble.matmul(jnp.ones((2, 96), jnp.float32), qw, implementation="xla")
+    np.testing.assert_allclose(np.asarray(y), np.ones((2, 96)) @ np.asarray(nybble.dequantize(qw)), rtol=1e-5)

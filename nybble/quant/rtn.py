@@ -94,6 +94,8 @@ def quantize(
         offsets = None
     else:
         wmin, wmax = stat(jnp.min, wf, jnp.inf), stat(jnp.max, wf, -jnp.inf)
+        # A group made only of padding rows (K = 96 at g32 pads to 128) has no statistics: make it zero.
+        wmin, wmax = jnp.where(jnp.isfinite(wmin), wmin, 0.0), jnp.where(jnp.isfinite(wmax), wmax, 0.0)
         scales = ((wmax - wmin) / 15).astype(scale_dtype)
         # Round the scale up if the dtype rounded it down, so that [min, max] still fits 16 codes.
         s = scales.astype(jnp.float32)

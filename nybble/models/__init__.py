@@ -1,0 +1,45 @@
+"""Model adapters: swap Flax dense layers for int4 ones, a Llama in NNX, SmolLM2, perplexity, generation.
+
+    model, tokenizer = nybble.models.smollm2.load()
+    model = nybble.models.quantize(model, group_size=128)       # nnx.Linear -> QLinear, in place
+    ppl = nybble.models.perplexity(model, tokenizer.encode(nybble.models.eval_text()).ids)
+
+Needs the ``models`` extra (flax, safetensors, gguf, tokenizers).
+"""
+
+from nybble.models.adapter import (
+    LayerReport,
+    QuantizationReport,
+    plan_quantization,
+    quantize,
+    quantize_params,
+)
+from nybble.models.evaluate import generate, negative_log_likelihood, perplexity
+from nybble.models.layers import QDense, QLinear, QuantizedParam, dense
+from nybble.models.llama import Llama, LlamaConfig
+from nybble.models.rules import DEFAULT_RULES, INHERIT, QuantRule
+from nybble.models.serialization import load_model, save_model
+from nybble.models.text import eval_text
+
+__all__ = [
+    "DEFAULT_RULES",
+    "INHERIT",
+    "LayerReport",
+    "Llama",
+    "LlamaConfig",
+    "QDense",
+    "QLinear",
+    "QuantRule",
+    "QuantizationReport",
+    "QuantizedParam",
+    "dense",
+    "eval_text",
+    "generate",
+    "load_model",
+    "negative_log_likelihood",
+    "perplexity",
+    "plan_quantization",
+    "quantize",
+    "quantize_params",
+    "save_model",
+]

@@ -1,0 +1,122 @@
+"""Layers that multiply with a ``QuantizedWeight``: NNX ``QLinear``, Linen ``QDense`` and ``dense``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen, nnx
+
+from nybble.kernels.api import Implementation, matmul
+from nybble.quant.qweight import QuantizedWeight
+from nybble.quant.rtn import quantize
+
+
+class QuantizedParam(nnx.Variable):
+    """Non-trainable NNX state holding a ``QuantizedWeight`` (not an ``nnx.Param``: optimizers skip it)."""
+
+
+class QLinear(nnx.Module):
+    """An int4 ``nnx.Linear``: ``y = x @ dequantize(qweight) + bias`` through :func:`nybble.matmul`.
+
+    Attributes:
+      qweight: ``QuantizedParam`` holding the (in_features, out_features) ``QuantizedWeight``.
+      bias: ``nnx.Param`` of shape (out_features,), or None.
+      implementation: passed to ``nybble.matmul`` (None: the best available here).
+    """
+
+    def __init__(
+        self,
+        qweight: QuantizedWeight,
+        bias: jax.Array | None = None,
+        *,
+        implementation: Implementation | None = None,
+    ) -> None:
+        if not isinstance(qweight, QuantizedWeight):
+            raise TypeError(f"QLinear expects a QuantizedWeight, got {type(qweight).__name__}")
+        self.in_features, self.out_features = qweight.shape
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise ValueError(f"QLinear: bias shape {tuple(bias.shape)} != ({self.out_features},)")
+        self.qweight = QuantizedParam(qweight)
+        self.bias = nnx.Param(bias) if bias is not None else None
+        self.implementation = implementation
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nnx.Linear,
+        *,
+        group_size: int | None = 128,
+        symmetric: bool = True,
+        scale_dtype: Any = jnp.bfloat16,
+        qweight: QuantizedWeight | None = None,
+        implementation: Implementation | None = None,
+    ) -> QLinear:
+        """Quantizes an ``nnx.Linear`` round-to-nearest (or wraps the given ``qweight``), bias kept."""
+        if qweight is None:
+            qweight = quantize(
+                linear.kernel[...], group_size=group_size, symmetric=symmetric, scale_dtype=scale_dtype
+            )
+        elif qweight.shape != tuple(linear.kernel.shape):
+            raise ValueError(f"qweight shape {qweight.shape} != kernel shape {tuple(linear.kernel.shape)}")
+        bias = linear.bias[...] if linear.bias is not None else None
+        return cls(qweight, bias, implementation=implementation)
+
+    @property
+    def weight(self) -> QuantizedWeight:
+        """The ``QuantizedWeight``."""
+        return self.qweight.get_value()
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x`` of shape (..., in_features) in bf16/f16/f32 -> (..., out_features) in ``x.dtype``."""
+        y = matmul(x, self.qweight.get_value(), implementation=self.implementation)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        return y
+
+
+def dense(
+    x: jax.Array, w: jax.Array | QuantizedWeight, *, implementation: Implementation | None = None
+) -> jax.Array:
+    """``x @ w`` for a float (K, N) kernel or a ``QuantizedWeight``; the result is in ``x.dtype``."""
+    if isinstance(w, QuantizedWeight):
+        return matmul(x, w, implementation=implementation)
+    return jnp.matmul(x, jnp.asarray(w).astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+class QDense(linen.Module):
+    """A drop-in ``flax.linen.Dense`` whose ``kernel`` may be a float array or a ``QuantizedWeight``.
+
+    Initialized like ``nn.Dense`` (float kernel); after ``nybble.models.quantize_params`` replaced the
+    kernel with a ``QuantizedWeight`` it multiplies through ``nybble.matmul``.
+    """
+
+    features: int
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Callable[..., Any] = linen.initializers.lecun_normal()
+    bias_init: Callable[..., Any] = linen.initializers.zeros_init()
+    implementation: Implementation | None = None
+
+    @linen.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.has_variable("params", "kernel") and isinstance(
+            w := self.get_variable("params", "kernel"), QuantizedWeight
+        ):
+            kernel: jax.Array | QuantizedWeight = w
+            if w.shape != (x.shape[-1], self.features):
+                raise ValueError(f"QDense: kernel shape {w.shape} != ({x.shape[-1]}, {self.features})")
+        else:
+            kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
+        dtype = self.dtype or (x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32)
+        y = dense(x.astype(dtype), kernel, implementation=self.implementation)
+        if self.use_bias:
+            bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+            y = y + bias.astype(y.dtype)
+        return y
+
+
+__all__ = ["QDense", "QLinear", "QuantizedParam", "dense"]

@@ -1,0 +1,166 @@
+"""A small Llama in Flax NNX: RMSNorm, rotary embeddings, grouped-query causal attention, SwiGLU MLP.
+
+Module paths (what ``QuantRule`` patterns see): ``embed``, ``layers.{i}.attn.{q,k,v,o}_proj``,
+``layers.{i}.mlp.{gate,up,down}_proj``, ``layers.{i}.{input,post}_norm``, ``norm``, ``lm_head`` (absent
+when the LM head is tied to the embedding). Rotary embeddings use the Hugging Face ("rotate half")
+convention; GGUF checkpoints are un-permuted on load (``nybble.models.gguf``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Llama hyperparameters."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+
+class RMSNorm(nnx.Module):
+    """``x / rms(x) * weight``, computed in float32, returned in ``x.dtype``."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-5, param_dtype: Any = jnp.float32) -> None:
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding, "rotate half" convention; x: (batch, length, heads, head_dim)."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) * 2 / x.shape[-1]))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (batch, length, half)
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _linear(din: int, dout: int, rngs: nnx.Rngs, dtype: Any) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=False, param_dtype=dtype, dtype=dtype, rngs=rngs)
+
+
+class Attention(nnx.Module):
+    """Grouped-query causal self-attention with rotary embeddings."""
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> None:
+        hd = cfg.head_dim
+        assert hd is not None
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        self.rope_theta = cfg.rope_theta
+        self.q_proj = _linear(cfg.hidden_size, cfg.num_heads * hd, rngs, dtype)
+        self.k_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * hd, rngs, dtype)
+        self.v_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * hd, rngs, dtype)
+        self.o_proj = _linear(cfg.num_heads * hd, cfg.hidden_size, rngs, dtype)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
+        groups = self.num_heads // self.num_kv_heads
+        q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
+        scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
+        scores = scores * (self.head_dim**-0.5)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, preferred_element_type=jnp.float32)
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim).astype(x.dtype))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> None:
+        self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, rngs, dtype)
+        self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, rngs, dtype)
+        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, rngs, dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> None:
+        self.input_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_eps, param_dtype=dtype)
+        self.attn = Attention(cfg, rngs=rngs, dtype=dtype)
+        self.post_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_eps, param_dtype=dtype)
+        self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        x = x + self.attn(self.input_norm(x), positions)
+        return x + self.mlp(self.post_norm(x))
+
+
+class Llama(nnx.Module):
+    """A decoder-only Llama; ``model(token_ids)`` -> float32 logits (batch, length, vocab)."""
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> None:
+        self.config = cfg
+        self.dtype = dtype
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([Block(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_eps, param_dtype=dtype)
+        self.lm_head = None if cfg.tie_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, rngs, dtype)
+
+    def hidden_states(self, token_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """The final normalized hidden states (batch, length, hidden) in the model dtype."""
+        token_ids = jnp.asarray(token_ids)
+        if token_ids.ndim == 1:
+            token_ids = token_ids[None]
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(token_ids.shape[1]), token_ids.shape)
+        x = self.embed(token_ids).astype(self.dtype)
+        for layer in self.layers:
+            x = layer(x, positions)
+        return self.norm(x)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """LM head (tied: the embedding transposed) on hidden states, float32 logits."""
+        if self.lm_head is None:
+            emb = self.embed.embedding[...]
+            return jnp.einsum(
+                "...d,vd->...v", hidden, emb.astype(hidden.dtype), preferred_element_type=jnp.float32
+            )
+        return self.lm_head(hidden).astype(jnp.float32)
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Token ids (batch, length) (or (length,)) -> logits (batch, length, vocab), float32."""
+        return self.logits(self.hidden_states(token_ids, positions))
+
+
+__all__ = ["MLP", "Attention", "Block", "Llama", "LlamaConfig", "RMSNorm", "rope"]

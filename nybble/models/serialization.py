@@ -1,0 +1,86 @@
+"""Save and load a quantized NNX model's state with ``nybble.save`` / ``nybble.load``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+
+from nybble.checkpoint import load, save
+from nybble.models.layers import QLinear
+from nybble.quant.qweight import QuantizedWeight
+
+
+def save_model(path: str | os.PathLike[str], model: nnx.Module) -> Path:
+    """Writes ``model``'s whole state (``nnx.to_pure_dict(nnx.state(model))``) to one safetensors file.
+
+    ``QLinear`` weights are stored as ``QuantizedWeight`` entries (``<path>.qweight``).
+    """
+    return save(path, nnx.to_pure_dict(nnx.state(model)))
+
+
+def _get(tree: Any, path: tuple[Any, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def load_model(path: str | os.PathLike[str], model: nnx.Module) -> nnx.Module:
+    """Fills ``model`` (same architecture, float or abstract from ``nnx.eval_shape``) from ``path``.
+
+    Every ``nnx.Linear`` whose checkpoint entry is a ``QuantizedWeight`` becomes a ``QLinear``; all other
+    state is replaced by the saved arrays. The model is modified in place and returned. Raises
+    ``ValueError`` if the checkpoint does not fit the model.
+    """
+    state_dict = load(path)
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"load_model: {path} does not hold a model state dict")
+    modules = {tuple(p): m for p, m in nnx.iter_modules(model)}
+    for p, m in modules.items():
+        if not p or not isinstance(m, nnx.Linear):
+            continue
+        try:
+            entry = _get(state_dict, p)
+        except (KeyError, TypeError):
+            raise ValueError(f"load_model: the checkpoint has no entry for layer {p}") from None
+        qw = entry.get("qweight") if isinstance(entry, dict) else None
+        if not isinstance(qw, QuantizedWeight):
+            continue
+        if qw.shape != tuple(m.kernel.shape):
+            raise ValueError(f"load_model: layer {p}: saved shape {qw.shape} != {tuple(m.kernel.shape)}")
+        bias = entry.get("bias")
+        if (bias is None) != (m.bias is None):
+            raise ValueError(f"load_model: layer {p}: bias presence differs from the checkpoint")
+        q = QLinear(qw, bias)
+        parent = modules[p[:-1]]
+        if isinstance(parent, nnx.Module) and isinstance(p[-1], str):
+            setattr(parent, p[-1], q)
+        else:
+            parent[p[-1]] = q
+    state = nnx.state(model)
+    expected = nnx.to_pure_dict(state)
+    is_qw = lambda x: isinstance(x, QuantizedWeight)
+    exp_paths = {k for k, _ in jax.tree_util.tree_flatten_with_path(expected, is_leaf=is_qw)[0]}
+    got_paths = {k for k, _ in jax.tree_util.tree_flatten_with_path(state_dict, is_leaf=is_qw)[0]}
+    if exp_paths != got_paths:
+        missing = sorted(jax.tree_util.keystr(k) for k in exp_paths - got_paths)
+        extra = sorted(jax.tree_util.keystr(k) for k in got_paths - exp_paths)
+        raise ValueError(
+            f"load_model: {path} does not fit this model: missing {missing[:5]}, extra {extra[:5]}"
+        )
+    for k, leaf in jax.tree_util.tree_flatten_with_path(expected, is_leaf=is_qw)[0]:
+        saved = _get(state_dict, tuple(getattr(x, "key", getattr(x, "idx", x)) for x in k))
+        if not is_qw(leaf) and tuple(saved.shape) != tuple(leaf.shape):
+            raise ValueError(
+                f"load_model: {jax.tree_util.keystr(k)}: saved shape {tuple(saved.shape)} != "
+                f"{tuple(leaf.shape)}"
+            )
+    nnx.replace_by_pure_dict(state, state_dict)
+    nnx.update(model, state)
+    return model
+
+
+__all__ = ["load_model", "save_model"]
