@@ -160,6 +160,7 @@ def quantize(
     progress: bool = ...,
     verbose: bool = ...,
     return_report: Literal[False] = ...,
+    **method_options: Any,
 ) -> nnx.Module: ...
 
 
@@ -176,6 +177,7 @@ def quantize(
     progress: bool = ...,
     verbose: bool = ...,
     return_report: Literal[True],
+    **method_options: Any,
 ) -> tuple[nnx.Module, QuantizationReport]: ...
 
 
@@ -191,6 +193,7 @@ def quantize(
     progress: bool = True,
     verbose: bool = False,
     return_report: bool = False,
+    **method_options: Any,
 ) -> nnx.Module | tuple[nnx.Module, QuantizationReport]:
     """Replaces the ``nnx.Linear`` layers of a Flax NNX model by int4 :class:`QLinear` layers, in place.
 
@@ -209,6 +212,8 @@ def quantize(
       progress: show a tqdm progress bar over layers.
       verbose: print the :class:`QuantizationReport` summary at the end.
       return_report: return ``(model, report)`` instead of the model alone.
+      **method_options: options of a calibrated method, e.g. for GPTQ ``act_order``, ``damp``,
+        ``block_size``, ``static_groups``, ``seq_len`` (see ``nybble.models.calibrate.quantize_gptq``).
     """
     if method not in METHODS:
         raise ValueError(f"nybble.models.quantize: unknown method {method!r}; choose one of {METHODS}")
@@ -235,9 +240,15 @@ def quantize(
             progress=progress,
             verbose=verbose,
             return_report=return_report,
+            **method_options,
         )
     if calibration is not None:
         raise ValueError("nybble.models.quantize: calibration data is only used by method='gptq'")
+    if method_options:
+        raise TypeError(
+            f"nybble.models.quantize: options {sorted(method_options)} belong to calibrated methods; "
+            f"method='rtn' takes none"
+        )
     planned, unmatched = plan_quantization(model, rules=rules, group_size=group_size, symmetric=symmetric)
     report = QuantizationReport(unmatched_rules=unmatched, method=method)
     for pl in tqdm(planned, desc="nybble: quantizing", unit="layer", disable=not progress, leave=False):

@@ -1,6 +1,32 @@
-"""Float weights to ``QuantizedWeight``: round to nearest now; calibrated methods and imports beside it."""
+"""Float weights to ``QuantizedWeight``: round to nearest, GPTQ, and exact imports of GPTQ/AWQ/qwix."""
 
+from nybble.quant.gptq import HessianAccumulator, gptq, hessian_from_inputs
+from nybble.quant.importers import (
+    from_awq,
+    from_gptq,
+    from_gptq_act_order,
+    from_qwix,
+    load_awq_checkpoint,
+    load_gptq_checkpoint,
+    to_torch_int4pack,
+    to_torch_uint8_codes,
+)
 from nybble.quant.qweight import QuantizedWeight, dequantize
 from nybble.quant.rtn import quantize
 
-__all__ = ["QuantizedWeight", "dequantize", "quantize"]
+__all__ = [
+    "HessianAccumulator",
+    "QuantizedWeight",
+    "dequantize",
+    "from_awq",
+    "from_gptq",
+    "from_gptq_act_order",
+    "from_qwix",
+    "gptq",
+    "hessian_from_inputs",
+    "load_awq_checkpoint",
+    "load_gptq_checkpoint",
+    "quantize",
+    "to_torch_int4pack",
+    "to_torch_uint8_codes",
+]

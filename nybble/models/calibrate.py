@@ -1,0 +1,180 @@
+"""GPTQ through a whole Flax NNX model: every ``nnx.Linear`` calibrated on the inputs it really sees.
+
+``quantize_gptq`` runs the calibration tokens through the model once, eagerly. Each ``nnx.Linear`` chosen
+by the rules is first swapped for a capture stub; when the forward pass reaches it, the stub receives the
+layer's whole calibration input ``x`` (all sequences at once), computes the Hessian ``2 X^T X / n``, runs
+:func:`nybble.quant.gptq.gptq` on the layer's kernel, puts the resulting ``QLinear`` in the stub's place
+and returns ``QLinear(x)``. Later layers therefore see the outputs of already-quantized layers, within a
+block too (q/k/v, then o; gate/up, then down): the "true sequential" order of the GPTQ paper, for the
+cost of one forward pass. Memory is one layer's activations plus one (K, K) Hessian; nothing is cached
+across layers.
+
+Requirements: the model's forward must run eagerly (not under ``nnx.jit``) and call its Linear modules
+through their attributes, as ``nybble.models.llama.Llama`` does. A chosen layer the forward never
+reaches (e.g. an LM head the ``forward`` skips) is quantized round-to-nearest and reported as such.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from nybble.models.adapter import LayerReport, PlannedLayer, QuantizationReport, plan_quantization
+from nybble.models.layers import QLinear
+from nybble.models.rules import QuantRule
+from nybble.quant.gptq import gptq
+
+
+def calibration_batches(calibration: Any, seq_len: int = 256) -> jax.Array:
+    """Token ids as a (batch, length) int32 array: 2-D kept, 1-D cut into ``seq_len`` windows."""
+    ids = np.asarray(calibration)
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"calibration: expected integer token ids, got dtype {ids.dtype.name}")
+    if ids.ndim == 1:
+        n = ids.size // seq_len
+        if n == 0:
+            raise ValueError(f"calibration: {ids.size} tokens are fewer than one window of seq_len={seq_len}")
+        ids = ids[: n * seq_len].reshape(n, seq_len)
+    if ids.ndim != 2 or ids.size == 0:
+        raise ValueError(f"calibration: expected (batch, length) or a 1-D token stream, got {ids.shape}")
+    return jnp.asarray(ids, jnp.int32)
+
+
+def _default_forward(model: nnx.Module, ids: jax.Array) -> Any:
+    # The final hidden states are enough to reach every block; skipping the (tied) LM head saves a
+    # (tokens x vocab) logits array.
+    fn = getattr(model, "hidden_states", None)
+    return fn(ids) if callable(fn) else model(ids)
+
+
+class _Capture:
+    """Stands in for one ``nnx.Linear`` during the calibration pass; GPTQ-quantizes it on first call."""
+
+    def __init__(self, planned: PlannedLayer, quantize_fn: Callable[[PlannedLayer, jax.Array], QLinear]):
+        self.planned = planned
+        self.quantize_fn = quantize_fn
+        self.result: QLinear | None = None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.result is None:
+            self.result = self.quantize_fn(self.planned, x)
+            self.planned.replace(self.result)
+        return self.result(x)
+
+
+def quantize_gptq(
+    model: nnx.Module,
+    *,
+    calibration: Any,
+    rules: Sequence[QuantRule] | None = None,
+    group_size: int | None = 128,
+    symmetric: bool = True,
+    scale_dtype: Any = jnp.bfloat16,
+    seq_len: int = 256,
+    act_order: bool = True,
+    forward: Callable[[nnx.Module, jax.Array], Any] | None = None,
+    progress: bool = True,
+    verbose: bool = False,
+    return_report: bool = False,
+    **gptq_kwargs: Any,
+) -> nnx.Module | tuple[nnx.Module, QuantizationReport]:
+    """GPTQ-quantizes the ``nnx.Linear`` layers of ``model`` in place (see the module docstring).
+
+    Args:
+      model: a Flax NNX model; its chosen ``nnx.Linear`` layers become ``QLinear``.
+      calibration: token ids, (batch, length) or a 1-D stream (cut into ``seq_len`` windows). All of
+        it goes through the model in one eager forward pass: a few thousand tokens is typical.
+      rules, group_size, symmetric, scale_dtype: layer selection and format, as ``nybble.models.quantize``.
+      seq_len: window length when ``calibration`` is a 1-D stream.
+      act_order: quantize each layer's inputs by decreasing Hessian diagonal, with static groups (see
+        ``nybble.quant.gptq``): free at run time (a natural-order ``QuantizedWeight``) and clearly
+        better on SmolLM2-135M (g128 eval perplexity 64.7 vs 71.3 in natural order, float 46.8,
+        round-to-nearest 88.6), hence the default.
+      forward: ``forward(model, ids)`` runs the model (default: ``model.hidden_states(ids)`` if the
+        model has it, else ``model(ids)``).
+      progress: a tqdm bar over the layers as they are quantized.
+      verbose: print the report summary.
+      return_report: return ``(model, report)``.
+      **gptq_kwargs: passed to :func:`nybble.quant.gptq.gptq` (``damp``, ``block_size``,
+        ``static_groups``).
+    """
+    if calibration is None:
+        raise ValueError("quantize_gptq: method='gptq' needs calibration= token ids (e.g. the calib split)")
+    bad = set(gptq_kwargs) - {"damp", "block_size", "static_groups"}
+    if bad:
+        raise TypeError(f"quantize_gptq: unexpected keyword argument(s) {sorted(bad)}")
+    ids = calibration_batches(calibration, seq_len)
+    planned, unmatched = plan_quantization(model, rules=rules, group_size=group_size, symmetric=symmetric)
+    report = QuantizationReport(unmatched_rules=unmatched, method="gptq")
+    chosen = [pl for pl in planned if pl.decision.quantize]
+    bar = tqdm(total=len(chosen), desc="nybble: GPTQ", unit="layer", disable=not progress, leave=False)
+    tokens = int(ids.size)
+
+    def quantize_layer(pl: PlannedLayer, x: jax.Array) -> QLinear:
+        d = pl.decision
+        qw = gptq(
+            pl.linear.kernel[...],
+            inputs=x,
+            group_size=d.group_size,
+            symmetric=d.symmetric,
+            scale_dtype=scale_dtype,
+            act_order=act_order,
+            **gptq_kwargs,
+        )
+        bar.set_postfix_str(pl.path, refresh=False)
+        bar.update()
+        return QLinear.from_linear(pl.linear, qweight=qw)
+
+    captures = [_Capture(pl, quantize_layer) for pl in chosen]
+    start = time.perf_counter()
+    try:
+        for c in captures:
+            c.planned.replace(c)
+        jax.block_until_ready(jax.tree.leaves((forward or _default_forward)(model, ids)))
+    finally:
+        for c in captures:  # put back whatever the pass did not reach (or all of it, on an error)
+            if c.result is None:
+                c.planned.replace(c.planned.linear)
+        bar.close()
+    elapsed = time.perf_counter() - start
+
+    for pl in planned:
+        before = int(np.prod(pl.linear.kernel.shape)) * np.dtype(pl.linear.kernel.dtype).itemsize
+        d = pl.decision
+        if not d.quantize:
+            report.layers.append(LayerReport(pl.path, pl.shape, False, None, None, d.reason, before, before))
+            continue
+        capture = next(c for c in captures if c.planned is pl)
+        reason = ""
+        if capture.result is None:  # never called by the forward pass: no inputs to calibrate on
+            capture.result = QLinear.from_linear(
+                pl.linear, group_size=d.group_size, symmetric=d.symmetric, scale_dtype=scale_dtype
+            )
+            pl.replace(capture.result)
+            reason = "not reached by the calibration forward pass: round-to-nearest"
+        report.layers.append(
+            LayerReport(
+                pl.path,
+                pl.shape,
+                True,
+                d.group_size,
+                d.symmetric,
+                reason,
+                before,
+                capture.result.weight.nbytes,
+            )
+        )
+    if verbose:
+        print(report.summary())
+        print(f"  GPTQ calibration: {tokens} tokens ({ids.shape[0]} x {ids.shape[1]}), {elapsed:.1f} s")
+    return (model, report) if return_report else model
+
+
+__all__ = ["calibration_batches", "quantize_gptq"]

@@ -1,0 +1,25 @@
+"""Checkpoint formats nybble reads and writes: GPTQ, AWQ, qwix in; torch tinygemm out. All exact."""
+
+from nybble.quant.formats.awq import from_awq
+from nybble.quant.formats.checkpoint import load_awq_checkpoint, load_gptq_checkpoint
+from nybble.quant.formats.gptq import from_gptq, from_gptq_act_order
+from nybble.quant.formats.qwix import from_qwix
+from nybble.quant.formats.torch_int4pack import (
+    TorchCodes,
+    TorchInt4Pack,
+    to_torch_int4pack,
+    to_torch_uint8_codes,
+)
+
+__all__ = [
+    "TorchCodes",
+    "TorchInt4Pack",
+    "from_awq",
+    "from_gptq",
+    "from_gptq_act_order",
+    "from_qwix",
+    "load_awq_checkpoint",
+    "load_gptq_checkpoint",
+    "to_torch_int4pack",
+    "to_torch_uint8_codes",
+]

@@ -1,0 +1,179 @@
+"""Shared by the importers: unpack 32-bit nibble words, check tensors, build an exact ``QuantizedWeight``.
+
+Every importer reduces its source format to the same three things: unsigned 4-bit codes ``u`` (K, N) in
+[0, 15], integer zero points ``z`` (num_groups, N) in [0, 15] and float scales ``s`` (num_groups, N), with
+the source's own dequantization ``w = (u - z) * s`` computed in the scale dtype. :func:`build_weight` turns
+them into nybble's convention (signed codes ``q = u - 8``, ``w = q * scale + offset``) without changing a
+single dequantized value; see its docstring for why the chosen scale dtype makes that exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from nybble.packing import get_layout, pad_to, padded_weight_dims
+from nybble.quant.qweight import QuantizedWeight
+from nybble.quant.rtn import check_group_size
+
+# Nibble i of a 32-bit word sits at bits [4i, 4i + 4): the shift that brings it to the bottom.
+NIBBLE_SHIFTS = np.arange(8, dtype=np.uint32) * 4
+
+
+def as_array(x: Any, name: str) -> np.ndarray:
+    """A host numpy copy of a numpy/jax array (or anything ``np.asarray`` takes), named in errors."""
+    if x is None:
+        raise ValueError(f"{name}: missing (got None)")
+    try:
+        return np.asarray(x)
+    except Exception as e:  # pragma: no cover - exotic array types
+        raise ValueError(f"{name}: cannot be read as an array ({type(x).__name__}): {e}") from None
+
+
+def check_dtype(x: np.ndarray, name: str, kinds: str, expected: str) -> None:
+    """Raises unless ``x.dtype.kind`` is one of ``kinds`` ('i' signed int, 'u' unsigned, 'f' float)."""
+    if kinds == "f":  # jnp.issubdtype knows bfloat16 (numpy sees an opaque 'V' kind)
+        ok = bool(jnp.issubdtype(x.dtype, jnp.floating)) and x.dtype.itemsize >= 2
+    else:
+        ok = x.dtype.kind in kinds
+    if not ok:
+        raise ValueError(f"{name}: expected dtype {expected}, got {x.dtype.name}")
+
+
+def check_shape(x: np.ndarray, name: str, expected: tuple[int, ...], how: str = "") -> None:
+    if tuple(x.shape) != tuple(expected):
+        extra = f" ({how})" if how else ""
+        raise ValueError(f"{name}: expected shape {tuple(expected)}{extra}, got {tuple(x.shape)}")
+
+
+def check_2d(x: np.ndarray, name: str, what: str) -> None:
+    if x.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-D tensor {what}, got shape {tuple(x.shape)}")
+
+
+def check_bits(bits: int) -> None:
+    if bits != 4:
+        raise ValueError(
+            f"bits: nybble imports 4-bit checkpoints only, got bits={bits!r} "
+            "(2/3/8-bit GPTQ/AWQ weights have no int4 representation; requantize from float instead)"
+        )
+
+
+def unpack_words(words: np.ndarray, axis: int) -> np.ndarray:
+    """Splits each 32-bit word into its 8 nibbles (nibble i = bits 4i..4i+3), expanded along ``axis``.
+
+    A (..., M, ...) int32 array becomes (..., 8 M, ...) uint8 in [0, 15], word m giving elements
+    8 m + i. The words are reinterpreted as uint32 first so the sign bit of int32 never smears.
+    """
+    w = np.moveaxis(words.astype(np.int32, copy=False).view(np.uint32), axis, -1)
+    nibbles = (w[..., None] >> NIBBLE_SHIFTS) & 0xF  # (..., M, 8)
+    nibbles = nibbles.reshape(*w.shape[:-1], w.shape[-1] * 8).astype(np.uint8)
+    return np.moveaxis(nibbles, -1, axis)
+
+
+def infer_group_size(k: int, num_groups: int, name: str) -> int | None:
+    """The group size G (a power of two >= 16) with ceil(K / G) == num_groups; None for one group.
+
+    A single group is per-column quantization (GPTQ ``group_size=-1``, or K <= G): nybble stores it as
+    one scale row covering all of K, which dequantizes identically.
+    """
+    if num_groups == 1:
+        return None
+    g = 16
+    while g < k:
+        if -(-k // g) == num_groups:
+            return g
+        g *= 2
+    raise ValueError(
+        f"{name}: {num_groups} scale rows for K={k} match no power-of-two group size >= 16 "
+        "(nybble needs G in 16, 32, 64, 128, ...); pass group_size= explicitly if the checkpoint says so"
+    )
+
+
+def checked_group_size(k: int, num_groups: int, group_size: int | None, name: str) -> int | None:
+    """``group_size`` as given (validated against the scale rows) or inferred; -1 means per column."""
+    if group_size is None:
+        return infer_group_size(k, num_groups, name)
+    if group_size == -1 or (group_size >= k and num_groups == 1):
+        if num_groups != 1:
+            raise ValueError(f"{name}: per-column quantization needs 1 scale row, got {num_groups}")
+        return None
+    check_group_size(group_size)
+    expected = -(-k // group_size)
+    if num_groups != expected:
+        raise ValueError(
+            f"{name}: expected {expected} scale rows (ceil(K={k} / group_size={group_size})), "
+            f"got {num_groups}"
+        )
+    return group_size
+
+
+def build_weight(
+    u: np.ndarray,
+    zeros: np.ndarray,
+    scales: np.ndarray,
+    group_size: int | None,
+    *,
+    symmetric: bool | None,
+    scale_dtype: Any = None,
+    name: str = "weight",
+) -> QuantizedWeight:
+    """Unsigned codes ``u`` (K, N), zeros (groups, N) ints and scales (groups, N) -> ``QuantizedWeight``.
+
+    The source computes ``w = (u - z) * s`` in the scale dtype (one rounding of an exact product). nybble
+    stores ``q = u - 8`` and computes ``q * scale + offset`` in float32, then casts:
+
+    * symmetric (every zero is 8): ``offset`` is None and the scales keep the source dtype; ``q * s``
+      is exact in float32 (4 + 11 or 8 mantissa bits), so the cast to the source dtype rounds the same
+      exact product the source rounds: bit-exact.
+    * asymmetric: ``offset = (8 - z) * s`` needs up to 3 more mantissa bits than a 16-bit float has, so
+      scales and offsets are stored in float32. Both terms and their sum ``(u - z) * s`` are exact in
+      float32 (|u - z| <= 15, 11-bit mantissa), so again the final cast is the source's one rounding.
+
+    ``scale_dtype`` overrides the stored dtype (e.g. bfloat16 to save memory); that is no longer exact.
+    ``symmetric=None`` decides from the zeros; True with a zero other than 8 raises.
+    """
+    k, n = u.shape
+    all_eight = bool(np.all(zeros == 8))
+    if symmetric is None:
+        symmetric = all_eight
+    elif symmetric and not all_eight:
+        bad = tuple(int(i) for i in np.argwhere(zeros != 8)[0])
+        raise ValueError(
+            f"{name}: sym=True but zero point at (group, n) = {bad} is {int(zeros[bad])}, not 8; "
+            "pass sym=None (auto) or check the zero convention (v1 checkpoints store zero - 1)"
+        )
+    k_pad, n_pad = padded_weight_dims(k, n, group_size)
+    g = k_pad if group_size is None else group_size
+    num_groups = -(-k_pad // g)
+    q = u.astype(np.int8) - np.int8(8)
+    codes = get_layout("nk_int4").pack(pad_to(q, (k_pad, n_pad)))
+    src_dtype = scales.dtype
+    if symmetric:
+        stored = np.dtype(scale_dtype) if scale_dtype is not None else src_dtype
+        s = pad_to(scales.astype(stored), (num_groups, n_pad))
+        offsets = None
+    else:
+        stored = np.dtype(scale_dtype) if scale_dtype is not None else np.dtype(np.float32)
+        s64 = scales.astype(np.float64)
+        off = (8.0 - zeros.astype(np.float64)) * s64  # exact in float64, and in float32 (see above)
+        s = pad_to(s64.astype(stored), (num_groups, n_pad))
+        offsets = jnp.asarray(pad_to(off.astype(stored), (num_groups, n_pad)))
+    return QuantizedWeight(
+        codes=jnp.asarray(codes),
+        scales=jnp.asarray(s),
+        offsets=offsets,
+        shape=(k, n),
+        group_size=group_size,
+        symmetric=symmetric,
+        layout="nk_int4",
+    )
+
+
+def group_rows(k: int, group_size: int | None) -> np.ndarray:
+    """The natural group of each row of K: k // G (all zeros for per-column)."""
+    if group_size is None:
+        return np.zeros(k, np.int64)
+    return np.arange(k) // group_size

@@ -1,0 +1,87 @@
+"""Import AWQ checkpoints (llm-awq, AutoAWQ ``GEMM`` version): exact.
+
+The tensors of one 4-bit layer with K inputs, N outputs, group size G, as AutoAWQ's ``WQLinear_GEMM``
+stores them:
+
+* ``qweight`` int32 [K, N / 8]: packed along N. Word (k, c) holds columns 8 c .. 8 c + 7 of row k in the
+  interleaved order [0, 2, 4, 6, 1, 3, 5, 7]: nibble i (bits [4 i, 4 i + 4)) is column 8 c + ORDER[i].
+  (The interleave lets AWQ's CUDA kernel turn one word into 8 fp16 values with two LOP3 ``magic number``
+  conversions, even columns from the low half-bytes and odd from the high.)
+* ``qzeros`` int32 [K / G, N / 8]: the zero points, packed the same way (no off-by-one).
+* ``scales`` float16 [K / G, N].
+
+Dequantization (AutoAWQ ``dequantize_gemm``), in float16:
+``w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]``.
+The GEMV / Marlin / exllama variants of AWQ use other layouts and are refused by the shape checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from nybble.quant.formats._common import (
+    as_array,
+    build_weight,
+    check_2d,
+    check_bits,
+    check_dtype,
+    check_shape,
+    checked_group_size,
+    unpack_words,
+)
+from nybble.quant.qweight import QuantizedWeight
+
+# Nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8; AWQ_REVERSE_ORDER inverts it.
+AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])
+AWQ_REVERSE_ORDER = np.argsort(AWQ_ORDER)  # [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+def unpack_awq(words: np.ndarray) -> np.ndarray:
+    """int32 [R, N / 8] in AWQ's interleaved order -> uint8 codes [R, N] in natural column order."""
+    nibbles = unpack_words(words, axis=1)  # column 8c + i holds nibble i = true column 8c + ORDER[i]
+    r, n = nibbles.shape
+    return nibbles.reshape(r, n // 8, 8)[:, :, AWQ_REVERSE_ORDER].reshape(r, n)
+
+
+def from_awq(
+    qweight: Any,
+    qzeros: Any,
+    scales: Any,
+    *,
+    group_size: int | None = None,
+    bits: int = 4,
+    sym: bool | None = None,
+    scale_dtype: Any = None,
+    name: str = "awq",
+) -> QuantizedWeight:
+    """One AWQ GEMM layer -> ``QuantizedWeight`` of shape (K, N), bit-exact.
+
+    ``nybble.dequantize(qw, jnp.float16)`` equals AutoAWQ's float16 dequantization bit for bit (float32:
+    the exact real value). AWQ layers are asymmetric, stored with float32 scales and offsets (the
+    cheapest exact choice, see ``nybble.quant.formats._common.build_weight``); a layer whose zeros are
+    all 8 becomes symmetric with float16 scales. ``group_size`` None infers it from the scale rows.
+
+    Raises:
+      ValueError: malformed tensors (named, with expected and actual shape/dtype) or bits != 4.
+    """
+    check_bits(bits)
+    qweight = as_array(qweight, f"{name}.qweight")
+    qzeros = as_array(qzeros, f"{name}.qzeros")
+    scales = as_array(scales, f"{name}.scales")
+    for arr, what in ((qweight, "qweight"), (qzeros, "qzeros")):
+        check_dtype(arr, f"{name}.{what}", "iu", "int32")
+        if arr.dtype.itemsize != 4:
+            raise ValueError(f"{name}.{what}: expected dtype int32, got {arr.dtype.name}")
+    check_dtype(scales, f"{name}.scales", "f", "float16")
+    check_2d(qweight, f"{name}.qweight", "[K, N / 8] (int32, 8 codes per word along N)")
+    check_2d(scales, f"{name}.scales", "[K / G, N]")
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    num_groups = scales.shape[0]
+    check_shape(scales, f"{name}.scales", (num_groups, n), "N = 8 * qweight columns")
+    check_shape(qzeros, f"{name}.qzeros", (num_groups, n // 8), "[K / G, N / 8]")
+    group_size = checked_group_size(k, num_groups, group_size, f"{name}.scales")
+    u = unpack_awq(qweight)
+    zeros = unpack_awq(qzeros)
+    return build_weight(u, zeros, scales, group_size, symmetric=sym, scale_dtype=scale_dtype, name=name)

@@ -1,0 +1,300 @@
+"""GPTQ (Frantar et al., 2022): int4 weights that minimize the layer's output error on calibration data.
+
+For a layer ``y = x @ w`` with ``w`` of shape (K, N) and calibration inputs ``X`` (n, K), GPTQ quantizes
+the rows of ``w`` (the input features) one at a time and, after each, spreads that row's rounding error
+over the rows not yet quantized so that ``X @ w`` moves as little as possible. With the Hessian
+``H = 2 X^T X / n`` of the squared output error and ``U`` the upper Cholesky factor of ``H^-1``
+(``H^-1 = U^T U``), quantizing row k with error ``e = (w_k - dequant(q_k)) / U[k, k]`` updates
+``w_j -= U[k, j] e`` for every later row j. This is the paper's Algorithm 1:
+
+* blocked: rows are processed in blocks of ``block_size``; inside a block the updates are applied row by
+  row to the block only, the rest of the matrix receives them as one (K - k) x B x N matmul per block
+  ("lazy batch updates");
+* group parameters (scale and offset of a group of ``group_size`` rows) are computed when quantization
+  reaches the group, from the weights as updated so far. Blocks are a multiple of the group size
+  (``block_size`` is raised to ``group_size`` if smaller), so a group's rows are all fully updated then;
+* the rounding itself is nybble's (``nybble.quantize``'s scale rule, the scale dtype's rounding, signed
+  codes, asymmetric offsets), so the result is an ordinary ``QuantizedWeight`` every kernel runs and the
+  error fed back is the error of the values the kernels will actually multiply with.
+
+Act-order (``act_order=True``) quantizes rows in order of decreasing Hessian diagonal (the most
+"important" inputs first, while the most rows remain to absorb their error). Checkpoints made that way
+usually carry a ``g_idx`` that scatters groups over K and need a gather (or a permuted input) at run
+time. nybble instead uses **static groups**: every group's scale and offset are computed up front from
+the original weights in natural order, so row k keeps group k // G whatever order it is quantized in,
+and the result is a plain natural-order ``QuantizedWeight`` (no permutation, no gather on K). This is
+AutoGPTQ's ``desc_act=True, static_groups=True``. Per-column quantization (``group_size=None``) likewise
+fixes its one scale per column up front, as in the reference implementation.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nybble.packing import DEFAULT_LAYOUT, get_layout, pad_to, padded_weight_dims, round_up
+from nybble.quant.qweight import QuantizedWeight
+from nybble.quant.rtn import SUPPORTED_SCALE_DTYPES, check_group_size, check_weight
+
+__all__ = ["HessianAccumulator", "gptq", "hessian_from_inputs"]
+
+
+class HessianAccumulator:
+    """Accumulates ``H = 2 X^T X / n`` over batches of inputs, in float32, without storing them.
+
+    ``acc.add(x)`` takes any (..., K) array (all leading axes are samples); ``acc.hessian`` is the
+    result. Memory: one (K, K) float32 matrix.
+    """
+
+    def __init__(self, k: int):
+        self.k = int(k)
+        self.xtx = jnp.zeros((self.k, self.k), jnp.float32)
+        self.count = 0
+
+    def add(self, x: Any) -> None:
+        x = jnp.asarray(x)
+        if x.shape[-1] != self.k:
+            raise ValueError(f"HessianAccumulator: expected inputs (..., {self.k}), got {tuple(x.shape)}")
+        x2 = x.reshape(-1, self.k)
+        self.xtx = self.xtx + _xtx(x2)
+        self.count += x2.shape[0]
+
+    @property
+    def hessian(self) -> jax.Array:
+        if self.count == 0:
+            raise ValueError("HessianAccumulator: no inputs were added")
+        return self.xtx * (2.0 / self.count)
+
+
+@jax.jit
+def _xtx(x: jax.Array) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return jnp.matmul(x.T, x, precision=jax.lax.Precision.HIGHEST)
+
+
+def hessian_from_inputs(x: Any | Iterable[Any]) -> jax.Array:
+    """``2 X^T X / n`` (K, K) float32 from calibration inputs (..., K) or an iterable of such batches."""
+    if hasattr(x, "shape"):
+        x = [x]
+    acc: HessianAccumulator | None = None
+    for batch in x:
+        if acc is None:
+            acc = HessianAccumulator(np.shape(batch)[-1])
+        acc.add(batch)
+    if acc is None:
+        raise ValueError("hessian_from_inputs: no inputs given")
+    return acc.hessian
+
+
+def gptq(
+    w: Any,
+    hessian: Any = None,
+    *,
+    inputs: Any = None,
+    group_size: int | None = 128,
+    symmetric: bool = True,
+    damp: float = 0.01,
+    block_size: int = 128,
+    act_order: bool = False,
+    static_groups: bool | None = None,
+    scale_dtype: Any = jnp.bfloat16,
+    layout: str = DEFAULT_LAYOUT,
+) -> QuantizedWeight:
+    """GPTQ-quantizes a float weight (K, N) = (in_features, out_features) to a ``QuantizedWeight``.
+
+    Args:
+      w: float weight, the layout of a Flax ``kernel`` (``y = x @ w``).
+      hessian: (K, K) ``2 X^T X / n`` of the layer's inputs (see :func:`hessian_from_inputs`), or
+      inputs: the calibration inputs (..., K) themselves (exactly one of the two).
+      group_size, symmetric, scale_dtype, layout: as in ``nybble.quantize``.
+      damp: dampening, as a fraction of the mean Hessian diagonal added to the diagonal.
+      block_size: rows per lazy-update block (raised to ``group_size`` when smaller).
+      act_order: quantize rows by decreasing Hessian diagonal (implies static groups, see module doc).
+      static_groups: compute every group's parameters up front from the original weights (default:
+        ``act_order``). ``act_order=True`` with ``static_groups=False`` is refused: it would need a
+        permutation of K at run time.
+
+    Inputs with a zero Hessian diagonal ("dead" inputs, never non-zero in the calibration data) get
+    weight 0 before quantization, as in the reference implementation. Runs under ``jax.jit`` (the
+    algorithm is one jitted function per shape); all arithmetic is float32.
+    """
+    check_weight(w, "gptq")
+    check_group_size(group_size)
+    if np.dtype(scale_dtype).name not in SUPPORTED_SCALE_DTYPES:
+        raise ValueError(f"gptq: scale_dtype must be one of {SUPPORTED_SCALE_DTYPES}, got {scale_dtype}")
+    if (hessian is None) == (inputs is None):
+        raise ValueError("gptq: pass exactly one of hessian= (K, K) or inputs= (..., K)")
+    k, n = w.shape
+    h = hessian_from_inputs(inputs) if hessian is None else jnp.asarray(hessian, jnp.float32)
+    if h.shape != (k, k):
+        raise ValueError(f"gptq: Hessian must be ({k}, {k}) for a weight of shape {(k, n)}, got {h.shape}")
+    if not (isinstance(block_size, int) and block_size > 0):
+        raise ValueError(f"gptq: block_size must be a positive int, got {block_size!r}")
+    if not 0 <= damp:
+        raise ValueError(f"gptq: damp must be >= 0, got {damp}")
+    if static_groups is None:
+        static_groups = act_order
+    if act_order and not static_groups:
+        raise ValueError(
+            "gptq: act_order=True needs static_groups=True (the default): dynamic groups under act-order "
+            "scatter each group over K and would need a permutation of the input at run time"
+        )
+    k_pad, n_pad = padded_weight_dims(k, n, group_size)
+    block = block_size if group_size is None else max(block_size, group_size)
+    if group_size is not None and block % group_size:
+        raise ValueError(f"gptq: block_size {block_size} must be a multiple of group_size {group_size}")
+    codes, scales, offsets, ok = _gptq_core(
+        jnp.asarray(w, jnp.float32),
+        h,
+        k=k,
+        k_pad=k_pad,
+        n_pad=n_pad,
+        k_loop=round_up(k_pad, block),
+        group_size=group_size,
+        symmetric=symmetric,
+        damp=float(damp),
+        block=block,
+        act_order=act_order,
+        static_groups=static_groups or group_size is None,
+        scale_dtype=np.dtype(scale_dtype),
+    )
+    if not isinstance(ok, jax.core.Tracer) and not bool(ok):
+        raise ValueError(
+            f"gptq: the damped Hessian of this ({k}, {n}) layer is not positive definite in float32 "
+            f"(damp={damp}); raise damp (e.g. 0.1) or use more calibration data"
+        )
+    return QuantizedWeight(
+        codes=get_layout(layout).pack(codes),
+        scales=scales,
+        offsets=offsets,
+        shape=(k, n),
+        group_size=group_size,
+        symmetric=symmetric,
+        layout=layout,
+    )
+
+
+def _group_params(wg: jax.Array, valid: jax.Array, symmetric: bool, scale_dtype: Any):
+    """Scales and offsets (or None) of groups ``wg`` (..., G, N), exactly as ``nybble.quantize``.
+
+    ``valid`` (..., G, 1) masks padded rows out of the statistics.
+    """
+    if symmetric:
+        amax = jnp.max(jnp.where(valid, jnp.abs(wg), 0.0), axis=-2)
+        return (amax / 7).astype(scale_dtype), None
+    has = jnp.any(valid, axis=-2)  # a group of padding only gets scale 0 and offset 0
+    wmin = jnp.where(has, jnp.min(jnp.where(valid, wg, jnp.inf), axis=-2), 0.0)
+    wmax = jnp.where(has, jnp.max(jnp.where(valid, wg, -jnp.inf), axis=-2), 0.0)
+    scales = ((wmax - wmin) / 15).astype(scale_dtype)
+    short = scales.astype(jnp.float32) * 15 < (wmax - wmin)  # the dtype rounded down: step up one ulp
+    scales = jnp.where(short, jnp.nextafter(scales, jnp.asarray(jnp.inf, scales.dtype)), scales)
+    offsets = (wmin + 8 * scales.astype(jnp.float32)).astype(scale_dtype)
+    return scales, offsets
+
+
+def _round(w: jax.Array, s: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Codes in [-8, 7] for ``w`` given float32 scale/offset rows, and their dequantized values."""
+    q = jnp.clip(jnp.round((w - b) / jnp.where(s == 0, 1, s)), -8, 7)
+    q = jnp.where(s == 0, 0, q)
+    return q, q * s + b
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "k", "k_pad", "n_pad", "k_loop", "group_size", "symmetric", "damp", "block", "act_order",
+        "static_groups", "scale_dtype",
+    ),
+)  # fmt: skip
+def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, group_size, symmetric, damp, block, act_order,
+               static_groups, scale_dtype):  # fmt: skip
+    """Returns (codes int8 (K_pad, N_pad) in natural row order, scales, offsets or None, ok).
+
+    ``ok`` is False when a Cholesky factorization failed (non-finite factor).
+    """
+    g = k_pad if group_size is None else group_size
+    num_groups = -(-k_pad // g)
+    groups_loop = -(-k_loop // g)
+    real = jnp.arange(k_loop) < k
+    # Dead inputs (zero Hessian diagonal) get weight 0 and H_kk = 1; rows padded up to a whole number
+    # of blocks get the same: zero weight, an identity Hessian row, no coupling, code 0.
+    diag = jnp.diag(h)
+    dead = diag == 0
+    alive = jnp.pad(~dead, (0, k_loop - k))
+    w = jnp.where(alive[:, None], pad_to(w, (k_loop, n_pad)), 0.0)
+    mean_diag = jnp.mean(jnp.where(dead, 1.0, diag))
+    h = pad_to(h, (k_loop, k_loop)) + jnp.diag(jnp.where(alive, 0.0, 1.0) + damp * mean_diag)
+
+    if static_groups:  # parameters from the original weights, natural order: row k keeps group k // G
+        wg = pad_to(w, (groups_loop * g, n_pad)).reshape(groups_loop, g, n_pad)
+        vg = (jnp.arange(groups_loop * g) < k).reshape(groups_loop, g, 1)
+        st_scales, st_offsets = _group_params(wg, vg, symmetric, scale_dtype)
+        st_s = st_scales.astype(jnp.float32)
+        st_b = jnp.zeros_like(st_s) if st_offsets is None else st_offsets.astype(jnp.float32)
+
+    if act_order:  # largest diagonal first; padded rows last
+        perm = jnp.argsort(-jnp.where(real, jnp.diag(h), -jnp.inf), stable=True)
+        w, h = w[perm], h[perm][:, perm]
+    else:
+        perm = jnp.arange(k_loop)
+
+    # U: upper Cholesky factor of H^-1 (H^-1 = U^T U); row k of U carries row k's error forward.
+    low = jnp.linalg.cholesky(h)
+    hinv = jax.scipy.linalg.cho_solve((low, True), jnp.eye(k_loop, dtype=jnp.float32))
+    u = jnp.linalg.cholesky(hinv).T
+    ok = jnp.all(jnp.isfinite(u))
+
+    codes = jnp.zeros((k_loop, n_pad), jnp.float32)
+    dyn_scales, dyn_offsets = [], []
+    for k0 in range(0, k_loop, block):
+        u1 = u[k0 : k0 + block, k0 : k0 + block]
+        carry = (w[k0 : k0 + block], jnp.zeros((block, n_pad)), jnp.zeros((block, n_pad)))
+        if static_groups:
+            rows = perm[k0 : k0 + block] // g
+            step = functools.partial(_row_step, u1, st_s[rows], st_b[rows])
+            carry = jax.lax.fori_loop(0, block, step, carry)
+        else:
+            for start in range(0, block, g):  # a dynamic group: parameters from the updated rows
+                valid = real[k0 + start : k0 + start + g, None]
+                sc, of = _group_params(carry[0][start : start + g], valid, symmetric, scale_dtype)
+                dyn_scales.append(sc)
+                dyn_offsets.append(of)
+                s_rows = jnp.broadcast_to(sc.astype(jnp.float32), (block, n_pad))
+                b_rows = (
+                    jnp.zeros_like(s_rows)
+                    if of is None
+                    else jnp.broadcast_to(of.astype(jnp.float32), s_rows.shape)
+                )
+                step = functools.partial(_row_step, u1, s_rows, b_rows)
+                carry = jax.lax.fori_loop(start, start + g, step, carry)
+        _, q1, e1 = carry
+        codes = codes.at[k0 : k0 + block].set(q1)
+        if k0 + block < k_loop:  # lazy batch update of every later row
+            upd = jnp.matmul(u[k0 : k0 + block, k0 + block :].T, e1, precision=jax.lax.Precision.HIGHEST)
+            w = w.at[k0 + block :].add(-upd)
+
+    codes = jnp.zeros_like(codes).at[perm].set(codes)  # back to natural row order
+    codes = jnp.where(real[:, None], codes, 0)[:k_pad].astype(jnp.int8)
+    if static_groups:
+        scales, offsets = st_scales, st_offsets
+    else:
+        scales = jnp.stack(dyn_scales)
+        offsets = None if symmetric else jnp.stack(dyn_offsets)
+    # Groups wholly past K hold zero scales and offsets, as in nybble.quantize.
+    return codes, scales[:num_groups], None if offsets is None else offsets[:num_groups], ok
+
+
+def _row_step(u1, s_rows, b_rows, i, carry):
+    """Quantize row i of the block and push its error onto the block's later rows."""
+    w1, q1, e1 = carry
+    row = w1[i]
+    q, dq = _round(row, s_rows[i], b_rows[i])
+    err = (row - dq) / u1[i, i]
+    later = jnp.where(jnp.arange(u1.shape[0]) > i, u1[i], 0.0)
+    w1 = w1 - later[:, None] * err[None, :]
+    return w1, q1.at[i].set(q), e1.at[i].set(err)
