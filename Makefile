@@ -30,7 +30,7 @@ quickstart: $(STAMP)
 	$(PY) examples/quickstart.py
 
 test: $(STAMP)
-	$(PY) -m ruff check nybble tests bench
+	$(PY) -m ruff check nybble tests bench examples
 	$(PY) -m pytest -q
 
 gpu-check:

@@ -1,0 +1,29 @@
+"""Hopper (sm90) Mosaic GPU kernels: int4-weight x bf16/f16-activation GEMM, and running them on a CPU.
+
+Public surface: :func:`mosaic_gpu_matmul` (what ``nybble.matmul`` dispatches to), :func:`is_supported`,
+:class:`TuningConfig` and :func:`heuristic_config`; the ``interpret`` submodule's ``interpret()`` context
+(re-exported as ``nybble.kernels.interpret``) runs them on a CPU in GPU interpret mode, and
+:func:`races_found` / :func:`reset_state` read and reset its race detector.
+"""
+
+from nybble.kernels.mosaic_gpu.api import (
+    is_interpret_active,
+    is_supported,
+    mosaic_gpu_matmul,
+)
+from nybble.kernels.mosaic_gpu.config import TuningConfig, heuristic_cases, heuristic_config
+from nybble.kernels.mosaic_gpu.interpret import races_found, reset_state
+from nybble.kernels.mosaic_gpu.kernel import deinterleave_k, w4a16_padded
+
+__all__ = [
+    "TuningConfig",
+    "deinterleave_k",
+    "heuristic_cases",
+    "heuristic_config",
+    "is_interpret_active",
+    "is_supported",
+    "mosaic_gpu_matmul",
+    "races_found",
+    "reset_state",
+    "w4a16_padded",
+]

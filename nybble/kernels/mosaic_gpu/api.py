@@ -1,0 +1,221 @@
+"""The Mosaic GPU W4A16 kernel as an op: argument checks, padding, config choice, split-K sum, gradient.
+
+``mosaic_gpu_matmul(x2d, qw)`` is what ``nybble.kernels.api`` dispatches to. The SM count is a parameter
+(resolved once by the dispatcher; a CPU device has none), so tracing never touches a device.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from nybble.kernels.mosaic_gpu.config import (
+    DEFAULT_NUM_SMS,
+    MIN_GROUP_SIZE,
+    TuningConfig,
+    heuristic_config,
+)
+from nybble.kernels.mosaic_gpu.interpret import active_params
+from nybble.kernels.mosaic_gpu.kernel import deinterleave_k, w4a16_padded
+from nybble.packing import nk_int4_as_int4, round_up
+from nybble.quant.qweight import QuantizedWeight
+
+SUPPORTED_LAYOUTS = ("nk_int4",)
+SUPPORTED_X_DTYPES = ("bfloat16", "float16")
+
+
+def is_interpret_active() -> bool:
+    """Whether kernels traced now run in GPU interpret mode (inside ``nybble.kernels.interpret()``)."""
+    return active_params() is not None
+
+
+def is_supported(x: Any, qw: QuantizedWeight) -> str | None:
+    """None when the kernel can compute ``x @ dequantize(qw)``, else the reason it cannot (one sentence).
+
+    Says nothing about the device: the dispatcher checks for a Hopper GPU (or interpret mode).
+    """
+    if not isinstance(qw, QuantizedWeight):
+        return f"the weight is a {type(qw).__name__}, not a nybble.QuantizedWeight"
+    if qw.layout not in SUPPORTED_LAYOUTS:
+        return f"the weight layout {qw.layout!r} is not one the kernel reads {SUPPORTED_LAYOUTS}"
+    x_dtype = np.dtype(x.dtype).name
+    if x_dtype not in SUPPORTED_X_DTYPES:
+        return (
+            f"x has dtype {x_dtype}; the kernel multiplies in {SUPPORTED_X_DTYPES} "
+            f"(cast x, or use implementation='xla' for float32)"
+        )
+    if x.shape[-1] != qw.shape[0]:
+        return f"x has K={x.shape[-1]} but the weight has K={qw.shape[0]}"
+    k_pad, n_pad = qw.padded_shape
+    g = qw.block_k
+    if not (g % 64 == 0 or (64 % g == 0 and g >= MIN_GROUP_SIZE)):
+        return (
+            f"group size {g} is not supported by the kernel (needs {MIN_GROUP_SIZE}, 32 or a multiple "
+            f"of 64); use implementation='xla'"
+        )
+    if np.dtype(qw.scales.dtype).name not in ("bfloat16", "float16", "float32"):
+        return f"scale dtype {np.dtype(qw.scales.dtype).name} is not a float type"
+    if k_pad % 64 or n_pad % 64:
+        return f"padded shape (K_pad, N_pad) = {(k_pad, n_pad)} is not a multiple of 64"
+    codes_dtype = np.dtype(qw.codes.dtype)
+    if codes_dtype == np.dtype(jnp.int4):
+        expected = (n_pad, k_pad)
+    elif codes_dtype == np.uint8:
+        expected = (n_pad, k_pad // 2)
+    else:
+        return f"codes have dtype {codes_dtype.name}; the kernel reads uint8 (packed) or int4 codes"
+    if tuple(qw.codes.shape) != expected:
+        return f"{codes_dtype.name} codes have shape {tuple(qw.codes.shape)}, expected {expected}"
+    return None
+
+
+# --- A guard so that running on a CPU outside interpret() fails with a clear message. ------------------
+# Identity on CUDA (no code emitted), an error on any other platform at lowering time: it is lowered
+# before the kernel's own "Only interpret mode is supported on CPU backend", and lowering for CUDA from
+# a CPU machine (`.lower(lowering_platforms=("cuda",))`) still works.
+_requires_gpu_p = Primitive("nybble_mosaic_gpu_requires_cuda")
+_requires_gpu_p.def_abstract_eval(lambda aval: aval)
+
+
+# Eager calls run the primitive through one cached jit (lowered, and so checked, for the default backend).
+_requires_gpu_jit = jax.jit(lambda x: _requires_gpu_p.bind(x))
+
+
+def _requires_gpu_impl(x: Any) -> Any:
+    return _requires_gpu_jit(x)
+
+
+def _requires_gpu_lowering_error(ctx: Any, x: Any) -> Any:
+    raise NotImplementedError(
+        "nybble's Mosaic GPU W4A16 kernel runs only on an NVIDIA Hopper GPU (CUDA); this computation "
+        "was lowered for another platform. On a CPU, run it inside `with nybble.kernels.interpret():` "
+        "(GPU interpret mode), or use nybble.matmul(..., implementation='xla')."
+    )
+
+
+_requires_gpu_p.def_impl(_requires_gpu_impl)
+mlir.register_lowering(_requires_gpu_p, _requires_gpu_lowering_error)
+mlir.register_lowering(_requires_gpu_p, lambda ctx, x: [x], platform="cuda")
+batching.primitive_batchers[_requires_gpu_p] = lambda args, dims: (_requires_gpu_p.bind(*args), dims[0])
+
+
+def _forward(x2d: jax.Array, qw: QuantizedWeight, config: TuningConfig | None, num_sms: int) -> jax.Array:
+    m, k = x2d.shape
+    n = qw.shape[1]
+    k_pad, n_pad = qw.padded_shape
+    group = qw.block_k
+    if m == 0:
+        return jnp.zeros((0, n), x2d.dtype)
+    if config is None:
+        config = heuristic_config(
+            m,
+            n_pad,
+            k_pad,
+            qw.group_size,
+            num_sms,
+            has_offsets=qw.offsets is not None,
+            scale_bytes=np.dtype(qw.scales.dtype).itemsize,
+            codes_dtype="int4" if qw.codes.dtype == jnp.int4 else "uint8",
+        )
+    m_pad = round_up(m, config.tile_m)
+    if not is_interpret_active():
+        x2d = _requires_gpu_p.bind(x2d)
+    # Zero padding: padded K columns of x meet zero codes (and zero scales), padded M rows are sliced off.
+    x_pad = jnp.pad(x2d, ((0, m_pad - m), (0, k_pad - k)))
+    if config.codes_as == "uint8":
+        x_pad = deinterleave_k(x_pad)  # fused with the padding by XLA
+        codes = (
+            qw.codes
+            if qw.codes.dtype == jnp.uint8
+            else jax.lax.bitcast_convert_type(qw.codes.reshape(n_pad, k_pad // 2, 2), jnp.uint8)
+        )
+    else:
+        codes = _codes_as_int4(qw.codes)
+    # Scales and offsets go in as stored (bf16/f16/f32): the kernel widens them to f32 itself.
+    y = w4a16_padded(x_pad, codes, qw.scales, qw.offsets, group=group, config=config)
+    if config.split_k > 1:
+        # Split-K partials are f32; their sum is rounded once.
+        y = y.sum(axis=0)
+    return y[:m, :n].astype(x2d.dtype)
+
+
+def _codes_as_int4(codes: jax.Array) -> jax.Array:
+    """The (N_pad, K_pad) jnp.int4 view the ``codes_as="int4"`` kernel's TMA reads.
+
+    int4 codes pass through untouched. uint8 codes hold the same bytes, but XLA cannot alias a u8
+    buffer as s4: its BitcastDtypesExpander (CPU and GPU pipelines) rewrites the bitcast into a
+    shift-and-mask fusion that writes a fresh s4 copy, one extra read + write of all the codes per
+    call. That is why the heuristics read uint8 codes as bytes (``codes_as="uint8"``) whenever x is
+    small next to the weights, and take this copy only where the GEMM is compute-bound.
+    """
+    if codes.dtype == jnp.int4:
+        return codes
+    return nk_int4_as_int4(codes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _matmul(x2d: jax.Array, qw: QuantizedWeight, config: TuningConfig | None, num_sms: int) -> jax.Array:
+    return _forward(x2d, qw, config, num_sms)
+
+
+def _matmul_fwd(x2d, qw, config, num_sms):
+    return _forward(x2d, qw, config, num_sms), qw
+
+
+def _matmul_bwd(config, num_sms, qw, g):
+    # dx = g @ dequant(W)^T through XLA, f32 accumulation; the weights get no gradient.
+    from nybble.kernels.xla import dequantize_nk
+
+    k, n = qw.shape
+    w_nk = dequantize_nk(qw, g.dtype)[:n, :k]
+    dx = jnp.dot(g, w_nk, preferred_element_type=jnp.float32).astype(g.dtype)
+    zeros = jax.tree.map(_zero_cotangent, qw)
+    return dx, zeros
+
+
+def _zero_cotangent(a: Any) -> Any:
+    if jnp.issubdtype(a.dtype, jnp.floating):
+        return jnp.zeros_like(a)
+    return np.zeros(a.shape, dtype=jax.dtypes.float0)
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def mosaic_gpu_matmul(
+    x2d: jax.Array,
+    qw: QuantizedWeight,
+    *,
+    config: TuningConfig | None = None,
+    num_sms: int = DEFAULT_NUM_SMS,
+) -> jax.Array:
+    """``x2d @ dequantize(qw)`` with the Hopper W4A16 kernel: (M, K) bf16/f16 -> (M, N) in x's dtype.
+
+    Args:
+      x2d: (M, K) activations, K the weight's logical K (padded to K_pad inside).
+      qw: an ``nk_int4`` QuantizedWeight.
+      config: a TuningConfig; None lets :func:`heuristic_config` choose from M, the shapes and num_sms.
+      num_sms: SMs of the target GPU (the dispatcher asks the device once; 132 on H100/H200).
+
+    Differentiable with respect to ``x2d`` (the backward pass is an XLA matmul with the dequantized
+    weight). Outside ``nybble.kernels.interpret()`` it must be lowered for CUDA; lowering for another
+    platform raises NotImplementedError.
+    """
+    if getattr(x2d, "ndim", None) != 2:
+        raise ValueError(
+            f"mosaic_gpu_matmul: x2d must be 2-D (M, K), got shape {getattr(x2d, 'shape', None)}; "
+            f"reshape to (-1, K) first"
+        )
+    if (reason := is_supported(x2d, qw)) is not None:
+        raise NotImplementedError(f"mosaic_gpu_matmul cannot run these arguments: {reason}")
+    if config is not None and not isinstance(config, TuningConfig):
+        raise TypeError(f"mosaic_gpu_matmul: config must be a TuningConfig, got {type(config).__name__}")
+    if num_sms < 1:
+        raise ValueError(f"mosaic_gpu_matmul: num_sms={num_sms} must be positive")
+    return _matmul(x2d, qw, config, int(num_sms))

@@ -1,0 +1,180 @@
+"""Run nybble's Mosaic GPU kernels on the CPU, in Pallas' GPU interpret mode (for tests and debugging).
+
+Under ``with interpret():`` every nybble Mosaic GPU kernel traced in that context is built with
+``interpret=plgpu.InterpretGPUParams(...)``: the CPU simulates the GPU's memories, warpgroups, barriers and
+TMA copies, and with ``detect_races=True`` it flags a missing barrier wait or ``commit_smem``. Interpret mode
+checks numerics only; the hardware rules (layouts, SMEM budget, TMA alignment) are checked by lowering for
+CUDA (``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``).
+
+jax 0.11.2's interpreter cannot run ``plgpu.wgmma`` with its A operand in registers ("Expected shape (6,)
+but got (64, 128)"), which is exactly how the W4A16 kernel feeds the dequantized weights. ``interpret()``
+closes that gap with a small patch of ``jax._src.pallas.mosaic_gpu.interpret``, applied only while the
+context is active and only on that jax version (other versions run unpatched).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+__all__ = ["active_params", "interpret", "races_found", "reset_state"]
+
+_PATCHED_JAX_VERSION = "0.11.2"
+
+# The InterpretGPUParams of the innermost active `interpret()` context, or None.
+_ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("nybble_mgpu_interpret", default=None)
+_patch_lock = threading.Lock()
+_patch_depth = 0
+_saved_method: Any = None
+
+
+def active_params() -> Any:
+    """The ``plgpu.InterpretGPUParams`` to build kernels with, or None outside ``interpret()``."""
+    return _ACTIVE.get()
+
+
+def _patched_wgmma_ref_p(self: Any, eqn: Any, token: Any, get_invals: Any) -> Any:
+    """``wgmma_ref_p`` that also accepts an A operand held in registers (a value, not an SMEM ref)."""
+    from jax._src import callback
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret
+    from jax._src.state import types as state_types
+
+    if isinstance(eqn.invars[1].aval, state_types.AbstractRef):
+        return _saved_method(self, eqn, token, get_invals)
+    acc, a, b, *leaves = get_invals()
+    empty = jax.tree.structure([])
+    acc_transforms, _, b_transforms = jax.tree.unflatten(
+        jax.tree_util.treedef_tuple(
+            tuple(
+                eqn.params[name] or empty
+                for name in ("acc_transforms_tree", "a_transforms_tree", "b_transforms_tree")
+            )
+        ),
+        leaves,
+    )
+    acc, acc_transforms = jaxpr_interpret.resolve_ref(eqn.invars[0].aval, acc, acc_transforms)
+    b, b_transforms = jaxpr_interpret.resolve_ref(eqn.invars[2].aval, b, b_transforms)
+    return (
+        callback.io_callback(
+            functools.partial(_wgmma_register_a, source_info=eqn.source_info),
+            gpu_callbacks.TOKEN_SHAPE_DTYPE,
+            token=token,
+            mesh_location=self.mesh_location,
+            thread=self.thread,
+            acc_allocation_key_as_array=acc,
+            acc_transforms=acc_transforms,
+            a_value=a,
+            b_allocation_key_as_array=b,
+            b_transforms=b_transforms,
+        ),
+        [],
+    )
+
+
+def _wgmma_register_a(
+    *,
+    token: Any,
+    mesh_location: Any,
+    thread: Any,
+    acc_allocation_key_as_array: Any,
+    acc_transforms: Any,
+    a_value: Any,
+    b_allocation_key_as_array: Any,
+    b_transforms: Any,
+    source_info: Any = None,
+) -> Any:
+    """Host side of a register-A wgmma: acc += a @ b, like jax's own SMEM-operand callback."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax._src.pallas.mosaic_gpu.interpret import shared_memory as memory
+
+    @gpu_callbacks.fail_on_exception
+    def run(*, token: Any) -> Any:
+        shared = gpu_callbacks._get_shared_memory()
+        info = memory.GPULoggingInfo(mesh_location, thread, source_info)
+        b_key = gpu_callbacks.HostAllocationKey.from_array(b_allocation_key_as_array)
+        acc_key = gpu_callbacks.HostAllocationKey.from_array(acc_allocation_key_as_array)
+        b_tr = jax.tree.map(int, gpu_callbacks._remove_noop_transforms(b_transforms))
+        acc_tr = jax.tree.map(int, gpu_callbacks._remove_noop_transforms(acc_transforms))
+        b, _, _ = shared.get_buffer_content(b_key, shared.access(b_key, b_tr), thread, logging_info=info)
+        acc_range = shared.access(acc_key, acc_tr)
+        acc, _, _ = shared.get_buffer_content(acc_key, acc_range, thread, logging_info=info)
+        res = acc + np.matmul(np.asarray(a_value), b, dtype=acc.dtype)
+        shared.store_buffer_content(acc_key, acc_range, res, thread, logging_info=info)
+        return token
+
+    return run(token=token)
+
+
+@contextlib.contextmanager
+def _patched_interpreter() -> Iterator[None]:
+    global _patch_depth, _saved_method
+    if jax.__version__ != _PATCHED_JAX_VERSION:
+        yield
+        return
+    from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret
+
+    cls = jaxpr_interpret.JaxprInterpreter
+    with _patch_lock:
+        if _patch_depth == 0:
+            _saved_method = cls._interpret_wgmma_ref_p
+            cls._interpret_wgmma_ref_p = _patched_wgmma_ref_p
+        _patch_depth += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _patch_depth -= 1
+            if _patch_depth == 0:
+                cls._interpret_wgmma_ref_p = _saved_method
+                _saved_method = None
+
+
+@contextlib.contextmanager
+def interpret(detect_races: bool = False) -> Iterator[Any]:
+    """Runs nybble's Mosaic GPU kernels on the CPU in GPU interpret mode inside this context.
+
+    Args:
+      detect_races: have the interpreter track every SMEM/GMEM access and flag data races; read the
+        verdict with :func:`races_found` after the kernel ran (call :func:`reset_state` before).
+
+    Yields:
+      The ``plgpu.InterpretGPUParams`` kernels are built with.
+
+    The interpret parameters are part of jit's cache key, so jitted functions retrace on entry.
+    """
+    params = plgpu.InterpretGPUParams(detect_races=detect_races)
+    token = _ACTIVE.set(params)
+    try:
+        # force_gpu_interpret_mode sets a jax config value that is part of jit's cache key, so a function
+        # jitted outside the context is retraced inside it (and vice versa) instead of reusing a kernel
+        # built for the other mode.
+        with _patched_interpreter(), plgpu.force_gpu_interpret_mode(params):
+            yield params
+    finally:
+        _ACTIVE.reset(token)
+
+
+def reset_state() -> None:
+    """Clears the interpreter's global state (race verdicts, leftover buffers after an exception)."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
+def races_found() -> bool:
+    """Whether the race detector flagged a race since the last :func:`reset_state`."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    try:
+        races = interpret_pallas_call.get_races()
+    except AssertionError:  # no kernel ran since the last reset
+        return False
+    return bool(races is not None and races.races_found)
