@@ -22,7 +22,8 @@ def _step_and_bound(qw, w):
     bound = 0.5 * s
     if qw.offsets is not None:  # plus the rounding of the stored offset
         b = np.abs(np.asarray(expand_groups(qw.offsets, qw.block_k, k_pad))[:k, :n])
-        bound = bound + b * float(jnp.finfo(qw.scales.dtype).eps)
+        info = jnp.finfo(qw.scales.dtype)  # relative rounding, or the subnormal spacing near zero
+        bound = bound + b * float(info.eps) + float(info.smallest_subnormal)
     return s, bound * (1 + 1e-6) + 1e-30
 
 

@@ -39,7 +39,13 @@ import numpy as np
 
 from nybble.packing import DEFAULT_LAYOUT, get_layout, pad_to, padded_weight_dims, round_up
 from nybble.quant.qweight import QuantizedWeight
-from nybble.quant.rtn import SUPPORTED_SCALE_DTYPES, check_group_size, check_weight
+from nybble.quant.rtn import (
+    SUPPORTED_SCALE_DTYPES,
+    check_group_size,
+    check_weight,
+    group_params,
+    round_to_codes,
+)
 
 __all__ = ["HessianAccumulator", "gptq", "hessian_from_inputs"]
 
@@ -179,31 +185,6 @@ def gptq(
     )
 
 
-def _group_params(wg: jax.Array, valid: jax.Array, symmetric: bool, scale_dtype: Any):
-    """Scales and offsets (or None) of groups ``wg`` (..., G, N), exactly as ``nybble.quantize``.
-
-    ``valid`` (..., G, 1) masks padded rows out of the statistics.
-    """
-    if symmetric:
-        amax = jnp.max(jnp.where(valid, jnp.abs(wg), 0.0), axis=-2)
-        return (amax / 7).astype(scale_dtype), None
-    has = jnp.any(valid, axis=-2)  # a group of padding only gets scale 0 and offset 0
-    wmin = jnp.where(has, jnp.min(jnp.where(valid, wg, jnp.inf), axis=-2), 0.0)
-    wmax = jnp.where(has, jnp.max(jnp.where(valid, wg, -jnp.inf), axis=-2), 0.0)
-    scales = ((wmax - wmin) / 15).astype(scale_dtype)
-    short = scales.astype(jnp.float32) * 15 < (wmax - wmin)  # the dtype rounded down: step up one ulp
-    scales = jnp.where(short, jnp.nextafter(scales, jnp.asarray(jnp.inf, scales.dtype)), scales)
-    offsets = (wmin + 8 * scales.astype(jnp.float32)).astype(scale_dtype)
-    return scales, offsets
-
-
-def _round(w: jax.Array, s: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Codes in [-8, 7] for ``w`` given float32 scale/offset rows, and their dequantized values."""
-    q = jnp.clip(jnp.round((w - b) / jnp.where(s == 0, 1, s)), -8, 7)
-    q = jnp.where(s == 0, 0, q)
-    return q, q * s + b
-
-
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -233,7 +214,7 @@ def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, group_size, symmetric, damp, bl
     if static_groups:  # parameters from the original weights, natural order: row k keeps group k // G
         wg = pad_to(w, (groups_loop * g, n_pad)).reshape(groups_loop, g, n_pad)
         vg = (jnp.arange(groups_loop * g) < k).reshape(groups_loop, g, 1)
-        st_scales, st_offsets = _group_params(wg, vg, symmetric, scale_dtype)
+        st_scales, st_offsets = group_params(wg, vg, symmetric, scale_dtype)
         st_s = st_scales.astype(jnp.float32)
         st_b = jnp.zeros_like(st_s) if st_offsets is None else st_offsets.astype(jnp.float32)
 
@@ -261,7 +242,7 @@ def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, group_size, symmetric, damp, bl
         else:
             for start in range(0, block, g):  # a dynamic group: parameters from the updated rows
                 valid = real[k0 + start : k0 + start + g, None]
-                sc, of = _group_params(carry[0][start : start + g], valid, symmetric, scale_dtype)
+                sc, of = group_params(carry[0][start : start + g], valid, symmetric, scale_dtype)
                 dyn_scales.append(sc)
                 dyn_offsets.append(of)
                 s_rows = jnp.broadcast_to(sc.astype(jnp.float32), (block, n_pad))
@@ -293,7 +274,7 @@ def _row_step(u1, s_rows, b_rows, i, carry):
     """Quantize row i of the block and push its error onto the block's later rows."""
     w1, q1, e1 = carry
     row = w1[i]
-    q, dq = _round(row, s_rows[i], b_rows[i])
+    q, dq = round_to_codes(row, s_rows[i], b_rows[i])
     err = (row - dq) / u1[i, i]
     later = jnp.where(jnp.arange(u1.shape[0]) > i, u1[i], 0.0)
     w1 = w1 - later[:, None] * err[None, :]

@@ -81,35 +81,12 @@ def quantize(
     num_groups = -(-k_pad // g)  # the last group may be partial: pad it for the statistics only
     wf = pad_to(jnp.asarray(w, jnp.float32), (num_groups * g, n_pad)).reshape(num_groups, g, n_pad)
     # Padded rows take no part in the statistics and get code 0.
-    valid = (jnp.arange(num_groups * g) < k).reshape(num_groups, g, 1) if num_groups * g != k else None
-
-    def stat(fn, x, fill):
-        return fn(x if valid is None else jnp.where(valid, x, fill), axis=1)
-
-    if symmetric:
-        amax = stat(jnp.max, jnp.abs(wf), 0.0)
-        scales = (amax / 7).astype(scale_dtype)
-        s = scales.astype(jnp.float32)[:, None, :]
-        q = jnp.round(wf / jnp.where(s == 0, 1, s))
-        offsets = None
-    else:
-        wmin, wmax = stat(jnp.min, wf, jnp.inf), stat(jnp.max, wf, -jnp.inf)
-        # A group made only of padding rows (K = 96 at g32 pads to 128) has no statistics: make it zero.
-        wmin, wmax = jnp.where(jnp.isfinite(wmin), wmin, 0.0), jnp.where(jnp.isfinite(wmax), wmax, 0.0)
-        scales = ((wmax - wmin) / 15).astype(scale_dtype)
-        # Round the scale up if the dtype rounded it down, so that [min, max] still fits 16 codes.
-        s = scales.astype(jnp.float32)
-        short = s * 15 < (wmax - wmin)
-        scales = jnp.where(short, _next_up(scales), scales)
-        s = scales.astype(jnp.float32)
-        # The offset maps code -8 to the group minimum; codes are then chosen against the stored offset.
-        offsets = (wmin + 8 * s).astype(scale_dtype)
-        b = offsets.astype(jnp.float32)[:, None, :]
-        s = s[:, None, :]
-        q = jnp.round((wf - b) / jnp.where(s == 0, 1, s))
-    if valid is not None:
-        q = jnp.where(valid, q, 0)
-    q = jnp.clip(q, -8, 7).astype(jnp.int8).reshape(num_groups * g, n_pad)[:k_pad]
+    valid = (jnp.arange(num_groups * g) < k).reshape(num_groups, g, 1)
+    scales, offsets = group_params(wf, valid, symmetric, scale_dtype)
+    b = 0.0 if offsets is None else offsets.astype(jnp.float32)[:, None, :]
+    q, _ = round_to_codes(wf, scales.astype(jnp.float32)[:, None, :], b)
+    q = jnp.where(valid, q, 0)
+    q = q.astype(jnp.int8).reshape(num_groups * g, n_pad)[:k_pad]
     codes = packer.pack(q)
     if isinstance(w, np.ndarray):  # numpy in: keep host arrays concrete but as jax arrays
         codes = jnp.asarray(codes)
@@ -124,6 +101,35 @@ def quantize(
     )
 
 
-def _next_up(x: jax.Array) -> jax.Array:
-    """The next representable value above ``x`` (for positive finite x) in x's own dtype."""
-    return jnp.nextafter(x, jnp.asarray(jnp.inf, x.dtype))
+def group_params(
+    wg: jax.Array, valid: jax.Array, symmetric: bool, scale_dtype: Any
+) -> tuple[jax.Array, jax.Array | None]:
+    """Scales and offsets (None when symmetric) of weight groups ``wg`` (..., G, N) in float32.
+
+    ``valid`` (..., G, 1) masks padded rows out of the statistics; a group of padding only gets scale 0
+    and offset 0. Symmetric: ``scale = max|w| / 7``. Asymmetric: ``scale = (max - min) / 15``, rounded up
+    if the scale dtype rounded it down (so [min, max] still fits 16 codes), and an offset mapping code -8
+    to the group minimum. Shared by round to nearest and GPTQ, so both store the same conventions.
+    """
+    if symmetric:
+        amax = jnp.max(jnp.where(valid, jnp.abs(wg), 0.0), axis=-2)
+        return (amax / 7).astype(scale_dtype), None
+    has = jnp.any(valid, axis=-2)
+    wmin = jnp.where(has, jnp.min(jnp.where(valid, wg, jnp.inf), axis=-2), 0.0)
+    wmax = jnp.where(has, jnp.max(jnp.where(valid, wg, -jnp.inf), axis=-2), 0.0)
+    scales = ((wmax - wmin) / 15).astype(scale_dtype)
+    short = scales.astype(jnp.float32) * 15 < (wmax - wmin)
+    scales = jnp.where(short, jnp.nextafter(scales, jnp.asarray(jnp.inf, scales.dtype)), scales)
+    offsets = (wmin + 8 * scales.astype(jnp.float32)).astype(scale_dtype)
+    return scales, offsets
+
+
+def round_to_codes(w: jax.Array, s: jax.Array, b: jax.Array | float) -> tuple[jax.Array, jax.Array]:
+    """Codes in [-8, 7] for ``w`` against the STORED float32 scale/offset, and their dequantized values.
+
+    Choosing codes against the stored (rounded) scale and offset keeps each element within half a step.
+    A zero scale (an all-zero or constant group) gets code 0: the offset alone carries the value.
+    """
+    q = jnp.clip(jnp.round((w - b) / jnp.where(s == 0, 1, s)), -8, 7)
+    q = jnp.where(s == 0, 0, q)
+    return q, q * s + b
