@@ -1,5 +1,7 @@
 """nybble.matmul on the XLA path: against a float64 reference, under jit/vmap/grad, and its refusals."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,5 +85,16 @@ def test_refusals():
         nybble.matmul([1.0] * 128, qw)
     with pytest.raises(ValueError, match="unknown implementation 'cuda'"):
         nybble.matmul(x, qw, implementation="cuda")
-    with pytest.raises(NotImplementedError, match=r"needs a Hopper GPU.*nybble\.kernels\.interpret"):
+    with pytest.raises(NotImplementedError, match=r"only on an NVIDIA Hopper GPU.*kernels\.interpret"):
         nybble.matmul(x, qw, implementation="mosaic_gpu")
+    with pytest.raises(NotImplementedError, match=r"cannot run: x has dtype float32.*implementation='xla'"):
+        nybble.matmul(x.astype(jnp.float32), qw, implementation="mosaic_gpu")
+
+
+def test_forced_mosaic_gpu_traces_and_lowers_for_cuda_on_a_cpu():
+    """The public entry point, forced to the kernel, lowers for CUDA at a production shape on this CPU."""
+    x = jax.ShapeDtypeStruct((16, 4096), jnp.bfloat16)
+    qw = jax.eval_shape(lambda w: nybble.quantize(w), jax.ShapeDtypeStruct((4096, 14336), jnp.float32))
+    f = jax.jit(functools.partial(nybble.matmul, implementation="mosaic_gpu"))
+    text = f.trace(x, qw).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

@@ -61,16 +61,21 @@ def _check_args(x: Any, qw: Any) -> None:
         )
 
 
-def _mosaic_gpu_unavailable(x: Any, qw: QuantizedWeight) -> str | None:
-    """Why the Mosaic GPU kernel cannot run these arguments here, or None when it can."""
+def _mosaic_gpu_unsupported(x: Any, qw: QuantizedWeight) -> str | None:
+    """Why the Mosaic GPU kernel cannot compute these arguments at all (dtype, layout, group), or None."""
     try:
         from nybble.kernels import mosaic_gpu
-
-        is_supported, is_interpret_active = mosaic_gpu.is_supported, mosaic_gpu.is_interpret_active
-    except (ImportError, AttributeError) as e:  # only while the kernel package is broken
+    except ImportError as e:  # only while the kernel package is broken
         return f"the Mosaic GPU kernel failed to import ({e})"
-    if (reason := is_supported(x, qw)) is not None:
+    return mosaic_gpu.is_supported(x, qw)
+
+
+def _mosaic_gpu_unavailable(x: Any, qw: QuantizedWeight) -> str | None:
+    """Why the Mosaic GPU kernel cannot run these arguments on this machine now, or None when it can."""
+    if (reason := _mosaic_gpu_unsupported(x, qw)) is not None:
         return reason
+    from nybble.kernels.mosaic_gpu import is_interpret_active
+
     if is_interpret_active() or hopper_device() is not None:
         return None
     return (
@@ -88,8 +93,10 @@ def matmul(x: Any, qw: QuantizedWeight, *, implementation: Implementation | None
       x: activations, any leading batch dims.
       qw: the weight, from :func:`nybble.quantize`.
       implementation: None picks the best that can run here: the Mosaic GPU kernel on a Hopper GPU
-        (or inside ``nybble.kernels.interpret()``), else XLA. ``"mosaic_gpu"`` or ``"xla"`` forces one;
-        a forced implementation that cannot run raises ``NotImplementedError`` saying why.
+        (or inside ``nybble.kernels.interpret()``), else XLA. ``"mosaic_gpu"`` or ``"xla"`` forces one.
+        A forced ``"mosaic_gpu"`` raises ``NotImplementedError`` saying why when the kernel cannot take
+        these arguments, and when the computation is run on a platform other than a CUDA GPU outside
+        ``interpret()`` (tracing and lowering for CUDA work anywhere).
     """
     _check_args(x, qw)
     if implementation is None:
@@ -97,7 +104,10 @@ def matmul(x: Any, qw: QuantizedWeight, *, implementation: Implementation | None
     if implementation == "xla":
         return xla_matmul(x, qw)
     if implementation == "mosaic_gpu":
-        if (reason := _mosaic_gpu_unavailable(x, qw)) is not None:
+        # Forced: only the argument rules are checked here. The device is checked when the computation is
+        # lowered (a guard that is a no-op on CUDA and a clear error elsewhere), so tracing and lowering
+        # for CUDA work on a CPU-only machine, and running on a CPU outside interpret() fails clearly.
+        if (reason := _mosaic_gpu_unsupported(x, qw)) is not None:
             raise NotImplementedError(f"nybble.matmul(implementation='mosaic_gpu') cannot run: {reason}")
         from nybble.kernels.mosaic_gpu import mosaic_gpu_matmul
 
