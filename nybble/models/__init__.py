@@ -16,7 +16,7 @@ from nybble.models.adapter import (
 )
 from nybble.models.evaluate import generate, negative_log_likelihood, perplexity
 from nybble.models.layers import QDense, QLinear, QuantizedParam, dense
-from nybble.models.llama import Llama, LlamaConfig
+from nybble.models.llama import KVCache, Llama, LlamaConfig
 from nybble.models.rules import DEFAULT_RULES, INHERIT, QuantRule
 from nybble.models.serialization import load_model, save_model
 from nybble.models.text import eval_text
@@ -24,6 +24,7 @@ from nybble.models.text import eval_text
 __all__ = [
     "DEFAULT_RULES",
     "INHERIT",
+    "KVCache",
     "LayerReport",
     "Llama",
     "LlamaConfig",

