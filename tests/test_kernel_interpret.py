@@ -291,3 +291,38 @@ def test_int4_codes_same_result(codes_as):
     np.testing.assert_array_equal(
         np.asarray(y, np.float64), np.asarray(jnp.asarray(_reference(x, qw), x.dtype), np.float64)
     )
+
+
+def _distinct_heuristic_configs() -> list[tuple[TuningConfig, int | None, bool]]:
+    """Every TuningConfig the heuristics pick at the lowering tests' real-model shapes, with one group
+    size and symmetry it was picked for (the lowering tests cover every combination at full size)."""
+    from tests.test_kernel_lowering import BATCHES, GROUPS, NUM_SMS, WEIGHT_SHAPES
+
+    picked: dict[TuningConfig, tuple[int | None, bool]] = {}
+    for (config, _, has_offsets), case in mg.heuristic_cases(WEIGHT_SHAPES, BATCHES, GROUPS, NUM_SMS).items():
+        picked.setdefault(config, (case[3], not has_offsets))
+    return [(config, group, symmetric) for config, (group, symmetric) in picked.items()]
+
+
+# Interpret mode checks the numbers of every config the heuristics can choose, on the smallest problem
+# with that config's structure: two M tiles (the last one partial), two CTA columns of N, two K steps per
+# split. (Production shapes would take minutes each in interpret mode; their lowering is checked in
+# test_kernel_lowering.py.)
+@pytest.mark.parametrize(
+    "config, group, symmetric",
+    _distinct_heuristic_configs(),
+    ids=lambda v: (
+        f"n{v.tile_n}m{v.tile_m}k{v.tile_k}s{v.max_concurrent_steps}x{v.split_k}w{v.compute_wgs}{v.codes_as}"
+        if isinstance(v, TuningConfig)
+        else str(v)
+    ),
+)
+def test_every_heuristic_config_in_interpret_mode(config, group, symmetric):
+    k = config.tile_k * config.split_k * 2
+    if group is not None and group > k:
+        k = group * config.split_k
+    n = config.tile_n * config.compute_wgs * 2
+    m = 2 * config.tile_m - 3
+    rng = np.random.default_rng(k + n + m)
+    qw = _random_weight(rng, k, n, group, symmetric)
+    _check(_activations(rng, m, k), qw, config, exact=False)
