@@ -17,7 +17,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import nybble
-from nybble.quant.importers import (
+from nybble.quant.formats import (
     from_awq,
     from_gptq,
     from_gptq_act_order,

@@ -1,7 +1,6 @@
 """Float weights to ``QuantizedWeight``: round to nearest, GPTQ, and exact imports of GPTQ/AWQ/qwix."""
 
-from nybble.quant.gptq import HessianAccumulator, gptq, hessian_from_inputs
-from nybble.quant.importers import (
+from nybble.quant.formats import (
     from_awq,
     from_gptq,
     from_gptq_act_order,
@@ -11,6 +10,7 @@ from nybble.quant.importers import (
     to_torch_int4pack,
     to_torch_uint8_codes,
 )
+from nybble.quant.gptq import HessianAccumulator, gptq, hessian_from_inputs
 from nybble.quant.qweight import QuantizedWeight, dequantize
 from nybble.quant.rtn import quantize
 

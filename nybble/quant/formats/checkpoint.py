@@ -71,7 +71,7 @@ def load_gptq_checkpoint(
     Returns ``{prefix: QuantizedWeight}`` for every quantized layer plus ``{name: numpy array}`` for every
     other tensor.
 
-    Each layer is imported exactly by :func:`nybble.quant.importers.from_gptq_act_order`. An act-order
+    Each layer is imported exactly by :func:`nybble.quant.from_gptq_act_order`. An act-order
     layer (``g_idx`` not ``arange(K) // G``) has its rows of K reordered so groups are contiguous, and
     the permutation is returned as ``params[prefix + ".input_perm"]`` (int32 [K]): compute that layer as
     ``x[..., perm] @ W``. ``act_order="error"`` refuses such layers instead. Note that "auto" zero

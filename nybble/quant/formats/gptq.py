@@ -83,7 +83,7 @@ def from_gptq(
     if perm is not None:
         raise ValueError(
             f"{name}.g_idx: act-order checkpoint (g_idx != arange(K) // G): its rows of K are grouped "
-            "out of order. Use nybble.quant.importers.from_gptq_act_order, which returns (weight, perm) "
+            "out of order. Use nybble.quant.from_gptq_act_order, which returns (weight, perm) "
             "with the rows permuted so groups are contiguous; then y = x[..., perm] @ weight."
         )
     return qw
