@@ -28,7 +28,8 @@ def reference_gptq(w, h, *, group_size, symmetric, damp=0.01, act_order=False, s
 
     def params(rows):
         if symmetric:
-            s = (np.abs(rows).max(0) / 7).astype(scale_dtype).astype(np.float64)
+            neg, pos = np.maximum(-rows.min(0), 0), np.maximum(rows.max(0), 0)
+            s = np.maximum(neg / 8, pos / 7).astype(scale_dtype).astype(np.float64)
             return s, np.zeros_like(s)
         lo, hi = rows.min(0), rows.max(0)
         s = ((hi - lo) / 15).astype(scale_dtype)

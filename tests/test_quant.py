@@ -64,9 +64,7 @@ def test_codes_are_exact_for_representable_weights():
     """Small integers times a power-of-two scale quantize and dequantize exactly."""
     rng = np.random.default_rng(1)
     q = rng.integers(-7, 8, size=(192, 96))
-    q[0, :] = 7  # pin each group's max |q| to 7 so the scale is exactly 0.25
-    q[64, :] = -7
-    q[128, :] = 7
+    q[[0, 64, 128], :] = 7  # pin each group's max to 7 (its min is >= -7) so the scale is exactly 0.25
     w = (q * 0.25).astype(np.float32)
     qw = nybble.quantize(w, group_size=64)
     np.testing.assert_array_equal(np.asarray(qw.scales, np.float32)[:, :96], 0.25)
@@ -166,3 +164,14 @@ def test_groups_made_only_of_padding_stay_finite(symmetric):
             np.testing.assert_array_equal(np.asarray(a, np.float32)[3], 0)
     y = nybble.matmul(jnp.ones((2, 96), jnp.float32), qw, implementation="xla")
     np.testing.assert_allclose(np.asarray(y), np.ones((2, 96)) @ np.asarray(nybble.dequantize(qw)), rtol=1e-5)
+
+
+def test_symmetric_uses_code_minus_8():
+    """A group whose extreme is negative maps it to -8: the step is max|w| / 8, not / 7."""
+    w = np.zeros((64, 2), np.float32)
+    w[:, 0] = np.linspace(-8.0, 4.0, 64)  # extreme negative: step 1, min -> -8
+    w[:, 1] = np.linspace(-3.0, 7.0, 64)  # extreme positive: step 1, max -> 7
+    qw = nybble.quantize(w, group_size=64, scale_dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(qw.scales)[0, :2], [1.0, 1.0])
+    codes = np.asarray(nybble.unpack_int4(np.asarray(qw.codes), 64, axis=-1))
+    assert codes[0].min() == -8 and codes[0].max() == 4 and codes[1].min() == -3 and codes[1].max() == 7

@@ -62,7 +62,7 @@ def quantize(
       w: float numpy/jax array, the layout of a Flax ``kernel`` (``y = x @ w``).
       group_size: rows of K sharing one scale (a power of two >= 16), or None for one scale per column.
         K that is not a multiple is padded with zero rows, never refused.
-      symmetric: signed codes in [-8, 7] and one scale per group (``scale = max|w| / 7``); else a zero
+      symmetric: signed codes in [-8, 7] and one scale per group (``max(-min / 8, max / 7)``); else a zero
         point per group too, stored as an offset so that dequantization is one multiply-add.
       scale_dtype: dtype of the stored scales and offsets (bf16: 4.125 bits/weight at g128).
       layout: the memory layout of the codes (see ``nybble.packing.LAYOUTS``).
@@ -107,13 +107,16 @@ def group_params(
     """Scales and offsets (None when symmetric) of weight groups ``wg`` (..., G, N) in float32.
 
     ``valid`` (..., G, 1) masks padded rows out of the statistics; a group of padding only gets scale 0
-    and offset 0. Symmetric: ``scale = max|w| / 7``. Asymmetric: ``scale = (max - min) / 15``, rounded up
-    if the scale dtype rounded it down (so [min, max] still fits 16 codes), and an offset mapping code -8
-    to the group minimum. Shared by round to nearest and GPTQ, so both store the same conventions.
+    and offset 0. Symmetric: ``scale = max(-min / 8, max / 7)``. Asymmetric: ``scale = (max - min) / 15``,
+    rounded up if the scale dtype rounded it down (so [min, max] still fits 16 codes), and an offset
+    mapping code -8 to the group minimum. Shared by round to nearest and GPTQ: one set of conventions.
     """
     if symmetric:
-        amax = jnp.max(jnp.where(valid, jnp.abs(wg), 0.0), axis=-2)
-        return (amax / 7).astype(scale_dtype), None
+        # Codes run -8..7: the most negative value may take code -8 and the most positive 7, so the
+        # step is the smaller of what each side needs (up to 12.5% finer than max|w| / 7).
+        neg = -jnp.min(jnp.where(valid, wg, 0.0), axis=-2)
+        pos = jnp.max(jnp.where(valid, wg, 0.0), axis=-2)
+        return jnp.maximum(neg / 8, pos / 7).astype(scale_dtype), None
     has = jnp.any(valid, axis=-2)
     wmin = jnp.where(has, jnp.min(jnp.where(valid, wg, jnp.inf), axis=-2), 0.0)
     wmax = jnp.where(has, jnp.max(jnp.where(valid, wg, -jnp.inf), axis=-2), 0.0)
