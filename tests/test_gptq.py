@@ -90,18 +90,27 @@ def test_matches_float64_reference(k, n, g, sym, act, block):
 
 
 @pytest.mark.parametrize(
-    ("g", "sym", "act"), [(64, True, False), (32, False, False), (64, True, True), (None, True, False)]
+    ("g", "sym", "act", "clip"),
+    [
+        (64, True, False, False),
+        (32, False, False, False),
+        (64, True, True, False),
+        (None, True, False, False),
+        (64, True, True, True),
+        (32, False, False, True),
+    ],
 )
-def test_beats_rtn_on_correlated_inputs(g, sym, act):
+def test_beats_rtn_on_correlated_inputs(g, sym, act, clip):
     rng = np.random.default_rng(5)
     k, n = 256, 96
     x = correlated_inputs(rng, 1024, k)
     w = rng.standard_normal((k, n)).astype(np.float32) * 0.05
     ref = x @ w
     err_rtn = np.linalg.norm(
-        x @ np.asarray(nybble.dequantize(nybble.quantize(w, group_size=g, symmetric=sym))) - ref
+        x @ np.asarray(nybble.dequantize(nybble.quantize(w, group_size=g, symmetric=sym, clip_search=clip)))
+        - ref
     )
-    qw = gptq(w, inputs=x, group_size=g, symmetric=sym, act_order=act)
+    qw = gptq(w, inputs=x, group_size=g, symmetric=sym, act_order=act, clip_search=clip)
     err_gptq = np.linalg.norm(x @ np.asarray(nybble.dequantize(qw)) - ref)
     assert err_gptq < 0.75 * err_rtn, (err_gptq, err_rtn)
 

@@ -150,6 +150,26 @@ def test_bad_arguments():
         quantize(_tiny(), rules=["proj"], progress=False)
     with pytest.raises(dataclasses_error()):
         QuantRule(pattern="x").skip = True  # frozen
+    with pytest.raises(TypeError, match=r"\['damp'\] belong to calibrated methods"):
+        quantize(_tiny(), damp=0.1, progress=False)
+
+
+def test_clip_search_passes_through_to_every_layer():
+    plain, searched = _tiny(), _tiny()
+    kernels = {path: lin.kernel[...] for path, lin in nnx.iter_modules(plain) if isinstance(lin, nnx.Linear)}
+    quantize(plain, progress=False)
+    quantize(searched, clip_search=True, progress=False)
+    for path, w in kernels.items():
+        if path == ("lm_head",):
+            continue  # kept in float by default
+
+        def err(model, path=path, w=w):
+            layer = model
+            for name in path:
+                layer = layer[name] if isinstance(name, int) else getattr(layer, name)
+            return float(jnp.sum((nybble.dequantize(layer.weight) - w) ** 2))
+
+        assert err(searched) <= err(plain) * (1 + 1e-5)
 
 
 def dataclasses_error() -> type[Exception]:

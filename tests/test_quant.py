@@ -175,3 +175,25 @@ def test_symmetric_uses_code_minus_8():
     np.testing.assert_array_equal(np.asarray(qw.scales)[0, :2], [1.0, 1.0])
     codes = np.asarray(nybble.unpack_int4(np.asarray(qw.codes), 64, axis=-1))
     assert codes[0].min() == -8 and codes[0].max() == 4 and codes[1].min() == -3 and codes[1].max() == 7
+
+
+@settings(max_examples=15, deadline=None)
+@given(weights(), st.sampled_from([32, 128, None]), st.booleans())
+def test_clip_search_never_increases_group_error(w, group_size, symmetric):
+    """The search includes the unclipped range, so each column's error can only shrink."""
+    plain = np.asarray(nybble.dequantize(nybble.quantize(w, group_size=group_size, symmetric=symmetric)))
+    searched = nybble.quantize(w, group_size=group_size, symmetric=symmetric, clip_search=True)
+    err_plain = ((plain - w) ** 2).sum(0)
+    err_searched = ((np.asarray(nybble.dequantize(searched)) - w) ** 2).sum(0)
+    assert (err_searched <= err_plain * (1 + 1e-5) + 1e-12).all()
+
+
+def test_clip_search_clips_an_outlier():
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((128, 64)).astype(np.float32)
+    w[3, :] = 12.0  # one outlier per column
+    plain = nybble.quantize(w, group_size=128)
+    searched = nybble.quantize(w, group_size=128, clip_search=True)
+    assert (np.asarray(searched.scales, np.float32)[0] < np.asarray(plain.scales, np.float32)[0]).all()
+    err = lambda qw: float(((np.asarray(nybble.dequantize(qw)) - w) ** 2).sum())
+    assert err(searched) < 0.9 * err(plain)

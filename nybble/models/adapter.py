@@ -19,6 +19,8 @@ from nybble.quant.rtn import check_group_size
 from nybble.quant.rtn import quantize as quantize_weight
 
 METHODS = ("rtn", "gptq")
+# Options of nybble.quantize that method="rtn" passes through.
+RTN_OPTIONS = frozenset({"clip_search"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,8 +214,9 @@ def quantize(
       progress: show a tqdm progress bar over layers.
       verbose: print the :class:`QuantizationReport` summary at the end.
       return_report: return ``(model, report)`` instead of the model alone.
-      **method_options: options of a calibrated method, e.g. for GPTQ ``act_order``, ``damp``,
-        ``block_size``, ``static_groups``, ``seq_len`` (see ``nybble.models.calibrate.quantize_gptq``).
+      **method_options: ``clip_search`` (both methods: per group, the range shrink with the least
+        squared error), and for GPTQ ``act_order``, ``damp``, ``block_size``, ``static_groups``,
+        ``seq_len`` (see ``nybble.models.calibrate.quantize_gptq``).
     """
     if method not in METHODS:
         raise ValueError(f"nybble.models.quantize: unknown method {method!r}; choose one of {METHODS}")
@@ -244,10 +247,10 @@ def quantize(
         )
     if calibration is not None:
         raise ValueError("nybble.models.quantize: calibration data is only used by method='gptq'")
-    if method_options:
+    if bad := sorted(set(method_options) - RTN_OPTIONS):
         raise TypeError(
-            f"nybble.models.quantize: options {sorted(method_options)} belong to calibrated methods; "
-            f"method='rtn' takes none"
+            f"nybble.models.quantize: options {bad} belong to calibrated methods; method='rtn' takes "
+            f"{sorted(RTN_OPTIONS)}"
         )
     planned, unmatched = plan_quantization(model, rules=rules, group_size=group_size, symmetric=symmetric)
     report = QuantizationReport(unmatched_rules=unmatched, method=method)
@@ -257,9 +260,14 @@ def quantize(
         if not d.quantize:
             report.layers.append(LayerReport(pl.path, pl.shape, False, None, None, d.reason, before, before))
             continue
-        q = QLinear.from_linear(
-            pl.linear, group_size=d.group_size, symmetric=d.symmetric, scale_dtype=scale_dtype
+        qweight = quantize_weight(
+            pl.linear.kernel[...],
+            group_size=d.group_size,
+            symmetric=d.symmetric,
+            scale_dtype=scale_dtype,
+            **method_options,
         )
+        q = QLinear.from_linear(pl.linear, qweight=qweight)
         pl.replace(q)
         report.layers.append(
             LayerReport(pl.path, pl.shape, True, d.group_size, d.symmetric, "", before, q.weight.nbytes)

@@ -103,11 +103,11 @@ def quantize_gptq(
       verbose: print the report summary.
       return_report: return ``(model, report)``.
       **gptq_kwargs: passed to :func:`nybble.quant.gptq.gptq` (``damp``, ``block_size``,
-        ``static_groups``).
+        ``static_groups``, ``clip_search``).
     """
     if calibration is None:
         raise ValueError("quantize_gptq: method='gptq' needs calibration= token ids (e.g. the calib split)")
-    bad = set(gptq_kwargs) - {"damp", "block_size", "static_groups"}
+    bad = set(gptq_kwargs) - {"damp", "block_size", "static_groups", "clip_search"}
     if bad:
         raise TypeError(f"quantize_gptq: unexpected keyword argument(s) {sorted(bad)}")
     ids = calibration_batches(calibration, seq_len)

@@ -110,6 +110,7 @@ def gptq(
     static_groups: bool | None = None,
     scale_dtype: Any = jnp.bfloat16,
     layout: str = DEFAULT_LAYOUT,
+    clip_search: bool = False,
 ) -> QuantizedWeight:
     """GPTQ-quantizes a float weight (K, N) = (in_features, out_features) to a ``QuantizedWeight``.
 
@@ -124,6 +125,8 @@ def gptq(
       static_groups: compute every group's parameters up front from the original weights (default:
         ``act_order``). ``act_order=True`` with ``static_groups=False`` is refused: it would need a
         permutation of K at run time.
+      clip_search: choose each group's range shrink (``nybble.quant.rtn.CLIP_GRID``) by least squared
+        weight error, as the reference implementation's ``mse`` option does.
 
     Inputs with a zero Hessian diagonal ("dead" inputs, never non-zero in the calibration data) get
     weight 0 before quantization, as in the reference implementation. Runs under ``jax.jit`` (the
@@ -168,6 +171,7 @@ def gptq(
         act_order=act_order,
         static_groups=static_groups or group_size is None,
         scale_dtype=np.dtype(scale_dtype),
+        clip_search=bool(clip_search),
     )
     if not isinstance(ok, jax.core.Tracer) and not bool(ok):
         raise ValueError(
@@ -189,11 +193,11 @@ def gptq(
     jax.jit,
     static_argnames=(
         "k", "k_pad", "n_pad", "k_loop", "group_size", "symmetric", "damp", "block", "act_order",
-        "static_groups", "scale_dtype",
+        "static_groups", "scale_dtype", "clip_search",
     ),
 )  # fmt: skip
 def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, group_size, symmetric, damp, block, act_order,
-               static_groups, scale_dtype):  # fmt: skip
+               static_groups, scale_dtype, clip_search):  # fmt: skip
     """Returns (codes int8 (K_pad, N_pad) in natural row order, scales, offsets or None, ok).
 
     ``ok`` is False when a Cholesky factorization failed (non-finite factor).
@@ -214,7 +218,7 @@ def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, group_size, symmetric, damp, bl
     if static_groups:  # parameters from the original weights, natural order: row k keeps group k // G
         wg = pad_to(w, (groups_loop * g, n_pad)).reshape(groups_loop, g, n_pad)
         vg = (jnp.arange(groups_loop * g) < k).reshape(groups_loop, g, 1)
-        st_scales, st_offsets = group_params(wg, vg, symmetric, scale_dtype)
+        st_scales, st_offsets = group_params(wg, vg, symmetric, scale_dtype, clip_search=clip_search)
         st_s = st_scales.astype(jnp.float32)
         st_b = jnp.zeros_like(st_s) if st_offsets is None else st_offsets.astype(jnp.float32)
 
@@ -242,7 +246,9 @@ def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, group_size, symmetric, damp, bl
         else:
             for start in range(0, block, g):  # a dynamic group: parameters from the updated rows
                 valid = real[k0 + start : k0 + start + g, None]
-                sc, of = group_params(carry[0][start : start + g], valid, symmetric, scale_dtype)
+                sc, of = group_params(
+                    carry[0][start : start + g], valid, symmetric, scale_dtype, clip_search=clip_search
+                )
                 dyn_scales.append(sc)
                 dyn_offsets.append(of)
                 s_rows = jnp.broadcast_to(sc.astype(jnp.float32), (block, n_pad))

@@ -55,6 +55,7 @@ def quantize(
     symmetric: bool = True,
     scale_dtype: Any = jnp.bfloat16,
     layout: str = DEFAULT_LAYOUT,
+    clip_search: bool = False,
 ) -> QuantizedWeight:
     """Quantizes a float weight of shape (K, N) = (in_features, out_features) to int4, round to nearest.
 
@@ -66,9 +67,12 @@ def quantize(
         point per group too, stored as an offset so that dequantization is one multiply-add.
       scale_dtype: dtype of the stored scales and offsets (bf16: 4.125 bits/weight at g128).
       layout: the memory layout of the codes (see ``nybble.packing.LAYOUTS``).
+      clip_search: per group, try shrinking the range (``CLIP_GRID``) and keep the scale with the least
+        squared error; clips outliers for a finer step, so the half-step bound below no longer holds.
 
-    Every element dequantizes to within half a quantization step of its input (for asymmetric groups, plus
-    the rounding of the stored offset to ``scale_dtype``). An all-zero group dequantizes to exact zeros.
+    Without ``clip_search``, every element dequantizes to within half a quantization step of its input
+    (for asymmetric groups, plus the rounding of the stored offset to ``scale_dtype``). An all-zero group
+    dequantizes to exact zeros.
     """
     check_weight(w)
     check_group_size(group_size)
@@ -82,7 +86,7 @@ def quantize(
     wf = pad_to(jnp.asarray(w, jnp.float32), (num_groups * g, n_pad)).reshape(num_groups, g, n_pad)
     # Padded rows take no part in the statistics and get code 0.
     valid = (jnp.arange(num_groups * g) < k).reshape(num_groups, g, 1)
-    scales, offsets = group_params(wf, valid, symmetric, scale_dtype)
+    scales, offsets = group_params(wf, valid, symmetric, scale_dtype, clip_search=clip_search)
     b = 0.0 if offsets is None else offsets.astype(jnp.float32)[:, None, :]
     q, _ = round_to_codes(wf, scales.astype(jnp.float32)[:, None, :], b)
     q = jnp.where(valid, q, 0)
@@ -101,8 +105,12 @@ def quantize(
     )
 
 
+# Shrink factors of the group range tried by the clipping search (1.0: no clipping).
+CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+
+
 def group_params(
-    wg: jax.Array, valid: jax.Array, symmetric: bool, scale_dtype: Any
+    wg: jax.Array, valid: jax.Array, symmetric: bool, scale_dtype: Any, *, clip_search: bool = False
 ) -> tuple[jax.Array, jax.Array | None]:
     """Scales and offsets (None when symmetric) of weight groups ``wg`` (..., G, N) in float32.
 
@@ -110,16 +118,43 @@ def group_params(
     and offset 0. Symmetric: ``scale = max(-min / 8, max / 7)``. Asymmetric: ``scale = (max - min) / 15``,
     rounded up if the scale dtype rounded it down (so [min, max] still fits 16 codes), and an offset
     mapping code -8 to the group minimum. Shared by round to nearest and GPTQ: one set of conventions.
+
+    ``clip_search``: per group and column, shrink the range by each factor of ``CLIP_GRID`` and keep the
+    parameters whose codes give the smallest squared error (clipping a few outliers for a finer step).
     """
+    if not clip_search:
+        return _range_params(wg, valid, symmetric, scale_dtype, 1.0)
+    best = None
+    for shrink in CLIP_GRID:
+        scales, offsets = _range_params(wg, valid, symmetric, scale_dtype, shrink)
+        b = 0.0 if offsets is None else offsets.astype(jnp.float32)[..., None, :]
+        _, deq = round_to_codes(wg, scales.astype(jnp.float32)[..., None, :], b)
+        err = jnp.sum(jnp.where(valid, (deq - wg) ** 2, 0.0), axis=-2)
+        if best is None:
+            best = (err, scales, offsets)
+            continue
+        take = err < best[0]
+        best = (
+            jnp.where(take, err, best[0]),
+            jnp.where(take, scales, best[1]),
+            None if offsets is None else jnp.where(take, offsets, best[2]),
+        )
+    return best[1], best[2]
+
+
+def _range_params(
+    wg: jax.Array, valid: jax.Array, symmetric: bool, scale_dtype: Any, shrink: float
+) -> tuple[jax.Array, jax.Array | None]:
+    """``group_params`` for the group range [min, max] scaled by ``shrink``."""
     if symmetric:
         # Codes run -8..7: the most negative value may take code -8 and the most positive 7, so the
         # step is the smaller of what each side needs (up to 12.5% finer than max|w| / 7).
         neg = -jnp.min(jnp.where(valid, wg, 0.0), axis=-2)
         pos = jnp.max(jnp.where(valid, wg, 0.0), axis=-2)
-        return jnp.maximum(neg / 8, pos / 7).astype(scale_dtype), None
+        return (shrink * jnp.maximum(neg / 8, pos / 7)).astype(scale_dtype), None
     has = jnp.any(valid, axis=-2)
-    wmin = jnp.where(has, jnp.min(jnp.where(valid, wg, jnp.inf), axis=-2), 0.0)
-    wmax = jnp.where(has, jnp.max(jnp.where(valid, wg, -jnp.inf), axis=-2), 0.0)
+    wmin = shrink * jnp.where(has, jnp.min(jnp.where(valid, wg, jnp.inf), axis=-2), 0.0)
+    wmax = shrink * jnp.where(has, jnp.max(jnp.where(valid, wg, -jnp.inf), axis=-2), 0.0)
     scales = ((wmax - wmin) / 15).astype(scale_dtype)
     short = scales.astype(jnp.float32) * 15 < (wmax - wmin)
     scales = jnp.where(short, jnp.nextafter(scales, jnp.asarray(jnp.inf, scales.dtype)), scales)
