@@ -7,25 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from nybble.kernels.api import hopper_device, num_sms
 from nybble.kernels.mosaic_gpu import TuningConfig, mosaic_gpu_matmul
 from nybble.kernels.reference import relative_error
 from nybble.kernels.xla import xla_matmul
 from nybble.quant import quantize
 
-
-def _hopper_sms() -> int | None:
-    """SM count of the first local Hopper GPU (compute capability 9.x), or None. Never raises on a CPU."""
-    try:
-        devices = jax.devices("gpu")
-    except RuntimeError:
-        return None
-    for dev in devices:
-        if str(getattr(dev, "compute_capability", "")).startswith("9"):
-            return int(getattr(dev, "core_count", 132))
-    return None
-
-
-NUM_SMS = _hopper_sms()
+NUM_SMS = num_sms() if hopper_device() is not None else None  # never raises on a CPU
 pytestmark = pytest.mark.skipif(NUM_SMS is None, reason="needs an NVIDIA Hopper GPU (sm90)")
 
 
