@@ -11,18 +11,14 @@ import jax
 import jax.numpy as jnp
 
 from nybble.packing import nk_int4_as_int4, pad_to
-from nybble.quant.qweight import QuantizedWeight, dequantize, expand_groups
+from nybble.quant.qweight import QuantizedWeight, dequantize, scale_codes
 
 
 def dequantize_nk(qw: QuantizedWeight, dtype: jnp.dtype) -> jax.Array:
     """The padded dequantized weight transposed, (N_pad, K_pad), in ``dtype`` (math in float32)."""
-    k_pad, _ = qw.padded_shape
     if qw.layout != "nk_int4":
         return dequantize(qw, jnp.float32, padded=True).T.astype(dtype)
-    w = nk_int4_as_int4(qw.codes).astype(jnp.float32) * expand_groups(qw.scales.T, qw.block_k, k_pad, 1)
-    if qw.offsets is not None:
-        w = w + expand_groups(qw.offsets.T, qw.block_k, k_pad, axis=1)
-    return w.astype(dtype)
+    return scale_codes(nk_int4_as_int4(qw.codes), qw, k_axis=1).astype(dtype)
 
 
 def xla_matmul(x: jax.Array, qw: QuantizedWeight) -> jax.Array:

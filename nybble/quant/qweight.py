@@ -102,15 +102,24 @@ def dequantize(qw: QuantizedWeight, dtype: Any = jnp.float32, *, padded: bool = 
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"dequantize expects a QuantizedWeight, got {type(qw).__name__}")
     k_pad = qw.padded_shape[0]
-    codes = get_layout(qw.layout).unpack(jnp.asarray(qw.codes), k_pad).astype(jnp.float32)
-    w = codes * expand_groups(qw.scales, qw.block_k, k_pad)
-    if qw.offsets is not None:
-        w = w + expand_groups(qw.offsets, qw.block_k, k_pad)
-    w = w.astype(dtype)
+    codes = get_layout(qw.layout).unpack(jnp.asarray(qw.codes), k_pad)
+    w = scale_codes(codes, qw).astype(dtype)
     if padded:
         return w
     k, n = qw.shape
     return w[:k, :n]
+
+
+def scale_codes(codes: jax.Array, qw: QuantizedWeight, *, k_axis: int = 0) -> jax.Array:
+    """``q * scale + offset`` in float32 for padded codes whose K runs along ``k_axis`` (0: (K_pad, N_pad),
+    1: (N_pad, K_pad)): the one definition of dequantization every path shares."""
+    k_pad = qw.padded_shape[0]
+
+    def per_row(a: jax.Array) -> jax.Array:
+        return expand_groups(a if k_axis == 0 else a.T, qw.block_k, k_pad, axis=k_axis)
+
+    w = codes.astype(jnp.float32) * per_row(qw.scales)
+    return w if qw.offsets is None else w + per_row(qw.offsets)
 
 
 def expand_groups(per_group: jax.Array, block_k: int, k_pad: int, axis: int = 0) -> jax.Array:
