@@ -1,6 +1,6 @@
 """Perplexity of SmolLM2-135M: float against int4 (RTN and GPTQ), the README's accuracy table.
 
-    .venv/bin/python examples/accuracy.py          # about 15 minutes on 2 CPU cores
+    .venv/bin/python examples/accuracy.py          # about 10 minutes on 2 CPU cores
 
 Calibrates on ``eval_text("calib")``, evaluates on ``eval_text("eval")`` (disjoint), window 256.
 """
@@ -18,8 +18,12 @@ CONFIGS = [
     ("RTN g64 symmetric", dict(group_size=64)),
     ("RTN g64 asymmetric", dict(group_size=64, symmetric=False)),
     ("RTN g32 asymmetric", dict(group_size=32, symmetric=False)),
-    ("GPTQ g128 symmetric", dict(group_size=128, method="gptq")),
+    ("GPTQ g128 symmetric, paper's algorithm", dict(group_size=128, method="gptq", refit_scales=False)),
+    ("GPTQ g128 symmetric (default: + least-squares scales)", dict(group_size=128, method="gptq")),
+    ("GPTQ g64 asymmetric (default)", dict(group_size=64, symmetric=False, method="gptq")),
 ]
+# GPTQ rows also report the share of the same-format RTN row's perplexity increase they remove.
+BASELINES = {"GPTQ g128 symmetric": "RTN g128 symmetric", "GPTQ g64 asymmetric": "RTN g64 asymmetric"}
 
 
 def main() -> None:
@@ -30,6 +34,7 @@ def main() -> None:
     print(f"eval tokens: {len(ids)}, calibration tokens: {len(calib)}")
     print("| weights | perplexity | vs float | linear-layer MiB |\n|---|---|---|---|")
     float_ppl = None
+    results: dict[str, float] = {}
     for name, options in CONFIGS:
         start = time.perf_counter()
         m = nnx.merge(graphdef, state)
@@ -41,7 +46,11 @@ def main() -> None:
             mib = report.bytes_after / 2**20
         ppl = nm.perplexity(m, ids)
         float_ppl = float_ppl or ppl
+        results[name] = ppl
         delta = "" if options is None else f"{100 * (ppl / float_ppl - 1):+.1f}%"
+        base = next((results[b] for g, b in BASELINES.items() if name.startswith(g)), None)
+        if base is not None:
+            delta += f"; removes {100 * (base - ppl) / (base - float_ppl):.0f}% of RTN's increase"
         size = "" if mib is None else f"{mib:.1f}"
         print(f"| {name} | {ppl:.2f} | {delta} | {size} |  ({time.perf_counter() - start:.0f} s)", flush=True)
 

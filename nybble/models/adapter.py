@@ -215,8 +215,8 @@ def quantize(
       verbose: print the :class:`QuantizationReport` summary at the end.
       return_report: return ``(model, report)`` instead of the model alone.
       **method_options: ``clip_search`` (both methods: per group, the range shrink with the least
-        squared error), and for GPTQ ``act_order``, ``damp``, ``block_size``, ``static_groups``,
-        ``seq_len`` (see ``nybble.models.calibrate.quantize_gptq``).
+        squared error), and for GPTQ ``act_order``, ``refit_scales``, ``damp``, ``block_size``,
+        ``static_groups``, ``seq_len`` (see ``nybble.models.calibrate.quantize_gptq``).
     """
     if method not in METHODS:
         raise ValueError(f"nybble.models.quantize: unknown method {method!r}; choose one of {METHODS}")

@@ -95,19 +95,19 @@ def quantize_gptq(
       seq_len: window length when ``calibration`` is a 1-D stream.
       act_order: quantize each layer's inputs by decreasing Hessian diagonal, with static groups (see
         ``nybble.quant.gptq``): free at run time (a natural-order ``QuantizedWeight``) and clearly
-        better on SmolLM2-135M (g128 eval perplexity 64.7 vs 71.3 in natural order, float 46.8,
-        round-to-nearest 88.6), hence the default.
+        better on SmolLM2-135M (g128 sym eval perplexity 61.7 vs 66.5 in natural order, both without
+        scale refit; float 46.8, round-to-nearest 75.4), hence the default.
       forward: ``forward(model, ids)`` runs the model (default: ``model.hidden_states(ids)`` if the
         model has it, else ``model(ids)``).
       progress: a tqdm bar over the layers as they are quantized.
       verbose: print the report summary.
       return_report: return ``(model, report)``.
-      **gptq_kwargs: passed to :func:`nybble.quant.gptq.gptq` (``damp``, ``block_size``,
-        ``static_groups``, ``clip_search``).
+      **gptq_kwargs: passed to :func:`nybble.quant.gptq.gptq` (``refit_scales``, on by default: least-squares
+        scales for the chosen codes; ``damp``, ``block_size``, ``static_groups``, ``clip_search``).
     """
     if calibration is None:
         raise ValueError("quantize_gptq: method='gptq' needs calibration= token ids (e.g. the calib split)")
-    bad = set(gptq_kwargs) - {"damp", "block_size", "static_groups", "clip_search"}
+    bad = set(gptq_kwargs) - {"damp", "block_size", "static_groups", "clip_search", "refit_scales"}
     if bad:
         raise TypeError(f"quantize_gptq: unexpected keyword argument(s) {sorted(bad)}")
     ids = calibration_batches(calibration, seq_len)

@@ -1,4 +1,5 @@
-"""Float weights to ``QuantizedWeight``: round to nearest, GPTQ, and exact imports of GPTQ/AWQ/qwix."""
+"""Float weights to ``QuantizedWeight``: round to nearest, GPTQ, least-squares scale refits, and exact
+imports of GPTQ/AWQ/qwix."""
 
 from nybble.quant.formats import (
     from_awq,
@@ -12,6 +13,7 @@ from nybble.quant.formats import (
 )
 from nybble.quant.gptq import HessianAccumulator, gptq, hessian_from_inputs
 from nybble.quant.qweight import QuantizedWeight, dequantize
+from nybble.quant.refit import refit_group_params
 from nybble.quant.rtn import quantize
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "load_awq_checkpoint",
     "load_gptq_checkpoint",
     "quantize",
+    "refit_group_params",
     "to_torch_int4pack",
     "to_torch_uint8_codes",
 ]

@@ -39,6 +39,7 @@ import numpy as np
 
 from nybble.packing import DEFAULT_LAYOUT, get_layout, pad_to, padded_weight_dims, round_up
 from nybble.quant.qweight import QuantizedWeight
+from nybble.quant.refit import damped_hessian, least_squares_params
 from nybble.quant.rtn import (
     SUPPORTED_SCALE_DTYPES,
     check_group_size,
@@ -111,6 +112,7 @@ def gptq(
     scale_dtype: Any = jnp.bfloat16,
     layout: str = DEFAULT_LAYOUT,
     clip_search: bool = False,
+    refit_scales: bool = True,
 ) -> QuantizedWeight:
     """GPTQ-quantizes a float weight (K, N) = (in_features, out_features) to a ``QuantizedWeight``.
 
@@ -127,6 +129,9 @@ def gptq(
         permutation of K at run time.
       clip_search: choose each group's range shrink (``nybble.quant.rtn.CLIP_GRID``) by least squared
         weight error, as the reference implementation's ``mse`` option does.
+      refit_scales: once the codes are chosen, re-solve every group's scale (and offset) by least squares
+        on the layer's output error (``nybble.quant.refit``): never worse on the calibration data, and
+        clearly better on SmolLM2-135M (README). ``False`` gives the paper's algorithm exactly.
 
     Inputs with a zero Hessian diagonal ("dead" inputs, never non-zero in the calibration data) get
     weight 0 before quantization, as in the reference implementation. Runs under ``jax.jit`` (the
@@ -178,6 +183,12 @@ def gptq(
             f"gptq: the damped Hessian of this ({k}, {n}) layer is not positive definite in float32 "
             f"(damp={damp}); raise damp (e.g. 0.1) or use more calibration data"
         )
+    if refit_scales:  # dead inputs hold weight 0 and code 0, as in the core
+        target = jnp.where((jnp.diag(h) == 0)[:, None], 0.0, jnp.asarray(w, jnp.float32))
+        scales, offsets = least_squares_params(
+            codes, target, damped_hessian(h, float(damp)), scales, offsets,
+            group_size=group_size, symmetric=symmetric, scale_dtype=np.dtype(scale_dtype),
+        )  # fmt: skip
     return QuantizedWeight(
         codes=get_layout(layout).pack(codes),
         scales=scales,
@@ -285,3 +296,4 @@ def _row_step(u1, s_rows, b_rows, i, carry):
     later = jnp.where(jnp.arange(u1.shape[0]) > i, u1[i], 0.0)
     w1 = w1 - later[:, None] * err[None, :]
     return w1, q1.at[i].set(q), e1.at[i].set(err)
+
