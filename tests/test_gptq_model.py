@@ -48,6 +48,20 @@ def test_quantize_gptq_whole_model():
     assert np.isfinite(np.asarray(model(ids))).all()
 
 
+def test_refit_scales_passes_through():
+    """refit_scales=False is the paper's GPTQ: same codes as the default, other scales, larger error."""
+    ids = np.random.default_rng(1).integers(0, CFG.vocab_size, (4, 48))
+    ref = np.asarray(tiny_model().hidden_states(ids))
+    plain = nm.quantize(tiny_model(), method="gptq", calibration=ids, group_size=32, refit_scales=False,
+                        progress=False)  # fmt: skip
+    refit = nm.quantize(tiny_model(), method="gptq", calibration=ids, group_size=32, progress=False)
+    a, b = plain.layers[0].attn.q_proj.weight, refit.layers[0].attn.q_proj.weight
+    np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))  # first layer: same inputs
+    assert not np.array_equal(np.asarray(a.scales), np.asarray(b.scales))
+    err = [np.linalg.norm(np.asarray(m.hidden_states(ids)) - ref) for m in (plain, refit)]
+    assert err[1] < err[0], err
+
+
 def test_errors_restore_the_model():
     model = tiny_model()
     with pytest.raises(ValueError, match="calibration"):
