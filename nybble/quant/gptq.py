@@ -25,6 +25,9 @@ the original weights in natural order, so row k keeps group k // G whatever orde
 and the result is a plain natural-order ``QuantizedWeight`` (no permutation, no gather on K). This is
 AutoGPTQ's ``desc_act=True, static_groups=True``. Per-column quantization (``group_size=None``) likewise
 fixes its one scale per column up front, as in the reference implementation.
+
+After the codes are chosen, ``refit_scales=True`` (the default) re-solves each group's scale and offset by
+least squares on the same objective (``nybble.quant.refit``); ``refit_scales=False`` is the paper's result.
 """
 
 from __future__ import annotations
