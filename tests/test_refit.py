@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_gptq import codes_of, correlated_inputs
 
 import nybble
 from nybble.quant.gptq import gptq, hessian_from_inputs
@@ -37,18 +38,8 @@ def reference_refit(codes, w, h, group_size, symmetric, damp=0.01):
     return scales, offsets
 
 
-def correlated_inputs(rng, n, k):
-    mix = rng.standard_normal((k // 4, k))
-    x = rng.standard_normal((n, k // 4)) @ mix + 0.1 * rng.standard_normal((n, k))
-    return (x * rng.uniform(0.2, 3.0, k)).astype(np.float32)
-
-
 def output_error(x, w, qw):
     return np.linalg.norm(x.astype(np.float64) @ (np.asarray(nybble.dequantize(qw), np.float64) - w))
-
-
-def codes_of(qw):
-    return np.asarray(nybble.unpack_int4(np.asarray(qw.codes), qw.padded_shape[0], axis=-1)).T
 
 
 @pytest.mark.parametrize(

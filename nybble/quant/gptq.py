@@ -226,8 +226,7 @@ def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, group_size, symmetric, damp, bl
     dead = diag == 0
     alive = jnp.pad(~dead, (0, k_loop - k))
     w = jnp.where(alive[:, None], pad_to(w, (k_loop, n_pad)), 0.0)
-    mean_diag = jnp.mean(jnp.where(dead, 1.0, diag))
-    h = pad_to(h, (k_loop, k_loop)) + jnp.diag(jnp.where(alive, 0.0, 1.0) + damp * mean_diag)
+    h = pad_to(damped_hessian(h, damp), (k_loop, k_loop)) + jnp.diag(jnp.where(real, 0.0, 1.0))
 
     if static_groups:  # parameters from the original weights, natural order: row k keeps group k // G
         wg = pad_to(w, (groups_loop * g, n_pad)).reshape(groups_loop, g, n_pad)
