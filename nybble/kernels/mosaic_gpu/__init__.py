@@ -10,6 +10,7 @@ from nybble.kernels.mosaic_gpu.api import (
     is_interpret_active,
     is_supported,
     mosaic_gpu_matmul,
+    plan,
 )
 from nybble.kernels.mosaic_gpu.config import TuningConfig, heuristic_cases, heuristic_config
 from nybble.kernels.mosaic_gpu.interpret import races_found, reset_state
@@ -23,6 +24,7 @@ __all__ = [
     "is_interpret_active",
     "is_supported",
     "mosaic_gpu_matmul",
+    "plan",
     "races_found",
     "reset_state",
     "w4a16_padded",

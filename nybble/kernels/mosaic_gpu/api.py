@@ -15,6 +15,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
+from nybble.kernels.mosaic_gpu.common import Problem
 from nybble.kernels.mosaic_gpu.config import (
     DEFAULT_NUM_SMS,
     MIN_GROUP_SIZE,
@@ -105,13 +106,15 @@ mlir.register_lowering(_requires_gpu_p, lambda ctx, x: [x], platform="cuda")
 batching.primitive_batchers[_requires_gpu_p] = lambda args, dims: (_requires_gpu_p.bind(*args), dims[0])
 
 
-def _forward(x2d: jax.Array, qw: QuantizedWeight, config: TuningConfig | None, num_sms: int) -> jax.Array:
-    m, k = x2d.shape
-    n = qw.shape[1]
+def plan(
+    m: int, qw: QuantizedWeight, *, num_sms: int = DEFAULT_NUM_SMS, config: TuningConfig | None = None
+) -> Problem:
+    """The kernel launch one ``nybble.matmul`` of M rows against ``qw`` makes: config, padding, grid.
+
+    ``config`` None takes :func:`heuristic_config`'s choice for a GPU of ``num_sms`` SMs. What the X-ray
+    (``bench.xray``) reads to model a call, and what the wrapper itself runs.
+    """
     k_pad, n_pad = qw.padded_shape
-    group = qw.block_k
-    if m == 0:
-        return jnp.zeros((0, n), x2d.dtype)
     if config is None:
         config = heuristic_config(
             m,
@@ -123,6 +126,20 @@ def _forward(x2d: jax.Array, qw: QuantizedWeight, config: TuningConfig | None, n
             scale_bytes=np.dtype(qw.scales.dtype).itemsize,
             codes_dtype="int4" if qw.codes.dtype == jnp.int4 else "uint8",
         )
+    m_pad = round_up(max(m, 1), config.tile_m)
+    problem = Problem(m_pad, n_pad, k_pad, qw.block_k, jnp.bfloat16, qw.offsets is not None, config)
+    config.check_problem(m_pad, n_pad, k_pad, qw.block_k)
+    return problem
+
+
+def _forward(x2d: jax.Array, qw: QuantizedWeight, config: TuningConfig | None, num_sms: int) -> jax.Array:
+    m, k = x2d.shape
+    n = qw.shape[1]
+    k_pad, n_pad = qw.padded_shape
+    group = qw.block_k
+    if m == 0:
+        return jnp.zeros((0, n), x2d.dtype)
+    config = plan(m, qw, num_sms=num_sms, config=config).config
     m_pad = round_up(m, config.tile_m)
     if not is_interpret_active():
         x2d = _requires_gpu_p.bind(x2d)

@@ -69,6 +69,30 @@ class Problem:
         return scale_rows_per_step(self.config, self.group)
 
     @property
+    def ctas(self) -> int:
+        return self.m_tiles * self.n_tiles * self.config.split_k
+
+    @property
+    def threads(self) -> int:
+        """Threads per CTA: 128 per compute warpgroup, plus the TMA warpgroup when warp-specialized."""
+        return 128 * (self.config.compute_wgs + (1 if self.config.compute_wgs > 1 else 0))
+
+    @property
+    def weight_bytes_per_step(self) -> int:
+        """Code bytes one pipeline step of one CTA brings in (scales not counted)."""
+        return self.cta_n * self.config.tile_k // 2
+
+    @property
+    def weight_bytes_in_flight(self) -> int:
+        """Code bytes a CTA has requested ahead of the step it computes: all slots but the busy one."""
+        return (self.config.max_concurrent_steps - 1) * self.weight_bytes_per_step
+
+    @property
+    def dequantized_weights(self) -> int:
+        """Weights dequantized over the whole launch: every M tile dequantizes all of W again."""
+        return self.m_tiles * self.n_pad * self.k_pad
+
+    @property
     def out_shape(self) -> tuple[int, ...]:
         split_k = self.config.split_k
         return (split_k, self.m_pad, self.n_pad) if split_k > 1 else (self.m_pad, self.n_pad)
