@@ -246,14 +246,12 @@ def _as_array(a: np.ndarray) -> Any:
 def _check_quantized(path: Path, meta: dict[str, Any], qw: QuantizedWeight) -> None:
     where = _path_name(meta["path"])
     k_pad, n_pad = qw.padded_shape
-    codes_shape = jax.eval_shape(
-        get_layout(qw.layout).pack, jax.ShapeDtypeStruct((k_pad, n_pad), jnp.int8)
-    ).shape
-    if tuple(qw.codes.shape) != tuple(codes_shape) or qw.codes.dtype != np.uint8:
+    expected = jax.eval_shape(get_layout(qw.layout).pack, jax.ShapeDtypeStruct((k_pad, n_pad), jnp.int8))
+    if tuple(qw.codes.shape) != tuple(expected.shape) or qw.codes.dtype != expected.dtype:
         raise _refuse(
             path,
             f"{where}: codes {qw.codes.dtype}{list(qw.codes.shape)} do not fit layout {qw.layout!r} "
-            f"for shape {qw.shape} (expected uint8{list(codes_shape)})",
+            f"for shape {qw.shape} (expected {np.dtype(expected.dtype).name}{list(expected.shape)})",
         )
     for what, a in (("scales", qw.scales), ("offsets", qw.offsets)):
         if a is not None and tuple(a.shape) != (qw.num_groups, n_pad):

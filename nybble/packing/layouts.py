@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from nybble.packing.fragments import pack_wgmma_int4, unpack_wgmma_int4
 from nybble.packing.nibbles import pack_int4, unpack_int4
 
 
@@ -71,6 +72,16 @@ register_layout(
         unpack=_nk_int4_unpack,
         stored_shape=lambda k_pad, n_pad: (n_pad, k_pad // 2),
         description="W^T K-major, two int4 per byte along K (low nibble = even k): jnp.int4 memory order",
+    )
+)
+register_layout(
+    WeightLayout(
+        name="wgmma_int4",
+        pack=pack_wgmma_int4,
+        unpack=unpack_wgmma_int4,
+        stored_shape=lambda k_pad, n_pad: (n_pad // 8, k_pad),
+        description="uint32 words in WGMMA A-fragment order: 8-row bands, 64-K chunks, one lane's nibbles "
+        "per word pair (nybble.packing.fragments); what the Hopper kernels read",
     )
 )
 DEFAULT_LAYOUT = "nk_int4"

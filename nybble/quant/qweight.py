@@ -26,7 +26,8 @@ class QuantizedWeight:
     ``offsets = (8 - z) * s``, so every kernel does one fused multiply-add per element.
 
     Arrays (pytree children):
-      codes: uint8, laid out as ``layout`` says (``nk_int4``: (N_pad, K_pad // 2), see ``nybble.packing``).
+      codes: laid out as ``layout`` says (``nk_int4``: uint8 (N_pad, K_pad // 2); ``wgmma_int4``: uint32
+        (N_pad // 8, K_pad), what the Hopper kernels read; see ``nybble.packing``).
       scales: (K_pad // G, N_pad) in the scale dtype (bfloat16 by default).
       offsets: None, or like ``scales``.
     Static metadata: ``shape`` (K, N), ``group_size`` (None: one group per column), ``symmetric``,
@@ -108,6 +109,17 @@ def dequantize(qw: QuantizedWeight, dtype: Any = jnp.float32, *, padded: bool = 
         return w
     k, n = qw.shape
     return w[:k, :n]
+
+
+def relayout(qw: QuantizedWeight, layout: str) -> QuantizedWeight:
+    """The same weight with its codes stored in another named layout (``nybble.packing.LAYOUTS``); exact."""
+    if not isinstance(qw, QuantizedWeight):
+        raise TypeError(f"relayout expects a QuantizedWeight, got {type(qw).__name__}")
+    target = get_layout(layout)
+    if layout == qw.layout:
+        return qw
+    codes = get_layout(qw.layout).unpack(qw.codes, qw.padded_shape[0])
+    return dataclasses.replace(qw, codes=target.pack(codes), layout=layout)
 
 
 def scale_codes(codes: jax.Array, qw: QuantizedWeight, *, k_axis: int = 0) -> jax.Array:
