@@ -9,6 +9,7 @@ import numpy as np
 
 from nybble.kernels.xla import xla_matmul
 from nybble.quant.qweight import QuantizedWeight
+from nybble.sharding import ShardedWeight, sharded_matmul
 
 Implementation = Literal["mosaic_gpu", "xla"]
 # Tried in this order by implementation=None; XLA runs everywhere and comes last.
@@ -41,10 +42,10 @@ def num_sms() -> int:
 
 
 def _check_args(x: Any, qw: Any) -> None:
-    if not isinstance(qw, QuantizedWeight):
+    if not isinstance(qw, QuantizedWeight | ShardedWeight):
         raise TypeError(
-            f"nybble.matmul: the weight must be a nybble.QuantizedWeight (from nybble.quantize), got "
-            f"{type(qw).__name__}"
+            f"nybble.matmul: the weight must be a nybble.QuantizedWeight (from nybble.quantize) or a "
+            f"nybble.sharding.ShardedWeight, got {type(qw).__name__}"
         )
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"nybble.matmul: x must be an array of shape (..., K), got {type(x).__name__}")
@@ -84,14 +85,18 @@ def _mosaic_gpu_unavailable(x: Any, qw: QuantizedWeight) -> str | None:
     )
 
 
-def matmul(x: Any, qw: QuantizedWeight, *, implementation: Implementation | None = None) -> jax.Array:
+def matmul(
+    x: Any, qw: QuantizedWeight | ShardedWeight, *, implementation: Implementation | None = None
+) -> jax.Array:
     """``x @ dequantize(qw)``: x of shape (..., K) in bf16/f16/f32, result (..., N) in ``x.dtype``.
 
     Accumulates in float32. Works under ``jit``, ``vmap`` and ``grad`` (with respect to ``x``).
 
     Args:
       x: activations, any leading batch dims.
-      qw: the weight, from :func:`nybble.quantize`.
+      qw: the weight, from :func:`nybble.quantize`; or a :class:`nybble.sharding.ShardedWeight`, split over
+        a mesh axis: then each shard runs this same op on its own shard under ``jax.shard_map`` (the
+        implementation chosen per shard), with an all-reduce for a row-parallel split.
       implementation: None picks the best that can run here: the Mosaic GPU kernel on a Hopper GPU
         (or inside ``nybble.kernels.interpret()``), else XLA. ``"mosaic_gpu"`` or ``"xla"`` forces one.
         A forced ``"mosaic_gpu"`` raises ``NotImplementedError`` saying why when the kernel cannot take
@@ -99,6 +104,13 @@ def matmul(x: Any, qw: QuantizedWeight, *, implementation: Implementation | None
         ``interpret()`` (tracing and lowering for CUDA work anywhere).
     """
     _check_args(x, qw)
+    if isinstance(qw, ShardedWeight):
+        if implementation not in (None, *IMPLEMENTATIONS):
+            raise ValueError(
+                f"nybble.matmul: unknown implementation {implementation!r}; choose one of "
+                f"{IMPLEMENTATIONS} or None"
+            )
+        return sharded_matmul(x, qw, implementation=implementation)
     if implementation is None:
         implementation = "mosaic_gpu" if _mosaic_gpu_unavailable(x, qw) is None else "xla"
     if implementation == "xla":
@@ -119,9 +131,14 @@ def matmul(x: Any, qw: QuantizedWeight, *, implementation: Implementation | None
     )
 
 
-def available_implementations(x: Any, qw: QuantizedWeight) -> dict[str, str | None]:
-    """Each implementation mapped to None (it can run these arguments here) or the reason it cannot."""
+def available_implementations(x: Any, qw: QuantizedWeight | ShardedWeight) -> dict[str, str | None]:
+    """Each implementation mapped to None (it can run these arguments here) or the reason it cannot.
+
+    For a ``ShardedWeight``: whether it can run each shard's product (x cut like the weight).
+    """
     _check_args(x, qw)
+    if isinstance(qw, ShardedWeight):
+        x, qw = qw.local_problem(x)
     return {"mosaic_gpu": _mosaic_gpu_unavailable(x, qw), "xla": None}
 
 

@@ -3,6 +3,7 @@
 from nybble.packing.layouts import (
     DEFAULT_LAYOUT,
     LAYOUTS,
+    StoredDim,
     WeightLayout,
     get_layout,
     nk_int4_as_int4,
@@ -15,6 +16,7 @@ __all__ = [
     "DEFAULT_LAYOUT",
     "LAYOUTS",
     "WEIGHT_TILE",
+    "StoredDim",
     "WeightLayout",
     "get_layout",
     "nk_int4_as_int4",

@@ -7,6 +7,11 @@ and back. Add a layout by registering a :class:`WeightLayout`; ``QuantizedWeight
 in its low nibble and q[2j + 1, n] in its high nibble, two's complement. That is exactly the memory of a
 ``jnp.int4`` array of shape (N_pad, K_pad), so XLA reads it as int4 through a free bitcast and a Mosaic GPU
 kernel can TMA a (tile_n, tile_k // 2) byte block and load it as an int4 (tile_n, tile_k) WGMMA operand.
+
+Each layout also declares where N and K live in its stored array (:class:`StoredDim`: the axis, logical values
+per index, and the smallest block stored apart from the rest). That is what cuts a weight into tensor-parallel
+shards without unpacking it (``nybble.sharding``): a cut along N or K must fall on a multiple of that
+dimension's granule, and zero stored elements are zero codes (padding), in every layout.
 """
 
 from __future__ import annotations
@@ -22,6 +27,24 @@ from nybble.packing.fragments import pack_wgmma_int4, unpack_wgmma_int4
 from nybble.packing.nibbles import pack_int4, unpack_int4
 
 
+@dataclasses.dataclass(frozen=True)
+class StoredDim:
+    """Where one logical weight dimension (N or K) lives in a layout's stored codes array."""
+
+    axis: int  # the stored array's axis that carries this dimension
+    per_index: int  # logical values per index along that axis (2 for two nibbles of K in a byte)
+    # The smallest run of this dimension stored apart from the rest, in logical values: a block starting and
+    # ending on multiples of it is a plain slice of the stored array along ``axis`` (indices / per_index).
+    granule: int
+    unit: str = ""  # what one granule is called, for error messages ("byte", "8-row band")
+
+    def __post_init__(self) -> None:
+        if self.per_index < 1 or self.granule < 1 or self.granule % self.per_index:
+            raise ValueError(
+                f"StoredDim: granule {self.granule} must be a positive multiple of per_index {self.per_index}"
+            )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WeightLayout:
     name: str
@@ -32,6 +55,9 @@ class WeightLayout:
     # Stored shape for a (K_pad, N_pad) weight.
     stored_shape: Callable[[int, int], tuple[int, ...]]
     description: str
+    # Where N (output features) and K (input features) live in the stored array: what sharding slices.
+    n: StoredDim
+    k: StoredDim
 
 
 def _nk_int4_pack(codes_kn: Any) -> Any:
@@ -72,6 +98,8 @@ register_layout(
         unpack=_nk_int4_unpack,
         stored_shape=lambda k_pad, n_pad: (n_pad, k_pad // 2),
         description="W^T K-major, two int4 per byte along K (low nibble = even k): jnp.int4 memory order",
+        n=StoredDim(axis=0, per_index=1, granule=1, unit="row"),  # one row of bytes per output feature
+        k=StoredDim(axis=1, per_index=2, granule=2, unit="byte"),  # a byte holds two values of K
     )
 )
 register_layout(
@@ -82,6 +110,8 @@ register_layout(
         stored_shape=lambda k_pad, n_pad: (n_pad // 8, k_pad),
         description="uint32 words in WGMMA A-fragment order: 8-row bands, 64-K chunks, one lane's nibbles "
         "per word pair (nybble.packing.fragments); what the Hopper kernels read",
+        n=StoredDim(axis=0, per_index=8, granule=8, unit="8-row band"),  # a row of words: 8 output features
+        k=StoredDim(axis=1, per_index=1, granule=64, unit="64-K chunk"),  # 64 words, permuted within
     )
 )
 DEFAULT_LAYOUT = "nk_int4"

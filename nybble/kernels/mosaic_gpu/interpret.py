@@ -10,6 +10,11 @@ jax 0.11.2's interpreter cannot run ``plgpu.wgmma`` with its A operand in regist
 but got (64, 128)"), which is exactly how the W4A16 kernel feeds the dequantized weights. ``interpret()``
 closes that gap with a small patch of ``jax._src.pallas.mosaic_gpu.interpret``, applied only while the
 context is active and only on that jax version (other versions run unpatched).
+
+Under ``jax.shard_map`` on several CPU devices (``nybble.sharding``) every device interprets its own kernel
+at the same time, in one shared simulated memory. jax 0.11.2 then checks, as each device finishes, that no
+barrier is left allocated *on any device*, and fails when another device is still mid-kernel. The same
+patch makes that check wait until every device of the kernel reached it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("nybble_mgpu_inter
 _patch_lock = threading.Lock()
 _patch_depth = 0
 _saved_method: Any = None
+_saved_barrier_check: Any = None
 
 
 def active_params() -> Any:
@@ -113,19 +119,39 @@ def _wgmma_register_a(
     return run(token=token)
 
 
+def _assert_no_barriers_allocated_all_devices(token: Any) -> Any:
+    """jax's end-of-kernel barrier check, run once every device of the kernel has arrived at it."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    @gpu_callbacks.fail_on_exception
+    def run(token: Any) -> Any:
+        shared = gpu_callbacks._get_shared_memory()
+        with _patch_lock:
+            arrived = getattr(shared, "_nybble_all_arrived", None)
+            if arrived is None:  # one per simulated memory, i.e. per kernel launch
+                arrived = shared._nybble_all_arrived = threading.Barrier(shared.barrier.parties)
+        arrived.wait()
+        shared.assert_no_barriers_allocated()
+        return token
+
+    return run(token)
+
+
 @contextlib.contextmanager
 def _patched_interpreter() -> Iterator[None]:
-    global _patch_depth, _saved_method
+    global _patch_depth, _saved_method, _saved_barrier_check
     if jax.__version__ != _PATCHED_JAX_VERSION:
         yield
         return
-    from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret
 
     cls = jaxpr_interpret.JaxprInterpreter
     with _patch_lock:
         if _patch_depth == 0:
             _saved_method = cls._interpret_wgmma_ref_p
             cls._interpret_wgmma_ref_p = _patched_wgmma_ref_p
+            _saved_barrier_check = gpu_callbacks._assert_no_barriers_allocated
+            gpu_callbacks._assert_no_barriers_allocated = _assert_no_barriers_allocated_all_devices
         _patch_depth += 1
     try:
         yield
@@ -134,7 +160,8 @@ def _patched_interpreter() -> Iterator[None]:
             _patch_depth -= 1
             if _patch_depth == 0:
                 cls._interpret_wgmma_ref_p = _saved_method
-                _saved_method = None
+                gpu_callbacks._assert_no_barriers_allocated = _saved_barrier_check
+                _saved_method = _saved_barrier_check = None
 
 
 @contextlib.contextmanager
