@@ -24,9 +24,17 @@ def default_jobs() -> int:
 
 
 def run_cases(
-    cases: Sequence[Case], *, gpu: str = "h200", jobs: int | None = None, progress: bool = True
+    cases: Sequence[Case],
+    *,
+    gpu: str = "h200",
+    jobs: int | None = None,
+    progress: bool = True,
+    worker: str = "bench.xray.worker",
 ) -> dict[str, dict[str, Any]]:
     """Compiles every case in ``jobs`` worker processes; returns the worker's record per case key.
+
+    ``worker`` is the module run as ``python -m WORKER GPU``: one JSON case a line on stdin (a dataclass
+    with ``key``, ``k``, ``n``, ``m``), one JSON record a line on stdout (``bench.xray.worker``'s protocol).
 
     Raises ``ToolchainMissing`` (naming the ``xray`` extra) when the toolchain is not installed.
     """
@@ -67,7 +75,7 @@ def run_cases(
         log = tempfile.TemporaryFile(mode="w+")
         logs.append(log)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.xray.worker", gpu],
+            [sys.executable, "-m", worker, gpu],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,8 @@ class KernelReport:
 class CompileReport:
     launches: list[hlo.Launch]
     kernels: list[KernelReport]
+    collectives: list[hlo.Collective] = dataclasses.field(default_factory=list)
+    hlo_text: str | None = None  # the optimized HLO, when asked for (keep_hlo=True)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -69,7 +72,12 @@ class CompileReport:
             if loop is not None:
                 loop = LoopReport(**{**loop, "opcode_mix": [tuple(p) for p in loop["opcode_mix"]]})
             kernels.append(KernelReport(**{**k, "loop": loop}))
-        return cls([hlo.Launch(**launch) for launch in d["launches"]], kernels)
+        return cls(
+            [hlo.Launch(**launch) for launch in d["launches"]],
+            kernels,
+            [hlo.Collective(**c) for c in d.get("collectives", [])],
+            d.get("hlo_text"),
+        )
 
 
 def abstract(tree: Any, device: Any) -> Any:
@@ -79,6 +87,27 @@ def abstract(tree: Any, device: Any) -> Any:
 
     sharding = SingleDeviceSharding(device)
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+
+def abstract_on(tree: Any, devices: Sequence[Any]) -> Any:
+    """ShapeDtypeStructs for a multi-device compile: a leaf's own sharding is kept (it must use only
+    ``devices``), other leaves are replicated over ``devices``."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    replicated = NamedSharding(Mesh(np.array(devices), ("devices",)), PartitionSpec())
+    allowed = set(devices)
+
+    def place(a: Any) -> Any:
+        sharding = getattr(a, "sharding", None)
+        if sharding is None:
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
+        if not set(sharding.device_set) <= allowed:
+            raise ValueError(f"an argument of shape {a.shape} is placed on devices outside the compile's")
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+    return jax.tree.map(place, tree)
 
 
 def read_kernel_dumps(folder: Path) -> list[KernelReport]:
@@ -124,14 +153,26 @@ def read_kernel_dumps(folder: Path) -> list[KernelReport]:
     return reports
 
 
-def xray_compile(fn: Any, *args: Any, gpu: str = "h200", keep_dumps: Path | None = None) -> CompileReport:
-    """Compiles ``jax.jit(fn)`` for one deviceless ``gpu`` and X-rays the result.
+def xray_compile(
+    fn: Any,
+    *args: Any,
+    gpu: str = "h200",
+    keep_dumps: Path | None = None,
+    devices: Sequence[Any] | None = None,
+    keep_hlo: bool = False,
+) -> CompileReport:
+    """Compiles ``jax.jit(fn)`` for one deviceless ``gpu`` (or several) and X-rays the result.
 
     Args:
       fn: a function of ``args``; it is jitted here.
       args: arrays or ShapeDtypeStructs (pytrees of them); only shapes and dtypes matter.
       gpu: "h200" or "h100" (see ``nybble.kernels.xray.target.GPUS``).
       keep_dumps: a folder to keep Mosaic GPU's dumps in (default: a temporary folder, deleted).
+      devices: None compiles for one device. Else deviceless devices (``deviceless_devices(gpu, n)``) of
+        an SPMD compile: ShapeDtypeStructs whose ``sharding`` is on them keep it (a ``NamedSharding`` over a
+        mesh of these devices), other leaves are replicated. The report is then the per-device program:
+        its launches include the collectives (``hlo.collectives`` reads them).
+      keep_hlo: keep the optimized HLO text in the report.
 
     Must run in a process started with ``toolchain.child_environment()`` (``python -m bench.xray`` does).
     """
@@ -143,8 +184,10 @@ def xray_compile(fn: Any, *args: Any, gpu: str = "h200", keep_dumps: Path | None
             "nybble.kernels.xray.toolchain.child_environment; `python -m bench.xray` starts one). "
             + EXTRA_HINT
         )
-    device = deviceless_devices(gpu, 1)[0]
-    abstract_args = abstract(args, device)
+    if devices is None:
+        abstract_args = abstract(args, deviceless_devices(gpu, 1)[0])
+    else:
+        abstract_args = abstract_on(args, devices)
     with tempfile.TemporaryDirectory(prefix="nybble-xray-") as tmp:
         folder = Path(keep_dumps) if keep_dumps is not None else Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
@@ -162,4 +205,5 @@ def xray_compile(fn: Any, *args: Any, gpu: str = "h200", keep_dumps: Path | None
                 else:
                     os.environ[k] = v
         kernels = read_kernel_dumps(folder)
-    return CompileReport(hlo.launches(compiled.as_text()), kernels)
+    text = compiled.as_text()
+    return CompileReport(hlo.launches(text), kernels, hlo.collectives(text), text if keep_hlo else None)

@@ -5,6 +5,10 @@ call (a Mosaic GPU kernel, a cuBLAS GEMM), a copy, a collective. Parameters, con
 plumbing cost nothing. Each launch's bytes are its operands plus its result as XLA types them; operands are
 traced back through bitcasts to the entry parameters so bytes can be charged to what they are (the
 codes, the scales, x) rather than to an HLO name.
+
+In an SPMD program (one compiled for several devices) the entry computation is one device's program, and
+:func:`collectives` reads its collectives: the op, its buffer, the devices in each group, and the bytes a
+ring algorithm sends per device.
 """
 
 from __future__ import annotations
@@ -176,6 +180,11 @@ def _kind(v: Value) -> tuple[str, str]:
     return v.opcode, v.opcode
 
 
+def launch_kind(v: Value) -> tuple[str, str]:
+    """(kind, detail) of an instruction, as :class:`Launch` names them ("mosaic_gpu", "triton_gemm", ...)."""
+    return _kind(v)
+
+
 def launches(hlo_text: str) -> list[Launch]:
     """The device launches of a compiled computation, in program order."""
     values = entry_values(hlo_text)
@@ -194,4 +203,70 @@ def launches(hlo_text: str) -> list[Launch]:
             size = values[operand].bytes if operand in values else 0
             operand_bytes[src] = operand_bytes.get(src, 0) + size
         out.append(Launch(v.name, kind, detail, operand_bytes, v.bytes, v.name in outputs))
+    return out
+
+
+_COLLECTIVE_OPS = {
+    # op -> bytes each device sends in a ring, as a fraction of the buffer (the result; the operand for
+    # reduce-scatter), over a group of g devices.
+    "all-reduce": lambda g: 2 * (g - 1) / g,  # reduce-scatter + all-gather
+    "all-gather": lambda g: (g - 1) / g,
+    "reduce-scatter": lambda g: (g - 1) / g,
+    "all-to-all": lambda g: (g - 1) / g,
+    "collective-permute": lambda g: 1.0,
+}
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<names>[^}]*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(?P<dims>[\d,]+)\]<=")
+_LIST_GROUPS = re.compile(r"replica_groups=\{\{(?P<first>[\d,\s]*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a compiled SPMD program (one device's view)."""
+
+    name: str
+    op: str  # "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"
+    buffer_bytes: int  # the reduced/gathered buffer: the result (the operand for reduce-scatter)
+    group_size: int  # devices in each replica group
+    line: str  # the HLO instruction
+
+    @property
+    def ring_bytes_per_device(self) -> float:
+        """Bytes each device sends (and receives) in a ring algorithm: the link traffic of the op."""
+        return self.buffer_bytes * _COLLECTIVE_OPS[self.op](self.group_size)
+
+
+def group_size(line: str) -> int:
+    """Devices in each replica group of a collective instruction (1 when it names none)."""
+    if m := _MESH_GROUPS.search(line):
+        sizes = dict(
+            (name.strip().strip("'"), int(size))
+            for name, size in (part.split("=") for part in m["axes"].split(",") if "=" in part)
+        )
+        names = [n.strip().strip("'") for n in m["names"].split(",") if n.strip()]
+        count = 1
+        for n in names:
+            count *= sizes[n]
+        return count
+    if m := _IOTA_GROUPS.search(line):
+        return int(m["dims"].split(",")[-1])
+    if m := _LIST_GROUPS.search(line):
+        return len([d for d in m["first"].split(",") if d.strip()])
+    return 1
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """The collectives of a compiled computation's entry, in program order (async starts counted once)."""
+    values = entry_values(hlo_text)
+    # An async op's result is its "-done" instruction's (the start's type may be an (operand, result) tuple).
+    done = {v.operands[0]: v for v in values.values() if v.opcode.endswith("-done") and v.operands}
+    out = []
+    for v in values.values():
+        op = v.opcode.removesuffix("-start")
+        if op not in _COLLECTIVE_OPS:
+            continue
+        size = done[v.name].bytes if v.opcode.endswith("-start") and v.name in done else v.bytes
+        if op == "reduce-scatter" and v.operands and v.operands[0] in values:
+            size = values[v.operands[0]].bytes
+        out.append(Collective(v.name, op, size, group_size(v.line), v.line))
     return out

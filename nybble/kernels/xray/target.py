@@ -24,6 +24,8 @@ class GpuSpec:
     max_blocks_per_sm: int = 32
     l2_bytes: int = 50 * 2**20
     issue_per_sm_cycle: int = 4  # warp-instructions: one per scheduler
+    # NVLink 4 (H100/H200 SXM): 900 GB/s per GPU both directions together, 450 GB/s each way.
+    nvlink_bytes_per_s: float = 450e9
 
     def target_config(self) -> str:
         """A ``GpuTargetConfigProto`` in text form, what ``get_topology_desc(target_config=...)`` takes."""
@@ -89,15 +91,25 @@ def get_gpu(name: str) -> GpuSpec:
         raise ValueError(f"unknown GPU {name!r}; known: {sorted(GPUS)}") from None
 
 
-def deviceless_devices(gpu: str | GpuSpec = "h200", num_devices: int = 1) -> list[Any]:
-    """``num_devices`` abstract devices of a deviceless ``gpu`` topology (one host): compile targets.
+def deviceless_devices(
+    gpu: str | GpuSpec = "h200", num_devices: int = 1, *, hosts: int | None = None
+) -> list[Any]:
+    """``num_devices`` abstract devices of a deviceless ``gpu`` topology: compile targets.
 
-    Needs a process set up by :func:`nybble.kernels.xray.toolchain.child_environment`.
+    ``hosts`` None spreads them one per host (topology ``1xNx1``); ``hosts=1`` puts them all in one host
+    (``1x1xN``, an 8-GPU NVLink node), any divisor of ``num_devices`` in between. Needs a process set up by
+    :func:`nybble.kernels.xray.toolchain.child_environment`.
     """
     from jax.experimental import topologies
 
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    hosts = num_devices if hosts is None else hosts
+    if hosts < 1 or num_devices % hosts:
+        raise ValueError(f"deviceless_devices: hosts={hosts} must divide num_devices={num_devices}")
     topo = topologies.get_topology_desc(
-        spec.name, "cuda", target_config=spec.target_config(), topology=f"1x{num_devices}x1"
+        spec.name,
+        "cuda",
+        target_config=spec.target_config(),
+        topology=f"1x{hosts}x{num_devices // hosts}",
     )
     return list(topo.devices)
