@@ -12,6 +12,10 @@ by any safetensors reader. The header's ``__metadata__`` holds:
 Loading refuses (``ValueError``) a truncated or tampered file, a foreign or newer format version and an
 unknown layout, so a damaged file never becomes a silently wrong model. Writes are atomic: a temporary
 file in the target directory, fsync, then ``os.replace``.
+
+``load(path, placement=...)`` reads a checkpoint straight into arrays on a device mesh, sharded weights
+included, each process reading only the bytes of its own shards (``nybble.checkpoint_placed``).
+``save`` gathers a ``ShardedWeight`` back to the unsharded weight it stands for.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import json
 import os
 import struct
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,7 @@ import numpy as np
 from nybble.packing import get_layout
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.rtn import check_group_size
+from nybble.sharding import ShardedWeight
 
 FORMAT_NAME = "nybble"
 FORMAT_VERSION = 1
@@ -99,10 +104,10 @@ def _pure(tree: Any) -> Any:
 
 
 def _leaves(tree: Any) -> Iterator[tuple[list[list[Any]], Any]]:
-    is_qw = lambda x: isinstance(x, QuantizedWeight)
+    is_qw = lambda x: isinstance(x, QuantizedWeight | ShardedWeight)
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_qw)
     for path, leaf in flat:
-        yield _path_tokens(path), leaf
+        yield _path_tokens(path), leaf.gather() if isinstance(leaf, ShardedWeight) else leaf
 
 
 # ----------------------------------------------------------------------------------------------- save
@@ -125,7 +130,8 @@ def save(path: str | os.PathLike[str], tree: Any) -> Path:
 
     Supported containers: nested dicts (str or int keys; Linen params, NNX pure state dicts; an
     ``nnx.State`` is converted with ``nnx.to_pure_dict``) and lists/tuples (loaded back as lists).
-    Returns the path written.
+    Sharded arrays and ``ShardedWeight`` leaves are gathered to the host and written unsharded (one
+    process, holding every shard). Returns the path written.
     """
     path = Path(path)
     if path.is_dir():
@@ -286,10 +292,22 @@ def _build(entries: list[tuple[list[list[Any]], Any]]) -> Any:
     return convert(root)
 
 
-def load(path: str | os.PathLike[str]) -> Any:
+def load(
+    path: str | os.PathLike[str], *, placement: Callable[[Any], Any] | None = None, verify: bool | None = None
+) -> Any:
     """Reads a file written by :func:`save`: the same pytree, jax arrays and ``QuantizedWeight`` leaves.
 
     Tuples come back as lists; 64-bit arrays come back as numpy arrays (never narrowed).
+
+    Args:
+      path: the checkpoint.
+      placement: None reads every tensor whole into local arrays. Else a function of a
+        :class:`nybble.checkpoint_placed.CheckpointLeaf` (its dotted ``name``, ``kind``, ``shape``) giving
+        None (a local array, as without placement), a ``jax.sharding.Sharding`` for the leaf's arrays, or a
+        :class:`nybble.sharding.TensorParallel` for a quantized leaf (loaded as a ``ShardedWeight``). Each
+        process then reads only the bytes of the blocks its devices hold.
+      verify: check the whole-file sha256. Default: True without placement; False with one (the hash
+        needs every byte: ``verify=True`` streams the file through it, in chunks).
 
     Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for anything that is not an
     intact nybble checkpoint this version can read (truncated, tampered, foreign, newer, unknown layout).
@@ -299,6 +317,10 @@ def load(path: str | os.PathLike[str]) -> Any:
         raise FileNotFoundError(f"nybble.load: no such file: {path}")
     if path.is_dir():
         raise IsADirectoryError(f"nybble.load: {path} is a directory, not a checkpoint file")
+    if placement is not None:
+        from nybble.checkpoint_placed import load_placed
+
+        return load_placed(path, placement, verify=bool(verify))
     data = path.read_bytes()
     header, start = _read_header(path, data)
     meta = header.get("__metadata__")
@@ -332,7 +354,7 @@ def load(path: str | os.PathLike[str]) -> Any:
                     f"unknown weight layout {m.get('layout')!r} for {_path_name(m['path'])} "
                     f"(written by a newer nybble?)",
                 ) from None
-    if _digest(tree_json, list(tensors.items())) != meta.get("sha256"):
+    if verify is not False and _digest(tree_json, list(tensors.items())) != meta.get("sha256"):
         raise _refuse(path, "sha256 checksum mismatch: the file was modified or damaged")
     entries: list[tuple[list[list[Any]], Any]] = []
     for m in tree_meta:
