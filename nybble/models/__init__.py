@@ -19,10 +19,12 @@ from nybble.models.layers import QDense, QLinear, QuantizedParam, dense
 from nybble.models.llama import KVCache, Llama, LlamaConfig
 from nybble.models.rules import DEFAULT_RULES, INHERIT, QuantRule
 from nybble.models.serialization import load_model, save_model
+from nybble.models.sharding import DEFAULT_SHARD_RULES, ShardReport, ShardRule, shard
 from nybble.models.text import eval_text
 
 __all__ = [
     "DEFAULT_RULES",
+    "DEFAULT_SHARD_RULES",
     "INHERIT",
     "KVCache",
     "LayerReport",
@@ -33,6 +35,8 @@ __all__ = [
     "QuantRule",
     "QuantizationReport",
     "QuantizedParam",
+    "ShardReport",
+    "ShardRule",
     "dense",
     "eval_text",
     "generate",
@@ -43,4 +47,5 @@ __all__ = [
     "quantize",
     "quantize_params",
     "save_model",
+    "shard",
 ]

@@ -12,6 +12,7 @@ from flax import linen, nnx
 from nybble.kernels.api import Implementation, matmul
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.rtn import quantize
+from nybble.sharding import ShardedWeight
 
 
 class QuantizedParam(nnx.Variable):
@@ -22,19 +23,20 @@ class QLinear(nnx.Module):
     """An int4 ``nnx.Linear``: ``y = x @ dequantize(qweight) + bias`` through :func:`nybble.matmul`.
 
     Attributes:
-      qweight: ``QuantizedParam`` holding the (in_features, out_features) ``QuantizedWeight``.
+      qweight: ``QuantizedParam`` holding the (in_features, out_features) ``QuantizedWeight`` (or a
+        ``nybble.sharding.ShardedWeight``, placed by ``nybble.models.shard``).
       bias: ``nnx.Param`` of shape (out_features,), or None.
       implementation: passed to ``nybble.matmul`` (None: the best available here).
     """
 
     def __init__(
         self,
-        qweight: QuantizedWeight,
+        qweight: QuantizedWeight | ShardedWeight,
         bias: jax.Array | None = None,
         *,
         implementation: Implementation | None = None,
     ) -> None:
-        if not isinstance(qweight, QuantizedWeight):
+        if not isinstance(qweight, QuantizedWeight | ShardedWeight):
             raise TypeError(f"QLinear expects a QuantizedWeight, got {type(qweight).__name__}")
         self.in_features, self.out_features = qweight.shape
         if bias is not None and tuple(bias.shape) != (self.out_features,):
@@ -65,8 +67,8 @@ class QLinear(nnx.Module):
         return cls(qweight, bias, implementation=implementation)
 
     @property
-    def weight(self) -> QuantizedWeight:
-        """The ``QuantizedWeight``."""
+    def weight(self) -> QuantizedWeight | ShardedWeight:
+        """The ``QuantizedWeight`` (a ``ShardedWeight`` once the model is sharded)."""
         return self.qweight.get_value()
 
     def __call__(self, x: jax.Array) -> jax.Array:

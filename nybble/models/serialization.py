@@ -12,6 +12,7 @@ from flax import nnx
 from nybble.checkpoint import load, save
 from nybble.models.layers import QLinear
 from nybble.quant.qweight import QuantizedWeight
+from nybble.sharding import ShardedWeight
 
 
 def save_model(path: str | os.PathLike[str], model: nnx.Module) -> Path:
@@ -28,14 +29,31 @@ def _get(tree: Any, path: tuple[Any, ...]) -> Any:
     return tree
 
 
-def load_model(path: str | os.PathLike[str], model: nnx.Module) -> nnx.Module:
+def load_model(
+    path: str | os.PathLike[str],
+    model: nnx.Module,
+    *,
+    mesh: Any = None,
+    axis: str = "model",
+    rules: Any = None,
+) -> nnx.Module:
     """Fills ``model`` (same architecture, float or abstract from ``nnx.eval_shape``) from ``path``.
 
     Every ``nnx.Linear`` whose checkpoint entry is a ``QuantizedWeight`` becomes a ``QLinear``; all other
     state is replaced by the saved arrays. The model is modified in place and returned. Raises
     ``ValueError`` if the checkpoint does not fit the model.
+
+    With a ``mesh``, the checkpoint is read straight into arrays placed as ``nybble.models.shard(model,
+    mesh, axis=axis, rules=rules)`` would place them (quantized layers as ``ShardedWeight``), each process
+    reading only the bytes of its own shards; start from an abstract model (``nnx.eval_shape``) and no
+    process ever holds a whole copy.
     """
-    state_dict = load(path)
+    if mesh is None:
+        state_dict = load(path)
+    else:
+        from nybble.models.sharding import checkpoint_placement
+
+        state_dict = load(path, placement=checkpoint_placement(model, mesh, axis=axis, rules=rules))
     if not isinstance(state_dict, dict):
         raise ValueError(f"load_model: {path} does not hold a model state dict")
     modules = {tuple(p): m for p, m in nnx.iter_modules(model)}
@@ -47,7 +65,7 @@ def load_model(path: str | os.PathLike[str], model: nnx.Module) -> nnx.Module:
         except (KeyError, TypeError):
             raise ValueError(f"load_model: the checkpoint has no entry for layer {p}") from None
         qw = entry.get("qweight") if isinstance(entry, dict) else None
-        if not isinstance(qw, QuantizedWeight):
+        if not isinstance(qw, QuantizedWeight | ShardedWeight):
             continue
         if qw.shape != tuple(m.kernel.shape):
             raise ValueError(f"load_model: layer {p}: saved shape {qw.shape} != {tuple(m.kernel.shape)}")
@@ -62,7 +80,7 @@ def load_model(path: str | os.PathLike[str], model: nnx.Module) -> nnx.Module:
             parent[p[-1]] = q
     state = nnx.state(model)
     expected = nnx.to_pure_dict(state)
-    is_qw = lambda x: isinstance(x, QuantizedWeight)
+    is_qw = lambda x: isinstance(x, QuantizedWeight | ShardedWeight)
     exp_paths = {k for k, _ in jax.tree_util.tree_flatten_with_path(expected, is_leaf=is_qw)[0]}
     got_paths = {k for k, _ in jax.tree_util.tree_flatten_with_path(state_dict, is_leaf=is_qw)[0]}
     if exp_paths != got_paths:
