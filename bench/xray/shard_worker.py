@@ -1,0 +1,60 @@
+"""The compiling side of ``python -m bench.xray.shard``: SPMD compiles on deviceless GPUs, one JSON line each.
+
+``python -m bench.xray.shard_worker GPU`` reads one :class:`~bench.xray.shard_cases.ShardCase` a line (JSON)
+on stdin and writes ``{"key", "case", "report", "plans", "hlo_lines"}`` or ``{"key", "case", "error"}`` a
+line on stdout. ``hlo_lines`` are the compiled per-device program's kernel and collective instructions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import sys
+import traceback
+
+# The instructions worth quoting: Mosaic GPU kernels, cuBLAS/Triton GEMMs, collectives.
+_QUOTED_KINDS = frozenset({"mosaic_gpu", "cublas", "cublasLt", "triton_gemm"})
+
+
+def quoted_lines(hlo_text: str) -> list[str]:
+    """The entry computation's kernel and collective lines, cut before their (long) backend_config."""
+    from nybble.kernels.xray import hlo
+
+    collective = {c.name for c in hlo.collectives(hlo_text)}
+    out = []
+    for v in hlo.entry_values(hlo_text).values():
+        if v.name not in collective and hlo.launch_kind(v)[0] not in _QUOTED_KINDS:
+            continue
+        out.append(re.split(r",\s*(backend_config|metadata)=", v.line)[0])
+    return out
+
+
+def main() -> int:
+    from bench.xray.shard_cases import MOSAIC, ShardCase, kernel_plans, program
+    from nybble.kernels.xray import deviceless_devices, get_gpu, xray_compile
+
+    gpu = get_gpu(sys.argv[1] if len(sys.argv) > 1 else "h100")
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        case = ShardCase(**json.loads(line))
+        out: dict = {"key": case.key, "case": dataclasses.asdict(case)}
+        try:
+            devices = deviceless_devices(gpu, case.tp, hosts=case.hosts)
+            fn, args = program(case, devices)
+            report = xray_compile(fn, *args, gpu=gpu.name, devices=devices, keep_hlo=True)
+            out["hlo_lines"] = quoted_lines(report.hlo_text or "")
+            out["report"] = dataclasses.replace(report, hlo_text=None).to_dict()
+            if case.peer == MOSAIC:
+                out["plans"] = kernel_plans(case, gpu.sms)
+        except Exception as e:  # reported per case; the parent decides what fails
+            out["error"] = f"{type(e).__name__}: {e}"
+            out["traceback"] = traceback.format_exc(limit=8)
+        sys.stdout.write(json.dumps(out) + "\n")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
