@@ -14,7 +14,10 @@ context is active and only on that jax version (other versions run unpatched).
 Under ``jax.shard_map`` on several CPU devices (``nybble.sharding``) every device interprets its own kernel
 at the same time, in one shared simulated memory. jax 0.11.2 then checks, as each device finishes, that no
 barrier is left allocated *on any device*, and fails when another device is still mid-kernel. The same
-patch makes that check wait until every device of the kernel reached it.
+patch makes that check wait until every device of the kernel reached it. And there a kernel operand of a
+4-bit type (the int4 view of the codes) deadlocks: the host callback that copies it into the simulated
+memory waits for a CPU device busy running callbacks. The patch hands such values to the host widened to
+8 bits (exact) and narrows them back there.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +44,8 @@ _patch_lock = threading.Lock()
 _patch_depth = 0
 _saved_method: Any = None
 _saved_barrier_check: Any = None
+_saved_allocators: dict[str, Any] = {}
+_FOUR_BIT = {"int4": "int8", "uint4": "uint8"}
 
 
 def active_params() -> Any:
@@ -137,6 +143,36 @@ def _assert_no_barriers_allocated_all_devices(token: Any) -> Any:
     return run(token)
 
 
+def _widening(call: Any, host_fn: Any) -> Any:
+    """``gpu_callbacks.call_allocate_*`` passing a 4-bit ``value`` to the host as 8 bits, narrowed there."""
+    from jax._src import callback
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    signature = inspect.signature(call)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        *operands, value, source_info = bound.arguments.values()  # (token, where..., request), value, info
+        name = np.dtype(value.dtype).name
+        if name not in _FOUR_BIT:
+            return call(*args, **kwargs)
+        narrow = np.dtype(value.dtype)
+
+        def host(*host_args: Any, **host_kwargs: Any) -> Any:
+            *head, wide = host_args
+            return host_fn(*head, np.asarray(wide).astype(narrow), **host_kwargs)
+
+        return callback.io_callback(
+            functools.partial(host, source_info=source_info),
+            (gpu_callbacks.TOKEN_SHAPE_DTYPE, gpu_callbacks.HostAllocationKey.shape_and_dtype()),
+            *operands,
+            value.astype(_FOUR_BIT[name]),
+        )
+
+    return wrapped
+
+
 @contextlib.contextmanager
 def _patched_interpreter() -> Iterator[None]:
     global _patch_depth, _saved_method, _saved_barrier_check
@@ -152,6 +188,14 @@ def _patched_interpreter() -> Iterator[None]:
             cls._interpret_wgmma_ref_p = _patched_wgmma_ref_p
             _saved_barrier_check = gpu_callbacks._assert_no_barriers_allocated
             gpu_callbacks._assert_no_barriers_allocated = _assert_no_barriers_allocated_all_devices
+            for call, host_fn in (
+                ("call_allocate_buffer_for_all_threads", "_allocate_buffer_for_all_threads"),
+                ("call_allocate_buffer", "_allocate_buffer"),
+            ):
+                _saved_allocators[call] = getattr(gpu_callbacks, call)
+                setattr(
+                    gpu_callbacks, call, _widening(_saved_allocators[call], getattr(gpu_callbacks, host_fn))
+                )
         _patch_depth += 1
     try:
         yield
@@ -161,6 +205,9 @@ def _patched_interpreter() -> Iterator[None]:
             if _patch_depth == 0:
                 cls._interpret_wgmma_ref_p = _saved_method
                 gpu_callbacks._assert_no_barriers_allocated = _saved_barrier_check
+                for call, saved in _saved_allocators.items():
+                    setattr(gpu_callbacks, call, saved)
+                _saved_allocators.clear()
                 _saved_method = _saved_barrier_check = None
 
 
