@@ -20,7 +20,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from nybble.models.layers import QLinear
 from nybble.models.rules import warn_unmatched
@@ -163,6 +163,23 @@ def leaf_placement(
     return NamedSharding(mesh, spec)
 
 
+def check_mesh(mesh: Any, axis: str) -> None:
+    """The mesh must name ``axis`` and leave its axes to XLA's SPMD partitioner (``AxisType.Auto``)."""
+    if axis not in getattr(mesh, "axis_names", ()):
+        raise ValueError(
+            f"mesh axis {axis!r} is not among the mesh's axes {tuple(mesh.axis_names)}; name the "
+            f"tensor-parallel axis with axis=..."
+        )
+    explicit = [a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t != AxisType.Auto]
+    if explicit:
+        raise ValueError(
+            f"mesh axes {explicit} are not AxisType.Auto: the model's float ops (embedding gather, "
+            f"attention) are partitioned by XLA's sharding propagation, which needs Auto axes. Make the mesh "
+            f"with jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names)) (the "
+            f"default is Explicit). nybble.matmul on a ShardedWeight takes either."
+        )
+
+
 def _layers(model: nnx.Module) -> list[tuple[str, Any]]:
     return [(_path(p), m) for p, m in nnx.iter_modules(model) if p and isinstance(m, SHARDABLE)]
 
@@ -190,8 +207,9 @@ def shard(
 
     Args:
       model: a Flax NNX model (``QLinear`` layers after ``nybble.models.quantize``, or float ones).
-      mesh: a ``jax.sharding.Mesh``. The axis ``axis`` is the tensor-parallel one; the weights are
-        replicated over the others (and ``nybble.matmul`` splits the rows of x over them).
+      mesh: a ``jax.sharding.Mesh`` with ``AxisType.Auto`` axes. The axis ``axis`` is the tensor-parallel
+        one; the weights are replicated over the others (and ``nybble.matmul`` splits the rows of x over
+        them).
       axis: the tensor-parallel mesh axis.
       rules: :class:`ShardRule` s checked before :data:`DEFAULT_SHARD_RULES` (Megatron placement);
         layers no rule matches, and all other parameters (norms), are replicated.
@@ -202,10 +220,7 @@ def shard(
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"shard expects a flax.nnx.Module, got {type(model).__name__}")
-    if axis not in getattr(mesh, "axis_names", ()):
-        raise ValueError(
-            f"shard: mesh axis {axis!r} is not among the mesh's axes {tuple(mesh.axis_names)}; pass axis=..."
-        )
+    check_mesh(mesh, axis)
     rules = check_rules(rules)
     layers = _layers(model)
     report = ShardReport(dict(mesh.shape), axis)
@@ -273,8 +288,7 @@ def checkpoint_placement(
     """A ``placement`` function for ``nybble.load`` placing a checkpoint of ``model`` as :func:`shard`
     would place the model: every leaf under a shardable layer by that layer's placement, the rest
     replicated."""
-    if axis not in getattr(mesh, "axis_names", ()):
-        raise ValueError(f"mesh axis {axis!r} is not among the mesh's axes {tuple(mesh.axis_names)}")
+    check_mesh(mesh, axis)
     rules = check_rules(rules)
     layers = dict(_layers(model))
 

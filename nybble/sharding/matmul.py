@@ -4,7 +4,8 @@ Column-parallel: x is whole on every shard of the tensor-parallel axis, each sha
 (y stays sharded along N: the next row-parallel layer takes it as is). Row-parallel: x is cut along K like
 the weight, each shard returns a partial y in x's dtype and ``psum`` (XLA's all-reduce) adds them, so y is
 whole on every shard. The rows of x are split over the mesh's other axes when they divide M (data
-parallelism; the weight is replicated over those axes), else every device takes all of them.
+parallelism; the weight is replicated over those axes), else every device takes all of them. On a mesh
+with ``Explicit`` axes (``jax.make_mesh``'s default) x is resharded to that placement first.
 
 Inside, each device runs ``nybble.matmul`` on its shard's plain ``QuantizedWeight`` with the implementation
 asked for: the Mosaic GPU kernel once per shard on Hopper (or under ``nybble.kernels.interpret()``), the XLA
@@ -17,7 +18,7 @@ import math
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from nybble.sharding.weight import ShardedWeight
 
@@ -46,6 +47,9 @@ def sharded_matmul(x: Any, sw: ShardedWeight, *, implementation: str | None = No
         x_spec, out_spec = PartitionSpec(rows, None), PartitionSpec(rows, p.axis)
     else:
         x_spec, out_spec = PartitionSpec(rows, p.axis), PartitionSpec(rows, None)
+    if any(t == AxisType.Explicit for t in getattr(p.mesh, "axis_types", ())):
+        # Explicit mesh axes: shard_map takes x only as its in_spec says; move it there first.
+        x2d = jax.reshard(x2d, NamedSharding(p.mesh, x_spec))
     arrays = (sw.codes, sw.scales) + (() if sw.offsets is None else (sw.offsets,))
     specs = (codes_spec, scales_spec) + (() if sw.offsets is None else (scales_spec,))
 
