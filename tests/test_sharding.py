@@ -279,3 +279,60 @@ def test_collectives_their_groups_and_ring_bytes():
     assert got[1].ring_bytes_per_device == pytest.approx(3 / 4 * 32768)
     assert got[2].ring_bytes_per_device == pytest.approx(7 / 8 * 32768)
     assert hlo.group_size("%x = f32[2] add(%a, %b)") == 1
+
+
+# ------------------------------------------------------------------------------- checkpoints, placed
+
+
+def test_placed_load_on_one_device_equals_the_plain_load(tmp_path):
+    from nybble.checkpoint_placed import CheckpointLeaf
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    tree = {
+        "w": _weight(192, 130, group_size=32, symmetric=False),
+        "v": _weight(128, 64, group_size=None, layout="wgmma_int4"),
+        "e": np.arange(24, dtype=np.float32).reshape(4, 6),
+        "s": np.int64(7),
+    }
+    path = nybble.save(tmp_path / "t.safetensors", tree)
+    seen: list[CheckpointLeaf] = []
+
+    def placement(leaf):
+        seen.append(leaf)
+        if leaf.kind == "quantized":
+            return TensorParallel(mesh, "row" if leaf.name == "w" else "column")
+        return None if leaf.name == "s" else NamedSharding(mesh, PartitionSpec("model"))
+
+    placed = nybble.load(path, placement=placement, verify=True)
+    plain = nybble.load(path)
+    assert {(leaf.name, leaf.kind, leaf.shape) for leaf in seen} == {
+        ("w", "quantized", (192, 130)),
+        ("v", "quantized", (128, 64)),
+        ("e", "array", (4, 6)),
+        ("s", "array", ()),
+    }
+    assert isinstance(placed["w"], ShardedWeight) and isinstance(placed["v"], ShardedWeight)
+    for name in ("w", "v"):
+        for a, b in zip(jax.tree.leaves(placed[name].gather()), jax.tree.leaves(plain[name]), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(placed["e"]), tree["e"])
+    assert placed["e"].sharding == NamedSharding(mesh, PartitionSpec("model")) and int(placed["s"]) == 7
+
+
+def test_reader_reads_only_the_slice(tmp_path):
+    import os
+    from unittest import mock
+
+    from nybble.checkpoint import _DTYPES, _read_header
+    from nybble.checkpoint_placed import _Reader
+
+    a = np.arange(6 * 10 * 4, dtype=np.int16).reshape(6, 10, 4)
+    path = nybble.save(tmp_path / "a.safetensors", {"a": a})
+    data = path.read_bytes()
+    header, start = _read_header(path, data)
+    with open(path, "rb") as f, mock.patch("nybble.checkpoint_placed.os.pread", wraps=os.pread) as pread:
+        reader = _Reader(f.fileno(), start, header, _DTYPES)
+        for index in [(slice(1, 3), slice(2, 7)), (slice(2, 5),), (slice(0, 6), slice(0, 10), slice(1, 3))]:
+            pread.reset_mock()
+            np.testing.assert_array_equal(reader.read("a", index), a[index])
+            assert sum(c.args[1] for c in pread.call_args_list) == a[index].nbytes
