@@ -34,6 +34,7 @@ COLUMN_HELP = {
     "kernels": "nybble kernel launches in one device's program (one per matmul = one per shard)",
     "config": "the per-shard kernel's TuningConfig (tile_n x tile_m x tile_k, slots, split-K, wgs, codes)",
     "regs": "registers per thread of the per-shard kernel(s), ptxas",
+    "spill": "spill bytes of the per-shard kernels, ptxas",
     "instr/w": "main-loop SASS instructions per weight per thread (worst kernel)",
     "launches": "device launches per device, collectives included",
     "MB/dev": "bytes the non-collective launches of one device move, MB",
@@ -112,6 +113,7 @@ def summarize(record: dict[str, Any], gpu: Any, copy_bytes_per_s: float) -> dict
         t_hbm_us=mb / copy_bytes_per_s * 1e6,
         configs=sorted({short_config(p["config"]) for p in plans}),
         registers=max((k["registers"] for k in report["kernels"]), default=None),
+        spill_bytes=sum(k["spill_bytes"] for k in report["kernels"]) if report["kernels"] else None,
         instructions_per_weight=max(
             (k["loop"]["instructions_per_weight"] for k in report["kernels"] if k["loop"]), default=None
         ),
@@ -168,6 +170,7 @@ def table(rows: list[dict[str, Any]], *, markdown: bool = False) -> str:
                 str(r["kernels"]),
                 "; ".join(r["configs"]) or "-",
                 _f(r["registers"], "{}"),
+                _f(r["spill_bytes"], "{}"),
                 _f(r["instructions_per_weight"]),
                 str(r["launches"]),
                 _f(r["bytes_per_device"] / 1e6, "{:.1f}"),

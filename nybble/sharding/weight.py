@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nybble.packing import get_layout
+from nybble.packing import get_layout, padded_weight_dims
 from nybble.quant.qweight import QuantizedWeight
 from nybble.sharding.plan import ShardPlan, TensorParallel, plan_split
 
@@ -199,8 +199,6 @@ class ShardedWeight:
 
 def padded_weight(sw: ShardedWeight) -> tuple[int, int]:
     """(K_pad, N_pad) of the unsharded weight."""
-    from nybble.packing import padded_weight_dims
-
     return padded_weight_dims(*sw.shape, sw.group_size)
 
 
@@ -313,8 +311,12 @@ def shard_weight(qw: QuantizedWeight, parallel: TensorParallel, *, name: str = "
 def local_weights(qw: QuantizedWeight, split: str, num_shards: int) -> list[QuantizedWeight]:
     """The ``QuantizedWeight`` of every shard, cut on the host (no devices): what each device multiplies."""
     plan = plan_split(
-        qw.shape, group_size=qw.group_size, layout=qw.layout, split=split, num_shards=num_shards
-    )  # type: ignore[arg-type]
+        qw.shape,
+        group_size=qw.group_size,
+        layout=qw.layout,
+        split=split,  # type: ignore[arg-type]
+        num_shards=num_shards,
+    )
     host = {a: np.asarray(jax.device_get(getattr(qw, a))) for a in ARRAYS if getattr(qw, a) is not None}
     out = []
     for i in range(num_shards):
