@@ -1,5 +1,7 @@
 """GPTQ (Frantar et al., 2022): int4 weights that minimize the layer's output error on calibration data.
 
+The algorithm; importing checkpoints other tools made with it is ``nybble.quant.formats.gptq_format``.
+
 For a layer ``y = x @ w`` with ``w`` of shape (K, N) and calibration inputs ``X`` (n, K), GPTQ quantizes
 the rows of ``w`` (the input features) one at a time and, after each, spreads that row's rounding error
 over the rows not yet quantized so that ``X @ w`` moves as little as possible. With the Hessian

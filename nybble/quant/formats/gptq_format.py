@@ -1,5 +1,7 @@
 """Import GPTQ checkpoints (AutoGPTQ, optimum, GPTQModel): exact, act-order included.
 
+The checkpoint format only; the GPTQ algorithm itself is ``nybble.quant.gptq``.
+
 The tensors of one 4-bit layer with K inputs, N outputs and group size G (PyTorch ``Linear`` naming, so
 K = in_features), as AutoGPTQ's ``QuantLinear`` stores them:
 

@@ -1,5 +1,8 @@
 """Read a whole GPTQ or AWQ safetensors checkpoint into a flat params dict of nybble weights.
 
+Checkpoints written by other tools; nybble's own file format (``nybble.save`` / ``nybble.load``) is
+``nybble.checkpoint``.
+
 Quantized layers are the prefixes ``p`` with a ``p.qweight`` tensor; their ``p.qzeros``, ``p.scales``
 (and for GPTQ ``p.g_idx``) are consumed, everything else (biases, norms, embeddings) is returned as a
 numpy array under its own name.
@@ -13,8 +16,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from nybble.quant.formats.awq import from_awq
-from nybble.quant.formats.gptq import ZeroConvention, from_gptq_act_order
+from nybble.quant.formats.awq_format import from_awq
+from nybble.quant.formats.gptq_format import ZeroConvention, from_gptq_act_order
 from nybble.quant.qweight import QuantizedWeight
 
 PERM_SUFFIX = ".input_perm"
