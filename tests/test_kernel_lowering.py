@@ -220,8 +220,13 @@ def test_is_supported_reasons(make, match):
 
 
 def _with_layout(qw: QuantizedWeight, layout: str) -> QuantizedWeight:
+    """The same codes under another registered layout name (a weight refuses an unregistered one)."""
     import dataclasses
 
+    from nybble.packing import LAYOUTS, register_layout
+
+    if layout not in LAYOUTS:
+        register_layout(dataclasses.replace(LAYOUTS["nk_int4"], name=layout, description="a test layout"))
     return dataclasses.replace(qw, layout=layout)
 
 

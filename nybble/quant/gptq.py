@@ -42,16 +42,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nybble.packing import DEFAULT_LAYOUT, get_layout, pad_to, padded_weight_dims, round_up
+from nybble.packing import DEFAULT_LAYOUT, group_rows, num_groups, pad_to, padded_weight_dims, round_up
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.refit import damped_hessian, least_squares_params
-from nybble.quant.rtn import (
-    SUPPORTED_SCALE_DTYPES,
-    check_group_size,
-    check_weight,
-    group_params,
-    round_to_codes,
-)
+from nybble.quant.rtn import check_group_size, check_scale_dtype, check_weight, group_params, round_to_codes
 
 __all__ = ["HessianAccumulator", "gptq", "hessian_from_inputs"]
 
@@ -144,8 +138,7 @@ def gptq(
     """
     check_weight(w, "gptq")
     check_group_size(group_size)
-    if np.dtype(scale_dtype).name not in SUPPORTED_SCALE_DTYPES:
-        raise ValueError(f"gptq: scale_dtype must be one of {SUPPORTED_SCALE_DTYPES}, got {scale_dtype}")
+    check_scale_dtype(scale_dtype, "gptq")
     if (hessian is None) == (inputs is None):
         raise ValueError("gptq: pass exactly one of hessian= (K, K) or inputs= (..., K)")
     k, n = w.shape
@@ -163,7 +156,7 @@ def gptq(
             "gptq: act_order=True needs static_groups=True (the default): dynamic groups under act-order "
             "scatter each group over K and would need a permutation of the input at run time"
         )
-    k_pad, n_pad = padded_weight_dims(k, n, group_size)
+    k_pad, n_pad = padded_weight_dims(k, n)
     block = block_size if group_size is None else max(block_size, group_size)
     if group_size is not None and block % group_size:
         raise ValueError(f"gptq: block_size {block_size} must be a multiple of group_size {group_size}")
@@ -194,14 +187,8 @@ def gptq(
             codes, target, damped_hessian(h, float(damp)), scales, offsets,
             group_size=group_size, symmetric=symmetric, scale_dtype=np.dtype(scale_dtype),
         )  # fmt: skip
-    return QuantizedWeight(
-        codes=get_layout(layout).pack(codes),
-        scales=scales,
-        offsets=offsets,
-        shape=(k, n),
-        group_size=group_size,
-        symmetric=symmetric,
-        layout=layout,
+    return QuantizedWeight.from_codes(
+        codes, scales, offsets, shape=(k, n), group_size=group_size, layout=layout
     )
 
 
@@ -218,8 +205,7 @@ def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, group_size, symmetric, damp, bl
 
     ``ok`` is False when a Cholesky factorization failed (non-finite factor).
     """
-    g = k_pad if group_size is None else group_size
-    num_groups = -(-k_pad // g)
+    g, ng = group_rows(k_pad, group_size), num_groups(k_pad, group_size)
     groups_loop = -(-k_loop // g)
     real = jnp.arange(k_loop) < k
     # Dead inputs (zero Hessian diagonal) get weight 0 and H_kk = 1; rows padded up to a whole number
@@ -288,7 +274,7 @@ def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, group_size, symmetric, damp, bl
         scales = jnp.stack(dyn_scales)
         offsets = None if symmetric else jnp.stack(dyn_offsets)
     # Groups wholly past K hold zero scales and offsets, as in nybble.quantize.
-    return codes, scales[:num_groups], None if offsets is None else offsets[:num_groups], ok
+    return codes, scales[:ng], None if offsets is None else offsets[:ng], ok
 
 
 def _row_step(u1, s_rows, b_rows, i, carry):
@@ -300,4 +286,3 @@ def _row_step(u1, s_rows, b_rows, i, carry):
     later = jnp.where(jnp.arange(u1.shape[0]) > i, u1[i], 0.0)
     w1 = w1 - later[:, None] * err[None, :]
     return w1, q1.at[i].set(q), e1.at[i].set(err)
-

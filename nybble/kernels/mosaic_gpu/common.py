@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nybble.kernels.mosaic_gpu.config import DEQUANT_CHUNK_K, TuningConfig, scale_rows_per_step
+from nybble.packing import groups
 
 L = plgpu.Layout
 # A per-row vector in the layout of a WGMMA register tile's rows: broadcast along K it lines up with the
@@ -116,7 +117,7 @@ def check_operands(
             f"w4a16: config.codes_as={config.codes_as!r} needs {jnp.dtype(dtype).name} codes of shape "
             f"{shape} for x of shape {x_pad.shape}, got {codes.dtype} {tuple(codes.shape)}"
         )
-    num_groups = -(-k_pad // group)  # the last group may be partial
+    num_groups = groups.num_groups(k_pad, group)  # the last group may be partial
     if scales.shape != (num_groups, n_pad):
         raise ValueError(
             f"w4a16: scales have shape {scales.shape}, expected (ceil(K_pad / G), N_pad) = "

@@ -19,6 +19,8 @@ import itertools
 import math
 from collections.abc import Iterable
 
+from nybble.packing.groups import MIN_GROUP_SIZE, group_rows
+
 # Hopper's opt-in SMEM per CTA (cudaDevAttrMaxSharedMemoryPerBlockOptin), what Mosaic checks against.
 SMEM_BUDGET_BYTES = 232448
 # Barriers and alignment padding next to the buffers counted in `smem_bytes`.
@@ -31,8 +33,6 @@ TILE_K_CHOICES = (64, 128)
 # narrowest swizzle WGMMA_UPCAST_4X loads accept, and a 128x64 f32 chunk (64 registers) fits beside the
 # accumulator.
 DEQUANT_CHUNK_K = 64
-# The narrowest group the kernel scales inside a chunk (smaller groups: slices of a register tile).
-MIN_GROUP_SIZE = 16
 MAX_SPLIT_K = 16
 DEFAULT_NUM_SMS = 132  # H100 / H200 SXM
 
@@ -169,7 +169,7 @@ def heuristic_config(
     """
     if m < 1 or n_pad < 1 or k_pad < 1:
         raise ValueError(f"heuristic_config: bad problem M={m}, N_pad={n_pad}, K_pad={k_pad}")
-    group = k_pad if group_size is None else group_size
+    group = group_rows(k_pad, group_size)
     tile_m = _tile_m_for(m)
     m_tiles = -(-m // tile_m)
     decode = m <= 64
@@ -245,7 +245,7 @@ def heuristic_cases(
         config = heuristic_config(
             m, n_pad, k_pad, group_size, num_sms, has_offsets=not symmetric, codes_dtype=codes_dtype
         )
-        group = k_pad if group_size is None else group_size
+        group = group_rows(k_pad, group_size)
         structure = group if group < config.tile_k else "group >= tile_k"
         cases.setdefault((config, structure, symmetric), (m, k, n, group_size, symmetric, codes_dtype))
     return cases
