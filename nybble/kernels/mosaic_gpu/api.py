@@ -16,12 +16,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from nybble.kernels.mosaic_gpu.common import Problem
-from nybble.kernels.mosaic_gpu.config import (
-    DEFAULT_NUM_SMS,
-    MIN_GROUP_SIZE,
-    TuningConfig,
-    heuristic_config,
-)
+from nybble.kernels.mosaic_gpu.config import DEFAULT_NUM_SMS, TuningConfig, heuristic_config
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.kernels.mosaic_gpu.kernel import deinterleave_k, w4a16_padded
 from nybble.packing import nk_int4_as_int4, round_up
@@ -53,26 +48,9 @@ def is_supported(x: Any, qw: QuantizedWeight) -> str | None:
         )
     if x.shape[-1] != qw.shape[0]:
         return f"x has K={x.shape[-1]} but the weight has K={qw.shape[0]}"
-    k_pad, n_pad = qw.padded_shape
-    g = qw.block_k
-    if not (g % 64 == 0 or (64 % g == 0 and g >= MIN_GROUP_SIZE)):
-        return (
-            f"group size {g} is not supported by the kernel (needs {MIN_GROUP_SIZE}, 32 or a multiple "
-            f"of 64); use implementation='xla'"
-        )
-    if np.dtype(qw.scales.dtype).name not in ("bfloat16", "float16", "float32"):
-        return f"scale dtype {np.dtype(qw.scales.dtype).name} is not a float type"
-    if k_pad % 64 or n_pad % 64:
-        return f"padded shape (K_pad, N_pad) = {(k_pad, n_pad)} is not a multiple of 64"
-    codes_dtype = np.dtype(qw.codes.dtype)
-    if codes_dtype == np.dtype(jnp.int4):
-        expected = (n_pad, k_pad)
-    elif codes_dtype == np.uint8:
-        expected = (n_pad, k_pad // 2)
-    else:
-        return f"codes have dtype {codes_dtype.name}; the kernel reads uint8 (packed) or int4 codes"
-    if tuple(qw.codes.shape) != expected:
-        return f"{codes_dtype.name} codes have shape {tuple(qw.codes.shape)}, expected {expected}"
+    # Group sizes, padding to 64 and the codes' dtype and shape need no check here: a QuantizedWeight
+    # validates them on construction, and every group it allows (a power of two >= 16, or K_pad) divides
+    # or is a multiple of the kernel's 64-wide dequantization chunk.
     return None
 
 
@@ -165,11 +143,8 @@ def _forward(x2d: jax.Array, qw: QuantizedWeight, config: TuningConfig | None, n
 def _codes_as_int4(codes: jax.Array) -> jax.Array:
     """The (N_pad, K_pad) jnp.int4 view the ``codes_as="int4"`` kernel's TMA reads.
 
-    int4 codes pass through untouched. uint8 codes hold the same bytes, but XLA cannot alias a u8
-    buffer as s4: its BitcastDtypesExpander (CPU and GPU pipelines) rewrites the bitcast into a
-    shift-and-mask fusion that writes a fresh s4 copy, one extra read + write of all the codes per
-    call. That is why the heuristics read uint8 codes as bytes (``codes_as="uint8"``) whenever x is
-    small next to the weights, and take this copy only where the GEMM is compute-bound.
+    int4 codes pass through untouched; uint8 codes hold the same bytes and are viewed through
+    ``nk_int4_as_int4`` (what XLA compiles that view to, measured, is in its docstring).
     """
     if codes.dtype == jnp.int4:
         return codes
@@ -236,3 +211,9 @@ def mosaic_gpu_matmul(
     if num_sms < 1:
         raise ValueError(f"mosaic_gpu_matmul: num_sms={num_sms} must be positive")
     return _matmul(x2d, qw, config, int(num_sms))
+
+
+def matmul_supported(x2d: jax.Array, qw: QuantizedWeight, *, num_sms: int) -> jax.Array:
+    """:func:`mosaic_gpu_matmul` with the heuristic config, for arguments :func:`is_supported` already
+    accepted: what ``nybble.matmul`` calls, so that one call checks its arguments once."""
+    return _matmul(x2d, qw, None, int(num_sms))

@@ -19,6 +19,7 @@ import itertools
 import math
 from collections.abc import Iterable
 
+from nybble.kernels.device import DEFAULT_NUM_SMS
 from nybble.packing.groups import MIN_GROUP_SIZE, group_rows
 
 # Hopper's opt-in SMEM per CTA (cudaDevAttrMaxSharedMemoryPerBlockOptin), what Mosaic checks against.
@@ -34,7 +35,6 @@ TILE_K_CHOICES = (64, 128)
 # accumulator.
 DEQUANT_CHUNK_K = 64
 MAX_SPLIT_K = 16
-DEFAULT_NUM_SMS = 132  # H100 / H200 SXM
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
