@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from nybble.extras import require
 from nybble.quant.formats.awq_format import from_awq
 from nybble.quant.formats.gptq_format import ZeroConvention, from_gptq_act_order
 from nybble.quant.qweight import QuantizedWeight
@@ -38,8 +39,7 @@ def _read(path_or_dict: Source) -> dict[str, np.ndarray]:
                 raise ValueError(f"tensor {dup[0]!r} appears in more than one shard (at {shard!r})")
             merged.update(tensors)
         return merged
-    from safetensors.numpy import load_file
-
+    load_file = require("safetensors.numpy", "reading GPTQ/AWQ safetensors files").load_file
     path = os.fspath(path_or_dict)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint file at {path!r}")
