@@ -173,9 +173,43 @@ def test_foreign_files_refused(tmp_path):
     with pytest.raises(ValueError, match="not a nybble checkpoint"):
         load(plain)
     junk = tmp_path / "junk.bin"
-    junk.write_bytes(struct.pack("<Q", 12) + b"not json!!!!" + b"\0" * 16)
+    junk.write_bytes(struct.pack("<Q", 12) + b"{not json!!!" + b"\0" * 16)
     with pytest.raises(ValueError, match="unreadable"):
         load(junk)
+
+
+@pytest.mark.parametrize("kind", ["random", "text", "short"])
+def test_non_safetensors_files_named_as_such(tmp_path, kind):
+    """Random bytes or a text file are "not a safetensors file", not a huge header size or "truncated"."""
+    data = {
+        "random": np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes(),
+        "text": b"To be, or not to be, that is the question:\n" * 100,
+        "short": b"abc",
+    }[kind]
+    path = tmp_path / "weights.safetensors"
+    path.write_bytes(data)
+    for read in (load, read_metadata):
+        with pytest.raises(ValueError, match="not a safetensors file") as e:
+            read(path)
+        assert "truncated" not in str(e.value) and "header size" not in str(e.value)
+
+
+def test_truncated_header_still_says_truncated(saved):
+    data = saved.read_bytes()
+    saved.write_bytes(data[:100])  # 8-byte length and the start of the JSON header
+    with pytest.raises(ValueError, match="truncated"):
+        load(saved)
+
+
+def test_saved_file_mode_follows_umask(tmp_path):
+    """Not mkstemp's 0600: the mode a plain open() would give under the umask."""
+    for umask, mode in ((0o022, 0o644), (0o077, 0o600), (0o002, 0o664)):
+        old = os.umask(umask)
+        try:
+            path = save(tmp_path / f"m{umask:o}.safetensors", {"a": jnp.ones(3)})
+        finally:
+            os.umask(old)
+        assert path.stat().st_mode & 0o777 == mode, (oct(umask), oct(path.stat().st_mode))
 
 
 def test_bad_paths(tmp_path):
