@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nybble.packing import group_rows, pad_to
+from nybble.quant.lapack_threads import one_blas_thread, ready
 from nybble.quant.qweight import QuantizedWeight
 
 __all__ = ["damped_hessian", "least_squares_params", "refit_group_params"]
@@ -131,14 +132,17 @@ def refit_group_params(
     if not damp >= 0:
         raise ValueError(f"refit_group_params: damp must be >= 0, got {damp}")
     h = damped_hessian(jnp.asarray(hessian, jnp.float32), float(damp))
-    scales, offsets = least_squares_params(
-        qweight.logical_codes(),
-        jnp.asarray(w, jnp.float32),
-        h,
-        qweight.scales,
-        qweight.offsets,
-        group_size=qweight.group_size,
-        symmetric=qweight.symmetric,
-        scale_dtype=qweight.dtype,
-    )
+    with one_blas_thread():  # the batched solve runs in LAPACK on the CPU: nybble.quant.lapack_threads
+        scales, offsets = ready(
+            least_squares_params(
+                qweight.logical_codes(),
+                jnp.asarray(w, jnp.float32),
+                h,
+                qweight.scales,
+                qweight.offsets,
+                group_size=qweight.group_size,
+                symmetric=qweight.symmetric,
+                scale_dtype=qweight.dtype,
+            )
+        )
     return dataclasses.replace(qweight, scales=scales, offsets=offsets)
