@@ -108,8 +108,8 @@ def test_library_only_install_names_the_extra(tmp_path):
     code = (
         "import sys; sys.modules['flax'] = None\n"  # import flax -> ModuleNotFoundError
         "import numpy as np, nybble\n"
-        "qw = nybble.quantize(np.ones((64, 64), np.float32), group_size=32)\n"
-        "assert float(nybble.matmul(np.ones((1, 64), np.float32), qw)[0, 0]) == 64.0\n"
+        "qw = nybble.quantize(np.full((64, 64), 7.0, np.float32), group_size=32)\n"  # scale 1, code 7
+        "assert float(nybble.matmul(np.ones((1, 64), np.float32), qw)[0, 0]) == 448.0\n"
         "try:\n    from nybble import models\nexcept ModuleNotFoundError as e:\n    print('MODELS:', e)\n"
         "from nybble.__main__ import main\n"
         "sys.exit(main(['eval']))\n"
