@@ -42,11 +42,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nybble.packing import DEFAULT_LAYOUT, group_rows, num_groups, pad_to, padded_weight_dims, round_up
+from nybble.packing import (
+    DEFAULT_LAYOUT,
+    check_group_size,
+    group_rows,
+    num_groups,
+    pad_to,
+    padded_weight_dims,
+    round_up,
+)
 from nybble.quant.lapack_threads import one_blas_thread, ready
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.refit import damped_hessian, least_squares_params
-from nybble.quant.rtn import check_group_size, check_scale_dtype, check_weight, group_params, round_to_codes
+from nybble.quant.rtn import check_scale_dtype, check_weight, group_params, round_to_codes
 
 __all__ = ["HessianAccumulator", "gptq", "hessian_from_inputs"]
 
