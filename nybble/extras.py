@@ -1,9 +1,11 @@
 """Optional dependencies: which extra of ``pip install "nybble[...]"`` brings each, and a clear error.
 
-The core (``nybble.quantize``, ``nybble.matmul``, ``nybble.save``/``load``, the importers) needs only jax
-and numpy. Extras: ``models`` (flax, safetensors, gguf, tokenizers: ``nybble.models``, the ``nybble``
-command line, reading GPTQ/AWQ safetensors files), ``bench`` (matplotlib: the benchmark's plot), ``test``
-(pytest, hypothesis, ruff), ``cuda12`` / ``cuda13`` (jax's CUDA plugin and CUDA libraries: the GPU kernel).
+The core (``nybble.quantize``, ``matmul``, ``save``/``load``, GPTQ, the importers) needs only the core
+dependencies (jax, numpy, ml-dtypes, tqdm, threadpoolctl). Extras: ``models`` (flax, safetensors, gguf,
+tokenizers: ``nybble.models``, the ``nybble`` command line, reading GPTQ/AWQ safetensors files), ``bench``
+(matplotlib: the benchmark's plot), ``test`` (pytest, hypothesis, ruff), ``cuda12`` / ``cuda13`` (jax's
+CUDA plugin and CUDA libraries: the GPU kernel), ``xray`` (the kernel X-ray's toolchain, which explains
+itself: ``nybble.kernels.xray.toolchain``).
 """
 
 from __future__ import annotations
