@@ -19,7 +19,7 @@ import numpy as np
 import nybble
 from nybble.kernels import available_implementations
 from nybble.packing import nk_int4_as_int4, pad_to, unpack_int4
-from nybble.quant import QuantizedWeight
+from nybble.quant import QuantizedWeight, relayout
 
 # Which weight's float64 reference a peer must match.
 REF_GROUPED = "grouped"  # nybble.quantize(w, group_size=G): nybble, torch, tokamax
@@ -217,7 +217,7 @@ class XlaInt4Peer:
 
     def prepare(self, case: Case, n_sets: int) -> Prepared:
         qw: QuantizedWeight = case.weights[REF_PER_COLUMN]
-        w4 = nk_int4_as_int4(qw.codes)  # a real jnp.int4 array (N_pad, K_pad)
+        w4 = nk_int4_as_int4(relayout(qw, "nk_int4").codes)  # a real jnp.int4 array (N_pad, K_pad)
         scale = qw.scales[0]
         n = case.n
         return _jax_prepared(
@@ -279,7 +279,8 @@ def torch_int4pack_operands(qw: QuantizedWeight) -> tuple[np.ndarray, np.ndarray
     k, n = qw.shape
     k_pad, _ = qw.padded_shape
     g = qw.block_k
-    q = np.asarray(unpack_int4(np.asarray(qw.codes), k_pad, axis=-1, signed=True))[:n, :k]
+    codes = relayout(qw, "nk_int4").codes
+    q = np.asarray(unpack_int4(np.asarray(codes), k_pad, axis=-1, signed=True))[:n, :k]
     u = (q.astype(np.int16) + 8).astype(np.uint8)
     w_u8 = (u[:, 0::2] << 4) | u[:, 1::2]
     scales = np.asarray(qw.scales, dtype=np.float32)[: k // g, :n]
@@ -422,7 +423,7 @@ class TokamaxPeer:
 
         qw: QuantizedWeight = case.weights[REF_GROUPED]
         k, n = qw.shape
-        q = nk_int4_as_int4(qw.codes)[:n, :k].T[None]  # (1, K, N) int4
+        q = nk_int4_as_int4(relayout(qw, "nk_int4").codes)[:n, :k].T[None]  # (1, K, N) int4
         scale = qw.scales[: -(-k // qw.block_k), :n][None]  # (1, K/G, N)
         rhs = qwix.QArray(qvalue=q, scale=scale, zero_point=None, qtype=jnp.int4)
 

@@ -21,6 +21,7 @@ from nybble.kernels.mosaic_gpu.config import (
     MIN_GROUP_SIZE,
     TuningConfig,
     heuristic_config,
+    x_rows,
 )
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.kernels.mosaic_gpu.kernel import w4a16
@@ -44,8 +45,9 @@ def is_supported(x: Any, qw: QuantizedWeight) -> str | None:
         return f"the weight is a {type(qw).__name__}, not a nybble.QuantizedWeight"
     if qw.layout not in SUPPORTED_LAYOUTS:
         return (
-            f"the weight layout {qw.layout!r} is not one the kernel reads {SUPPORTED_LAYOUTS}: repack it once "
-            f"with nybble.quant.relayout(qw, 'wgmma_int4') (exact), or quantize with that layout (the default)"
+            f"the weight layout {qw.layout!r} is not one the kernel reads {SUPPORTED_LAYOUTS}: repack it "
+            f"once with nybble.quant.relayout(qw, 'wgmma_int4') (exact), or quantize with that layout "
+            f"(the default)"
         )
     x_dtype = np.dtype(x.dtype).name
     if x_dtype not in SUPPORTED_X_DTYPES:
@@ -137,15 +139,17 @@ def _forward(x2d: jax.Array, qw: QuantizedWeight, config: TuningConfig | None, n
     p = plan(m, qw, num_sms=num_sms, config=config)
     if not is_interpret_active():
         x2d = _requires_gpu_p.bind(x2d)
-    if k != k_pad:
-        # Zero columns meet zero codes; only when K is not a multiple of 64 (no real model's is not).
-        x2d = jnp.pad(x2d, ((0, 0), (0, k_pad - k)))
+    m_x = x_rows(m, p.config)
+    if k != k_pad or m_x != m:
+        # Zero columns meet zero codes; only when K is not a multiple of 64 (no real model's is not). Zero
+        # rows: when M rows (times the K slices) would not fill whole 8-row SMEM tiles of x.
+        x2d = jnp.pad(x2d, ((0, m_x - m), (0, k_pad - k)))
     # Scales and offsets go in as stored (bf16/f16/f32): the kernel converts them itself.
     y = w4a16(x2d, qw.codes, qw.scales, qw.offsets, n=p.n, group=qw.block_k, config=p.config)
     if p.config.split_k > 1:
         # Split-K partials are f32; their sum is rounded once.
         y = y.sum(axis=0).astype(x2d.dtype)
-    return y if p.n == n else y[:, :n]
+    return y if (p.n, m_x) == (n, m) else y[:m, :n]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

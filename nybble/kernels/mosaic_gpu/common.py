@@ -96,8 +96,8 @@ class Problem:
 
     @property
     def weight_bytes_in_flight(self) -> int:
-        """Code bytes a CTA has requested ahead of the step it computes: all slots but the busy one."""
-        return (self.config.max_concurrent_steps - 1) * self.weight_bytes_per_step
+        """Code bytes a CTA keeps requested: one step per pipeline slot (the whole K when it is shorter)."""
+        return min(self.config.max_concurrent_steps, self.steps_per_split) * self.weight_bytes_per_step
 
     @property
     def dequantized_weights(self) -> int:
@@ -132,8 +132,8 @@ def operand_specs(p: Problem, mi: Any, ni: Any, k_first: Any, delay_release: int
     scale_slices = 1 if p.per_column else c.slices
 
     def scale_block(ki):
-        if p.per_column:
-            return 0, 0, ni
+        if p.per_column:  # row 0 always; written in ki because warp-specialized pipelines require it
+            return 0, ((k_first + ki) * c.tile_k) // p.k_pad, ni
         # One row when a group spans >= tile_k (row k * tile_k / G), else tile_k / G rows (block = step).
         if p.group >= c.tile_k:
             return 0, ((k_first + ki) * c.tile_k) // p.group, ni
@@ -177,7 +177,7 @@ def tile_indices(p: Problem, lin: Any) -> tuple[Any, Any]:
 def _row_values(p: Problem, ref: Any, g: int, t: int, row0: Any, dtype: Any) -> Any:
     """Per-row values (scales or offsets) of A tile ``t``'s 64 rows for group row ``g`` of the step."""
     if p.config.slices == 1:
-        return plgpu.load(ref.at[0, g, pl.ds(row0 + t * 64, 64)], (), layout=WGMMA_ROW).astype(dtype)
+        return plgpu.load(ref.at[0, g, pl.ds(row0 + t * 64, 64)], layout=WGMMA_ROW).astype(dtype)
     ref_slices = 1 if p.per_column else p.config.slices
     return slot_rows(ref, g, t, ref_slices, p.config.slices).astype(dtype)
 
@@ -190,86 +190,100 @@ def _chunk_groups(p: Problem, k0: int) -> list[tuple[int, int, int]]:
 
 
 def _chunk_words(p: Problem, codes: Any, t: int, k0: int) -> Any:
-    return plgpu.load(codes.at[t, :, pl.ds(k0, CHUNK_K)], (), layout=words_layout())
+    return plgpu.load(codes.at[t, :, pl.ds(k0, CHUNK_K)], layout=words_layout())
+
+
+def _tiles_chunk(p: Problem, codes: Any, k0: int, *, exact: bool, scale: Any = None) -> Any:
+    """The (64 * tiles, 64) A operand of one chunk: every A tile dequantized, stacked along rows (a
+    relabelling: one WGMMA call then runs all tiles against the same B descriptors)."""
+    parts = []
+    for t in range(p.config.tiles):
+        a = dequantize_chunk(_chunk_words(p, codes, t, k0), exact=exact, dtype=p.dtype)
+        parts.append(a if scale is None else scale(t, a))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
 
 def exact_weights_step(
-    p: Problem, acc_refs: Any, codes: Any, x: Any, scales: Any, offsets: Any, row0: Any
+    p: Problem, acc_ref: Any, codes: Any, x: Any, scales: Any, offsets: Any, row0: Any
 ) -> None:
-    """acc[t] += dequant(codes) @ x^T for one K step, weights dequantized exactly: w = q * s (+ o) in bf16.
+    """acc += dequant(codes) @ x^T for one K step, weights dequantized exactly: w = q * s (+ o) in bf16.
 
     ``codes`` holds this warpgroup's A tiles (tiles, 8, tile_k); ``row0`` its first row in the scale
-    rows. One WGMMA left in flight (the next tile's dequantization overlaps it).
+    rows. One WGMMA left in flight (the next chunk's dequantization overlaps it).
     """
     dt = p.dtype
+
+    def scale(t: int, q: Any, k0: int) -> Any:
+        parts = []
+        for c0, cols, g in _chunk_groups(p, k0):
+            qp = q if cols == CHUNK_K else q[:, c0 : c0 + cols]
+            w = qp * lax.broadcast_in_dim(_row_values(p, scales, g, t, row0, dt), qp.shape, [0])
+            if offsets is not None:
+                w = w + lax.broadcast_in_dim(_row_values(p, offsets, g, t, row0, dt), qp.shape, [0])
+            parts.append(w)
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
     for k0 in range(0, p.config.tile_k, CHUNK_K):
-        xk = x.at[:, pl.ds(k0, CHUNK_K)].T
-        for t in range(p.config.tiles):
-            with jax.named_scope("dequant"):
-                q = dequantize_chunk(_chunk_words(p, codes, t, k0), exact=True).astype(dt)
-                parts = []
-                for c0, cols, g in _chunk_groups(p, k0):
-                    qp = q if cols == CHUNK_K else q[:, c0 : c0 + cols]
-                    s = _row_values(p, scales, g, t, row0, dt)
-                    w = qp * lax.broadcast_in_dim(s, qp.shape, [0])
-                    if offsets is not None:
-                        w = w + lax.broadcast_in_dim(_row_values(p, offsets, g, t, row0, dt), qp.shape, [0])
-                    parts.append(w)
-                w = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
-            with jax.named_scope("wgmma"):
-                plgpu.wgmma(acc_refs[t], w, xk)
-                plgpu.wgmma_wait(1)
+        with jax.named_scope("dequant"):
+            w = _tiles_chunk(p, codes, k0, exact=True, scale=lambda t, q, k0=k0: scale(t, q, k0))
+        with jax.named_scope("wgmma"):
+            plgpu.wgmma(acc_ref, w, x.at[:, pl.ds(k0, CHUNK_K)].T)
+            plgpu.wgmma_wait(1)
     # Orders this step's SMEM reads before the slots are refilled by TMA (the async proxy).
     plgpu.commit_smem()
 
 
 def scaled_accumulators_step(
-    p: Problem, totals: tuple[Any, ...], codes: Any, x: Any, ones: Any, scales: Any, offsets: Any
-) -> tuple[Any, ...]:
-    """totals[t] += sum over the step's groups of s * (acc_g - 136 * sum(x)) (+ o * sum(x)).
+    p: Problem, total: Any, codes: Any, x: Any, ones: Any, scales: Any, offsets: Any
+) -> Any:
+    """total += sum over the step's groups of s * acc_g + (o - BIAS s) * sum(x), per A row.
 
-    acc_g = (136 + q) @ x^T over the group, straight from the LOP3 (no per-weight arithmetic); sum(x) over
+    acc_g = (BIAS + q) @ x^T over the group, straight from the LOP3 (no per-weight arithmetic); sum(x) over
     the group comes from WGMMA with the all-ones A tile ``ones`` (SMEM), in the same columns as acc_g.
     """
     c = p.config
     span = min(c.tile_k, p.group)  # K of one accumulator: a group, or the step when groups span steps
-    new = list(totals)
+    bias = float(BIAS[jnp.dtype(p.dtype).name])
     for g0 in range(0, c.tile_k, span):
         g = g0 // p.group if p.group < c.tile_k else 0
 
-        def group(*refs, g0=g0):
-            *accs, xs = refs
+        def group(acc, xs, g0=g0):
             for k0 in range(g0, g0 + span, CHUNK_K):
                 xk = x.at[:, pl.ds(k0, CHUNK_K)].T
                 plgpu.wgmma(xs, ones, xk)
-                for t in range(c.tiles):
-                    with jax.named_scope("dequant"):
-                        a = dequantize_chunk(_chunk_words(p, codes, t, k0), exact=False)
-                    plgpu.wgmma(accs[t], a, xk)
-                    plgpu.wgmma_wait(1)
-            return [a[...] for a in accs], xs[...]
+                with jax.named_scope("dequant"):
+                    a = _tiles_chunk(p, codes, k0, exact=False)
+                plgpu.wgmma(acc, a, xk)
+                plgpu.wgmma_wait(1)
+            return acc[...], xs[...]
 
-        acc_shape = (64, c.wgmma_n)
-        vals, xsum = pl.run_scoped(group, *[plgpu.ACC(acc_shape, jnp.float32) for _ in range(c.tiles + 1)])
+        rows = 64 * c.tiles
+        acc, xsum = pl.run_scoped(
+            group, plgpu.ACC((rows, c.wgmma_n), jnp.float32), plgpu.ACC((64, c.wgmma_n), jnp.float32)
+        )
         with jax.named_scope("scale_groups"):
-            for t in range(c.tiles):
-                # y += s * acc + (o - 136 s) * sum(x): the bias and the offset are one per-row coefficient.
-                s = _row_values(p, scales, g, t, 0, jnp.float32)
-                coef = s * -float(BIAS)
-                if offsets is not None:
-                    coef = coef + _row_values(p, offsets, g, t, 0, jnp.float32)
-                bs = lax.broadcast_in_dim(s, acc_shape, [0])
-                bc = lax.broadcast_in_dim(coef, acc_shape, [0])
-                new[t] = new[t] + vals[t] * bs + xsum * bc
+            # y += s * acc + (o - BIAS s) * sum(x): the bias and the offset are one per-row coefficient.
+            s = jnp.concatenate([_row_values(p, scales, g, t, 0, jnp.float32) for t in range(c.tiles)])
+            coef = s * -bias
+            if offsets is not None:
+                coef = coef + jnp.concatenate(
+                    [_row_values(p, offsets, g, t, 0, jnp.float32) for t in range(c.tiles)]
+                )
+            xsum = jnp.concatenate([xsum] * c.tiles) if c.tiles > 1 else xsum
+            shape = (rows, c.wgmma_n)
+            total = (
+                total
+                + acc * lax.broadcast_in_dim(s, shape, [0])
+                + xsum * lax.broadcast_in_dim(coef, shape, [0])
+            )
     plgpu.commit_smem()
-    return tuple(new)
+    return total
 
 
-def store_tiles(
-    p: Problem, accs: list[Any], smem: dict[str, Any], out_gmem: Any, mi: Any, n_start: Any
-) -> None:
-    """Writes the warpgroup's accumulators (tiles x (64, WGMMA N), f32) to y (or the split-K partials)."""
+def store_tiles(p: Problem, acc: Any, smem: dict[str, Any], out_gmem: Any, mi: Any, n_start: Any) -> None:
+    """Writes the warpgroup's accumulator ((64 * tiles, WGMMA N), f32) to y (or the split-K partials)."""
     c = p.config
+    accs = [acc[64 * t : 64 * (t + 1)] for t in range(c.tiles)]
     with jax.named_scope("epilogue"):
         if c.slices > 1:
             red, y_tile = smem["slices"], smem["out"]

@@ -112,11 +112,12 @@ class TuningConfig:
         return self.tile_k * self.slices
 
     def check_problem(self, m: int, n_pad: int, k_pad: int, group: int) -> None:
-        """Raises ValueError naming the rule when this config cannot run an (M, K_pad) x (K_pad, N_pad) problem."""
+        """Raises ValueError naming the rule when this config cannot run (M, K_pad) x (K_pad, N_pad)."""
         if n_pad % self.cta_rows:
             raise ValueError(
                 f"N_pad={n_pad} must be a multiple of the CTA's {self.cta_rows} output rows "
-                f"(64 * tiles / slices * compute_wgs = 64 * {self.tiles} / {self.slices} * {self.compute_wgs})"
+                f"(64 * tiles / slices * compute_wgs = 64 * {self.tiles} / {self.slices} * "
+                f"{self.compute_wgs})"
             )
         if k_pad % (self.k_span() * self.split_k):
             raise ValueError(
@@ -125,6 +126,10 @@ class TuningConfig:
             )
         if self.slices > 1 and m * self.slices > self.wgmma_n:
             raise ValueError(f"M={m} rows do not fit tile_m={self.tile_m} with slices={self.slices}")
+        if self.slices > 1 and group % CHUNK_K:
+            # Each lane gathers its rows' scales per group: with groups of 16 or 32 that is 2 to 4 gathers
+            # per chunk, too many; those run without slices.
+            raise ValueError(f"K slices need groups of a multiple of 64, got {group}")
         if group < MIN_GROUP_SIZE:
             raise ValueError(f"group size {group} must be >= {MIN_GROUP_SIZE}")
         if group < self.tile_k and self.tile_k % group:
@@ -132,8 +137,8 @@ class TuningConfig:
         if group > self.tile_k and group % self.tile_k:
             raise ValueError(f"group size {group} must be a multiple of tile_k={self.tile_k}")
         slice_k = k_pad // self.slices
-        if self.slices > 1 and group < k_pad and slice_k % group and group % slice_k:
-            raise ValueError(f"group size {group} and K slice {slice_k} must divide one another")
+        if self.slices > 1 and group < k_pad and slice_k % group:
+            raise ValueError(f"K slices of {slice_k} must hold whole groups of {group}")
         if self.scales_on == "accumulators" and group % CHUNK_K:
             raise ValueError(f"scales_on='accumulators' needs groups of a multiple of 64, got {group}")
 
@@ -178,6 +183,59 @@ def _pow2_at_least(m: int) -> int:
     return 1 << max(0, (m - 1).bit_length())
 
 
+def estimated_instructions_per_weight(config: TuningConfig, group: int, has_offsets: bool) -> float:
+    """A rough count of the main loop's SASS instructions per weight per thread, for ranking configs.
+
+    Calibrated on the X-ray of this kernel (bench/xray): 3 SHF + 4 LOP3 per 8 weights, one HGMMA per 8;
+    exact weights add a bf16x2 subtract and multiply (and add, with offsets) per pair; the accumulator
+    route adds the all-ones WGMMA of each 64-wide chunk and ~2 FFMA per accumulator element and group;
+    each step costs ~100 instructions of barriers, descriptors and TMA, and ~2 per HGMMA.
+    """
+    c = config
+    per_thread_step = c.tiles * c.tile_k / 2  # weights a thread dequantizes per step
+    hgmmas = c.tiles * c.tile_k // 16 + (c.tile_k // 16 if c.scales_on == "accumulators" else 0)
+    ipw = 0.875 + 0.125 + (100 + 2 * hgmmas) / per_thread_step
+    if c.scales_on == "weights":
+        ipw += 1.25 + (0.5 if has_offsets else 0.0)
+    else:
+        ipw += (2 * c.wgmma_n + 8) / min(group, c.tile_k)
+    return ipw
+
+
+def modeled_time_us(
+    config: TuningConfig, m: int, n_pad: int, k_pad: int, group: int, has_offsets: bool, num_sms: int
+) -> float:
+    """The heuristics' cost model (H200 figures): max of HBM, issue and tensor-core time, plus a launch.
+
+    HBM time counts the bytes over the bandwidth the busy SMs can pull (an idle SM is lost bandwidth);
+    issue time the instructions of :func:`estimated_instructions_per_weight` on the busiest SM; split-K
+    adds its f32 partials and a second launch (~2 us).
+    """
+    m_tiles = 1 if config.slices > 1 else -(-m // config.tile_m)
+    ctas = n_pad // config.cta_rows * m_tiles * config.split_k
+    weights = n_pad * k_pad * m_tiles
+    nbytes = n_pad * k_pad / 2 + 2 * (m * k_pad + m * n_pad) + 2 * n_pad * -(-k_pad // group)
+    if config.split_k > 1:
+        nbytes += 2 * 4 * config.split_k * m * n_pad
+    t_hbm = nbytes / (4.8e12 * min(1.0, ctas / num_sms))
+    ipw = estimated_instructions_per_weight(config, group, has_offsets)
+    busiest = weights / 32 * ipw / ctas * math.ceil(ctas / num_sms)  # warp-instructions on one SM
+    t_issue = busiest / (4 * 1.98e9)
+    t_tensor = 2.0 * m_tiles * config.wgmma_n * n_pad * k_pad / 989e12
+    launch = 2e-6 * ((config.split_k > 1) + (x_rows(m, config) != m))
+    return (max(t_hbm, t_issue, t_tensor) + launch) * 1e6
+
+
+def x_rows(m: int, config: TuningConfig) -> int:
+    """Rows of x the kernel reads: M, or M padded so that the x view (rows * slices, K / slices) suits a
+    TMA into 8-row SMEM tiles (at most 8 rows, or a multiple of 8). Padding costs the wrapper a copy."""
+    s = config.slices
+    if m * s <= 8 or (m * s) % 8 == 0:
+        return m
+    step = 8 // math.gcd(s, 8)
+    return -(-m // step) * step
+
+
 def heuristic_config(
     m: int,
     n_pad: int,
@@ -193,14 +251,13 @@ def heuristic_config(
 
     ``group_size`` None means one group over all of K_pad; K_pad and N_pad are multiples of 64.
 
-    Decode (M <= 64): one warpgroup per CTA. Small M runs S K slices side by side in WGMMA's N (8 or 16
-    wide: M = 1 puts 8 slices of K where padding would be), so a CTA covers 64 * tiles / S rows of N over
-    all of K and needs no split-K. Candidates are scored by how evenly their CTAs cover the SMs (a decode
-    GEMM streams weights: idle SMs are lost bandwidth), discounting split-K (a second launch and f32
-    partials), a single CTA per SM (no second warp per scheduler to hide stalls) and short pipelines;
-    ties go to more A tiles per step (~100 instructions of per-step overhead), longer steps, a narrower
-    WGMMA N, then deeper pipelines. Prefill (M > 64): two compute warpgroups sharing 128-row x tiles,
-    weights dequantized exactly.
+    Decode (M <= 64): one warpgroup per CTA. Small M runs S K slices side by side in WGMMA's N (M = 1
+    puts 8 slices of K where padding would be), so a CTA covers 64 * tiles / S rows of N over all of K and
+    needs no split-K: one launch. Every candidate (A tiles, tile_k, slices, split-K, scale route) that
+    fits SMEM, at every pipeline depth, is ranked by :func:`modeled_time_us`; ties go to two CTAs per SM
+    (a second warp per scheduler hides the other's stalls), fewer instructions per weight, more A tiles
+    per step, then deeper pipelines. Prefill (M > 64):
+    two compute warpgroups sharing 128-row x tiles, weights dequantized exactly.
     """
     if m < 1 or n_pad < 1 or k_pad < 1:
         raise ValueError(f"heuristic_config: bad problem M={m}, N_pad={n_pad}, K_pad={k_pad}")
@@ -222,16 +279,12 @@ def heuristic_config(
             resident = max(1, SMEM_PER_SM_BYTES // (used + _SMEM_SLACK_BYTES))
             m_tiles = 1 if config.slices > 1 else -(-m // config.tile_m)
             ctas = n_pad // config.cta_rows * m_tiles * config.split_k
-            fill = _wave_efficiency(ctas, num_sms)
-            if config.split_k > 1:
-                fill *= 0.85 * 0.97 ** (config.split_k - 1)
-            if decode and min(resident, -(-ctas // num_sms)) < 2:
-                fill *= 0.9
-            fill *= min(1.0, k_steps / 3)
-            score = (round(fill, 3), config.tiles, config.tile_k, -config.wgmma_n, steps)
+            t = modeled_time_us(config, m, n_pad, k_pad, group, has_offsets, num_sms)
+            ipw = estimated_instructions_per_weight(config, group, has_offsets)
+            two_per_sm = decode and min(resident, -(-ctas // num_sms)) >= 2
+            score = (-round(t, 2), two_per_sm, -round(ipw, 1), config.tiles, config.tile_k, steps)
             if best is None or score > best[0]:
                 best = (score, config)
-            break  # the deepest pipeline that fits this shape
     if best is None:
         raise ValueError(
             f"heuristic_config: no config fits M={m}, N_pad={n_pad}, K_pad={k_pad}, group={group}"
@@ -251,7 +304,7 @@ def _candidate_shapes(
         return
     tile_m = _pow2_at_least(m)
     # (slices, tile_m): K slices filling a WGMMA N of 8..32, or none (N = max(8, M)).
-    layouts = [(s, tile_m) for s in SLICES_CHOICES if s > 1 and 8 <= s * tile_m <= 32]
+    layouts = [(s, tile_m) for s in SLICES_CHOICES if s > 1 and 8 <= s * tile_m <= 64]
     layouts.append((1, max(8, tile_m)))
     for (slices, t_m), tiles, tile_k, split_k in itertools.product(
         layouts, TILES_CHOICES, TILE_K_CHOICES, range(1, 9)

@@ -45,7 +45,17 @@ L = plgpu.Layout
 # 2w and 2w + 1 (its two row halves): tiling (8, 64) -> (2, 64) -> (2,), warps over the 4 slot pairs, lanes
 # over the 32 word pairs, a vector of 2 words (LDS.64).
 CHUNK = 64
-BIAS = 136  # 128 from the exponent, 8 from flipping the sign bit
+# Per 16-bit half: the exponent that makes the low mantissa bits count units, XORed with 8 (the nibble's
+# flipped sign bit), and the value of that pattern at nibble 0: bf16 2^7 + 8 = 136, f16 2^10 + 8 = 1032.
+MAGIC = {"bfloat16": 0x4308, "float16": 0x6408}
+BIAS = {"bfloat16": 136, "float16": 1032}
+
+
+def _name(dtype: Any) -> str:
+    name = np.dtype(dtype).name
+    if name not in MAGIC:
+        raise ValueError(f"int4 codes dequantize to bfloat16 or float16, not {name}")
+    return name
 
 
 def words_layout() -> Any:
@@ -57,30 +67,34 @@ def words_layout() -> Any:
 # --------------------------------------------------------------------------- the bit operations, modelled
 
 
-def reference_dequantize_words(words: np.ndarray, exact: bool) -> np.ndarray:
-    """The GPU's bit operations on uint32 words, in numpy: (..., 4 [u]) uint32 of two bf16 bit patterns.
+def reference_dequantize_words(words: np.ndarray, exact: bool, dtype: Any = "bfloat16") -> np.ndarray:
+    """The GPU's bit operations on uint32 words, in numpy: (..., 4 [u]) uint32 of two 16-bit patterns.
 
-    Element [..., u] is ``((w >> 4u) & 0x000F000F) ^ 0x43084308``, and with ``exact`` the bf16x2 difference
-    with 0x43084308 (136.0), both halves exact. Bit patterns, so that tests can compare bit for bit.
+    Element [..., u] is ``((w >> 4u) & 0x000F000F) ^ MAGIC`` (MAGIC in both halves), and with ``exact``
+    the 16-bit-pair difference with MAGIC (136.0 or 1032.0), both halves exact. Bit patterns, so that
+    tests can compare bit for bit.
     """
+    name = _name(dtype)
+    magic = np.uint32(MAGIC[name] * 0x10001)
     w = np.asarray(words, np.uint32)[..., None]
-    t = ((w >> (4 * np.arange(4, dtype=np.uint32))) & np.uint32(0x000F000F)) ^ np.uint32(0x43084308)
+    t = ((w >> (4 * np.arange(4, dtype=np.uint32))) & np.uint32(0x000F000F)) ^ magic
     if not exact:
         return t
-    halves = t.view(np.uint16).reshape(*t.shape, 2).astype(np.uint32) << 16
-    values = halves.view(np.float32) - np.float32(BIAS)  # exact: small integers
-    bits = (values.view(np.uint32) >> 16).astype(np.uint32)  # f32 -> bf16 truncation is exact here
+    halves = t.view(np.uint16).reshape(*t.shape, 2)
+    values = halves.view(np.dtype(name)).astype(np.float32) - np.float32(BIAS[name])  # exact: small ints
+    bits = values.astype(np.dtype(name)).view(np.uint16).astype(np.uint32)
     return bits[..., 0] | (bits[..., 1] << 16)
 
 
-def _twin_dequantize(words: jax.Array, exact: bool) -> jax.Array:
-    """Interpret-mode twin: (8 slots, 64 words) uint32 -> (64, 64) bf16, the same values and positions."""
+def _twin_dequantize(words: jax.Array, exact: bool, dtype: Any) -> jax.Array:
+    """Interpret-mode twin: (8 slots, 64 words) uint32 -> (64, 64) bf16/f16, the same values and places."""
+    name = _name(dtype)
     w = words.astype(jnp.uint32)[..., None] >> (4 * jnp.arange(4, dtype=jnp.uint32))
-    t = (w & jnp.uint32(0x000F000F)) ^ jnp.uint32(0x43084308)  # (slot, word, u)
+    t = (w & jnp.uint32(0x000F000F)) ^ jnp.uint32(MAGIC[name] * 0x10001)  # (slot, word, u)
     halves = jax.lax.bitcast_convert_type(t, jnp.uint16)  # (slot, word, u, e)
-    values = jax.lax.bitcast_convert_type(halves, jnp.bfloat16)
+    values = jax.lax.bitcast_convert_type(halves, jnp.dtype(name))
     if exact:
-        values = values - jnp.bfloat16(BIAS)
+        values = values - jnp.asarray(BIAS[name], jnp.dtype(name))
     # word = 2 * lane + q, lane = 4 * r8 + c4; row = 8 * slot + r8, column = 32 q + 8 u + 2 c4 + e.
     v = values.reshape(8, 8, 4, 2, 4, 2)  # (slot, r8, c4, q, u, e)
     return v.transpose(0, 1, 3, 4, 2, 5).reshape(64, 64)
@@ -89,20 +103,19 @@ def _twin_dequantize(words: jax.Array, exact: bool) -> jax.Array:
 # --------------------------------------------------------------------------------------- A fragments
 
 
-def dequantize_chunk(words: jax.Array, *, exact: bool) -> jax.Array:
-    """(8 slots, 64 words) uint32 loaded with :func:`words_layout` -> (64, 64) bf16 in the WGMMA layout.
-
-    Values 136 + q (``exact=False``; the bias is removed later on the f32 accumulators) or q.
-    """
+def dequantize_chunk(words: jax.Array, *, exact: bool, dtype: Any = jnp.bfloat16) -> jax.Array:
+    """(8 slots, 64 words) uint32 loaded with :func:`words_layout` -> (64, 64) ``dtype`` (bf16 or f16) in
+    the WGMMA layout: values BIAS + q (``exact=False``; the bias is removed later on the f32
+    accumulators) or q."""
     if active_params() is not None:
-        return _twin_dequantize(words, exact)
-    return _gpu_dequantize(exact)(words)
+        return _twin_dequantize(words, exact, dtype)
+    return _gpu_dequantize(exact, _name(dtype))(words)
 
 
-def _gpu_dequantize(exact: bool) -> Any:
+def _gpu_dequantize(exact: bool, name: str) -> Any:
     @plgpu.inline_mgpu(
         arg_types=(words_layout(),),
-        return_type=plgpu.ShapeDtypeStruct((CHUNK, CHUNK), jnp.bfloat16, layout=L.WGMMA),
+        return_type=plgpu.ShapeDtypeStruct((CHUNK, CHUNK), jnp.dtype(name), layout=L.WGMMA),
     )
     def relabel(ctx: Any, words: Any) -> Any:
         from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -112,13 +125,16 @@ def _gpu_dequantize(exact: bool) -> Any:
 
         del ctx
         i32 = ir.IntegerType.get_signless(32)
-        pair = ir.VectorType.get((2,), ir.BF16Type.get())
-        # One LOP3: (x & 0x000F000F) ^ 0x43084308 (lut (a & b) ^ c = 0x6A); exact adds the bf16x2 subtract.
-        asm = "lop3.b32 $0, $1, 0x000F000F, 0x43084308, 0x6A;"
+        elem = ir.BF16Type.get() if name == "bfloat16" else ir.F16Type.get()
+        pair = ir.VectorType.get((2,), elem)
+        magic = f"0x{MAGIC[name] * 0x10001:08X}"
+        ptx_type = "bf16x2" if name == "bfloat16" else "f16x2"
+        # One LOP3: (x & 0x000F000F) ^ magic (lut (a & b) ^ c = 0x6A); exact adds the 16-bit-pair subtract.
+        asm = f"lop3.b32 $0, $1, 0x000F000F, {magic}, 0x6A;"
         if exact:
             asm = (
-                "{ .reg .b32 t, c; lop3.b32 t, $1, 0x000F000F, 0x43084308, 0x6A; "
-                "mov.b32 c, 0x43084308; sub.bf16x2 $0, t, c; }"
+                f"{{ .reg .b32 t, c; lop3.b32 t, $1, 0x000F000F, {magic}, 0x6A; "
+                f"mov.b32 c, {magic}; sub.{ptx_type} $0, t, c; }}"
             )
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape((CHUNK, CHUNK)), dtype=object)
         for h in range(2):  # row half: slot 2w + h
@@ -193,7 +209,7 @@ def _gpu_slot_rows(g: int, t: int, ref_slices: int, slices: int) -> Any:
 
 
 def sum_slices(acc_ref: Any, out_ref: Any, *, slices: int, tiles: int, rows: int) -> None:
-    """y tile (rows, tiles * 64 / S) in ``out_ref`` (bf16/f16 SMEM) from ``acc_ref`` (tiles, 64, S * rows) f32.
+    """y tile (rows, tiles * 64 / S) in ``out_ref`` (bf16/f16 SMEM) from ``acc_ref`` (tiles, 64, S rows) f32.
 
     acc[t, r, m * S + j(r)] summed over the S slices of output row t * 64 / S + n(r); the rest of acc (other
     slices' columns) is not read.

@@ -58,7 +58,8 @@ def check_operands(
     num_groups = -(-k_pad // group)  # the last group may be partial
     if scales.shape != (num_groups, n_pad):
         raise ValueError(
-            f"w4a16: scales have shape {scales.shape}, expected (ceil(K_pad / G), N_pad) = ({num_groups}, {n_pad})"
+            f"w4a16: scales have shape {scales.shape}, expected (ceil(K_pad / G), N_pad) = "
+            f"({num_groups}, {n_pad})"
         )
     if offsets is not None and offsets.shape != scales.shape:
         raise ValueError(f"w4a16: offsets shape {offsets.shape} != scales shape {scales.shape}")

@@ -50,7 +50,7 @@ def _smem_swizzle(dtype) -> tuple:
 def w4a16_single_wg(p: Problem, operands: list[jax.Array]) -> jax.Array:
     """Runs the one-warpgroup kernel on the operand views of ``common.operand_views``."""
     c = p.config
-    acc_shape = (64, c.wgmma_n)
+    acc_shape = (64 * c.tiles, c.wgmma_n)
     deferred = c.scales_on == "accumulators"
 
     def kernel(*refs):
@@ -70,25 +70,21 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array]) -> jax.Array:
             plgpu.commit_smem()
 
             def body(_, codes, x, s, *rest):
-                *o, totals = rest
-                return scaled_accumulators_step(p, totals, codes, x, ones, s, o[0] if o else None)
+                *o, total = rest
+                return scaled_accumulators_step(p, total, codes, x, ones, s, o[0] if o else None)
 
-            init = tuple(
-                plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), L.WGMMA) for _ in range(c.tiles)
-            )
-            totals = plgpu.emit_pipeline(
+            acc = plgpu.emit_pipeline(
                 body,
                 grid=(p.steps_per_split,),
                 in_specs=specs,
                 max_concurrent_steps=c.max_concurrent_steps,
-                init_carry=init,
+                init_carry=plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), L.WGMMA),
             )(*gmem)
-            accs = list(totals)
         else:
 
-            def mainloop(*acc_refs):
+            def mainloop(acc_ref):
                 def body(_, codes, x, s, *o):
-                    exact_weights_step(p, acc_refs, codes, x, s, o[0] if o else None, 0)
+                    exact_weights_step(p, acc_ref, codes, x, s, o[0] if o else None, 0)
 
                 plgpu.emit_pipeline(
                     body,
@@ -96,10 +92,10 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array]) -> jax.Array:
                     in_specs=specs,
                     max_concurrent_steps=c.max_concurrent_steps,
                 )(*gmem)
-                return [a[...] for a in acc_refs]  # waits for the last WGMMA
+                return acc_ref[...]  # waits for the last WGMMA
 
-            accs = pl.run_scoped(mainloop, *[plgpu.ACC(acc_shape, jnp.float32) for _ in range(c.tiles)])
-        store_tiles(p, accs, scratch, out_gmem, mi, ni * c.cta_rows)
+            acc = pl.run_scoped(mainloop, plgpu.ACC(acc_shape, jnp.float32))
+        store_tiles(p, acc, scratch, out_gmem, mi, ni * c.cta_rows)
 
     call = plgpu.kernel(
         kernel,

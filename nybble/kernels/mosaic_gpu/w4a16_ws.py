@@ -43,7 +43,7 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array]) -> jax.Array:
     if c.slices > 1 or c.scales_on != "weights":
         raise ValueError(f"the warp-specialized kernel runs slices=1, scales_on='weights' only, got {c}")
     num_wgs = c.compute_wgs
-    acc_shape = (64, c.wgmma_n)
+    acc_shape = (64 * c.tiles, c.wgmma_n)
 
     def kernel(*refs):
         codes_gmem, x_gmem, s_gmem, *rest = refs
@@ -57,15 +57,13 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array]) -> jax.Array:
 
         def compute_context(run_pipeline):
             # Runs in the compute warpgroups only: the accumulators live in their registers.
-            @functools.partial(
-                pl.run_scoped, acc_refs=[plgpu.ACC(acc_shape, jnp.float32) for _ in range(c.tiles)]
-            )
-            def _(acc_refs):
-                run_pipeline(acc_refs)
-                accs = [a[...] for a in acc_refs]  # waits for the last WGMMA
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(acc_shape, jnp.float32))
+            def _(acc_ref):
+                run_pipeline(acc_ref)
+                acc = acc_ref[...]  # waits for the last WGMMA
                 store_tiles(
                     p,
-                    accs,
+                    acc,
                     {"out": out_smem.at[wg]},
                     out_gmem,
                     mi,
@@ -73,10 +71,10 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array]) -> jax.Array:
                 )
 
         def body(_, codes, x, s, *rest):
-            *o, acc_refs = rest
+            *o, acc_ref = rest
             mine = codes.at[pl.ds(wg * c.tiles, c.tiles)]  # this warpgroup's A tiles
-            exact_weights_step(p, acc_refs, mine, x, s, o[0] if o else None, wg * c.rows_per_wg)
-            return acc_refs
+            exact_weights_step(p, acc_ref, mine, x, s, o[0] if o else None, wg * c.rows_per_wg)
+            return acc_ref
 
         plgpu.emit_pipeline_warp_specialized(
             body,

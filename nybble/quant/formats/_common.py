@@ -14,7 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from nybble.packing import get_layout, pad_to, padded_weight_dims
+from nybble.packing import DEFAULT_LAYOUT, get_layout, pad_to, padded_weight_dims
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.rtn import check_group_size
 
@@ -149,7 +149,7 @@ def build_weight(
     g = k_pad if group_size is None else group_size
     num_groups = -(-k_pad // g)
     q = u.astype(np.int8) - np.int8(8)
-    codes = get_layout("nk_int4").pack(pad_to(q, (k_pad, n_pad)))
+    codes = get_layout(DEFAULT_LAYOUT).pack(pad_to(q, (k_pad, n_pad)))
     src_dtype = scales.dtype
     if symmetric:
         stored = np.dtype(scale_dtype) if scale_dtype is not None else src_dtype
@@ -168,7 +168,7 @@ def build_weight(
         shape=(k, n),
         group_size=group_size,
         symmetric=symmetric,
-        layout="nk_int4",
+        layout=DEFAULT_LAYOUT,
     )
 
 
