@@ -19,7 +19,7 @@ import numpy as np
 import nybble
 from nybble.kernels import available_implementations
 from nybble.packing import nk_int4_as_int4, pad_to, padded_weight_dims
-from nybble.quant import QuantizedWeight, to_torch_uint8_codes
+from nybble.quant import QuantizedWeight, relayout, to_torch_uint8_codes
 from nybble.quant.formats.torch_int4pack import TORCH_GROUP_SIZES
 
 # Which weight's float64 reference a peer must match.
@@ -218,7 +218,7 @@ class XlaInt4Peer:
 
     def prepare(self, case: Case, n_sets: int) -> Prepared:
         qw: QuantizedWeight = case.weights[REF_PER_COLUMN]
-        w4 = nk_int4_as_int4(qw.codes)  # a real jnp.int4 array (N_pad, K_pad)
+        w4 = nk_int4_as_int4(relayout(qw, "nk_int4").codes)  # a real jnp.int4 array (N_pad, K_pad)
         scale = qw.scales[0]
         n = case.n
         return _jax_prepared(
@@ -398,7 +398,7 @@ class TokamaxPeer:
 
         qw: QuantizedWeight = case.weights[REF_GROUPED]
         k, n = qw.shape
-        q = nk_int4_as_int4(qw.codes)[:n, :k].T[None]  # (1, K, N) int4
+        q = nk_int4_as_int4(relayout(qw, "nk_int4").codes)[:n, :k].T[None]  # (1, K, N) int4
         scale = qw.scales[: -(-k // qw.group), :n][None]  # (1, ceil(K / G), N)
         rhs = qwix.QArray(qvalue=q, scale=scale, zero_point=None, qtype=jnp.int4)
 

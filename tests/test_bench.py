@@ -175,8 +175,9 @@ def test_xla_int4_matches_reference():
     case = _case(k=192, n=128, m=8)
     qw = case.weights["per-column"]
     from nybble.packing import nk_int4_as_int4
+    from nybble.quant import relayout
 
-    y = xla_int4_matmul(case.xs[0], nk_int4_as_int4(qw.codes), qw.scales[0], case.n)
+    y = xla_int4_matmul(case.xs[0], nk_int4_as_int4(relayout(qw, "nk_int4").codes), qw.scales[0], case.n)
     ref = nybble.kernels.reference_matmul(case.xs[0], qw)
     assert nybble.kernels.relative_error(y, ref) < runner.BF16_TOLERANCE
 

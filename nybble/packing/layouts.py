@@ -94,4 +94,4 @@ register_layout(
         "per word pair (nybble.packing.fragments); what the Hopper kernels read",
     )
 )
-DEFAULT_LAYOUT = "nk_int4"
+DEFAULT_LAYOUT = "wgmma_int4"
