@@ -14,6 +14,7 @@ from flax import nnx
 
 import nybble
 from nybble.checkpoint import FORMAT_VERSION, load, read_metadata, save
+from nybble.packing import DEFAULT_LAYOUT
 from nybble.models import Llama, LlamaConfig, QLinear, load_model, quantize, save_model
 
 
@@ -91,7 +92,7 @@ def test_metadata(saved):
     assert len(meta["sha256"]) == 64
     entries = {".".join(str(k) for _, k in e["path"]): e for e in meta["tree"]}
     asym = entries["layers.0.asym"]
-    assert asym["kind"] == "quantized" and asym["layout"] == "nk_int4"
+    assert asym["kind"] == "quantized" and asym["layout"] == DEFAULT_LAYOUT
     assert (asym["group_size"], asym["symmetric"], asym["shape"]) == (32, False, [192, 130])
     assert entries["layers.0.col"]["group_size"] is None
     assert entries["layers.0.sym"]["path"] == [["d", "layers"], ["d", 0], ["d", "sym"]]
@@ -159,9 +160,10 @@ def test_unknown_version_refused(saved):
 
 def test_unknown_layout_refused(saved):
     data, _ = _header(saved)
-    assert b"nk_int4" in data
-    saved.write_bytes(data.replace(b"nk_int4", b"zz_int4"))
-    with pytest.raises(ValueError, match="unknown weight layout 'zz_int4'"):
+    name = DEFAULT_LAYOUT.encode()
+    assert name in data
+    saved.write_bytes(data.replace(name, b"z" * len(name)))
+    with pytest.raises(ValueError, match=f"unknown weight layout '{'z' * len(name)}'"):
         load(saved)
 
 

@@ -24,10 +24,15 @@ from nybble.quant import QuantizedWeight
         (65, 1, 256, (128, 64), 256, 1),  # one partial group
     ],
 )
-def test_geometry_by_hand(k, n, group_size, padded, group, groups):
-    qw = nybble.quantize(np.ones((k, n), np.float32), group_size=group_size)
+@pytest.mark.parametrize("layout", ["wgmma_int4", "nk_int4"])
+def test_geometry_by_hand(k, n, group_size, padded, group, groups, layout):
+    qw = nybble.quantize(np.ones((k, n), np.float32), group_size=group_size, layout=layout)
     assert (qw.padded_shape, qw.group, qw.num_groups) == (padded, group, groups)
-    assert qw.scales.shape == (groups, padded[1]) and qw.codes.shape == (padded[1], padded[0] // 2)
+    stored = {
+        "wgmma_int4": ((padded[1] // 8, padded[0]), np.uint32),
+        "nk_int4": ((padded[1], padded[0] // 2), np.uint8),
+    }
+    assert qw.scales.shape == (groups, padded[1]) and (qw.codes.shape, qw.codes.dtype) == stored[layout]
     assert group_rows(padded[0], group_size) == group and num_groups(padded[0], group_size) == groups
 
 
@@ -43,17 +48,21 @@ def _random_codes(k_pad, n_pad, seed=0):
     return np.random.default_rng(seed).integers(-8, 8, (k_pad, n_pad)).astype(np.int8)
 
 
+@pytest.mark.parametrize("layout", ["wgmma_int4", "nk_int4"])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_from_codes_packs_pads_and_round_trips(symmetric):
+def test_from_codes_packs_pads_and_round_trips(symmetric, layout):
     """Logical (K, N) codes in, padded and packed; dequantize gives q * s + o exactly (small integers)."""
     k, n, g = 100, 70, 32  # padded to (128, 128), 4 groups
     rng = np.random.default_rng(1)
     q = rng.integers(-8, 8, (k, n)).astype(np.int8)
     s = rng.integers(1, 5, (-(-k // g), n)).astype(np.float32) / 4
     o = None if symmetric else rng.integers(-3, 4, s.shape).astype(np.float32) / 2
-    qw = QuantizedWeight.from_codes(q, s, o, shape=(k, n), group_size=g)
+    qw = QuantizedWeight.from_codes(q, s, o, shape=(k, n), group_size=g, layout=layout)
     assert qw.symmetric is symmetric and qw.padded_shape == (128, 128) and qw.num_groups == 4
-    assert isinstance(qw.codes, jax.Array) and qw.codes.dtype == np.uint8
+    assert (
+        isinstance(qw.codes, jax.Array)
+        and qw.codes.dtype == {"wgmma_int4": np.uint32, "nk_int4": np.uint8}[layout]
+    )
     rows = np.arange(k) // g
     want = q * s[rows] + (0 if o is None else o[rows])
     np.testing.assert_array_equal(np.asarray(nybble.dequantize(qw)), want)
@@ -73,7 +82,9 @@ def test_from_codes_under_jit_matches_eager():
 
 
 def _weight(**change):
-    qw = nybble.quantize(np.random.default_rng(0).normal(size=(200, 96)).astype(np.float32), group_size=64)
+    qw = nybble.quantize(
+        np.random.default_rng(0).normal(size=(200, 96)).astype(np.float32), group_size=64, layout="nk_int4"
+    )
     return dataclasses.replace(qw, **change)
 
 
@@ -88,6 +99,7 @@ def _weight(**change):
         (dict(shape=(300, 96)), r"codes of shape \(128, 128\) do not fit"),
         (dict(symmetric=False), "offsets are None exactly when symmetric"),
         (dict(codes=jnp.zeros((128, 128), jnp.int8)), "stores uint8 codes, got dtype int8"),
+        (dict(layout="wgmma_int4"), r"stores uint32 codes, got dtype uint8"),
         (dict(scales=jnp.zeros((3, 128), jnp.bfloat16)), r"expected \(num_groups, N_pad\) = \(4, 128\)"),
         (dict(scales=jnp.zeros((4, 128), jnp.int32)), "scales must be one of"),
         (dict(group_size=128), r"expected \(num_groups, N_pad\) = \(2, 128\)"),

@@ -3,7 +3,9 @@
 A layout maps logical codes ``q`` of shape (K_pad, N_pad), int8 in [-8, 7], to the bytes the kernels read,
 and back. Add a layout by registering a :class:`WeightLayout`; ``QuantizedWeight.layout`` names one.
 
-``nk_int4`` (the default): W^T stored K-major, shape (N_pad, K_pad // 2) uint8. Byte (n, j) holds q[2j, n]
+``wgmma_int4`` (the default, what the Hopper kernels read) is described in :mod:`nybble.packing.fragments`.
+
+``nk_int4``: W^T stored K-major, shape (N_pad, K_pad // 2) uint8. Byte (n, j) holds q[2j, n]
 in its low nibble and q[2j + 1, n] in its high nibble, two's complement. That is exactly the memory of a
 ``jnp.int4`` array of shape (N_pad, K_pad) (:func:`nk_int4_as_int4`, whose docstring says what XLA makes of
 that view), so a Mosaic GPU kernel can TMA a (tile_n, tile_k // 2) byte block and load it as an int4
