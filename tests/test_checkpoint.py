@@ -14,8 +14,8 @@ from flax import nnx
 
 import nybble
 from nybble.checkpoint import FORMAT_VERSION, load, read_metadata, save
-from nybble.packing import DEFAULT_LAYOUT
 from nybble.models import Llama, LlamaConfig, QLinear, load_model, quantize, save_model
+from nybble.packing import DEFAULT_LAYOUT
 
 
 def _tree():
