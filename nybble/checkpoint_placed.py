@@ -19,7 +19,6 @@ import hashlib
 import itertools
 import json
 import os
-import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,6 @@ import numpy as np
 
 from nybble.packing import get_layout
 from nybble.quant.qweight import QuantizedWeight
-from nybble.quant.rtn import check_group_size
 from nybble.sharding.plan import TensorParallel, plan_split
 from nybble.sharding.weight import block_slice, build_sharded
 
@@ -120,30 +118,28 @@ def _place_array(reader: _Reader, name: str, sharding: Any) -> Any:
 
 
 def _quantized(reader: _Reader, path: Path, meta: dict[str, Any], where: Any) -> Any:
-    from nybble.checkpoint import _as_array, _check_quantized, _path_name, _refuse
+    from nybble.checkpoint import _as_array, _path_name, _refuse
 
     name = _path_name(meta["path"])
-    group_size = meta.get("group_size")
-    try:
-        check_group_size(group_size)
-    except ValueError as e:
-        raise _refuse(path, f"{name}: {e}") from None
     tensors = {a: meta[a] for a in ("codes", "scales", "offsets") if a in meta}
     abstract = {a: jax.ShapeDtypeStruct(reader.info(t)[1], reader.info(t)[0]) for a, t in tensors.items()}
-    fields = dict(
-        shape=(int(meta["shape"][0]), int(meta["shape"][1])),
-        group_size=group_size,
-        symmetric=bool(meta["symmetric"]),
-        layout=meta["layout"],
-    )
-    _check_quantized(
-        path, meta, QuantizedWeight(abstract["codes"], abstract["scales"], abstract.get("offsets"), **fields)
-    )
+    try:  # a QuantizedWeight checks its own group size, layout and (abstract) array shapes
+        spec = QuantizedWeight(
+            abstract["codes"],
+            abstract["scales"],
+            abstract.get("offsets"),
+            shape=tuple(int(d) for d in meta["shape"]),  # type: ignore[arg-type]
+            group_size=meta.get("group_size"),
+            symmetric=bool(meta["symmetric"]),
+            layout=meta["layout"],
+        )
+    except (KeyError, ValueError, TypeError) as e:
+        raise _refuse(path, f"{name}: {e}") from None
+    fields = dict(shape=spec.shape, group_size=spec.group_size, symmetric=spec.symmetric, layout=spec.layout)
     if isinstance(where, TensorParallel):
-        spec = QuantizedWeight(None, None, None, **fields)  # type: ignore[arg-type]
         plan = plan_split(
             spec.shape,
-            group_size=group_size,
+            group_size=spec.group_size,
             layout=spec.layout,
             split=where.split,
             num_shards=where.num_shards,
@@ -173,36 +169,26 @@ def load_placed(path: Path, placement: Placement, *, verify: bool = False) -> An
     """``nybble.load(path, placement=..., verify=...)``: see the module docstring."""
     from nybble.checkpoint import (
         _DTYPES,
-        _MAX_HEADER,
-        FORMAT_NAME,
-        FORMAT_VERSION,
         _as_array,
         _build,
+        _check_format,
+        _header_size,
         _path_name,
         _refuse,
     )
 
     size = path.stat().st_size
     with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise _refuse(path, f"file too short ({len(head)} bytes) to be a safetensors file")
-        (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER or 8 + n > size:
+        head = f.read(9)
+        n = _header_size(path, head)
+        if 8 + n > size:
             raise _refuse(path, f"header size {n} does not fit the {size}-byte file (truncated?)")
         try:
-            header = json.loads(f.read(n))
+            header = json.loads(head[8:] + f.read(n - 1))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise _refuse(path, f"unreadable safetensors header ({e})") from None
         meta = header.get("__metadata__") if isinstance(header, dict) else None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-            raise _refuse(path, "not a nybble checkpoint (no format='nybble' in the safetensors metadata)")
-        if meta.get("format_version") != str(FORMAT_VERSION):
-            raise _refuse(
-                path,
-                f"unsupported nybble checkpoint format version {meta.get('format_version')!r}; this nybble "
-                f"reads version {FORMAT_VERSION} (upgrade nybble to read newer files)",
-            )
+        _check_format(path, meta)
         names = [k for k in header if k != "__metadata__"]
         body = size - 8 - n
         for name in names:

@@ -87,8 +87,9 @@ def test_bad_shapes_are_named():
 def test_same_numbers_as_nk_int4(symmetric, tmp_path):
     rng = np.random.default_rng(1)
     w = rng.standard_normal((576, 200)).astype(np.float32)
-    a = nybble.quantize(w, group_size=64, symmetric=symmetric)
-    b = nybble.quantize(w, group_size=64, symmetric=symmetric, layout="wgmma_int4")
+    a = nybble.quantize(w, group_size=64, symmetric=symmetric, layout="nk_int4")
+    b = nybble.quantize(w, group_size=64, symmetric=symmetric)
+    assert nybble.packing.DEFAULT_LAYOUT == "wgmma_int4"
     assert b.layout == "wgmma_int4" and b.codes.dtype == np.uint32 and b.nbytes == a.nbytes
     np.testing.assert_array_equal(np.asarray(nybble.dequantize(a)), np.asarray(nybble.dequantize(b)))
     x = rng.standard_normal((5, 576)).astype(np.float32)

@@ -15,6 +15,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import nybble
+from nybble.kernels import mosaic_gpu
+from nybble.kernels.mosaic_gpu.api import SUPPORTED_LAYOUTS
 from nybble.kernels.xray import hlo
 from nybble.models.sharding import ShardRule, array_spec, decide
 from nybble.packing import LAYOUTS, get_layout
@@ -31,7 +33,7 @@ from nybble.sharding import (
 LAYOUT_NAMES = ("nk_int4", "wgmma_int4")
 
 
-def _weight(k, n, *, group_size=64, symmetric=True, layout="nk_int4", seed=0, small_int=False):
+def _weight(k, n, *, group_size=64, symmetric=True, layout="wgmma_int4", seed=0, small_int=False):
     """A random QuantizedWeight built in numpy (no compiles): codes in [-8, 7], scales, offsets
     (``small_int``: integer scales 1..3 and offsets -2..2, so that products are exact)."""
     rng = np.random.default_rng(seed)
@@ -52,7 +54,7 @@ def _dequantize(qw):
     """float64 W (K, N) of a QuantizedWeight, in numpy: the reference."""
     k_pad = qw.padded_shape[0]
     q = np.asarray(get_layout(qw.layout).unpack(np.asarray(qw.codes), k_pad), np.float64)
-    per_row = lambda a: np.repeat(np.asarray(a, np.float64), qw.block_k, axis=0)[:k_pad]
+    per_row = lambda a: np.repeat(np.asarray(a, np.float64), qw.group, axis=0)[:k_pad]
     w = q * per_row(qw.scales) + (0 if qw.offsets is None else per_row(qw.offsets))
     return w[: qw.shape[0], : qw.shape[1]]
 
@@ -118,10 +120,14 @@ def test_shards_dequantize_to_the_slices_of_the_weight(layout, split, group_size
         codes = np.asarray(get_layout(layout).unpack(np.asarray(local.codes), local.padded_shape[0]))
         assert not codes[kl:].any() and not codes[:, nl:].any() and codes[:kl, :nl].any()
         assert not np.asarray(local.scales)[:, nl:].astype(np.float32).any()
+        if layout in SUPPORTED_LAYOUTS:  # kernel-ready: the kernel plans a launch for the shard
+            for m in (1, 2048):
+                p = mosaic_gpu.plan(m, local)
+                assert (p.k_pad, p.n_pad) == local.padded_shape and p.ctas >= 1
 
 
 def test_row_shards_sum_to_the_product():
-    qw = _weight(512, 96, group_size=32)
+    qw = _weight(512, 96, group_size=32, layout="nk_int4")
     x = np.random.default_rng(2).standard_normal((5, 512))
     parts = [
         x[:, i * 128 : (i + 1) * 128] @ _dequantize(s) for i, s in enumerate(local_weights(qw, "row", 4))
@@ -160,7 +166,7 @@ def test_per_shard_padding_and_global_shapes():
             "nk_int4",
             "row",
             2,
-            r"split a byte of layout 'nk_int4' \(it stores 2 values of K",
+            r"split a byte of layout 'nk_int4' \(rule: K / tp must be a multiple of 2.*size in \[3, 9\]",
         ),
         (
             (128, 36),
@@ -168,9 +174,25 @@ def test_per_shard_padding_and_global_shapes():
             "wgmma_int4",
             "column",
             3,
-            r"12 per shard, not a multiple of 8.*8-row band of layout 'wgmma",
+            r"12 per shard, not a multiple of 8.*8-row band of layout 'wgmma.*no tensor-parallel size > 1",
         ),
-        ((192, 64), 64, "wgmma_int4", "row", 2, r"96 per shard, not a multiple of 64.*64-K chunk.*relayout"),
+        (
+            (192, 64),
+            64,
+            "wgmma_int4",
+            "row",
+            2,
+            r"96 per shard, not a multiple of 64.*64-K chunk.*size in \[3\].*relayout\(qw, 'nk_int4'\).*"
+            r"kernel reads only \('wgmma_int4',\), other layouts run on the XLA path",
+        ),
+        (
+            (1024, 64),
+            128,
+            "wgmma_int4",
+            "row",
+            16,
+            r"64 rows of K per shard, not a multiple of the group size 128.*size in \[2, 4, 8\]",
+        ),
         ((128, 100), 64, "nk_int4", "column", 8, r"N is not a multiple of 8"),
     ],
 )
@@ -221,8 +243,9 @@ def test_abstract_shard_weight_carries_the_shardings():
     abstract = jax.eval_shape(
         lambda w: nybble.quantize(w, group_size=128), jax.ShapeDtypeStruct((8192, 1024), jnp.float32)
     )
+    assert abstract.layout == "wgmma_int4"  # the default: (N / 8, K) words, K along axis 1
     sw = shard_weight(abstract, TensorParallel(mesh, "row"))
-    assert isinstance(sw.codes, jax.ShapeDtypeStruct) and sw.codes.shape == (1024, 4096)
+    assert isinstance(sw.codes, jax.ShapeDtypeStruct) and sw.codes.shape == (128, 8192)
     assert sw.codes.sharding == NamedSharding(mesh, PartitionSpec(None, "model"))
     assert sw.scales.sharding == NamedSharding(mesh, PartitionSpec("model", None))
 
@@ -289,8 +312,8 @@ def test_placed_load_on_one_device_equals_the_plain_load(tmp_path):
 
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
     tree = {
-        "w": _weight(192, 130, group_size=32, symmetric=False),
-        "v": _weight(128, 64, group_size=None, layout="wgmma_int4"),
+        "w": _weight(192, 130, group_size=32, symmetric=False, layout="nk_int4"),
+        "v": _weight(128, 64, group_size=None),
         "e": np.arange(24, dtype=np.float32).reshape(4, 6),
         "s": np.int64(7),
     }

@@ -14,7 +14,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -64,16 +66,17 @@ def test_eight_cpu_devices():
     print(next((line for line in proc.stdout.splitlines() if "SmolLM2" in line), ""))
 
 
-def _small_int(k, n, seed):
+def _small_int(k, n, seed, layout):
     rng = np.random.default_rng(seed)
     q = rng.integers(-8, 8, (k, n)).astype(np.int8)
     scales = rng.integers(1, 3, (k // 32, n)).astype(np.float32)
-    return nybble.QuantizedWeight(get_layout("nk_int4").pack(q), scales, None, (k, n), 32, True, "nk_int4")
+    return nybble.QuantizedWeight(get_layout(layout).pack(q), scales, None, (k, n), 32, True, layout)
 
 
 def test_two_processes_each_read_their_shards(tmp_path):
     # (128, 256) column-parallel then (256, 128) row-parallel: small integers, every sum exact in f32.
-    tree = {"up": _small_int(128, 256, 1), "down": _small_int(256, 128, 2)}
+    # Both layouts: up in wgmma_int4 (4 bands a shard), down in nk_int4 (16 bytes of K a shard).
+    tree = {"up": _small_int(128, 256, 1, "wgmma_int4"), "down": _small_int(256, 128, 2, "nk_int4")}
     path = nybble.save(tmp_path / "mlp.safetensors", tree)
     quantized_bytes = sum(a.nbytes for qw in tree.values() for a in (qw.codes, qw.scales))
     with socket.socket() as s:
@@ -122,10 +125,19 @@ def test_llama_mlp_compiled_for_eight_h100s():
     except ToolchainMissing as e:
         pytest.fail(f"the X-ray toolchain is missing: {e}")
     assert "error" not in record, record.get("traceback", record.get("error"))
+    assert record["case"]["layout"] == "wgmma_int4"
     kernels = [line for line in record["hlo_lines"] if 'custom_call_target="mosaic_gpu' in line]
     assert len(kernels) == 3, record["hlo_lines"]  # one per matmul of the shard, no more
-    # Each kernel reads its shard: gate/up codes (512 rows of N, 512 bytes of K), down (1024, 256).
-    assert sum("u8[512,512]" in k for k in kernels) == 2 and sum("u8[1024,256]" in k for k in kernels) == 1
+    # Each kernel reads its shard's wgmma_int4 words, 1/8 of the weight's (1024 x 4096 / 8 words; the kernel
+    # views them in its own blocks), and writes its shard's y: gate/up (16, 4096 / 8), down (16, 1024) whole.
+    for line in kernels:
+        (words,) = re.findall(r"u32\[([\d,]+)\]", line)
+        assert math.prod(int(d) for d in words.split(",")) == 1024 * 4096 // 8 // 8, line
+    assert sorted(re.search(r"= (\w+\[[\d,]+\])", line)[1] for line in kernels) == [
+        "bf16[16,1024]",
+        "bf16[16,512]",
+        "bf16[16,512]",
+    ]
     (collective,) = record["report"]["collectives"]
     assert (collective["op"], collective["group_size"]) == ("all-reduce", 8)
     assert collective["buffer_bytes"] == 16 * 1024 * 2  # y (M, hidden) in bf16

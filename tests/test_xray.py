@@ -71,6 +71,17 @@ def test_no_loop_without_hgmma():
     assert sass.main_loop(code) is None
 
 
+def test_only_register_a_hgmmas_feed_weights():
+    # An HGMMA reading A from SMEM (a descriptor, e.g. nybble's all-ones tile that sums x) is not a weight.
+    text = SASS_TEXT.replace(
+        "   -:-:-:Y:03        /*0070*/                   UIADD3 UR15, UR15, 0x1, URZ ;",
+        "   -:-:-:Y:03        /*0070*/                   HGMMA.64x8x16.F32.BF16 R40, gdesc[UR8], RZ, !UPT ;",
+    )
+    loop = sass.main_loop(sass.parse_sass(text))
+    assert len(loop.hgmmas) == 3 and len(loop.weight_hgmmas) == 2
+    assert loop.weights_per_thread == 16 and loop.instructions_per_weight == pytest.approx(6 / 16)
+
+
 def test_hgmma_k_counts_in_weights():
     # An 8-bit HGMMA (K = 32 per instruction) feeds twice the weights of a bf16 one.
     code = sass.parse_sass(SASS_TEXT.replace("HGMMA.64x8x16.F32.BF16", "HGMMA.64x8x32.F32.E4M3.E4M3"))

@@ -17,13 +17,13 @@ BASELINE_PATH = Path(__file__).resolve().parents[1] / "xray_baseline.json"
 IPW_TOLERANCE = 0.03
 
 COLUMN_HELP = {
-    "config": "TuningConfig: tile_n x tile_m x tile_k, slots, split-K, compute warpgroups, code path",
+    "config": "TuningConfig: A tiles, tile_m, tile_k, K slices, slots, split-K, warpgroups, scales on acc/wt",
     "regs": "registers per thread (ptxas)",
     "spill": "spill bytes, stores + loads (ptxas)",
     "smem": "SMEM per CTA, KiB (Mosaic's scratch allocation)",
     "loop": "SASS instructions in the main loop (the conditional backward branch around the HGMMAs)",
-    "hgmma": "HGMMAs in the main loop",
-    "instr/w": "main-loop SASS instructions per weight per thread: loop / (HGMMAs x 64 x K_hgmma / 128)",
+    "hgmma": "HGMMAs in the main loop: with A (weights) in registers / all (others read an SMEM tile)",
+    "instr/w": "main-loop SASS instructions per weight per thread: loop / (register-A HGMMAs x 8)",
     "stall/w": "the loop's summed stall counts per weight per thread (one warp alone)",
     "launches": "device launches of one call (fusions, custom calls, copies in the compiled HLO)",
     "MB": "bytes one call moves: every launch's operands and results, MB",
@@ -37,11 +37,14 @@ COLUMN_HELP = {
 
 
 def short_config(config: dict[str, Any] | None) -> str:
+    """``t2 m1 k128 S8 p4 x1 w1 acc``: A tiles, tile_m, tile_k, K slices, pipeline slots, split-K, compute
+    warpgroups, where the scales go (acc: on the accumulators, wt: on the weights)."""
     if not config:
         return "-"
     return (
-        f"{config['tile_n']}x{config['tile_m']}x{config['tile_k']} s{config['max_concurrent_steps']}"
-        f" k{config['split_k']} w{config['compute_wgs']} {config['codes_as']}"
+        f"t{config['tiles']} m{config['tile_m']} k{config['tile_k']} S{config['slices']} "
+        f"p{config['max_concurrent_steps']} x{config['split_k']} w{config['compute_wgs']} "
+        f"{'acc' if config['scales_on'] == 'accumulators' else 'wt'}"
     )
 
 
@@ -96,7 +99,7 @@ def table(rows: Sequence[dict[str, Any]], *, markdown: bool = False, peers: bool
                 _f(k.get("spill_bytes"), "{}"),
                 _f(k["smem_bytes"] / 1024 if k else None, "{:.0f}"),
                 _f(loop.get("instructions"), "{}"),
-                _f(loop.get("hgmmas"), "{}"),
+                f"{loop['weight_hgmmas']}/{loop['hgmmas']}" if loop else "-",
                 _f(loop.get("instructions_per_weight")),
                 _f(loop["stall_cycles"] / loop["weights_per_thread"] if loop else None),
                 str(r["launches"]),

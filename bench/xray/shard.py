@@ -11,7 +11,7 @@ Examples::
 
     python -m bench.xray.shard                                 # 70B MLP, tp 2 4 8, M 1 16 2048
     python -m bench.xray.shard --tp 8 --ms 16 --programs mlp --hlo   # and the compiled HLO's lines
-    python -m bench.xray.shard --peers nybble:mosaic_gpu xla:bf16 --layout nk_int4
+    python -m bench.xray.shard --peers nybble:xla xla:bf16 --layout nk_int4   # the XLA path's layout
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ COLUMN_HELP = {
     "tp": "tensor-parallel size: devices holding one shard each",
     "program": "column (N split), row (K split, all-reduce), mlp (gate, up column; down row)",
     "kernels": "nybble kernel launches in one device's program (one per matmul = one per shard)",
-    "config": "the per-shard kernel's TuningConfig (tile_n x tile_m x tile_k, slots, split-K, wgs, codes)",
+    "config": "the per-shard kernel's TuningConfig (bench.xray.report.short_config: A tiles, tile_m, tile_k, "
+    "K slices, slots, split-K, warpgroups, scales on acc/wt)",
     "regs": "registers per thread of the per-shard kernel(s), ptxas",
     "spill": "spill bytes of the per-shard kernels, ptxas",
     "instr/w": "main-loop SASS instructions per weight per thread (worst kernel)",
@@ -66,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", nargs="+", type=int, default=[2, 4, 8], help="tensor-parallel sizes")
     p.add_argument("--ms", nargs="+", type=int, default=[1, 16, 2048], help="values of M")
     p.add_argument("--groups", nargs="+", type=parse_group, default=[(128, True)], metavar="G:sym|asym")
-    p.add_argument("--layout", default="nk_int4", help="the codes' layout (nybble.packing.LAYOUTS)")
+    p.add_argument(
+        "--layout",
+        default="wgmma_int4",
+        help="the codes' layout (nybble.packing.LAYOUTS); nybble:mosaic_gpu reads wgmma_int4 only",
+    )
     p.add_argument("--peers", nargs="+", choices=PEERS, default=[MOSAIC, XLA_BF16])
     p.add_argument("--gpu", default="h100", choices=("h100", "h200"))
     p.add_argument("--hosts", type=int, default=1, help="hosts the tp devices span (1: one NVLink node)")

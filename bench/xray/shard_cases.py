@@ -32,7 +32,7 @@ class ShardCase:
     peer: str = MOSAIC
     group_size: int | None = 128
     symmetric: bool = True
-    layout: str = "nk_int4"
+    layout: str = "wgmma_int4"  # nybble.packing.DEFAULT_LAYOUT: what the kernel reads
     hosts: int = 1  # hosts the tp devices are spread over (1: one NVLink node)
 
     @property
@@ -63,7 +63,7 @@ def build_cases(
     tps: list[int],
     peers: list[str],
     groups: list[tuple[int | None, bool]],
-    layout: str = "nk_int4",
+    layout: str = "wgmma_int4",
     hosts: int = 1,
 ) -> list[ShardCase]:
     """Every (program, M, tp, peer, group) combination; xla:bf16 once per (program, M, tp)."""
@@ -165,7 +165,9 @@ def kernel_plans(case: ShardCase, num_sms: int) -> list[dict[str, Any]]:
                 "local_shape": list(local),
                 "config": dataclasses.asdict(p.config),
                 "m_pad": p.m_pad,
+                "m_tiles": p.m_tiles,
                 "ctas": p.ctas,
+                "threads": p.threads,
                 "dequantized_weights": p.dequantized_weights,
                 "weight_bytes_in_flight": p.weight_bytes_in_flight,
             }

@@ -80,10 +80,13 @@ class QLinear(nnx.Module):
 
 
 def dense(
-    x: jax.Array, w: jax.Array | QuantizedWeight, *, implementation: Implementation | None = None
+    x: jax.Array,
+    w: jax.Array | QuantizedWeight | ShardedWeight,
+    *,
+    implementation: Implementation | None = None,
 ) -> jax.Array:
-    """``x @ w`` for a float (K, N) kernel or a ``QuantizedWeight``; the result is in ``x.dtype``."""
-    if isinstance(w, QuantizedWeight):
+    """``x @ w`` for a float (K, N) kernel, a ``QuantizedWeight`` or a ``ShardedWeight``; in ``x.dtype``."""
+    if isinstance(w, QuantizedWeight | ShardedWeight):
         return matmul(x, w, implementation=implementation)
     return jnp.matmul(x, jnp.asarray(w).astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 

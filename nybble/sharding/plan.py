@@ -8,14 +8,17 @@ Two splits, Megatron-style, over one mesh axis of size tp:
   of x's K and returns a partial y; an all-reduce over the axis sums them.
 
 Every shard is a kernel-ready weight of its own: its logical shape is (K, N / tp) or (K / tp, N), padded on
-its own to ``nybble.packing.padded_weight_dims`` (N / tp = 72 is stored as 128 columns on every shard).
+its own to ``nybble.packing.padded_weight_dims`` (N / tp = 72 is stored as 128 columns on every shard), so
+its K_pad and N_pad are multiples of 64, all the Hopper kernel asks of a weight (its configs tile any such
+shape), and its group geometry is the weight's (``nybble.packing.groups``).
 The global arrays of a sharded weight are those per-shard blocks laid side by side along the split axis, so
 that ``NamedSharding`` hands each device exactly its block; when tp divides the dimension in multiples of
 64 no padding is added and the global arrays equal the unsharded weight's.
 
-A split is refused, with the rule and a fix, when it would cut what is stored together: a byte (two values of
-K in ``nk_int4``), a layout block (an 8-row band or a 64-K chunk of ``wgmma_int4``: ``StoredDim.granule``)
-or a quantization group (K / tp must be a multiple of the group size), or when tp does not divide the
+A split is refused, with the rule and a fix, when it would cut what is stored together: a layout block
+(``StoredDim.granule``: in ``wgmma_int4``, the default and what the kernel reads, an 8-row band of N, so
+N / tp a multiple of 8, and a 64-K chunk, so K / tp a multiple of 64; in ``nk_int4`` a byte, two values of
+K) or a quantization group (K / tp must be a multiple of the group size), or when tp does not divide the
 dimension.
 """
 
@@ -25,7 +28,7 @@ import dataclasses
 import math
 from typing import Any, Literal
 
-from nybble.packing import get_layout, padded_weight_dims
+from nybble.packing import LAYOUTS, get_layout, group_rows, num_groups, padded_weight_dims
 
 Split = Literal["column", "row"]
 SPLITS: tuple[str, ...] = ("column", "row")
@@ -93,14 +96,14 @@ class ShardPlan:
         return padded_weight_dims(*self.local_shape, self.group_size)
 
     @property
-    def local_block_k(self) -> int:
+    def local_group(self) -> int:
         """Rows of K per scale row in a shard (its own K_pad when quantized per column)."""
-        return self.local_padded_shape[0] if self.group_size is None else self.group_size
+        return group_rows(self.local_padded_shape[0], self.group_size)
 
     @property
     def local_num_groups(self) -> int:
         """Scale rows of one shard."""
-        return -(-self.local_padded_shape[0] // self.local_block_k)
+        return num_groups(self.local_padded_shape[0], self.group_size)
 
     @property
     def local_codes_shape(self) -> tuple[int, ...]:
@@ -142,6 +145,35 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(2, n + 1) if n % d == 0][:6]
 
 
+def _tp_fix(size: int, multiple: int) -> str:
+    """Which tensor-parallel sizes leave ``size / tp`` a multiple of ``multiple``."""
+    tps = _divisors(size // multiple) if size % multiple == 0 else []
+    if tps:
+        return f"a tensor-parallel size in {tps}"
+    return f"no tensor-parallel size > 1 ({size} / tp is never a multiple of {multiple})"
+
+
+def _layout_fix(local: int, split: Split, layout: str) -> str:
+    """Other layouts whose blocks a ``local``-wide shard would not cut, with what running them means."""
+    try:  # the kernel's layouts, named only in this message (importing the kernel package is lazy)
+        from nybble.kernels.mosaic_gpu.api import SUPPORTED_LAYOUTS as kernel_layouts
+    except ImportError:
+        kernel_layouts = ()
+    fits = [
+        name
+        for name, other in LAYOUTS.items()
+        if name != layout and local % (other.n if split == "column" else other.k).granule == 0
+    ]
+    if not fits:
+        return ""
+    runs = (
+        f"; the Hopper kernel reads only {tuple(kernel_layouts)}, other layouts run on the XLA path"
+        if kernel_layouts and not set(fits) <= set(kernel_layouts)
+        else ""
+    )
+    return f"store the weight in layout {fits[0]!r} (nybble.quant.relayout(qw, {fits[0]!r}), exact{runs}), "
+
+
 def plan_split(
     shape: tuple[int, int],
     *,
@@ -177,18 +209,16 @@ def plan_split(
         unit = dim.unit or f"{dim.granule}-value block"
         raise ShardingError(
             f"{what} gives {local} per shard, not a multiple of {dim.granule}: a shard boundary would split "
-            f"a {unit} of layout {layout!r} (it stores {dim.granule} values of {dim_name} together). Fix: "
-            f"use a tensor-parallel size dividing {size // math.gcd(size, dim.granule)}, store the weight in "
-            f"another layout (nybble.quant.relayout(qw, 'nk_int4')), {replicate}"
+            f"a {unit} of layout {layout!r} (rule: {dim_name} / tp must be a multiple of {dim.granule}, the "
+            f"values of {dim_name} it stores together). Fix: use {_tp_fix(size, dim.granule)}, "
+            f"{_layout_fix(local, split, layout)}{replicate}"
         )
     if split == "row" and num_shards > 1 and group_size is not None and local % group_size:
-        tps = _divisors(k // group_size) if k % group_size == 0 else []
-        tp_fix = f"a tensor-parallel size in {tps}" if tps else "another tensor-parallel size"
         raise ShardingError(
             f"{what} gives {local} rows of K per shard, not a multiple of the group size {group_size}: a "
             f"shard boundary would split a quantization group (rule: K / tp must be a multiple of the group "
             f"size). Fix: quantize with a group size dividing {local} (or per column, group_size=None), "
-            f"use {tp_fix}, {replicate}"
+            f"use {_tp_fix(k, math.lcm(group_size, dim.granule))}, {replicate}"
         )
     return ShardPlan((k, n), group_size, layout, split, num_shards)
 

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nybble.packing import get_layout, padded_weight_dims
+from nybble.packing import get_layout, num_groups, padded_weight_dims
 from nybble.quant.qweight import QuantizedWeight
 from nybble.sharding.plan import ShardPlan, TensorParallel, plan_split
 
@@ -209,8 +209,7 @@ def _unsharded_extent(sw: ShardedWeight, name: str, k_pad: int, n_pad: int) -> i
         return stored[sw.plan.codes_axis]
     if sw.parallel.split == "column":
         return n_pad
-    block_k = k_pad if sw.group_size is None else sw.group_size
-    return -(-k_pad // block_k)
+    return num_groups(k_pad, sw.group_size)
 
 
 def _spec(ndim: int, axis: int, name: str) -> PartitionSpec:

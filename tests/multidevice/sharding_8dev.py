@@ -39,7 +39,7 @@ def _mesh(name: str) -> Mesh:
     return Mesh(np.array(jax.devices()).reshape(MESHES[name]), ("data", "model"))
 
 
-def _small_int_weight(k, n, *, layout="nk_int4", group_size=32, symmetric=False, seed=0):
+def _small_int_weight(k, n, *, layout="wgmma_int4", group_size=32, symmetric=False, seed=0):
     """Codes in [-8, 7], scales in {1, 2}, offsets in {-1, 0, 1}: every dequantized value is an integer."""
     rng = np.random.default_rng(seed)
     k_pad, n_pad = -(-k // 64) * 64, -(-n // 64) * 64
@@ -135,10 +135,10 @@ def test_float_data_and_gradient_against_float64():
 @pytest.fixture(scope="module")
 def kernel_problem():
     """A column-parallel and a row-parallel weight, bf16 inputs, and the unsharded kernel's results."""
-    w_col = _small_int_weight(128, 256, seed=2)  # 32 columns a shard on 1x8, padded to 64
-    w_row = _small_int_weight(256, 128, seed=3)  # 32 rows of K (one group) a shard on 1x8, padded to 64
-    x_col = _sparse_x(16, 128, seed=4, dtype=jnp.bfloat16)
-    x_row = _sparse_x(16, 256, seed=5, dtype=jnp.bfloat16)
+    w_col = _small_int_weight(64, 256, seed=2)  # 32 columns (4 bands) a shard on 1x8, padded to 64
+    w_row = _small_int_weight(512, 64, seed=3)  # 64 rows of K (one chunk, two groups) a shard on 1x8
+    x_col = _sparse_x(8, 64, seed=4, dtype=jnp.bfloat16)
+    x_row = _sparse_x(8, 512, seed=5, dtype=jnp.bfloat16)
     kernel = lambda x, w: nybble.matmul(x, w, implementation="mosaic_gpu")  # forced: never the XLA path
     fn = jax.jit(lambda a, wa, b, wb: (kernel(a, wa), kernel(b, wb)))
     assert mosaic_gpu.is_supported(x_col, w_col) is None and mosaic_gpu.is_supported(x_row, w_row) is None
@@ -166,9 +166,10 @@ def test_kernel_per_shard_bit_identical(mesh_name, kernel_problem):
 
 # -------------------------------------------------------------------------------------------- models
 
-# 1x8: q 16 columns a shard (padded to 64), o 16 rows of K (one group of 16), down 32 rows (two groups).
+# wgmma_int4 (the default layout) on 1x8: q 64 columns a shard, k and v 16 (two 8-row bands, padded to 64),
+# o and down 64 rows of K a shard (one 64-K chunk, four groups of 16).
 TINY = models.LlamaConfig(
-    vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=2, num_kv_heads=1
+    vocab_size=256, hidden_size=512, intermediate_size=512, num_layers=1, num_heads=4, num_kv_heads=1
 )
 
 
@@ -202,7 +203,8 @@ def test_llama_sharded_logits(mesh_name, tiny_reference):
     assert placements["layers.0.attn.q_proj"] == "column" and placements["layers.0.mlp.down_proj"] == "row"
     assert placements["embed"] == "row" and len(report.layers) == 7 + 1
     q = model.layers[0].attn.q_proj.weight
-    assert isinstance(q, ShardedWeight) and q.local_shape == (128, 128 // MESHES[mesh_name][1])
+    assert isinstance(q, ShardedWeight) and q.local_shape == (512, 512 // MESHES[mesh_name][1])
+    assert q.layout == "wgmma_int4"
     emb = model.embed.embedding.get_value()
     assert emb.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("model", None)), 2)
     got = _forward(model, ids)
@@ -211,14 +213,17 @@ def test_llama_sharded_logits(mesh_name, tiny_reference):
 
 
 def test_llama_split_through_a_group_is_refused_by_name():
-    model = _tiny(group_size=32)  # o_proj: K = 128 = 8 x 16, half a group a shard
-    with pytest.raises(ShardingError, match=r"layers\.0\.attn\.o_proj: row-parallel split of K=128 over 8"):
+    model = _tiny(group_size=128)  # o_proj and down_proj: K = 512 = 8 x 64, half a group a shard
+    refused = r"layers\.0\.attn\.o_proj: row-parallel split of K=512 over 8.*quantization group"
+    with pytest.raises(ShardingError, match=refused):
         models.shard(model, _mesh("1x8"))
     assert not isinstance(model.layers[0].attn.q_proj.weight, ShardedWeight)  # nothing was placed
     rules = [models.ShardRule(pattern=r"o_proj$", placement="replicate")]
-    models.shard(model, _mesh("1x8"), rules=rules)
+    with pytest.raises(ShardingError, match=r"layers\.0\.mlp\.down_proj: row-parallel split of K=512"):
+        models.shard(model, _mesh("1x8"), rules=rules)
+    models.shard(model, _mesh("2x4"), rules=rules)  # 512 / 4 = 128: one group a shard
     assert not isinstance(model.layers[0].attn.o_proj.weight, ShardedWeight)
-    assert isinstance(model.layers[0].mlp.down_proj.weight, ShardedWeight)  # 256 / 8 = 32: one group
+    assert isinstance(model.layers[0].mlp.down_proj.weight, ShardedWeight)
 
 
 # ---------------------------------------------------------------------------------------- checkpoints
@@ -250,7 +255,7 @@ def test_checkpoint_read_straight_into_shards(tmp_path, tiny_reference):
 
 
 def test_checkpoint_placed_load_refuses_tampering_when_verifying(tmp_path):
-    qw = _small_int_weight(256, 128)
+    qw = _small_int_weight(512, 128)  # 64 rows of K a shard on 1x8
     path = nybble.save(tmp_path / "w.safetensors", {"w": qw})
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 1  # the last byte of the last tensor

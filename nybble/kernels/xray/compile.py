@@ -29,6 +29,7 @@ class LoopReport:
     end_offset: int  # byte offset of its closing branch (16 bytes per sm_90 instruction)
     instructions: int
     hgmmas: int
+    weight_hgmmas: int  # HGMMAs with A (the dequantized weights) in registers
     hgmma_shape: str
     weights_per_thread: float
     instructions_per_weight: float
@@ -130,6 +131,7 @@ def read_kernel_dumps(folder: Path) -> list[KernelReport]:
                 end_offset=loop.instructions[-1].offset,
                 instructions=loop.size,
                 hgmmas=len(loop.hgmmas),
+                weight_hgmmas=len(loop.weight_hgmmas),
                 hgmma_shape=loop.hgmmas[0].opcode,
                 weights_per_thread=loop.weights_per_thread,
                 instructions_per_weight=loop.instructions_per_weight,

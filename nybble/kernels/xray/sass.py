@@ -24,6 +24,8 @@ _LABEL = re.compile(r"^\s*(?P<label>\.L_x_\d+):\s*$")
 _BRANCH_TARGET = re.compile(r"BRA\s+`?\(?(?P<label>\.L_x_\d+)\)?`?")
 # HGMMA.64x8x16.F32.BF16: a 64 x K_h tile of A (the weights) times a K_h x N tile of B per instruction.
 _HGMMA_SHAPE = re.compile(r"HGMMA\.(?P<m>\d+)x(?P<n>\d+)x(?P<k>\d+)")
+# Operands after the opcode: the accumulator, then A as a register (R36) or as the descriptor pair.
+_REGISTER_A = re.compile(r"HGMMA\S*\s+R\d+,\s*R\d+,")
 _PTXAS_REGISTERS = re.compile(r"Used (?P<regs>\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(?P<stores>\d+) bytes spill stores, (?P<loads>\d+) bytes spill loads")
 _PTXAS_STACK = re.compile(r"(?P<stack>\d+) bytes stack frame")
@@ -95,6 +97,17 @@ class Loop:
         return tuple(i for i in self.instructions if i.base_opcode == "HGMMA")
 
     @property
+    def weight_hgmmas(self) -> tuple[Instruction, ...]:
+        """The HGMMAs that consume dequantized weights: those whose A operand is in registers.
+
+        ``HGMMA.64x8x16.F32.BF16 R24, R36, gdesc[UR8], R24`` reads A from registers (R36); ``..., R24,
+        gdesc[UR8], R24`` reads both operands from SMEM (a constant tile, e.g. nybble's all-ones A that sums
+        x). A loop without register-A HGMMAs (an SMEM-only GEMM) counts all of them.
+        """
+        register_a = tuple(h for h in self.hgmmas if _REGISTER_A.search(h.text))
+        return register_a or self.hgmmas
+
+    @property
     def stall_cycles(self) -> int:
         """Sum of the control codes' stall counts: the cycles one warp alone needs to issue the loop."""
         return sum(i.stall for i in self.instructions)
@@ -106,7 +119,7 @@ class Loop:
         An ``HGMMA.64xNxK`` multiplies a 64 x K tile of A held by the warpgroup's 128 threads.
         """
         total = 0
-        for h in self.hgmmas:
+        for h in self.weight_hgmmas:
             shape = _HGMMA_SHAPE.search(h.opcode)
             if shape is None:
                 raise ValueError(f"unrecognised HGMMA shape in {h.opcode!r}")
