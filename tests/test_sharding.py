@@ -178,7 +178,7 @@ def test_per_shard_padding_and_global_shapes():
         ),
         (
             (192, 64),
-            64,
+            32,  # whole groups in 96 rows: nk_int4 would do
             "wgmma_int4",
             "row",
             2,
@@ -194,6 +194,16 @@ def test_per_shard_padding_and_global_shapes():
             r"64 rows of K per shard, not a multiple of the group size 128.*size in \[2, 4, 8\]",
         ),
         ((128, 100), 64, "nk_int4", "column", 8, r"N is not a multiple of 8"),
+        # SmolLM2's o_proj at g64: no layout keeps 72 rows whole groups, so none is suggested.
+        (
+            (576, 576),
+            64,
+            "wgmma_int4",
+            "row",
+            8,
+            r"72 per shard.*64-K chunk.*Fix: use a tensor-parallel size in "
+            r"\[3, 9\], or keep this layer replicated",
+        ),
     ],
 )
 def test_bad_splits_name_the_rule_and_the_fix(shape, group_size, layout, split, tp, match):

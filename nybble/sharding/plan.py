@@ -153,8 +153,11 @@ def _tp_fix(size: int, multiple: int) -> str:
     return f"no tensor-parallel size > 1 ({size} / tp is never a multiple of {multiple})"
 
 
-def _layout_fix(local: int, split: Split, layout: str) -> str:
-    """Other layouts whose blocks a ``local``-wide shard would not cut, with what running them means."""
+def _layout_fix(local: int, split: Split, layout: str, group_size: int | None) -> str:
+    """Other layouts whose blocks a ``local``-wide shard would not cut (nor its groups), with what running
+    them means."""
+    if split == "row" and group_size is not None and local % group_size:
+        return ""  # the groups would be cut in any layout
     try:  # the kernel's layouts, named only in this message (importing the kernel package is lazy)
         from nybble.kernels.mosaic_gpu.api import SUPPORTED_LAYOUTS as kernel_layouts
     except ImportError:
@@ -205,20 +208,22 @@ def plan_split(
     local = size // num_shards
     stored = get_layout(layout)
     dim = stored.n if split == "column" else stored.k
+    # What each shard's extent must be a multiple of: the layout's block, and for a row split the group.
+    whole = math.lcm(dim.granule, group_size) if split == "row" and group_size is not None else dim.granule
     if num_shards > 1 and local % dim.granule:
         unit = dim.unit or f"{dim.granule}-value block"
         raise ShardingError(
             f"{what} gives {local} per shard, not a multiple of {dim.granule}: a shard boundary would split "
             f"a {unit} of layout {layout!r} (rule: {dim_name} / tp must be a multiple of {dim.granule}, the "
-            f"values of {dim_name} it stores together). Fix: use {_tp_fix(size, dim.granule)}, "
-            f"{_layout_fix(local, split, layout)}{replicate}"
+            f"values of {dim_name} it stores together). Fix: use {_tp_fix(size, whole)}, "
+            f"{_layout_fix(local, split, layout, group_size)}{replicate}"
         )
     if split == "row" and num_shards > 1 and group_size is not None and local % group_size:
         raise ShardingError(
             f"{what} gives {local} rows of K per shard, not a multiple of the group size {group_size}: a "
             f"shard boundary would split a quantization group (rule: K / tp must be a multiple of the group "
             f"size). Fix: quantize with a group size dividing {local} (or per column, group_size=None), "
-            f"use {_tp_fix(k, math.lcm(group_size, dim.granule))}, {replicate}"
+            f"use {_tp_fix(k, whole)}, {replicate}"
         )
     return ShardPlan((k, n), group_size, layout, split, num_shards)
 
