@@ -26,7 +26,7 @@ from nybble.kernels.mosaic_gpu.config import (
     smem_bytes,
 )
 from nybble.packing import padded_weight_dims
-from nybble.quant import QuantizedWeight, quantize
+from nybble.quant import QuantizedWeight, quantize, relayout
 
 NUM_SMS = 132
 # (K, N) of Llama-3-8B, Llama-3-70B, SmolLM2-135M projections, and an odd pair (K = 10944, N = 7392).
@@ -210,7 +210,7 @@ def test_lower_under_vmap_and_grad():
     [
         (lambda qw: (jnp.ones((2, 256), jnp.float32), qw), "float32"),
         (lambda qw: (jnp.ones((2, 128), jnp.bfloat16), qw), "K=128"),
-        (lambda qw: (jnp.ones((2, 256), jnp.bfloat16), _with_layout(qw, "nk_int4")), "layout"),
+        (lambda qw: (jnp.ones((2, 256), jnp.bfloat16), relayout(qw, "nk_int4")), "layout"),
     ],
     ids=["f32", "wrong-k", "layout"],
 )
@@ -220,17 +220,6 @@ def test_is_supported_reasons(make, match):
     assert reason is not None and match in reason
     with pytest.raises(NotImplementedError, match=match):
         mg.mosaic_gpu_matmul(x, qw)
-
-
-def _with_layout(qw: QuantizedWeight, layout: str) -> QuantizedWeight:
-    """The same codes under another registered layout name (a weight refuses an unregistered one)."""
-    import dataclasses
-
-    from nybble.packing import LAYOUTS, register_layout
-
-    if layout not in LAYOUTS:
-        register_layout(dataclasses.replace(LAYOUTS["nk_int4"], name=layout, description="a test layout"))
-    return dataclasses.replace(qw, layout=layout)
 
 
 def test_is_supported_accepts_a_normal_weight():
