@@ -175,7 +175,7 @@ def mosaic_gpu_matmul(
 
     Args:
       x2d: (M, K) activations, K the weight's logical K (padded to K_pad inside).
-      qw: an ``nk_int4`` QuantizedWeight.
+      qw: a ``wgmma_int4`` QuantizedWeight (``nybble.quant.relayout`` converts others).
       config: a TuningConfig; None lets :func:`heuristic_config` choose from M, the shapes and num_sms.
       num_sms: SMs of the target GPU (the dispatcher asks the device once; 132 on H100/H200).
 
