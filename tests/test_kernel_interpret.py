@@ -1,12 +1,14 @@
 """The Mosaic GPU W4A16 kernel run on the CPU in GPU interpret mode, with the race detector on.
 
 Numerics only (lowering for CUDA is tests/test_kernel_lowering.py). Every kernel run here:
-  * is compared with a float64 reference: within bf16 output rounding on random data, and bit-exactly on
-    small-integer data (integer x, power-of-two scales, quarter offsets: every product and partial sum is
-    exact in f32, so the only rounding is the final one, the same in kernel and reference);
+  * is compared with the float64 reference (nybble.kernels.reference): element by element within the
+    rounding bound on random data (the weight rounded once to x's dtype, f32 accumulation, one rounding
+    of the output), and bit-exactly on small-integer data (integer x, power-of-two scales, quarter
+    offsets: every product and partial sum is exact in f32, so the only rounding is the final one);
   * writes every element of its output (interpret mode fills fresh buffers with NaN, and NaN fails every
     comparison; test_every_padded_element_written checks the padding too);
-  * is free of data races.
+  * is free of data races: every test runs its kernels with the race detector on and ends on its verdict
+    (which raises when no kernel ran with detection; test_race_check_can_fail shows the check failing).
 """
 
 from __future__ import annotations
@@ -17,52 +19,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import nybble.kernels.mosaic_gpu as mg
 from nybble.kernels.mosaic_gpu import interpret as mgpu_interpret
-from nybble.kernels.mosaic_gpu.config import TuningConfig, heuristic_config
-from nybble.kernels.xla import xla_matmul
-from nybble.packing import get_layout, nk_int4_as_int4, padded_weight_dims, round_up
-from nybble.quant import QuantizedWeight, dequantize, quantize
+from nybble.kernels.mosaic_gpu.config import TuningConfig
+from nybble.kernels.reference import reference_dequantize, rounding_bound
+from nybble.packing import nk_int4_as_int4, round_up
+from tests.kernel_checks import activations, assert_exact, assert_within_rounding, exact_weight, random_weight
 
 interpret = mgpu_interpret.interpret
 
 
 @pytest.fixture(autouse=True)
-def _fresh_interpreter():
-    """Each test starts from a clean interpreter and must end without races."""
+def _fresh_interpreter(request):
+    """Each test starts from a clean interpreter and must end having run a kernel, without races."""
     mg.reset_state()
     yield
-    assert not mg.races_found(), "the race detector flagged a data race"
-
-
-def _random_weight(rng, k, n, group, symmetric, scale_dtype=jnp.bfloat16) -> QuantizedWeight:
-    w = rng.standard_normal((k, n)).astype(np.float32)
-    return quantize(w, group_size=group, symmetric=symmetric, scale_dtype=scale_dtype)
-
-
-def _exact_weight(rng, k, n, group, symmetric) -> QuantizedWeight:
-    """Codes in [-8, 7], scales 2^-2..2^1, offsets multiples of 1/4: every w is exact in bf16."""
-    k_pad, n_pad = padded_weight_dims(k, n, group)
-    g = k_pad if group is None else group
-    num_groups = -(-k_pad // g)
-    q = rng.integers(-8, 8, (k_pad, n_pad)).astype(np.int8)
-    q[k:] = 0
-    q[:, n:] = 0
-    scales = jnp.asarray(2.0 ** rng.integers(-2, 2, (num_groups, n_pad)), jnp.bfloat16)
-    offsets = None
-    if not symmetric:
-        offsets = jnp.asarray(rng.integers(-4, 5, (num_groups, n_pad)) / 4, jnp.bfloat16)
-    codes = jnp.asarray(get_layout("nk_int4").pack(q))
-    return QuantizedWeight(
-        codes=codes, scales=scales, offsets=offsets, shape=(k, n), group_size=group, symmetric=symmetric
-    )
-
-
-def _reference(x, qw) -> np.ndarray:
-    """x @ W in float64, W dequantized exactly as the kernel does (f32 FMA, rounded to x.dtype)."""
-    w = np.asarray(dequantize(qw, x.dtype), np.float64)
-    return np.asarray(x, np.float64) @ w
+    if request.node.get_closest_marker("no_kernel") is None:
+        assert not mg.races_found(), "the race detector flagged a data race"
 
 
 def _run_padded(x, qw, config) -> np.ndarray:
@@ -80,22 +55,12 @@ def _check(x, qw, config, *, exact: bool) -> None:
     with interpret(detect_races=True):
         y = mg.mosaic_gpu_matmul(x, qw, config=config)
     assert y.shape == (x.shape[0], qw.shape[1]) and y.dtype == x.dtype
-    # NaN (an element the kernel never wrote) fails both comparisons below.
-    ref = _reference(x, qw)
-    y = np.asarray(y, np.float64)
+    # NaN (an element the kernel never wrote) fails both comparisons.
     if exact:
-        np.testing.assert_array_equal(y, np.asarray(jnp.asarray(ref, x.dtype), np.float64))
+        assert_exact(y, x, qw)
     else:
-        # f32 accumulation, one rounding to bf16/f16 at the end: within one ulp of the reference.
-        eps = float(jnp.finfo(x.dtype).eps)
-        np.testing.assert_allclose(y, ref, rtol=eps, atol=eps * np.abs(ref).max())
-        assert np.linalg.norm(y - ref) <= eps * np.linalg.norm(ref)
-
-
-def _activations(rng, m, k, dtype=jnp.bfloat16, exact=False):
-    if exact:
-        return jnp.asarray(rng.integers(-4, 5, (m, k)), dtype)
-    return jnp.asarray(rng.standard_normal((m, k)), dtype)
+        # The weight rounded once to x.dtype, f32 accumulation, one rounding to x.dtype: elementwise.
+        assert_within_rounding(y, x, qw)
 
 
 # Heuristic configs, both families, at the odd shapes of real models (SmolLM2's 576 x 1536).
@@ -112,18 +77,9 @@ def _activations(rng, m, k, dtype=jnp.bfloat16, exact=False):
 )
 def test_heuristic_random(m, k, n, group, symmetric):
     rng = np.random.default_rng(m * 7 + k)
-    qw = _random_weight(rng, k, n, group, symmetric)
-    x = _activations(rng, m, k)
+    qw = random_weight(rng, k, n, group, symmetric)
+    x = activations(rng, m, k)
     _check(x, qw, None, exact=False)
-
-
-def test_heuristic_families():
-    decode = heuristic_config(1, 256, 1024, 128)
-    assert decode.split_k > 1 and decode.tile_m == 8 and decode.compute_wgs == 1
-    assert decode.codes_as == "uint8"  # zero-copy weights
-    assert heuristic_config(1, 256, 1024, 128, codes_dtype="int4").codes_as == "int4"
-    prefill = heuristic_config(4096, 4096, 4096, 128)
-    assert prefill.compute_wgs == 2 and prefill.codes_as == "int4"
 
 
 # Every group size x symmetric/asymmetric x code path, exact, alternating between the decode family (one
@@ -141,8 +97,8 @@ def test_groups_exact(group, symmetric, codes_as):
     decode = (symmetric == (group in (16, 64, 256))) == (codes_as == "int4")
     config, m = (_DECODE, 5) if decode else (_PREFILL, 70)
     config = dataclasses.replace(config, codes_as=codes_as)
-    qw = _exact_weight(rng, 768, 256, group, symmetric)
-    x = _activations(rng, m, 768, exact=True)
+    qw = exact_weight(rng, 768, 256, group, symmetric)
+    x = activations(rng, m, 768, exact=True)
     _check(x, qw, config, exact=True)
 
 
@@ -159,16 +115,16 @@ def test_one_step_per_split(compute_wgs, codes_as):
         codes_as=codes_as,
     )
     rng = np.random.default_rng(compute_wgs)
-    qw = _exact_weight(rng, 128, 128, 32, True)
-    _check(_activations(rng, 4, 128, exact=True), qw, config, exact=True)
+    qw = exact_weight(rng, 128, 128, 32, True)
+    _check(activations(rng, 4, 128, exact=True), qw, config, exact=True)
 
 
 @pytest.mark.parametrize("group", [128, 256])
 def test_partial_last_group_exact(group):
     """K = 576: the last scale row covers half (g128) or a quarter (g256) of a group."""
     rng = np.random.default_rng(group)
-    qw = _exact_weight(rng, 576, 128, group, False)
-    x = _activations(rng, 3, 576, exact=True)
+    qw = exact_weight(rng, 576, 128, group, False)
+    x = activations(rng, 3, 576, exact=True)
     _check(x, qw, None, exact=True)
 
 
@@ -193,8 +149,8 @@ def test_partial_last_group_exact(group):
 )
 def test_configs_random(config):
     rng = np.random.default_rng(config.tile_m + config.split_k)
-    qw = _random_weight(rng, 768, 256, 128, False)
-    x = _activations(rng, 21, 768)
+    qw = random_weight(rng, 768, 256, 128, False)
+    x = activations(rng, 21, 768)
     _check(x, qw, config, exact=False)
 
 
@@ -210,8 +166,8 @@ def test_configs_random(config):
 def test_every_padded_element_written(config):
     """The raw kernel output, padding included, has no NaN left from interpret mode's fresh buffers."""
     rng = np.random.default_rng(6)
-    qw = _random_weight(rng, 384, 256, 64, False)
-    x = _activations(rng, 5, 384)
+    qw = random_weight(rng, 384, 256, 64, False)
+    x = activations(rng, 5, 384)
     with interpret(detect_races=True):
         raw = _run_padded(x, qw, config)
     expected_shape = (config.split_k,) * (config.split_k > 1) + (config.tile_m, 256)
@@ -221,76 +177,113 @@ def test_every_padded_element_written(config):
 
 def test_float16_activations_float32_scales():
     rng = np.random.default_rng(3)
-    qw = _random_weight(rng, 512, 128, 64, False, scale_dtype=jnp.float32)
-    x = _activations(rng, 9, 512, dtype=jnp.float16)
+    qw = random_weight(rng, 512, 128, 64, False, scale_dtype=jnp.float32)
+    x = activations(rng, 9, 512, jnp.float16)
     _check(x, qw, None, exact=False)
 
 
-def test_matches_xla_path_and_jit():
+def test_under_jit():
     rng = np.random.default_rng(4)
-    qw = _random_weight(rng, 384, 192, 128, True)
-    x = _activations(rng, 3, 384)
-    with interpret():
+    qw = random_weight(rng, 384, 192, 128, True)
+    x = activations(rng, 3, 384)
+    with interpret(detect_races=True):
         y = jax.jit(lambda x, qw: mg.mosaic_gpu_matmul(x, qw))(x, qw)
-    y_xla = xla_matmul(x, qw)
-    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_xla, np.float32), rtol=1e-2, atol=1e-2)
+    assert_within_rounding(y, x, qw)
 
 
 def test_grad_wrt_x():
+    """dx = g @ W^T (the backward pass is XLA's, with W rounded once to g's dtype), against float64."""
     rng = np.random.default_rng(5)
-    qw = _random_weight(rng, 256, 128, 64, False)
-    x = _activations(rng, 4, 256)
+    qw = random_weight(rng, 256, 128, 64, False)
+    x = activations(rng, 4, 256)
     g = jnp.asarray(rng.standard_normal((4, 128)), jnp.bfloat16)
 
-    def loss(fn, x):
-        return jnp.vdot(fn(x, qw).astype(jnp.float32), g.astype(jnp.float32))
+    def loss(x):
+        return jnp.vdot(mg.mosaic_gpu_matmul(x, qw).astype(jnp.float32), g.astype(jnp.float32))
 
-    with interpret():
-        dx = jax.grad(lambda x: loss(mg.mosaic_gpu_matmul, x))(x)
-    dx_xla = jax.grad(lambda x: loss(xla_matmul, x))(x)
+    with interpret(detect_races=True):
+        dx = jax.grad(loss)(x)
     assert dx.shape == x.shape and dx.dtype == x.dtype
-    np.testing.assert_allclose(
-        np.asarray(dx, np.float32), np.asarray(dx_xla, np.float32), rtol=1e-2, atol=1e-2
-    )
+    w_t = reference_dequantize(qw, g.dtype).T
+    err = np.abs(np.asarray(dx, np.float64) - np.asarray(g, np.float64) @ w_t)
+    assert (err <= rounding_bound(g, w_t, dx.dtype)).all(), float(err.max())
 
 
 def test_jit_cache_tracks_interpret_mode():
     """A function jitted inside interpret() is retraced outside it (and fails clearly on the CPU)."""
     rng = np.random.default_rng(7)
-    qw = _random_weight(rng, 128, 64, 64, True)
-    x = _activations(rng, 2, 128)
+    qw = random_weight(rng, 128, 64, 64, True)
+    x = activations(rng, 2, 128)
     f = jax.jit(lambda x, qw: mg.mosaic_gpu_matmul(x, qw))
-    with interpret():
+    with interpret(detect_races=True):
         y = f(x, qw)
-    np.testing.assert_allclose(
-        np.asarray(y, np.float32), np.asarray(xla_matmul(x, qw), np.float32), rtol=1e-2
-    )
+    assert_within_rounding(y, x, qw)
     with pytest.raises(NotImplementedError, match="interpret"):
         f(x, qw)
 
 
+@pytest.mark.no_kernel
 def test_empty_batch():
-    qw = _random_weight(np.random.default_rng(8), 128, 64, 64, True)
-    with interpret():
+    """M = 0 returns an empty result without launching a kernel."""
+    qw = random_weight(np.random.default_rng(8), 128, 64, 64, True)
+    with interpret(detect_races=True):
         y = mg.mosaic_gpu_matmul(jnp.zeros((0, 128), jnp.bfloat16), qw)
     assert y.shape == (0, 64) and y.dtype == jnp.bfloat16
+    with pytest.raises(RuntimeError, match="no kernel ran"):
+        mg.races_found()
+
+
+def _smem_store_then_tma(commit: bool) -> jax.Array:
+    """A tiny kernel writing SMEM from registers, then copying it out by TMA; racy without commit_smem."""
+
+    def body(out_gmem, smem):
+        smem[...] = jnp.full((128,), 2.0, jnp.float32)
+        if commit:
+            plgpu.commit_smem()  # orders the register stores before the TMA (async proxy) reads them
+        plgpu.copy_smem_to_gmem(smem, out_gmem)
+        plgpu.wait_smem_to_gmem(0)
+
+    call = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((128,), jnp.float32),
+        scratch_types=[plgpu.SMEM((128,), jnp.float32)],
+        interpret=mgpu_interpret.active_params(),
+    )
+    return call()
+
+
+def test_race_check_can_fail():
+    """The verdict every test here ends with: a kernel missing its commit_smem is flagged; without a
+    kernel, or with one run outside detect_races=True, there is no verdict and races_found() raises."""
+    with interpret(detect_races=True):
+        y = _smem_store_then_tma(commit=False)
+    np.testing.assert_array_equal(np.asarray(y), 2.0)  # right numbers, yet a race
+    assert mg.races_found()
+    mg.reset_state()
+    with pytest.raises(RuntimeError, match="no kernel ran"):
+        mg.races_found()
+    with interpret():
+        _smem_store_then_tma(commit=True)
+    with pytest.raises(RuntimeError, match="without detect_races=True"):
+        mg.races_found()
+    mg.reset_state()
+    with interpret(detect_races=True):
+        _smem_store_then_tma(commit=True)  # the fixture checks this one: no race
 
 
 @pytest.mark.parametrize("codes_as", ["int4", "uint8"])
 def test_int4_codes_same_result(codes_as):
     """Codes stored as jnp.int4 give the same bits as the uint8 bytes, on either code path."""
     rng = np.random.default_rng(9)
-    qw = _exact_weight(rng, 256, 128, 64, False)
+    qw = exact_weight(rng, 256, 128, 64, False)
     qw4 = dataclasses.replace(qw, codes=nk_int4_as_int4(qw.codes))
-    x = _activations(rng, 3, 256, exact=True)
+    x = activations(rng, 3, 256, exact=True)
     config = TuningConfig(tile_n=64, tile_m=8, tile_k=128, max_concurrent_steps=2, codes_as=codes_as)
     with interpret(detect_races=True):
         y = mg.mosaic_gpu_matmul(x, qw, config=config)
         y4 = mg.mosaic_gpu_matmul(x, qw4, config=config)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y4, np.float32))
-    np.testing.assert_array_equal(
-        np.asarray(y, np.float64), np.asarray(jnp.asarray(_reference(x, qw), x.dtype), np.float64)
-    )
+    assert_exact(y, x, qw)
 
 
 def _distinct_heuristic_configs() -> list[tuple[TuningConfig, int | None, bool]]:
@@ -324,5 +317,5 @@ def test_every_heuristic_config_in_interpret_mode(config, group, symmetric):
     n = config.tile_n * config.compute_wgs * 2
     m = 2 * config.tile_m - 3
     rng = np.random.default_rng(k + n + m)
-    qw = _random_weight(rng, k, n, group, symmetric)
-    _check(_activations(rng, m, k), qw, config, exact=False)
+    qw = random_weight(rng, k, n, group, symmetric)
+    _check(activations(rng, m, k), qw, config, exact=False)

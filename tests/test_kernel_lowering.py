@@ -8,6 +8,8 @@ distinct config x kernel structure), plus the error paths on a CPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,9 +79,45 @@ def test_heuristics_cover_both_families():
     assert {c.tile_n for c in configs} == {64, 128} and {c.tile_k for c in configs} == {64, 128}
     assert any(c.compute_wgs == 2 for c in configs) and any(c.compute_wgs == 1 for c in configs)
     assert {c.codes_as for c in configs} == {"int4", "uint8"}
-    for (config, _, symmetric), (_, k, n, group, _, _) in _CASES.items():
+
+
+def test_heuristics_take_the_deepest_pipeline_that_fits():
+    """Each pick has the most SMEM slots its shape allows: its cap (8 for decode, 4 for prefill, at most
+    the K steps of a split), or one more slot would not fit. (That each pick fits at all is Mosaic's own
+    SMEM check, run by lowering every pick in test_lower_every_heuristic_config.)"""
+    for (config, _, symmetric), (m, k, n, group, _, _) in _CASES.items():
         k_pad, _ = padded_weight_dims(k, n, group)
-        assert fits_smem(config, group=group or k_pad, has_offsets=not symmetric)
+        cap = max(2, min(8 if m <= 64 else 4, k_pad // config.tile_k // config.split_k))
+        assert config.max_concurrent_steps <= cap, (config, m, k, n, group)
+        if config.max_concurrent_steps < cap:
+            deeper = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps + 1)
+            assert not fits_smem(deeper, group=group or k_pad, has_offsets=not symmetric), (config, m, k, n)
+
+
+def test_smem_bytes_by_hand():
+    """Stage buffers x slots + the output tile, counted by hand for one config of each family."""
+    decode = TuningConfig(tile_n=128, tile_m=8, tile_k=128, max_concurrent_steps=8, split_k=4)
+    # codes 128 x 64 B + x 8 x 128 x 2 B + one scale row and one offset row of 128 x 2 B, 8 slots;
+    # f32 split-K output tile 8 x 128 x 4 B.
+    assert smem_bytes(decode, group=128, has_offsets=True) == (8192 + 2048 + 512) * 8 + 4096
+    prefill = TuningConfig(tile_n=128, tile_m=128, tile_k=128, max_concurrent_steps=3, compute_wgs=2)
+    # A CTA covers 256 columns: codes 256 x 64 B + x 128 x 128 x 2 B + 4 scale rows (g32) of 256 x 4 B
+    # (f32 scales), 3 slots; bf16 output tile 128 x 256 x 2 B. 225,280 B + 1 KiB slack fit in 232,448 B;
+    # a 4th slot would not.
+    used = smem_bytes(prefill, group=32, has_offsets=False, scale_bytes=4)
+    assert used == (16384 + 32768 + 4096) * 3 + 65536 == 225280
+    assert fits_smem(prefill, group=32, has_offsets=False, scale_bytes=4)
+    four = dataclasses.replace(prefill, max_concurrent_steps=4)
+    assert not fits_smem(four, group=32, has_offsets=False, scale_bytes=4)
+
+
+def test_heuristic_families():
+    decode = heuristic_config(1, 256, 1024, 128)
+    assert decode.split_k > 1 and decode.tile_m == 8 and decode.compute_wgs == 1
+    assert decode.codes_as == "uint8"  # zero-copy weights
+    assert heuristic_config(1, 256, 1024, 128, codes_dtype="int4").codes_as == "int4"
+    prefill = heuristic_config(4096, 4096, 4096, 128)
+    assert prefill.compute_wgs == 2 and prefill.codes_as == "int4"
 
 
 @pytest.mark.parametrize(

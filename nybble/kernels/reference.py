@@ -1,18 +1,113 @@
-"""The one reference every test and benchmark compares against: float64 on the host."""
+"""The one reference every test and the benchmark's correctness gate compare against: float64 on the host.
+
+Dequantization here is computed from the stored codes, scales and offsets with numpy alone: it shares no
+code with ``nybble.dequantize``, the XLA path or the kernels (nibbles are decoded from the bytes of the
+``nk_int4`` layout, groups are indexed row by row), so a bug in any of those cannot hide in the reference.
+
+Every nybble implementation computes ``w = q * s + o`` in float32, rounds it ONCE to the activation dtype,
+multiplies exactly (a product of two bf16/f16 values fits in float32), accumulates in float32 and rounds the
+result once to the output dtype. ``reference_matmul(x, qw, weight_dtype=x.dtype)`` is that computation
+without the float32 accumulation error, and :func:`rounding_bound` bounds what the accumulation and the
+final rounding may add, element by element.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
-from nybble.quant.qweight import QuantizedWeight, dequantize
+from nybble.quant.qweight import QuantizedWeight
+
+# The float32 accumulation error allowed per output element, in units of 2^-24 * sqrt(K) * sum_k |x_k w_k|:
+# the probabilistic bound of a K-term float32 sum (Higham & Mary, 2019) with a safety factor of 4, wide
+# enough for tensor-core accumulation (truncating adds, split-K partials) and a fused multiply-add in the
+# dequantization where the reference rounds once. Far below one output ulp for bf16/f16 outputs.
+ACCUMULATION_FACTOR = 4.0
 
 
-def reference_matmul(x: Any, qw: QuantizedWeight) -> np.ndarray:
-    """``x @ dequantize(qw)`` in float64 with numpy, for ``x`` of shape (..., K). Returns float64."""
-    w = np.asarray(dequantize(qw, np.float32), dtype=np.float64)
-    return np.asarray(x, dtype=np.float64) @ w
+def reference_codes(qw: QuantizedWeight) -> np.ndarray:
+    """The signed int4 codes of ``qw`` as an int8 (K_pad, N_pad) array, decoded from the stored bytes.
+
+    ``nk_int4`` stores W^T K-major: byte (n, j) holds k = 2j in its low nibble and k = 2j + 1 in its high
+    nibble, two's complement (a nibble of 8..15 is -8..-1). Codes already held as ``jnp.int4`` (N_pad,
+    K_pad) are taken as they are.
+    """
+    if not isinstance(qw, QuantizedWeight):
+        raise TypeError(f"reference_codes expects a QuantizedWeight, got {type(qw).__name__}")
+    if qw.layout != "nk_int4":
+        raise ValueError(f"the reference decodes the 'nk_int4' layout only, got {qw.layout!r}")
+    codes = np.asarray(qw.codes)
+    if codes.dtype == np.uint8:
+        nibbles = np.empty((codes.shape[0], 2 * codes.shape[1]), np.int16)
+        nibbles[:, 0::2] = codes % 16
+        nibbles[:, 1::2] = codes // 16
+        q_nk = np.where(nibbles >= 8, nibbles - 16, nibbles)
+    elif codes.dtype == np.dtype(ml_dtypes.int4):
+        q_nk = codes.astype(np.int16)
+    else:
+        raise ValueError(f"codes must be uint8 (packed nk_int4) or int4, got {codes.dtype}")
+    return q_nk.T.astype(np.int8)
+
+
+def reference_dequantize(
+    qw: QuantizedWeight, weight_dtype: Any = None, *, padded: bool = False
+) -> np.ndarray:
+    """``w[k, n] = q[k, n] * scales[k // G, n] + offsets[k // G, n]`` in float64, shape (K, N).
+
+    G is the group size (K_pad for per-column weights); the last group may be partial. ``weight_dtype``
+    (e.g. the activation dtype) rounds each weight once to that dtype, as every implementation does
+    before multiplying: the exact value is rounded to float32 first (the float32 multiply-add of the
+    implementations, fused or not: the product of a code and a bf16/f16 scale is exact in float32), then
+    to ``weight_dtype``. ``padded=True`` returns all (K_pad, N_pad).
+    """
+    q = reference_codes(qw).astype(np.float64)
+    k_pad, n_pad = q.shape
+    group = k_pad if qw.group_size is None else qw.group_size
+    rows = np.arange(k_pad) // group  # the scale row of each k
+    scales = np.asarray(qw.scales, np.float64)
+    if scales.shape != (rows[-1] + 1, n_pad):
+        raise ValueError(f"scales have shape {scales.shape}, expected {(rows[-1] + 1, n_pad)} for G={group}")
+    w = q * scales[rows]
+    if qw.offsets is not None:
+        w = w + np.asarray(qw.offsets, np.float64)[rows]
+    if weight_dtype is not None:
+        w = w.astype(np.float32).astype(np.dtype(weight_dtype)).astype(np.float64)
+    if padded:
+        return w
+    k, n = qw.shape
+    return w[:k, :n]
+
+
+def reference_matmul(x: Any, qw: QuantizedWeight, *, weight_dtype: Any = None) -> np.ndarray:
+    """``x @ W`` in float64 for ``x`` of shape (..., K), W from :func:`reference_dequantize` (rounded to
+    ``weight_dtype`` when given: pass ``x.dtype`` to get what an implementation computes before its
+    float32 accumulation error and final rounding). Returns float64 (..., N)."""
+    return np.asarray(x, np.float64) @ reference_dequantize(qw, weight_dtype)
+
+
+def unit_roundoff(dtype: Any) -> float:
+    """Half an ulp at 1.0: the largest relative error of one round-to-nearest to ``dtype``."""
+    return 2.0 ** -(jnp.finfo(dtype).nmant + 1)
+
+
+def rounding_bound(x: Any, w: np.ndarray, out_dtype: Any) -> np.ndarray:
+    """Elementwise bound on ``|y - x @ w|`` for a ``y`` computed from exact products, float32 accumulation
+    and one rounding to ``out_dtype``; ``w`` is the float64 weight multiplied (already rounded).
+
+    Half an ulp of the output (relative ``unit_roundoff(out_dtype)``, or half the smallest subnormal near
+    zero) plus the float32 accumulation allowance (``ACCUMULATION_FACTOR``), itself rounded.
+    """
+    x = np.asarray(x, np.float64)
+    ref = x @ w
+    k = x.shape[-1]
+    accumulation = ACCUMULATION_FACTOR * math.sqrt(max(k, 1)) * 2.0**-24 * (np.abs(x) @ np.abs(w))
+    u = unit_roundoff(out_dtype)
+    tiny = float(jnp.finfo(out_dtype).smallest_subnormal) / 2
+    return u * (np.abs(ref) + accumulation) + accumulation + tiny
 
 
 def relative_error(out: Any, ref: Any) -> float:

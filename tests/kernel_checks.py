@@ -1,0 +1,112 @@
+"""Data and checks shared by the kernel tests (interpret mode and GPU): exact small-integer weights, random
+weights, and comparisons with the float64 reference of ``nybble.kernels.reference``."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+from nybble.kernels.reference import reference_dequantize, rounding_bound
+from nybble.packing import get_layout, nk_int4_as_int4, padded_weight_dims
+from nybble.quant import QuantizedWeight, quantize
+
+
+def exact_weight(
+    rng, k, n, group, symmetric, *, scale_dtype=jnp.bfloat16, codes_dtype="uint8"
+) -> QuantizedWeight:
+    """Codes in [-8, 7], scales 2^-2..2^1, offsets multiples of 1/4 in [-1, 1]: every weight is a multiple
+    of 1/4 below 17 in magnitude, exact in bf16 and f16, so with small-integer activations every product
+    and partial sum is exact in float32 and the only rounding is the final one."""
+    k_pad, n_pad = padded_weight_dims(k, n, group)
+    g = k_pad if group is None else group
+    num_groups = -(-k_pad // g)
+    q = rng.integers(-8, 8, (k_pad, n_pad)).astype(np.int8)
+    q[k:] = 0  # padding holds code 0, as nybble.quantize writes it
+    q[:, n:] = 0
+    scales = jnp.asarray(2.0 ** rng.integers(-2, 2, (num_groups, n_pad)), scale_dtype)
+    offsets = None
+    if not symmetric:
+        offsets = jnp.asarray(rng.integers(-4, 5, (num_groups, n_pad)) / 4, scale_dtype)
+    codes = jnp.asarray(get_layout("nk_int4").pack(q))
+    if codes_dtype == "int4":
+        codes = nk_int4_as_int4(codes)
+    return QuantizedWeight(
+        codes=codes, scales=scales, offsets=offsets, shape=(k, n), group_size=group, symmetric=symmetric
+    )
+
+
+def random_weight(rng, k, n, group, symmetric, *, scale_dtype=jnp.bfloat16) -> QuantizedWeight:
+    """A standard normal weight quantized by round to nearest: realistic codes, scales and offsets."""
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    return quantize(w, group_size=group, symmetric=symmetric, scale_dtype=scale_dtype)
+
+
+def activations(rng, m, k, dtype=jnp.bfloat16, *, exact=False):
+    """Standard normal activations, or (``exact``) integers in [-4, 4]."""
+    if exact:
+        return jnp.asarray(rng.integers(-4, 5, (m, k)), dtype)
+    return jnp.asarray(rng.standard_normal((m, k)), dtype)
+
+
+def check_rows(m: int, tile: int, rng=None) -> np.ndarray:
+    """Output rows to compare: all of them up to 256, else the first and last row of every ``tile`` rows
+    (so every M tile of a kernel is seen) and 32 more at random."""
+    if m <= 256:
+        return np.arange(m)
+    starts = np.arange(0, m, tile)
+    rows = np.concatenate([starts, np.minimum(starts + tile, m) - 1])
+    rng = np.random.default_rng(m) if rng is None else rng
+    return np.unique(np.concatenate([rows, rng.integers(0, m, 32)]))
+
+
+def _reference_rows(y, x, qw, rows):
+    y = np.asarray(y, np.float64)
+    x = np.asarray(x)
+    expected_shape = (x.shape[0], qw.shape[1])
+    assert y.shape == expected_shape, f"output shape {y.shape}, expected {expected_shape}"
+    if rows is not None:
+        y, x = y[rows], x[rows]
+    return y, x, reference_dequantize(qw, x.dtype)
+
+
+def assert_exact(y, x, qw, rows=None) -> None:
+    """``y`` equals the float64 reference rounded once to ``y``'s dtype, bit for bit (exact data only)."""
+    out_dtype = np.dtype(y.dtype)
+    y, x, w = _reference_rows(y, x, qw, rows)
+    ref = np.asarray(x, np.float64) @ w
+    assert (ref.astype(np.float32) == ref).all(), "test data is not exact in float32: use exact_weight"
+    expected = ref.astype(np.float32).astype(out_dtype).astype(np.float64)
+    bad = ~(y == expected)  # NaN (an element never written) counts as a mismatch
+    if bad.any():
+        i = tuple(int(v) for v in np.argwhere(bad)[0])
+        raise AssertionError(
+            f"{int(bad.sum())} of {bad.size} outputs differ from the exact reference; first at {i}: "
+            f"got {y[i]}, expected {expected[i]}"
+        )
+
+
+def assert_within_rounding(y, x, qw, rows=None) -> None:
+    """Every element of ``y`` within :func:`rounding_bound` of the float64 reference: the weight rounded
+    once to x's dtype, float32 accumulation, one rounding to ``y``'s dtype; nothing else."""
+    out_dtype = np.dtype(y.dtype)
+    y, x, w = _reference_rows(y, x, qw, rows)
+    ref = np.asarray(x, np.float64) @ w
+    bound = rounding_bound(x, w, out_dtype)
+    err = np.abs(y - ref)
+    bad = ~(err <= bound)  # NaN fails
+    if bad.any():
+        i = tuple(int(v) for v in np.argwhere(bad)[0])
+        worst = tuple(int(v) for v in np.unravel_index(np.nanargmax(err / bound), err.shape))
+        rel = np.linalg.norm(np.nan_to_num(y - ref, nan=np.inf)) / np.linalg.norm(ref)
+        raise AssertionError(
+            f"{int(bad.sum())} of {bad.size} outputs outside the rounding bound (relative error {rel:.3g}); "
+            f"first at {i}: |{y[i]} - {ref[i]:.6g}| > {bound[i]:.3g}; worst at {worst}: "
+            f"{err[worst] / bound[worst]:.3g} x the bound"
+        )
+
+
+def env_flag(name: str) -> bool:
+    """An environment switch: set to anything but '', '0' or 'false'."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false")
