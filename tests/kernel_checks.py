@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -61,14 +62,14 @@ def check_rows(m: int, tile: int, rng=None) -> np.ndarray:
     return np.unique(np.concatenate([rows, rng.integers(0, m, 32)]))
 
 
-def _reference_rows(y, x, qw, rows):
+def _reference_rows(y, x, qw, rows, w=None):
     y = np.asarray(y, np.float64)
     x = np.asarray(x)
     expected_shape = (x.shape[0], qw.shape[1])
     assert y.shape == expected_shape, f"output shape {y.shape}, expected {expected_shape}"
     if rows is not None:
         y, x = y[rows], x[rows]
-    return y, x, reference_dequantize(qw, x.dtype)
+    return y, x, reference_dequantize(qw, x.dtype) if w is None else w
 
 
 def assert_exact(y, x, qw, rows=None) -> None:
@@ -87,11 +88,12 @@ def assert_exact(y, x, qw, rows=None) -> None:
         )
 
 
-def assert_within_rounding(y, x, qw, rows=None) -> None:
+def assert_within_rounding(y, x, qw, rows=None, w=None) -> None:
     """Every element of ``y`` within :func:`rounding_bound` of the float64 reference: the weight rounded
-    once to x's dtype, float32 accumulation, one rounding to ``y``'s dtype; nothing else."""
+    once to x's dtype, float32 accumulation, one rounding to ``y``'s dtype; nothing else. ``rows``: the
+    rows of ``y`` to compare; ``w``: ``reference_dequantize(qw, x.dtype)`` when already computed."""
     out_dtype = np.dtype(y.dtype)
-    y, x, w = _reference_rows(y, x, qw, rows)
+    y, x, w = _reference_rows(y, x, qw, rows, w)
     ref = np.asarray(x, np.float64) @ w
     bound = rounding_bound(x, w, out_dtype)
     err = np.abs(y - ref)
@@ -110,3 +112,27 @@ def assert_within_rounding(y, x, qw, rows=None) -> None:
 def env_flag(name: str) -> bool:
     """An environment switch: set to anything but '', '0' or 'false'."""
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false")
+
+
+def gpu_tests_mode() -> tuple[str, str]:
+    """Where tests/test_kernel_gpu.py runs its kernels, and why: ("gpu", the device) on a Hopper GPU,
+    else ("interpret", the reason). NYBBLE_GPU_TESTS_INTERPRET=1 forces interpret mode.
+
+    Raises:
+      RuntimeError: NYBBLE_GPU_TESTS_REQUIRE_GPU=1 is set and the kernels would not run on a Hopper GPU.
+    """
+    from nybble.kernels.api import hopper_device
+
+    device = hopper_device()
+    if env_flag("NYBBLE_GPU_TESTS_INTERPRET"):
+        mode = ("interpret", "NYBBLE_GPU_TESTS_INTERPRET=1")
+    elif device is None:
+        mode = ("interpret", f"no Hopper GPU; jax's default backend is {jax.default_backend()!r}")
+    else:
+        mode = ("gpu", str(getattr(device, "device_kind", device)))
+    if env_flag("NYBBLE_GPU_TESTS_REQUIRE_GPU") and mode[0] != "gpu":
+        raise RuntimeError(
+            f"NYBBLE_GPU_TESTS_REQUIRE_GPU=1 but the GPU tests would run in interpret mode ({mode[1]}): "
+            f"run them on a Hopper GPU, or unset NYBBLE_GPU_TESTS_REQUIRE_GPU"
+        )
+    return mode
