@@ -70,6 +70,17 @@ def test_explicit_nibbles():
     np.testing.assert_array_equal(packed, np.array([0xF1, 0x87, 0x03], np.uint8))
 
 
+def test_empty_and_default_axis():
+    """An empty axis packs to nothing; without axis=, the last axis is packed and unpacked (3-D here)."""
+    empty = pack_int4(np.zeros((3, 0), np.int8))
+    assert empty.shape == (3, 0) and empty.dtype == np.uint8
+    assert unpack_int4(empty, 0).shape == (3, 0)
+    values = np.random.default_rng(0).integers(-8, 8, (2, 3, 5)).astype(np.int8)
+    packed = pack_int4(values)
+    assert packed.shape == (2, 3, 3)
+    np.testing.assert_array_equal(unpack_int4(packed, 5), values)
+
+
 def test_jax_in_jax_out_and_jit():
     values = jax.random.randint(jax.random.key(1), (5, 7), -8, 8, jnp.int32)
     packed = jax.jit(lambda v: pack_int4(v, axis=0))(values)
