@@ -49,8 +49,10 @@ def test_small_integers_are_exact():
     """Small-integer activations and power-of-two scales: every product and sum is exact in f32."""
     rng = np.random.default_rng()
     q = rng.integers(-7, 8, size=(256, 128))
+    # Pin each group's max to 7 (its min is >= -7) so that its scale is exactly 0.5. (A pinned -7 gave
+    # scale max(3.5 / 8, max / 7): 0.4375 in the ~2% of runs where some column of a group lacked a 7.)
     q[0] = 7
-    q[128] = -7
+    q[128] = 7
     w = (q * 0.5).astype(np.float32)
     qw = nybble.quantize(w, group_size=128)
     x = jnp.asarray(rng.integers(-3, 4, size=(9, 256)), jnp.float32)
