@@ -94,6 +94,9 @@ def test_jax_in_jax_out_and_jit():
     ("values", "kwargs", "match"),
     [
         (np.array([0, 8], np.int8), {}, r"1 value\(s\) outside the signed int4 range \[-8, 7\]"),
+        # the bounds themselves are in range: two bad values, the first at index 2
+        (np.array([-8, 7, 9, -9], np.int8), {}, r"2 value\(s\) outside .*; first at index \(2,\): 9\."),
+        (np.array([0, 15, 16], np.int16), {"signed": False}, r"1 value\(s\) .*first at index \(2,\): 16\."),
         (np.array([-1, 3], np.int8), {"signed": False}, r"outside the unsigned int4 range \[0, 15\]"),
         (np.array([1.0, 2.0]), {}, "integer dtype, got float64"),
         (np.zeros((2, 3), np.int8), {"axis": 2}, "axis 2 is out of bounds"),
