@@ -88,6 +88,12 @@ def test_jax_in_jax_out_and_jit():
     back = jax.jit(lambda p: unpack_int4(p, 5, axis=0))(packed)
     np.testing.assert_array_equal(np.asarray(back), np.asarray(values))
     np.testing.assert_array_equal(np.asarray(packed), pack_int4(np.asarray(values), axis=0))
+    # 3-D jax arrays, packed along the middle axis
+    values3 = jax.random.randint(jax.random.key(2), (2, 5, 3), -8, 8, jnp.int32)
+    packed3 = pack_int4(values3, axis=1)
+    assert isinstance(packed3, jax.Array) and packed3.shape == (2, 3, 3)
+    np.testing.assert_array_equal(np.asarray(packed3), pack_int4(np.asarray(values3), axis=1))
+    np.testing.assert_array_equal(np.asarray(unpack_int4(packed3, 5, axis=1)), np.asarray(values3))
 
 
 @pytest.mark.parametrize(
@@ -120,6 +126,7 @@ def test_unpack_refusals():
 
 def test_padding_helpers():
     assert round_up(576, 64) == 576 and round_up(577, 64) == 640 and round_up(1, 64) == 64
+    assert round_up(5, 1) == 5
     assert padded_weight_dims(10944, 7392, 128) == (10944, 7424)
     assert padded_weight_dims(100, 70, None) == (128, 128)
     x = np.arange(6).reshape(2, 3)
