@@ -1,5 +1,7 @@
 """Round-to-nearest quantization: error bounds, padding, footprint, pytree behaviour, refusals."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from hypothesis.extra import numpy as hnp
 
 import nybble
 from nybble.kernels.reference import reference_codes, reference_dequantize
+from nybble.quant.qweight import expand_groups
 
 GROUPS = [None, 16, 32, 64, 128, 256]
 
@@ -176,6 +179,16 @@ def test_pytree_jit_vmap_and_repr():
     np.testing.assert_array_equal(np.asarray(deq2[1]), 2 * np.asarray(deq2[0]))
     text = repr(qw)
     assert "shape=(128, 64)" in text and "g64" in text and "asymmetric" in text and "bits/weight" in text
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        qw.group_size = 32  # static metadata: a weight never changes under a traced function
+
+
+def test_expand_groups_by_hand():
+    """Each group row repeated G times along K (axis 0 by default), cut to K_pad: a partial last group."""
+    per_group = jnp.asarray([[1.0, 2.0], [3.0, 4.0]], jnp.bfloat16)
+    np.testing.assert_array_equal(expand_groups(per_group, 2, 3), [[1, 2], [1, 2], [3, 4]])
+    assert expand_groups(per_group, 2, 3).dtype == jnp.float32
+    np.testing.assert_array_equal(expand_groups(per_group.T, 2, 3, axis=1), [[1, 1, 3], [2, 2, 4]])
 
 
 @pytest.mark.parametrize(("w", "kwargs", "error", "match"), [
