@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -152,8 +153,14 @@ class _Apply(ast.NodeTransformer):
         return node
 
 
+@functools.cache
+def _source(module: str) -> str:
+    """The module as it was when first read: edits to the working tree during a run change nothing."""
+    return (ROOT / module).read_text()
+
+
 def mutants(module: str) -> list[Mutant]:
-    source = (ROOT / module).read_text()
+    source = _source(module)
     lines = source.splitlines()
     return [
         Mutant(module, i, node.lineno, what, lines[node.lineno - 1].strip())
@@ -162,7 +169,7 @@ def mutants(module: str) -> list[Mutant]:
 
 
 def mutated_source(module: str, index: int) -> str:
-    tree = ast.parse((ROOT / module).read_text())
+    tree = ast.parse(_source(module))
     node, _, how = _points(tree)[index]
     tree = ast.fix_missing_locations(_Apply(node, how).visit(tree))
     return ast.unparse(tree)
@@ -241,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"baseline {module}: {seconds:.0f} s", flush=True)
         with out.open("a") as log:
             for m in todo:
-                original = (ROOT / m.module).read_text()
+                original = _source(m.module)
                 (work / m.module).write_text(mutated_source(m.module, m.index))
                 try:
                     timeout = max(120.0, args.timeout_factor * baseline[m.module])
