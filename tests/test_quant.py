@@ -1,6 +1,7 @@
 """Round-to-nearest quantization: error bounds, padding, footprint, pytree behaviour, refusals."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -179,6 +180,8 @@ def test_pytree_jit_vmap_and_repr():
     np.testing.assert_array_equal(np.asarray(deq2[1]), 2 * np.asarray(deq2[0]))
     text = repr(qw)
     assert "shape=(128, 64)" in text and "g64" in text and "asymmetric" in text and "bits/weight" in text
+    assert "codes=uint8[64, 64], scales=bfloat16[2, 64], offsets=bfloat16[2, 64]" in text
+    assert "offsets" not in repr(nybble.quantize(w, group_size=64))
     with pytest.raises(dataclasses.FrozenInstanceError):
         qw.group_size = 32  # static metadata: a weight never changes under a traced function
 
@@ -199,6 +202,7 @@ def test_expand_groups_by_hand():
     (np.zeros((64, 64), np.float32), {"scale_dtype": jnp.int8}, ValueError, "scale_dtype"),
     (np.zeros((64, 64), np.float32), {"layout": "nope"}, ValueError, "unknown weight layout"),
     ([[1.0]], {}, TypeError, r"expected a \(K, N\) array"),
+    (types.SimpleNamespace(shape=(2, 2)), {}, TypeError, r"expected a \(K, N\) array, got SimpleNamespace"),
 ])
 def test_refusals(w, kwargs, error, match):
     with pytest.raises(error, match=match):
