@@ -9,13 +9,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nybble.kernels.reference import reference_dequantize, rounding_bound
-from nybble.packing import get_layout, nk_int4_as_int4, padded_weight_dims
+from nybble.kernels.reference import reference_codes, reference_dequantize, rounding_bound
+from nybble.packing import get_layout, padded_weight_dims
 from nybble.quant import QuantizedWeight, quantize
+
+# The magic-number dequantization's bias per activation dtype (nybble/kernels/mosaic_gpu/fragments.py),
+# restated: the accumulator route sums x_k (BIAS + q_k) and subtracts BIAS s sum(x) per group.
+KERNEL_BIAS = {"bfloat16": 136.0, "float16": 1032.0}
 
 
 def exact_weight(
-    rng, k, n, group, symmetric, *, scale_dtype=jnp.bfloat16, codes_dtype="uint8"
+    rng, k, n, group, symmetric, *, scale_dtype=jnp.bfloat16, layout="wgmma_int4"
 ) -> QuantizedWeight:
     """Codes in [-8, 7], scales 2^-2..2^1, offsets multiples of 1/4 in [-1, 1]: every weight is a multiple
     of 1/4 below 17 in magnitude, exact in bf16 and f16, so with small-integer activations every product
@@ -30,11 +34,15 @@ def exact_weight(
     offsets = None
     if not symmetric:
         offsets = jnp.asarray(rng.integers(-4, 5, (num_groups, n_pad)) / 4, scale_dtype)
-    codes = jnp.asarray(get_layout("nk_int4").pack(q))
-    if codes_dtype == "int4":
-        codes = nk_int4_as_int4(codes)
+    codes = jnp.asarray(get_layout(layout).pack(q))
     return QuantizedWeight(
-        codes=codes, scales=scales, offsets=offsets, shape=(k, n), group_size=group, symmetric=symmetric
+        codes=codes,
+        scales=scales,
+        offsets=offsets,
+        shape=(k, n),
+        group_size=group,
+        symmetric=symmetric,
+        layout=layout,
     )
 
 
@@ -88,14 +96,15 @@ def assert_exact(y, x, qw, rows=None) -> None:
         )
 
 
-def assert_within_rounding(y, x, qw, rows=None, w=None) -> None:
+def assert_within_rounding(y, x, qw, rows=None, w=None, terms=None) -> None:
     """Every element of ``y`` within :func:`rounding_bound` of the float64 reference: the weight rounded
     once to x's dtype, float32 accumulation, one rounding to ``y``'s dtype; nothing else. ``rows``: the
-    rows of ``y`` to compare; ``w``: ``reference_dequantize(qw, x.dtype)`` when already computed."""
+    rows of ``y`` to compare; ``w``: the weight multiplied (default ``reference_dequantize(qw, x.dtype)``);
+    ``terms``: the accumulation's term magnitudes (see :func:`rounding_bound`)."""
     out_dtype = np.dtype(y.dtype)
     y, x, w = _reference_rows(y, x, qw, rows, w)
     ref = np.asarray(x, np.float64) @ w
-    bound = rounding_bound(x, w, out_dtype)
+    bound = rounding_bound(x, w, out_dtype, terms=terms)
     err = np.abs(y - ref)
     bad = ~(err <= bound)  # NaN fails
     if bad.any():
@@ -107,6 +116,55 @@ def assert_within_rounding(y, x, qw, rows=None, w=None) -> None:
             f"first at {i}: |{y[i]} - {ref[i]:.6g}| > {bound[i]:.3g}; worst at {worst}: "
             f"{err[worst] / bound[worst]:.3g} x the bound"
         )
+
+
+def _per_k(a, qw) -> np.ndarray:
+    """Per-group rows (num_groups, N_pad) expanded to (K, N) float64, the reference's group indexing."""
+    k_pad = qw.padded_shape[0]
+    rows = np.arange(k_pad) // (k_pad if qw.group_size is None else qw.group_size)
+    k, n = qw.shape
+    return np.asarray(a, np.float64)[rows][:k, :n]
+
+
+def kernel_weight_models(qw, x_dtype, scales_on: str) -> list[tuple[str, np.ndarray, np.ndarray | None]]:
+    """What the Mosaic GPU kernel multiplies, per route, as (name, float64 weight (K, N), terms or None).
+
+    accumulators: the exact weight (codes times f32 scales after the sum over a group), summing
+      x_k (BIAS + q_k) and x_k per group before scaling: the accumulation allowance covers those terms.
+    weights: w = q * s (+ o) in x's dtype, scales and offsets rounded to x's dtype first; a GPU may fuse
+      the multiply-add (one rounding) or not (two), so both are models and the output must match one.
+    """
+    if scales_on == "accumulators":
+        w = reference_dequantize(qw)
+        terms = np.abs(w) + KERNEL_BIAS[np.dtype(x_dtype).name] * np.abs(_per_k(qw.scales, qw))
+        if qw.offsets is not None:
+            terms = terms + np.abs(_per_k(qw.offsets, qw))
+        return [("accumulators", w, terms)]
+    dt = np.dtype(x_dtype)
+    k, n = qw.shape
+    q = reference_codes(qw)[:k, :n].astype(np.float64)
+    s = _per_k(np.asarray(qw.scales, np.float32).astype(dt), qw)
+    qs = q * s  # exact: a 4-bit code times an 8/11-bit significand
+    if qw.offsets is None:
+        return [("weights", qs.astype(dt).astype(np.float64), None)]
+    o = _per_k(np.asarray(qw.offsets, np.float32).astype(dt), qw)
+    fused = (qs + o).astype(np.float32).astype(dt).astype(np.float64)
+    unfused = (qs.astype(dt).astype(np.float64) + o).astype(np.float32).astype(dt).astype(np.float64)
+    return [("weights, fused multiply-add", fused, None), ("weights, two roundings", unfused, None)]
+
+
+def assert_kernel_within_rounding(y, x, qw, scales_on: str, rows=None) -> None:
+    """The kernel's output within :func:`rounding_bound` of the float64 reference of its route (the
+    weight as :func:`kernel_weight_models` says, f32 accumulation, one rounding of y), element by element,
+    for one of the route's models."""
+    errors = []
+    for name, w, terms in kernel_weight_models(qw, x.dtype, scales_on):
+        try:
+            assert_within_rounding(y, x, qw, rows=rows, w=w, terms=terms)
+            return
+        except AssertionError as e:
+            errors.append(f"[{name}] {e}")
+    raise AssertionError("\n".join(errors))
 
 
 def env_flag(name: str) -> bool:

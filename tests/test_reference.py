@@ -29,6 +29,7 @@ def _weight(codes, scales, offsets=None, shape=(64, 64), group=None):
         shape=shape,
         group_size=group,
         symmetric=offsets is None,
+        layout="nk_int4",
     )
 
 
@@ -49,6 +50,28 @@ def test_nibbles_by_hand():
     assert np.count_nonzero(w) == 4
     # The same codes held as jnp.int4 (N_pad, K_pad).
     np.testing.assert_array_equal(reference_codes(_weight(nk_int4_as_int4(jnp.asarray(codes)), scales)), q)
+
+
+def test_wgmma_int4_words_by_hand():
+    """Band b, word 64c + 2l + q, nibble u + 4e holds (k, n) = (64c + 32q + 8u + 2 c4 + e, 8b + r8) for
+    l = 4 r8 + c4: word 1 of band 0 (l = 0, q = 1) nibble 0 is k = 32, n = 0; word 2 (l = 1: c4 = 1) nibble
+    5 (u = 1, e = 1) is k = 8 + 2 + 1 = 11, n = 0; band 1 word 64 + 8 (c = 1, l = 4: r8 = 1) nibble 0 is
+    k = 64, n = 9."""
+    words = np.zeros((8, 128), np.uint32)  # N pads to 64: 8 bands
+    words[0, 1] = 0x7  # 7
+    words[0, 2] = 0x9 << 20  # -7
+    words[1, 72] = 0x8  # -8
+    qw = QuantizedWeight(
+        codes=jnp.asarray(words), scales=jnp.ones((1, 64), jnp.bfloat16), offsets=None,
+        shape=(128, 16), group_size=None, symmetric=True,
+    )  # fmt: skip
+    q = reference_codes(qw)
+    assert q.shape == (128, 64) and np.count_nonzero(q) == 3
+    assert (q[32, 0], q[11, 0], q[64, 9]) == (7, -7, -8)
+    # And on random codes, the layout's own unpacking agrees (it shares no code with the reference).
+    rng = np.random.default_rng()
+    qr = nybble.quantize(rng.standard_normal((200, 72)).astype(np.float32), group_size=64)
+    np.testing.assert_array_equal(reference_codes(qr), np.asarray(qr.logical_codes()))
 
 
 def test_groups_offsets_and_partial_last_group_by_hand():
@@ -104,7 +127,7 @@ def test_agrees_with_nybble_dequantize(symmetric, scale_dtype):
 
 
 def _without_offsets(qw: QuantizedWeight) -> QuantizedWeight:
-    return QuantizedWeight(qw.codes, qw.scales, None, qw.shape, qw.group_size, True)
+    return QuantizedWeight(qw.codes, qw.scales, None, qw.shape, qw.group_size, True, layout=qw.layout)
 
 
 def test_rounding_bound_by_hand():
@@ -131,7 +154,12 @@ def test_refusals():
     qw = _weight(np.zeros((64, 32), np.uint8), np.ones((1, 64), np.float32))
     with pytest.raises(TypeError, match="QuantizedWeight"):
         reference_codes(np.zeros((2, 2)))
-    with pytest.raises(ValueError, match="nk_int4"):
-        reference_codes(QuantizedWeight(qw.codes, qw.scales, None, (64, 64), None, True, layout="other"))
+    other = QuantizedWeight(qw.codes, qw.scales, None, (64, 64), None, True, layout="nk_int4")
+    object.__setattr__(other, "layout", "other")  # a layout registered later, unknown to the reference
+    with pytest.raises(ValueError, match="wgmma_int4"):
+        reference_codes(other)
+    # QuantizedWeight refuses such scales itself; the reference checks again, not trusting it.
+    bad = _weight(np.zeros((64, 32), np.uint8), np.ones((1, 64), np.float32))
+    object.__setattr__(bad, "scales", jnp.ones((2, 64), jnp.float32))
     with pytest.raises(ValueError, match="scales have shape"):
-        reference_dequantize(_weight(np.zeros((64, 32), np.uint8), np.ones((2, 64), np.float32)))
+        reference_dequantize(bad)

@@ -1,14 +1,15 @@
 """The one reference every test and the benchmark's correctness gate compare against: float64 on the host.
 
 Dequantization here is computed from the stored codes, scales and offsets with numpy alone: it shares no
-code with ``nybble.dequantize``, the XLA path or the kernels (nibbles are decoded from the bytes of the
-``nk_int4`` layout, groups are indexed row by row), so a bug in any of those cannot hide in the reference.
+code with ``nybble.dequantize``, the XLA path or the kernels (codes are located in the ``wgmma_int4`` words
+or ``nk_int4`` bytes by the layouts' formulas, groups are indexed row by row), so a bug in any of those
+cannot hide in the reference.
 
-Every nybble implementation computes ``w = q * s + o`` in float32, rounds it ONCE to the activation dtype,
-multiplies exactly (a product of two bf16/f16 values fits in float32), accumulates in float32 and rounds the
-result once to the output dtype. ``reference_matmul(x, qw, weight_dtype=x.dtype)`` is that computation
-without the float32 accumulation error, and :func:`rounding_bound` bounds what the accumulation and the
-final rounding may add, element by element.
+``reference_matmul(x, qw)`` is the exact product. ``weight_dtype`` rounds each weight once to that dtype
+(what the XLA path does before its exact products), and :func:`rounding_bound` bounds what a float32
+accumulation and the final rounding may add, element by element; ``terms`` widens the accumulation
+allowance for computations that sum larger terms than ``x_k w_k`` (the kernel's accumulator route sums
+``x_k (136 + q_k)``: tests/kernel_checks.py models each kernel route on top of this module).
 """
 
 from __future__ import annotations
@@ -30,17 +31,31 @@ ACCUMULATION_FACTOR = 4.0
 
 
 def reference_codes(qw: QuantizedWeight) -> np.ndarray:
-    """The signed int4 codes of ``qw`` as an int8 (K_pad, N_pad) array, decoded from the stored bytes.
+    """The signed int4 codes of ``qw`` as an int8 (K_pad, N_pad) array, decoded from the stored words.
 
+    ``wgmma_int4`` (uint32 (N_pad / 8, K_pad)): code (k, n) is nibble u + 4e of word 64c + 2l + q of band
+    b, for n = 8b + r8, k = 64c + 32q + 8u + 2 c4 + e and l = 4 r8 + c4 (nybble.packing.fragments). Each
+    (k, n) is located by that formula here, not by the layout's own unpacking.
     ``nk_int4`` stores W^T K-major: byte (n, j) holds k = 2j in its low nibble and k = 2j + 1 in its high
-    nibble, two's complement (a nibble of 8..15 is -8..-1). Codes already held as ``jnp.int4`` (N_pad,
-    K_pad) are taken as they are.
+    nibble. Codes already held as ``jnp.int4`` (N_pad, K_pad) are taken as they are. Nibbles are two's
+    complement (8..15 is -8..-1).
     """
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"reference_codes expects a QuantizedWeight, got {type(qw).__name__}")
-    if qw.layout != "nk_int4":
-        raise ValueError(f"the reference decodes the 'nk_int4' layout only, got {qw.layout!r}")
     codes = np.asarray(qw.codes)
+    if qw.layout == "wgmma_int4":
+        if codes.dtype != np.uint32:
+            raise ValueError(f"wgmma_int4 codes must be uint32, got {codes.dtype}")
+        k_pad, n_pad = codes.shape[1], 8 * codes.shape[0]
+        k = np.arange(k_pad)[:, None]
+        n = np.arange(n_pad)[None, :]
+        kk = k % 64
+        q, u, c4, e = kk // 32, (kk % 32) // 8, (kk % 8) // 2, kk % 2
+        word = codes[n // 8, 64 * (k // 64) + 2 * (4 * (n % 8) + c4) + q].astype(np.int64)
+        nibbles = (word >> (4 * (u + 4 * e))) & 0xF
+        return np.where(nibbles >= 8, nibbles - 16, nibbles).astype(np.int8)
+    if qw.layout != "nk_int4":
+        raise ValueError(f"the reference decodes the 'wgmma_int4' and 'nk_int4' layouts, got {qw.layout!r}")
     if codes.dtype == np.uint8:
         nibbles = np.empty((codes.shape[0], 2 * codes.shape[1]), np.int16)
         nibbles[:, 0::2] = codes % 16
@@ -94,17 +109,21 @@ def unit_roundoff(dtype: Any) -> float:
     return 2.0 ** -(jnp.finfo(dtype).nmant + 1)
 
 
-def rounding_bound(x: Any, w: np.ndarray, out_dtype: Any) -> np.ndarray:
+def rounding_bound(
+    x: Any, w: np.ndarray, out_dtype: Any, *, terms: np.ndarray | None = None
+) -> np.ndarray:
     """Elementwise bound on ``|y - x @ w|`` for a ``y`` computed from exact products, float32 accumulation
     and one rounding to ``out_dtype``; ``w`` is the float64 weight multiplied (already rounded).
 
     Half an ulp of the output (relative ``unit_roundoff(out_dtype)``, or half the smallest subnormal near
-    zero) plus the float32 accumulation allowance (``ACCUMULATION_FACTOR``), itself rounded.
+    zero) plus the float32 accumulation allowance (``ACCUMULATION_FACTOR``), itself rounded. ``terms``
+    (K, N), default ``|w|``: the magnitude of what is summed per (k, n), when larger than ``|w|``.
     """
     x = np.asarray(x, np.float64)
     ref = x @ w
     k = x.shape[-1]
-    accumulation = ACCUMULATION_FACTOR * math.sqrt(max(k, 1)) * 2.0**-24 * (np.abs(x) @ np.abs(w))
+    summed = np.abs(x) @ (np.abs(w) if terms is None else terms)
+    accumulation = ACCUMULATION_FACTOR * math.sqrt(max(k, 1)) * 2.0**-24 * summed
     u = unit_roundoff(out_dtype)
     tiny = float(jnp.finfo(out_dtype).smallest_subnormal) / 2
     return u * (np.abs(ref) + accumulation) + accumulation + tiny

@@ -26,8 +26,8 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from nybble.models.adapter import LayerReport, PlannedLayer, QuantizationReport, plan_quantization
 from nybble.models.layers import QLinear
+from nybble.models.plan import PlannedLayer, QuantizationReport, plan_quantization
 from nybble.models.rules import QuantRule
 from nybble.quant.gptq import gptq
 
@@ -146,10 +146,9 @@ def quantize_gptq(
     elapsed = time.perf_counter() - start
 
     for pl in planned:
-        before = int(np.prod(pl.linear.kernel.shape)) * np.dtype(pl.linear.kernel.dtype).itemsize
         d = pl.decision
         if not d.quantize:
-            report.layers.append(LayerReport(pl.path, pl.shape, False, None, None, d.reason, before, before))
+            report.add(pl.path, pl.shape, d, pl.nbytes)
             continue
         capture = next(c for c in captures if c.planned is pl)
         reason = ""
@@ -159,18 +158,7 @@ def quantize_gptq(
             )
             pl.replace(capture.result)
             reason = "not reached by the calibration forward pass: round-to-nearest"
-        report.layers.append(
-            LayerReport(
-                pl.path,
-                pl.shape,
-                True,
-                d.group_size,
-                d.symmetric,
-                reason,
-                before,
-                capture.result.weight.nbytes,
-            )
-        )
+        report.add(pl.path, pl.shape, d, pl.nbytes, capture.result.weight, reason)
     if verbose:
         print(report.summary())
         print(f"  GPTQ calibration: {tokens} tokens ({ids.shape[0]} x {ids.shape[1]}), {elapsed:.1f} s")
