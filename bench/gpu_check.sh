@@ -51,8 +51,15 @@ TESTS=()
 MISSING=()
 for t in ${GPU_TESTS:-tests/test_kernel_gpu.py}; do if [ -f "$t" ]; then TESTS+=("$t"); else MISSING+=("$t"); fi; done
 TEST_RC=0
+# ~280 kernels to compile: with pytest-xdist, GPU_TEST_WORKERS processes share the GPU (each a slice of its
+# memory) and compile on the machine's cores in parallel.
+PARALLEL=()
+if [ "${GPU_TEST_WORKERS:-4}" -gt 1 ] && "$PY" -c 'import xdist' 2>/dev/null; then
+  PARALLEL=(-n "${GPU_TEST_WORKERS:-4}")
+fi
 if [ ${#TESTS[@]} -gt 0 ]; then
-  NYBBLE_GPU_TESTS_REQUIRE_GPU=1 timeout "$TEST_TIMEOUT_S" "$PY" -m pytest -q -p no:cacheprovider -rfEs \
+  XLA_PYTHON_CLIENT_MEM_FRACTION="${GPU_TEST_MEM_FRACTION:-0.2}" NYBBLE_GPU_TESTS_REQUIRE_GPU=1 \
+    timeout "$TEST_TIMEOUT_S" "$PY" -m pytest -q -p no:cacheprovider -rfEs ${PARALLEL[@]+"${PARALLEL[@]}"} \
     --durations=15 "${TESTS[@]}" >"$DEST/tests.log.part" 2>&1
   TEST_RC=$?
 else

@@ -303,7 +303,7 @@ def test_public_matmul_jit_vmap_grad(batch, k, n, group):
     c = jnp.asarray(rng.standard_normal((*batch, n)), jnp.bfloat16)
     with _on_device():
         assert available_implementations(x, qw)["mosaic_gpu"] is None
-        assert "pallas_call" in str(jax.make_jaxpr(nybble.matmul)(x, qw))  # the kernel, not XLA's dot
+        assert "wgmma" in str(jax.make_jaxpr(nybble.matmul)(x, qw))  # the kernel, not XLA's dot
         y = jax.jit(nybble.matmul)(x, qw)
         yv = jax.vmap(lambda xb: nybble.matmul(xb, qw))(x)
         dx = jax.grad(lambda x: jnp.vdot(nybble.matmul(x, qw).astype(jnp.float32), c.astype(jnp.float32)))(x)

@@ -95,6 +95,7 @@ def test_generate_batch_rows_finish_at_eos(models):
     eos = next(int(t) for t in ref[0, :4] if t not in ref[1])
     out = generate(model, prompts, 6, eos_id=eos)
     first = list(ref[0]).index(eos)
+    assert not (ref[0, first + 1 :] == eos).all()  # without eos_id, row 0 goes on past it
     assert (out[0, first:] == eos).all()
     np.testing.assert_array_equal(out[0, : first + 1], ref[0, : first + 1])
     np.testing.assert_array_equal(out[1], ref[1])

@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TARGETS: dict[str, list[str]] = {
     "nybble/packing/nibbles.py": ["tests/test_packing.py", "tests/test_reference.py"],
     "nybble/packing/layouts.py": ["tests/test_packing.py", "tests/test_reference.py"],
+    "nybble/packing/fragments.py": ["tests/test_layout_wgmma.py", "tests/test_reference.py"],
+    "nybble/packing/groups.py": ["tests/test_packing.py", "tests/test_quant.py"],
     "nybble/packing/padding.py": ["tests/test_packing.py", "tests/test_quant.py"],
     "nybble/quant/qweight.py": ["tests/test_reference.py", "tests/test_quant.py", "tests/test_matmul.py"],
     "nybble/quant/rtn.py": ["tests/test_quant.py"],
