@@ -10,5 +10,10 @@ def pytest_report_header(config):
         mode, why = gpu_tests_mode()
     except RuntimeError as e:
         return f"nybble GPU tests: {e}"
-    where = "on the GPU, every case" if mode == "gpu" else "in GPU interpret mode on the CPU, the cheap cases"
+    if mode == "gpu":
+        where = "on the GPU, every case"
+    elif "NYBBLE_GPU_TESTS_INTERPRET" in why:
+        where = "in GPU interpret mode on the CPU, the cheap cases"
+    else:
+        where = "in GPU interpret mode on the CPU, a smoke check (NYBBLE_GPU_TESTS_INTERPRET=1: more)"
     return f"nybble GPU tests (tests/test_kernel_gpu.py): {where} ({why})"

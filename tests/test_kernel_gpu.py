@@ -2,8 +2,10 @@
 
 Where it runs (the pytest header says which; see ``gpu_tests_mode`` in tests/kernel_checks.py):
   * on a Hopper GPU: every case below;
-  * without one (CI), or with ``NYBBLE_GPU_TESTS_INTERPRET=1``: in GPU interpret mode on the CPU, the
-    cases marked cheap (the same tests and checks at small shapes: interpret mode takes seconds a kernel);
+  * without one (CI): in GPU interpret mode on the CPU, the first cheap case of each test (a smoke
+    check of this module, ~30 s; tests/test_kernel_interpret.py is CI's full check of the numbers);
+  * with ``NYBBLE_GPU_TESTS_INTERPRET=1``: in interpret mode, every case marked cheap (the same tests
+    and checks at small shapes: interpret mode takes seconds a kernel; ~90 s on 2 cores with -n 2);
     ``NYBBLE_GPU_TESTS_ALL=1`` runs every case there too (select some with ``-k``: the largest would
     take hours);
   * ``NYBBLE_GPU_TESTS_REQUIRE_GPU=1`` (bench/gpu_check.sh sets it): the module refuses to be collected
@@ -55,6 +57,7 @@ from tests.kernel_checks import (
 
 INTERPRET = gpu_tests_mode()[0] == "interpret"  # raises under NYBBLE_GPU_TESTS_REQUIRE_GPU=1 off-GPU
 ALL_CASES = not INTERPRET or env_flag("NYBBLE_GPU_TESTS_ALL")
+SMOKE = INTERPRET and not ALL_CASES and not env_flag("NYBBLE_GPU_TESTS_INTERPRET")
 NUM_SMS = nybble.kernels.num_sms()  # the GPU's own count; 132 (H100/H200) without one
 GROUPS = [128, 16, 32, 64, 256, None]
 
@@ -82,8 +85,10 @@ def _on_device():
 
 
 def _cases(rows):
-    """pytest params from (cheap, id, values...): all of them on a GPU, the cheap ones in interpret mode."""
-    return [pytest.param(*values, id=name) for cheap, name, *values in rows if cheap or ALL_CASES]
+    """pytest params from (cheap, id, values...): all of them on a GPU, the cheap ones in interpret mode,
+    the first cheap one in CI's smoke check."""
+    cases = [pytest.param(*values, id=name) for cheap, name, *values in rows if cheap or ALL_CASES]
+    return cases[:1] if SMOKE else cases
 
 
 def _config_id(c: TuningConfig) -> str:
@@ -108,14 +113,14 @@ def _run_exact(config, m, k, n, group, symmetric, *, x_dtype, scale_dtype, seed)
 
 def _smallest_problem(config: TuningConfig, group: int | None, odd: bool) -> tuple[int, int, int]:
     """(M, K, N) with the config's structure: two M tiles, the last partial (or, with K slices, every
-    slice's rows), two CTA columns, each split's pipeline running one step more than its slots, and two
-    groups or more per slice (a partial last one when G does not divide K_pad). ``odd``: K and N 5 and 3
-    short of their padded sizes (K a multiple of 64 again once padded)."""
+    slice's rows), two CTA columns or more (the last one real outputs), each split's pipeline running one
+    step more than its slots, and two groups or more per slice (a partial last one when G does not divide
+    K_pad). ``odd``: K and N 5 and 3 short of their padded sizes (K a multiple of 64 again once padded)."""
     unit = config.k_span() * config.split_k
     k_pad = unit * (config.max_concurrent_steps + 1)
     while group is not None and (k_pad < 2 * group * config.slices or (k_pad // config.slices) % group):
         k_pad += unit
-    n_pad = 2 * config.cta_rows
+    n_pad = max(2 * config.cta_rows, 64)  # N pads to 64: the last CTA column must hold real outputs
     m = config.tile_m if config.slices > 1 else max(1, 2 * config.tile_m - 3)
     return m, k_pad - 5 * odd, n_pad - 3 * odd
 
@@ -330,3 +335,4 @@ def test_padded_weight_dims_of_the_smallest_problems():
         k_pad, n_pad = padded_weight_dims(k, n, group)
         config.check_problem(1 if config.slices > 1 else 2, n_pad, k_pad, k_pad if group is None else group)
         assert n_pad % config.cta_rows == 0 and n_pad // config.cta_rows >= 2
+        assert n > n_pad - config.cta_rows  # the last N tile holds real outputs, not only padding
