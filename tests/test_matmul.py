@@ -60,6 +60,17 @@ def test_small_integers_are_exact():
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x) @ w)
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_xla_path_on_nk_int4_weights(symmetric):
+    """The XLA path's other branch: codes stored nk_int4 (read as int4 in place) give the same bits as the
+    default layout, within the rounding bound of the float64 reference."""
+    x, qw = _random_case(jax.random.key(7), (5,), 200, 72, 64, symmetric, jnp.bfloat16)
+    nk = nybble.quant.relayout(qw, "nk_int4")
+    y = nybble.matmul(x, nk, implementation="xla")
+    assert_within_rounding(y, x, nk)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(nybble.matmul(x, qw, implementation="xla")))
+
+
 def test_default_implementation():
     """The default is the kernel on a Hopper GPU and XLA elsewhere; either way x @ W within rounding."""
     x, qw = _random_case(jax.random.key(3), (4,), 256, 128, 128, True, jnp.bfloat16)
