@@ -24,8 +24,8 @@ from bench.peers import (
     Peer,
 )
 from bench.timing import measure
-from nybble.kernels import relative_error
-from nybble.quant import QuantizedWeight, dequantize
+from nybble.kernels import reference_dequantize, relative_error
+from nybble.quant import QuantizedWeight
 
 # ||out - ref|| / ||ref|| allowed for a bf16 output of a bf16 x int4/bf16 product accumulated in f32.
 BF16_TOLERANCE = 1e-2
@@ -100,9 +100,11 @@ def make_weights(w: jax.Array, group_size: int | None, symmetric: bool) -> dict[
 
 
 def reference_weight(weight: Any) -> np.ndarray:
-    """The float64 (K, N) matrix a variant stands for (what ``reference_matmul`` multiplies with)."""
+    """The float64 (K, N) matrix a variant stands for: nybble's one reference dequantization
+    (``nybble.kernels.reference``, computed from the stored arrays with numpy alone) for an int4 weight,
+    the values themselves for the bf16 one."""
     if isinstance(weight, QuantizedWeight):
-        return np.asarray(dequantize(weight, jnp.float32), dtype=np.float64)
+        return reference_dequantize(weight)
     return np.asarray(weight, dtype=np.float64)
 
 

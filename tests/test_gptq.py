@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import nybble
+from nybble.kernels.reference import reference_codes
 from nybble.quant.gptq import HessianAccumulator, gptq, hessian_from_inputs
 
 
@@ -128,7 +129,16 @@ def test_odd_shapes_padding_and_dead_inputs():
         assert np.all(np.asarray(qw.scales, np.float32)[:, n:] == 0)
         deq = np.asarray(nybble.dequantize(qw))
         assert np.isfinite(deq).all()
-        assert np.abs(deq[5]).max() <= np.abs(deq).max() / 7 + 1e-6 or not sym
+        if sym:  # the dead input holds weight 0: code 0, exactly 0
+            np.testing.assert_array_equal(deq[5], 0)
+        else:  # weight 0 takes the nearest code against its group's parameters (before the refit,
+            # which keeps the codes): -o / s rounded, within half a step of 0
+            plain = gptq(w, inputs=x, group_size=64, symmetric=sym, act_order=act, refit_scales=False)
+            np.testing.assert_array_equal(np.asarray(plain.codes), np.asarray(qw.codes))
+            s = np.asarray(plain.scales, np.float64)[0, :n]
+            o = np.asarray(plain.offsets, np.float64)[0, :n]
+            np.testing.assert_array_equal(reference_codes(plain)[5, :n], np.clip(np.round(-o / s), -8, 7))
+            assert (np.abs(np.asarray(nybble.dequantize(plain))[5]) <= 0.5 * s * (1 + 2**-7)).all()
         y = nybble.matmul(jnp.asarray(x), qw)  # a normal QuantizedWeight every implementation runs
         np.testing.assert_allclose(np.asarray(y), x @ deq, rtol=1e-2, atol=1e-2)
 

@@ -2,13 +2,15 @@
 
 Numerics only (lowering for CUDA is tests/test_kernel_lowering.py, the SASS is tests/test_xray.py). Every
 kernel run here:
-  * is compared with a float64 reference: within bf16 output rounding on random data, and bit-exactly on
+  * is compared with the one float64 reference (nybble.kernels.reference, through tests/kernel_checks.py):
+    element by element within the rounding bound of its scale route on random data, and bit-exactly on
     small-integer data (integer x, power-of-two scales, quarter offsets: every product and partial sum is
     exact in f32 in both scale routes, so the only rounding is the final one, the same in kernel and
     reference);
   * writes every element of its output (interpret mode fills fresh buffers with NaN, and NaN fails every
     comparison);
-  * is free of data races (the autouse fixture).
+  * is free of data races: every kernel runs under the race detector and each test ends on its verdict
+    (which raises when no kernel ran with detection on; tests marked ``no_kernel`` run none by design).
 The three steps written below Pallas (fragments.py: the LOP3 dequantization and its register relabelling,
 the per-lane row gather, the K-slice sum) run here through their jax.numpy twins; their bit operations
 are checked exhaustively against the numpy model the GPU path follows, and the GPU path itself runs in
@@ -23,87 +25,54 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import nybble.kernels.mosaic_gpu as mg
 from nybble.kernels.mosaic_gpu import fragments
 from nybble.kernels.mosaic_gpu import interpret as mgpu_interpret
 from nybble.kernels.mosaic_gpu.config import TuningConfig, heuristic_cases, heuristic_config
+from nybble.kernels.reference import reference_dequantize, rounding_bound
 from nybble.kernels.xla import xla_matmul
-from nybble.packing import get_layout, padded_weight_dims
+from nybble.packing import get_layout
 from nybble.packing.fragments import pack_wgmma_int4
-from nybble.quant import QuantizedWeight, dequantize, quantize, relayout
+from nybble.quant import relayout
+from tests.kernel_checks import (
+    activations,
+    assert_exact,
+    assert_kernel_within_rounding,
+    assert_within_rounding,
+    exact_weight,
+    random_weight,
+)
 
 interpret = mgpu_interpret.interpret
 
 
 @pytest.fixture(autouse=True)
-def _fresh_interpreter():
-    """Each test starts from a clean interpreter and must end without races."""
+def _fresh_interpreter(request):
+    """Each test starts from a clean interpreter and must end having run a kernel, without races."""
     mg.reset_state()
     yield
-    assert not mg.races_found(), "the race detector flagged a data race"
-
-
-def _random_weight(rng, k, n, group, symmetric, scale_dtype=jnp.bfloat16) -> QuantizedWeight:
-    w = rng.standard_normal((k, n)).astype(np.float32)
-    return quantize(w, group_size=group, symmetric=symmetric, scale_dtype=scale_dtype)
-
-
-def _exact_weight(rng, k, n, group, symmetric) -> QuantizedWeight:
-    """Codes in [-8, 7], scales 2^-2..2^1, offsets multiples of 1/4: every w is exact in bf16."""
-    k_pad, n_pad = padded_weight_dims(k, n, group)
-    g = k_pad if group is None else group
-    num_groups = -(-k_pad // g)
-    q = rng.integers(-8, 8, (k_pad, n_pad)).astype(np.int8)
-    q[k:] = 0
-    q[:, n:] = 0
-    scales = jnp.asarray(2.0 ** rng.integers(-2, 2, (num_groups, n_pad)), jnp.bfloat16)
-    offsets = None
-    if not symmetric:
-        offsets = jnp.asarray(rng.integers(-4, 5, (num_groups, n_pad)) / 4, jnp.bfloat16)
-    return QuantizedWeight(
-        codes=jnp.asarray(pack_wgmma_int4(q)),
-        scales=scales,
-        offsets=offsets,
-        shape=(k, n),
-        group_size=group,
-        symmetric=symmetric,
-        layout="wgmma_int4",
-    )
-
-
-def _reference(x, qw) -> np.ndarray:
-    """x @ W in float64, W = q * s + o in float64 (the kernel's accumulator route rounds no weight)."""
-    w = np.asarray(dequantize(qw, jnp.float32), np.float64)
-    return np.asarray(x, np.float64) @ w
+    if request.node.get_closest_marker("no_kernel") is None:
+        assert not mg.races_found(), "the race detector flagged a data race"
 
 
 def _check(x, qw, config, *, exact: bool) -> None:
     with interpret(detect_races=True):
         y = mg.mosaic_gpu_matmul(x, qw, config=config)
     assert y.shape == (x.shape[0], qw.shape[1]) and y.dtype == x.dtype
-    # NaN (an element the kernel never wrote) fails both comparisons below.
-    ref = _reference(x, qw)
-    y = np.asarray(y, np.float64)
+    # NaN (an element the kernel never wrote) fails both comparisons.
     if exact:
-        np.testing.assert_array_equal(y, np.asarray(jnp.asarray(ref, x.dtype), np.float64))
+        assert_exact(y, x, qw)
     else:
-        # f32 accumulation, one rounding to bf16/f16 at the end (and, scaling the weights, one rounding of
-        # each weight): within one ulp of the reference.
-        eps = float(jnp.finfo(x.dtype).eps)
-        np.testing.assert_allclose(y, ref, rtol=eps, atol=eps * np.abs(ref).max())
-        assert np.linalg.norm(y - ref) <= eps * np.linalg.norm(ref)
-
-
-def _activations(rng, m, k, dtype=jnp.bfloat16, exact=False):
-    if exact:
-        return jnp.asarray(rng.integers(-4, 5, (m, k)), dtype)
-    return jnp.asarray(rng.standard_normal((m, k)), dtype)
+        route = mg.plan(x.shape[0], qw, config=config).config.scales_on
+        assert_kernel_within_rounding(y, x, qw, route)
 
 
 # ------------------------------------------------------------------------------ the bit operations
 
 
+@pytest.mark.no_kernel  # bit operations, heuristics or refusals: no kernel runs
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_dequantize_bits_every_nibble(dtype):
     """The GPU's LOP3 (and 16-bit-pair subtract) on every 16-bit half: BIAS + q (or q) for each nibble."""
@@ -121,6 +90,7 @@ def test_dequantize_bits_every_nibble(dtype):
                 )
 
 
+@pytest.mark.no_kernel  # bit operations, heuristics or refusals: no kernel runs
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_twin_places_each_code_where_wgmma_expects_it(dtype):
     """The interpret-mode twin of the relabelling puts code q[k, n] at A row n, column k of the chunk,
@@ -143,6 +113,7 @@ def test_twin_places_each_code_where_wgmma_expects_it(dtype):
         np.testing.assert_array_equal(twin, v)
 
 
+@pytest.mark.no_kernel  # bit operations, heuristics or refusals: no kernel runs
 @pytest.mark.parametrize("slices", [1, 2, 4, 8])
 def test_slot_rows_and_slice_sum_twins(slices):
     """A tile's rows r hold slice j(r) of output row n(r); the slice sum reads acc[r, m * S + j(r)]."""
@@ -170,7 +141,7 @@ def test_slot_rows_and_slice_sum_twins(slices):
             self.value = np.asarray(v)
 
     out = Ref(np.zeros((rows, tiles * width), np.float32))
-    with interpret():
+    with interpret(detect_races=True):
         fragments.sum_slices(Ref(jnp.asarray(acc)), out, slices=slices, tiles=tiles, rows=rows)
         np.testing.assert_allclose(out.value, want, rtol=1e-6)
         values = jnp.asarray(rng.standard_normal((slices, 1, tiles * width)), jnp.float32)
@@ -196,11 +167,12 @@ def test_slot_rows_and_slice_sum_twins(slices):
 )
 def test_heuristic_random(m, k, n, group, symmetric):
     rng = np.random.default_rng(m * 7 + k)
-    qw = _random_weight(rng, k, n, group, symmetric)
-    x = _activations(rng, m, k)
+    qw = random_weight(rng, k, n, group, symmetric)
+    x = activations(rng, m, k)
     _check(x, qw, None, exact=False)
 
 
+@pytest.mark.no_kernel  # bit operations, heuristics or refusals: no kernel runs
 def test_heuristic_families():
     decode = heuristic_config(1, 4096, 4096, 128)
     assert decode.slices == 8 and decode.split_k == 1 and decode.compute_wgs == 1
@@ -240,8 +212,8 @@ def test_groups_exact(group, symmetric, name):
     if config.slices > 1 and group is not None and group > 2048 // config.slices:
         config = dataclasses.replace(config, tile_k=64)
     rng = np.random.default_rng([group or 0, symmetric, len(name)])
-    qw = _exact_weight(rng, 2048, 128, group, symmetric)
-    x = _activations(rng, m, 2048, exact=True)
+    qw = exact_weight(rng, 2048, 128, group, symmetric)
+    x = activations(rng, m, 2048, exact=True)
     _check(x, qw, config, exact=True)
 
 
@@ -249,8 +221,8 @@ def test_groups_exact(group, symmetric, name):
 def test_partial_last_group_exact(group):
     """K = 576: the last scale row covers half (g128) or a quarter (g256) of a group."""
     rng = np.random.default_rng(group)
-    qw = _exact_weight(rng, 576, 128, group, False)
-    x = _activations(rng, 3, 576, exact=True)
+    qw = exact_weight(rng, 576, 128, group, False)
+    x = activations(rng, 3, 576, exact=True)
     _check(x, qw, None, exact=True)
 
 
@@ -277,83 +249,117 @@ def test_partial_last_group_exact(group):
 def test_configs_random(config):
     rng = np.random.default_rng(config.tile_m + config.split_k)
     m = 21 if config.slices == 1 else 8 // config.slices
-    qw = _random_weight(rng, 1536, 256, 128, False)
-    x = _activations(rng, m, 1536)
+    qw = random_weight(rng, 1536, 256, 128, False)
+    x = activations(rng, m, 1536)
     _check(x, qw, config, exact=False)
 
 
 def test_float16_activations_float32_scales():
     rng = np.random.default_rng(3)
-    qw = _random_weight(rng, 512, 128, 64, False, scale_dtype=jnp.float32)
-    x = _activations(rng, 9, 512, dtype=jnp.float16)
+    qw = random_weight(rng, 512, 128, 64, False, scale_dtype=jnp.float32)
+    x = activations(rng, 9, 512, dtype=jnp.float16)
     _check(x, qw, None, exact=False)
 
 
 def test_matches_xla_path_and_jit():
     rng = np.random.default_rng(4)
-    qw = _random_weight(rng, 384, 192, 128, True)
-    x = _activations(rng, 3, 384)
-    with interpret():
+    qw = random_weight(rng, 384, 192, 128, True)
+    x = activations(rng, 3, 384)
+    with interpret(detect_races=True):
         y = jax.jit(lambda x, qw: mg.mosaic_gpu_matmul(x, qw))(x, qw)
-    y_xla = np.asarray(xla_matmul(x, qw), np.float64)
-    # Both within one bf16 ulp of max |y| of the float64 reference, so within two of each other. (The XLA
-    # path rounds each weight to bf16, the kernel's accumulator route rounds none: they differ by more
-    # than one ulp on outputs that are small next to their terms.)
-    ref = _reference(x, qw)
-    eps = float(jnp.finfo(jnp.bfloat16).eps)
-    for out in (np.asarray(y, np.float64), y_xla):
-        np.testing.assert_allclose(out, ref, rtol=0, atol=eps * np.abs(ref).max())
-    np.testing.assert_allclose(np.asarray(y, np.float64), y_xla, rtol=0, atol=2 * eps * np.abs(ref).max())
+    # Each within the rounding bound of its own computation (the kernel's route; the XLA path rounds
+    # each weight once to bf16), against the one float64 reference.
+    assert_kernel_within_rounding(y, x, qw, mg.plan(3, qw).config.scales_on)
+    assert_within_rounding(xla_matmul(x, qw), x, qw)
 
 
 def test_grad_wrt_x():
+    """dx = g W^T (the backward pass: an XLA matmul with W rounded to g's dtype), elementwise."""
     rng = np.random.default_rng(5)
-    qw = _random_weight(rng, 256, 128, 64, False)
-    x = _activations(rng, 4, 256)
+    qw = random_weight(rng, 256, 128, 64, False)
+    x = activations(rng, 4, 256)
     g = jnp.asarray(rng.standard_normal((4, 128)), jnp.bfloat16)
 
-    def loss(fn, x):
-        return jnp.vdot(fn(x, qw).astype(jnp.float32), g.astype(jnp.float32))
+    def loss(x):
+        return jnp.vdot(mg.mosaic_gpu_matmul(x, qw).astype(jnp.float32), g.astype(jnp.float32))
 
-    with interpret():
-        dx = jax.grad(lambda x: loss(mg.mosaic_gpu_matmul, x))(x)
-    dx_xla = jax.grad(lambda x: loss(xla_matmul, x))(x)
+    with interpret(detect_races=True):
+        dx = jax.grad(loss)(x)
     assert dx.shape == x.shape and dx.dtype == x.dtype
-    np.testing.assert_allclose(
-        np.asarray(dx, np.float32), np.asarray(dx_xla, np.float32), rtol=1e-2, atol=1e-2
-    )
+    w_t = reference_dequantize(qw, jnp.bfloat16).T  # (N, K)
+    ref = np.asarray(g, np.float64) @ w_t
+    err = np.abs(np.asarray(dx, np.float64) - ref)
+    assert (err <= rounding_bound(g, w_t, jnp.bfloat16)).all(), float(err.max())
 
 
 def test_jit_cache_tracks_interpret_mode():
     """A function jitted inside interpret() is retraced outside it (and fails clearly on the CPU)."""
     rng = np.random.default_rng(7)
-    qw = _random_weight(rng, 128, 64, 64, True)
-    x = _activations(rng, 2, 128)
+    qw = random_weight(rng, 128, 64, 64, True)
+    x = activations(rng, 2, 128)
     f = jax.jit(lambda x, qw: mg.mosaic_gpu_matmul(x, qw))
-    with interpret():
+    with interpret(detect_races=True):
         y = f(x, qw)
-    ref = _reference(x, qw)
-    eps = float(jnp.finfo(jnp.bfloat16).eps)
-    np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=0, atol=eps * np.abs(ref).max())
+    assert_kernel_within_rounding(y, x, qw, mg.plan(2, qw).config.scales_on)
     with pytest.raises(NotImplementedError, match="interpret"):
         f(x, qw)
 
 
+@pytest.mark.no_kernel  # M = 0 launches nothing
 def test_empty_batch():
-    qw = _random_weight(np.random.default_rng(8), 128, 64, 64, True)
-    with interpret():
+    qw = random_weight(np.random.default_rng(8), 128, 64, 64, True)
+    with interpret(detect_races=True):
         y = mg.mosaic_gpu_matmul(jnp.zeros((0, 128), jnp.bfloat16), qw)
     assert y.shape == (0, 64) and y.dtype == jnp.bfloat16
 
 
+@pytest.mark.no_kernel  # bit operations, heuristics or refusals: no kernel runs
 def test_nk_int4_weight_is_refused_with_the_fix():
-    qw = relayout(_random_weight(np.random.default_rng(9), 256, 128, 64, True), "nk_int4")
+    qw = relayout(random_weight(np.random.default_rng(9), 256, 128, 64, True), "nk_int4")
     x = jnp.ones((2, 256), jnp.bfloat16)
     reason = mg.is_supported(x, qw)
     assert reason is not None and "relayout(qw, 'wgmma_int4')" in reason
     with pytest.raises(NotImplementedError, match="relayout"):
         mg.mosaic_gpu_matmul(x, qw)
     assert get_layout(relayout(qw, "wgmma_int4").layout).name == "wgmma_int4"
+
+
+def _smem_store_then_tma(commit: bool) -> jax.Array:
+    """A tiny kernel writing SMEM from registers, then copying it out by TMA; racy without commit_smem."""
+
+    def body(out_gmem, smem):
+        smem[...] = jnp.full((128,), 2.0, jnp.float32)
+        if commit:
+            plgpu.commit_smem()  # orders the register stores before the TMA (async proxy) reads them
+        plgpu.copy_smem_to_gmem(smem, out_gmem)
+        plgpu.wait_smem_to_gmem(0)
+
+    call = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((128,), jnp.float32),
+        scratch_types=[plgpu.SMEM((128,), jnp.float32)],
+        interpret=mgpu_interpret.active_params(),
+    )
+    return call()
+
+
+def test_race_check_can_fail():
+    """The verdict every test here ends with: a kernel missing its commit_smem is flagged; without a
+    kernel, or with one run outside detect_races=True, there is no verdict and races_found() raises."""
+    with interpret(detect_races=True):
+        y = _smem_store_then_tma(commit=False)
+    np.testing.assert_array_equal(np.asarray(y), 2.0)  # right numbers, yet a race
+    assert mg.races_found()
+    mg.reset_state()
+    with pytest.raises(RuntimeError, match="no kernel ran"):
+        mg.races_found()
+    with interpret():
+        _smem_store_then_tma(commit=True)
+    with pytest.raises(RuntimeError, match="without detect_races=True"):
+        mg.races_found()
+    mg.reset_state()
+    with interpret(detect_races=True):
+        _smem_store_then_tma(commit=True)  # the fixture checks this one: no race
 
 
 def _distinct_heuristic_configs() -> list[tuple[TuningConfig, int | None, bool]]:
@@ -388,5 +394,5 @@ def test_every_heuristic_config_in_interpret_mode(config, group, symmetric):
     n = config.cta_rows * 2
     m = config.tile_m if config.slices > 1 else 2 * config.tile_m - 3
     rng = np.random.default_rng(k + n + m)
-    qw = _random_weight(rng, k, n, group, symmetric)
-    _check(_activations(rng, max(m, 1), k), qw, config, exact=False)
+    qw = random_weight(rng, k, n, group, symmetric)
+    _check(activations(rng, max(m, 1), k), qw, config, exact=False)

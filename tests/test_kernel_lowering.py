@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import nybble.kernels.mosaic_gpu as mg
+from nybble.kernels.mosaic_gpu import faults
 from nybble.kernels.mosaic_gpu.config import (
     SMEM_BUDGET_BYTES,
     TuningConfig,
@@ -140,6 +141,48 @@ def test_over_budget_config_fails_to_lower():
     assert not fits_smem(config, group=128, has_offsets=True)
     with pytest.raises(Exception, match="shared memory"):
         _lower(128, _abstract_weight(4096, 4096, 128, False), config=config)
+
+
+def test_smem_bytes_by_hand():
+    """Stage buffers x slots + the ones tile + the epilogue, counted by hand for one config of each family;
+    the budget's edge found by adding a slot."""
+    decode = TuningConfig(
+        tiles=2, tile_m=1, tile_k=256, slices=8, max_concurrent_steps=2, scales_on="accumulators"
+    )
+    # codes 2 A tiles x 64 x 256 / 2 B + x 8 x 256 x 2 B + scale and offset rows 8 slices x 2 rows x 16
+    # CTA rows x 2 B x 2, two slots; the ones tile 64 x 64 x 2 B; the slice sum's f32 accumulators
+    # 2 x 64 x 8 x 4 B and the y tile 1 x 16 x 2 B.
+    assert smem_bytes(decode, group=128, has_offsets=True) == (16384 + 4096 + 1024) * 2 + 8192 + 4096 + 32
+    prefill = TuningConfig(tiles=2, tile_m=128, tile_k=128, max_concurrent_steps=3, compute_wgs=2)
+    # A CTA covers 256 rows of N: codes 4 A tiles x 64 x 128 / 2 B + x 128 x 128 x 2 B + 4 scale rows
+    # (g32) x 256 x 4 B (f32 scales), 3 slots; the bf16 y tile 128 x 256 x 2 B. 225,280 B + 1 KiB slack
+    # fit in 232,448 B; a 4th slot would not.
+    used = smem_bytes(prefill, group=32, has_offsets=False, scale_bytes=4)
+    assert used == (16384 + 32768 + 4096) * 3 + 65536 == 225280
+    assert fits_smem(prefill, group=32, has_offsets=False, scale_bytes=4)
+    four = dataclasses.replace(prefill, max_concurrent_steps=4)
+    assert not fits_smem(four, group=32, has_offsets=False, scale_bytes=4)
+
+
+def test_injected_bugs_are_off_unless_asked():
+    """The deliberate bugs of faults.py (the GPU tests' proof that they can fail) change the traced
+    kernel when injected, and removing them restores it exactly: off, they trace nothing. (The jaxpr:
+    the lowered module's serialization differs from one lowering to the next.)"""
+    config = TuningConfig(tiles=1, tile_m=8, tile_k=128, max_concurrent_steps=2, scales_on="accumulators")
+    qw = _abstract_weight(1024, 256, 128, False)
+    x = jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16)
+    trace = lambda: str(jax.make_jaxpr(lambda x, qw: mg.mosaic_gpu_matmul(x, qw, config=config))(x, qw))
+    assert faults.injected() is None
+    clean = trace()
+    try:
+        for bug in faults.BUGS:
+            faults.inject(bug)
+            assert trace() != clean, bug
+    finally:
+        faults.inject(None)
+    assert trace() == clean
+    with pytest.raises(ValueError, match="last-n-tile-zero"):
+        faults.inject("no-such-bug")
 
 
 @pytest.mark.parametrize(

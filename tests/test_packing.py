@@ -70,6 +70,17 @@ def test_explicit_nibbles():
     np.testing.assert_array_equal(packed, np.array([0xF1, 0x87, 0x03], np.uint8))
 
 
+def test_empty_and_default_axis():
+    """An empty axis packs to nothing; without axis=, the last axis is packed and unpacked (3-D here)."""
+    empty = pack_int4(np.zeros((3, 0), np.int8))
+    assert empty.shape == (3, 0) and empty.dtype == np.uint8
+    assert unpack_int4(empty, 0).shape == (3, 0)
+    values = np.random.default_rng(0).integers(-8, 8, (2, 3, 5)).astype(np.int8)
+    packed = pack_int4(values)
+    assert packed.shape == (2, 3, 3)
+    np.testing.assert_array_equal(unpack_int4(packed, 5), values)
+
+
 def test_jax_in_jax_out_and_jit():
     values = jax.random.randint(jax.random.key(1), (5, 7), -8, 8, jnp.int32)
     packed = jax.jit(lambda v: pack_int4(v, axis=0))(values)
@@ -77,12 +88,21 @@ def test_jax_in_jax_out_and_jit():
     back = jax.jit(lambda p: unpack_int4(p, 5, axis=0))(packed)
     np.testing.assert_array_equal(np.asarray(back), np.asarray(values))
     np.testing.assert_array_equal(np.asarray(packed), pack_int4(np.asarray(values), axis=0))
+    # 3-D jax arrays, packed along the middle axis
+    values3 = jax.random.randint(jax.random.key(2), (2, 5, 3), -8, 8, jnp.int32)
+    packed3 = pack_int4(values3, axis=1)
+    assert isinstance(packed3, jax.Array) and packed3.shape == (2, 3, 3)
+    np.testing.assert_array_equal(np.asarray(packed3), pack_int4(np.asarray(values3), axis=1))
+    np.testing.assert_array_equal(np.asarray(unpack_int4(packed3, 5, axis=1)), np.asarray(values3))
 
 
 @pytest.mark.parametrize(
     ("values", "kwargs", "match"),
     [
         (np.array([0, 8], np.int8), {}, r"1 value\(s\) outside the signed int4 range \[-8, 7\]"),
+        # the bounds themselves are in range: two bad values, the first at index 2
+        (np.array([-8, 7, 9, -9], np.int8), {}, r"2 value\(s\) outside .*; first at index \(2,\): 9\."),
+        (np.array([0, 15, 16], np.int16), {"signed": False}, r"1 value\(s\) .*first at index \(2,\): 16\."),
         (np.array([-1, 3], np.int8), {"signed": False}, r"outside the unsigned int4 range \[0, 15\]"),
         (np.array([1.0, 2.0]), {}, "integer dtype, got float64"),
         (np.zeros((2, 3), np.int8), {"axis": 2}, "axis 2 is out of bounds"),
@@ -106,6 +126,7 @@ def test_unpack_refusals():
 
 def test_padding_helpers():
     assert round_up(576, 64) == 576 and round_up(577, 64) == 640 and round_up(1, 64) == 64
+    assert round_up(5, 1) == 5
     assert padded_weight_dims(10944, 7392, 128) == (10944, 7424)
     assert padded_weight_dims(100, 70, None) == (128, 128)
     x = np.arange(6).reshape(2, 3)

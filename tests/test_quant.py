@@ -1,5 +1,8 @@
 """Round-to-nearest quantization: error bounds, padding, footprint, pytree behaviour, refusals."""
 
+import dataclasses
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,22 +12,55 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import nybble
+from nybble.kernels.reference import reference_codes, reference_dequantize
 from nybble.quant.qweight import expand_groups
 
 GROUPS = [None, 16, 32, 64, 128, 256]
 
 
-def _step_and_bound(qw, w):
-    """Per-element quantization step (the stored scale) and the allowed error, as (K, N) arrays."""
+def _rule_params(w, group_size, symmetric):
+    """Each group's scale (and offset) by the documented rule, in float64 from ``w`` alone: symmetric
+    ``max(-min / 8, max / 7)`` (min and max taken with 0), asymmetric ``(max - min) / 15`` and offset
+    ``min + 8 * scale``; per column (None) one group over all of K. Shapes (real groups, N)."""
+    w = np.asarray(w, np.float64)
+    k = w.shape[0]
+    g = k if group_size is None else group_size
+    blocks = [w[i : i + g] for i in range(0, k, g)]
+    lo = np.stack([b.min(0) for b in blocks])
+    hi = np.stack([b.max(0) for b in blocks])
+    if symmetric:
+        return np.maximum(np.maximum(-lo, 0) / 8, np.maximum(hi, 0) / 7), None
+    s = (hi - lo) / 15
+    return s, lo + 8 * s
+
+
+def _check_params_and_bound(qw, w):
+    """The stored scales (and offsets) follow the rule within the rounding of the scale dtype, and the
+    allowed error per element: half a step of the rule's scale (plus the rounding of the offset)."""
     k, n = qw.shape
-    k_pad, _ = qw.padded_shape
-    s = np.asarray(expand_groups(qw.scales, qw.block_k, k_pad))[:k, :n]
-    bound = 0.5 * s
-    if qw.offsets is not None:  # plus the rounding of the stored offset
-        b = np.abs(np.asarray(expand_groups(qw.offsets, qw.block_k, k_pad))[:k, :n])
-        info = jnp.finfo(qw.scales.dtype)  # relative rounding, or the subnormal spacing near zero
-        bound = bound + b * float(info.eps) + float(info.smallest_subnormal)
-    return s, bound * (1 + 1e-6) + 1e-30
+    s_rule, o_rule = _rule_params(w, qw.group_size, qw.symmetric)
+    groups = s_rule.shape[0]
+    info = jnp.finfo(qw.scales.dtype)
+    u, tiny = float(info.eps) / 2, float(info.smallest_subnormal)
+    stored = np.asarray(qw.scales, np.float64)
+    # Groups and columns made only of padding hold 0.
+    assert (stored[groups:] == 0).all() and (stored[:, n:] == 0).all()
+    stored = stored[:groups, :n]
+    # Computed in float32 (2^-22: a few float32 roundings), rounded to nearest; asymmetric scales may then
+    # be rounded up one ulp (2u) so that 15 steps cover the range.
+    s_hi = s_rule * (1 + 2 * u + 2**-22) + tiny
+    assert (stored <= s_hi).all(), float((stored / np.maximum(s_rule, 1e-300)).max())
+    assert (stored >= s_rule * (1 - u - 2**-22) - tiny).all(), float((stored - s_rule).min())
+    rows = np.minimum(np.arange(k) // (k if qw.group_size is None else qw.group_size), groups - 1)
+    bound = 0.5 * s_hi[rows]
+    if o_rule is not None:
+        o_stored = np.asarray(qw.offsets, np.float64)[:groups, :n]
+        o_want = o_rule + 8 * (stored - s_rule)  # min + 8 * (the stored scale)
+        # One float32 add of min and 8 * scale (its error relative to their sizes), one rounding.
+        o_err = u * np.abs(o_want) + 2**-23 * (np.abs(o_rule - 8 * s_rule) + 8 * stored) + tiny
+        assert (np.abs(o_stored - o_want) <= o_err).all()
+        bound = bound + 2 * o_err[rows]
+    return bound * (1 + 1e-6) + 1e-30
 
 
 @st.composite
@@ -46,7 +82,7 @@ def test_every_element_within_half_a_step(w, group_size, symmetric, scale_dtype)
     qw = nybble.quantize(w, group_size=group_size, symmetric=symmetric, scale_dtype=scale_dtype)
     deq = np.asarray(nybble.dequantize(qw))
     assert deq.shape == w.shape
-    _, bound = _step_and_bound(qw, w)
+    bound = _check_params_and_bound(qw, w)
     err = np.abs(deq - w)
     assert (err <= bound).all(), float((err - bound).max())
 
@@ -86,16 +122,28 @@ def test_padding_keeps_logical_shape(k, n, group, padded, groups):
     assert qw.codes.shape == (padded[1] // 8, padded[0]) and qw.scales.shape == (groups, padded[1])
 
 
-@pytest.mark.parametrize(("k", "n", "group", "symmetric", "bits"), [
-    (4096, 4096, 128, True, 4.125),
-    (4096, 14336, 128, False, 4.25),
-    (576, 1536, 64, True, 4.25),
-    (14336, 4096, 32, False, 5.0),
+@pytest.mark.parametrize(("k", "n", "group", "symmetric", "scale_dtype", "nbytes"), [
+    # codes N_pad * K_pad / 2 + scales (and offsets) ceil(K_pad / G) * N_pad * itemsize, by hand
+    (4096, 4096, 128, True, jnp.bfloat16, 4096 * 2048 + 32 * 4096 * 2),  # 4.125 bits/weight
+    (4096, 14336, 128, False, jnp.bfloat16, 14336 * 2048 + 2 * 32 * 14336 * 2),  # 4.25
+    (576, 1536, 64, True, jnp.bfloat16, 1536 * 288 + 9 * 1536 * 2),  # 4.25
+    (14336, 4096, 32, False, jnp.bfloat16, 4096 * 7168 + 2 * 448 * 4096 * 2),  # 5.0
+    (100, 70, None, True, jnp.float32, 128 * 64 + 1 * 128 * 4),  # padded to 128 x 128: 9.65
+    (576, 200, 256, False, jnp.float16, 256 * 288 + 2 * 3 * 256 * 2),  # partial last group
 ])
-def test_footprint_on_real_layer_shapes(k, n, group, symmetric, bits):
-    qw = nybble.quantize(np.ones((k, n), np.float32), group_size=group, symmetric=symmetric)
-    assert qw.bits_per_weight == pytest.approx(bits, rel=0.03)
-    assert qw.nbytes == sum(a.nbytes for a in jax.tree.leaves(qw))
+def test_footprint_by_hand(k, n, group, symmetric, scale_dtype, nbytes):
+    w = jax.ShapeDtypeStruct((k, n), jnp.float32)
+    qw = jax.eval_shape(
+        lambda w: nybble.quantize(w, group_size=group, symmetric=symmetric, scale_dtype=scale_dtype), w
+    )
+    assert qw.nbytes == nbytes
+    assert qw.bits_per_weight == pytest.approx(8 * nbytes / (k * n), rel=1e-12)
+
+
+def test_bits_per_weight_of_the_common_formats():
+    assert nybble.quantize(np.ones((4096, 4096), np.float32)).bits_per_weight == 4.125
+    qw = nybble.quantize(np.ones((14336, 4096), np.float32), group_size=32, symmetric=False)
+    assert qw.bits_per_weight == 5.0
 
 
 def test_pytree_jit_vmap_and_repr():
@@ -105,16 +153,46 @@ def test_pytree_jit_vmap_and_repr():
     assert len(leaves) == 3
     rebuilt = jax.tree.unflatten(treedef, leaves)
     assert isinstance(rebuilt, nybble.QuantizedWeight) and rebuilt.shape == qw.shape
-    deq_jit = jax.jit(nybble.dequantize)(qw)
-    np.testing.assert_array_equal(np.asarray(deq_jit), np.asarray(nybble.dequantize(qw)))
-    q_jit = jax.jit(lambda w: nybble.quantize(w, group_size=64, symmetric=False))(w)
-    np.testing.assert_array_equal(np.asarray(q_jit.codes), np.asarray(qw.codes))
+    # Under jit, against the float64 reference (computed from the stored arrays with numpy alone).
+    deq_jit = np.asarray(jax.jit(nybble.dequantize)(qw), np.float64)
+    np.testing.assert_allclose(deq_jit, reference_dequantize(qw), rtol=2**-23, atol=1e-7)
+    # quantize under jit, on a weight whose codes, scales and offsets are known by hand: every group
+    # spans codes -8..7 with step 1/4 and offset 1/2 (w = q / 4 + 1/2).
+    rng = np.random.default_rng(3)
+    q = rng.integers(-8, 8, (128, 64))
+    q[[0, 64]], q[[1, 65]] = -8, 7
+    exact = (q / 4 + 0.5).astype(np.float32)
+    q_jit = jax.jit(lambda w: nybble.quantize(w, group_size=64, symmetric=False))(exact)
+    np.testing.assert_array_equal(np.asarray(q_jit.scales, np.float32), 0.25)
+    np.testing.assert_array_equal(np.asarray(q_jit.offsets, np.float32), 0.5)
+    np.testing.assert_array_equal(reference_codes(q_jit)[:, :64], q)
+    np.testing.assert_array_equal(np.asarray(jax.jit(nybble.dequantize)(q_jit)), exact)
+    # vmap: 2w has the same codes and twice the scales (scaling by 2 is exact throughout).
     stacked = jax.vmap(lambda w: nybble.quantize(w, group_size=64))(np.stack([w, 2 * w]))
     assert stacked.codes.shape == (2, 64 // 8, 128)
+    np.testing.assert_array_equal(np.asarray(stacked.codes[1]), np.asarray(stacked.codes[0]))
+    np.testing.assert_array_equal(
+        np.asarray(stacked.scales[1], np.float32), 2 * np.asarray(stacked.scales[0], np.float32)
+    )
+    one = nybble.quantize(w, group_size=64)
+    np.testing.assert_array_equal(np.asarray(stacked.codes[0]), np.asarray(one.codes))
     deq2 = jax.vmap(nybble.dequantize)(stacked)
-    np.testing.assert_allclose(np.asarray(deq2[1]), 2 * np.asarray(deq2[0]), rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(np.asarray(deq2[0], np.float64), reference_dequantize(one))
+    np.testing.assert_array_equal(np.asarray(deq2[1]), 2 * np.asarray(deq2[0]))
     text = repr(qw)
     assert "shape=(128, 64)" in text and "g64" in text and "asymmetric" in text and "bits/weight" in text
+    assert "codes=uint32[8, 128], scales=bfloat16[2, 64], offsets=bfloat16[2, 64]" in text
+    assert "offsets" not in repr(nybble.quantize(w, group_size=64))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        qw.group_size = 32  # static metadata: a weight never changes under a traced function
+
+
+def test_expand_groups_by_hand():
+    """Each group row repeated G times along K (axis 0 by default), cut to K_pad: a partial last group."""
+    per_group = jnp.asarray([[1.0, 2.0], [3.0, 4.0]], jnp.bfloat16)
+    np.testing.assert_array_equal(expand_groups(per_group, 2, 3), [[1, 2], [1, 2], [3, 4]])
+    assert expand_groups(per_group, 2, 3).dtype == jnp.float32
+    np.testing.assert_array_equal(expand_groups(per_group.T, 2, 3, axis=1), [[1, 1, 3], [2, 2, 4]])
 
 
 @pytest.mark.parametrize(("w", "kwargs", "error", "match"), [
@@ -125,6 +203,7 @@ def test_pytree_jit_vmap_and_repr():
     (np.zeros((64, 64), np.float32), {"scale_dtype": jnp.int8}, ValueError, "scale_dtype"),
     (np.zeros((64, 64), np.float32), {"layout": "nope"}, ValueError, "unknown weight layout"),
     ([[1.0]], {}, TypeError, r"expected a \(K, N\) array"),
+    (types.SimpleNamespace(shape=(2, 2)), {}, TypeError, r"expected a \(K, N\) array, got SimpleNamespace"),
 ])
 def test_refusals(w, kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -149,7 +228,7 @@ def test_dequantize_type_error():
 def test_asymmetric_covers_shifted_ranges(w):
     w = w + 500.0  # groups far from zero: the offset carries them
     qw = nybble.quantize(w, group_size=64, symmetric=False, scale_dtype=jnp.float32)
-    _, bound = _step_and_bound(qw, w)
+    bound = _check_params_and_bound(qw, w)
     assert (np.abs(np.asarray(nybble.dequantize(qw)) - w) <= bound + 1e-3).all()
 
 

@@ -3,7 +3,7 @@
 from typing import Any
 
 from nybble.kernels.api import IMPLEMENTATIONS, available_implementations, matmul, num_sms
-from nybble.kernels.reference import reference_matmul, relative_error
+from nybble.kernels.reference import reference_dequantize, reference_matmul, relative_error
 from nybble.kernels.xla import xla_matmul
 
 
@@ -22,6 +22,7 @@ __all__ = [
     "interpret",
     "matmul",
     "num_sms",
+    "reference_dequantize",
     "reference_matmul",
     "relative_error",
     "xla_matmul",

@@ -33,8 +33,6 @@ import numpy as np
 
 BAND_ROWS = 8  # output rows per band (one row half of a warp's 16-row WGMMA slab)
 CHUNK_K = 64  # K values per chunk (64 words of a band)
-# Axes of the logical (N, K) codes once reshaped as (b, r8, c, q, u, c4, e): see the module docstring.
-_SPLIT = (BAND_ROWS, CHUNK_K // 64, 2, 4, 4, 2)
 
 
 def _xp(x: Any) -> Any:

@@ -23,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from nybble.kernels.mosaic_gpu import faults
 from nybble.kernels.mosaic_gpu.config import CHUNK_K, TuningConfig, scale_rows_per_step
 from nybble.kernels.mosaic_gpu.fragments import BIAS, dequantize_chunk, slot_rows, sum_slices, words_layout
 
@@ -136,8 +137,12 @@ def operand_specs(p: Problem, mi: Any, ni: Any, k_first: Any, delay_release: int
             return 0, ((k_first + ki) * c.tile_k) // p.k_pad, ni
         # One row when a group spans >= tile_k (row k * tile_k / G), else tile_k / G rows (block = step).
         if p.group >= c.tile_k:
-            return 0, ((k_first + ki) * c.tile_k) // p.group, ni
-        return 0, k_first + ki, ni
+            row, last = ((k_first + ki) * c.tile_k) // p.group, -(-p.slice_k // p.group) - 1
+        else:
+            row, last = k_first + ki, p.slice_k // c.tile_k - 1
+        if faults.injected() == "last-group-scale-row" and last > 0:  # a deliberate bug (faults.py)
+            row = jnp.where(row == last, row - 1, row)
+        return 0, row, ni
 
     scale_spec = plgpu.BlockSpec(
         (scale_slices, p.scale_rows, c.cta_rows), scale_block, delay_release=delay_release
@@ -265,10 +270,10 @@ def scaled_accumulators_step(
             # y += s * acc + (o - BIAS s) * sum(x): the bias and the offset are one per-row coefficient.
             s = jnp.concatenate([_row_values(p, scales, g, t, 0, jnp.float32) for t in range(c.tiles)])
             coef = s * -bias
+            bug = faults.injected() == "asym-bf16-dequant" and offsets is not None
             if offsets is not None:
-                coef = coef + jnp.concatenate(
-                    [_row_values(p, offsets, g, t, 0, jnp.float32) for t in range(c.tiles)]
-                )
+                o = jnp.concatenate([_row_values(p, offsets, g, t, 0, jnp.float32) for t in range(c.tiles)])
+                coef = coef if bug else coef + o
             xsum = jnp.concatenate([xsum] * c.tiles) if c.tiles > 1 else xsum
             shape = (rows, c.wgmma_n)
             total = (
@@ -276,6 +281,9 @@ def scaled_accumulators_step(
                 + acc * lax.broadcast_in_dim(s, shape, [0])
                 + xsum * lax.broadcast_in_dim(coef, shape, [0])
             )
+            if bug:  # a deliberate bug (faults.py): the offset term rounded to the activation dtype
+                offset_term = xsum * lax.broadcast_in_dim(o, shape, [0])
+                total = total + offset_term.astype(p.dtype).astype(jnp.float32)
     plgpu.commit_smem()
     return total
 
@@ -283,6 +291,8 @@ def scaled_accumulators_step(
 def store_tiles(p: Problem, acc: Any, smem: dict[str, Any], out_gmem: Any, mi: Any, n_start: Any) -> None:
     """Writes the warpgroup's accumulator ((64 * tiles, WGMMA N), f32) to y (or the split-K partials)."""
     c = p.config
+    if faults.injected() == "last-n-tile-zero":  # a deliberate bug (faults.py)
+        acc = acc * jnp.where(n_start >= p.n_pad - c.cta_rows, 0.0, 1.0).astype(acc.dtype)
     accs = [acc[64 * t : 64 * (t + 1)] for t in range(c.tiles)]
     with jax.named_scope("epilogue"):
         if c.slices > 1:

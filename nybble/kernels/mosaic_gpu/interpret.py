@@ -46,6 +46,8 @@ _saved_method: Any = None
 _saved_barrier_check: Any = None
 _saved_allocators: dict[str, Any] = {}
 _FOUR_BIT = {"int4": "int8", "uint4": "uint8"}
+# Whether an interpret() context without race detection was entered since the last reset_state().
+_undetected_since_reset = False
 
 
 def active_params() -> Any:
@@ -224,7 +226,10 @@ def interpret(detect_races: bool = False) -> Iterator[Any]:
 
     The interpret parameters are part of jit's cache key, so jitted functions retrace on entry.
     """
+    global _undetected_since_reset
     params = plgpu.InterpretGPUParams(detect_races=detect_races)
+    if not detect_races:
+        _undetected_since_reset = True
     token = _ACTIVE.set(params)
     try:
         # force_gpu_interpret_mode sets a jax config value that is part of jit's cache key, so a function
@@ -238,17 +243,29 @@ def interpret(detect_races: bool = False) -> Iterator[Any]:
 
 def reset_state() -> None:
     """Clears the interpreter's global state (race verdicts, leftover buffers after an exception)."""
+    global _undetected_since_reset
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 
     interpret_pallas_call.reset_gpu_interpret_mode_state()
+    _undetected_since_reset = False
 
 
 def races_found() -> bool:
-    """Whether the race detector flagged a race since the last :func:`reset_state`."""
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    """Whether the race detector flagged a race since the last :func:`reset_state`.
 
-    try:
-        races = interpret_pallas_call.get_races()
-    except AssertionError:  # no kernel ran since the last reset
-        return False
-    return bool(races is not None and races.races_found)
+    Raises:
+      RuntimeError: no kernel ran since the last :func:`reset_state`, or an ``interpret()`` context
+        without ``detect_races=True`` was entered since then: either way there is no verdict to give.
+    """
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    if _undetected_since_reset:
+        raise RuntimeError(
+            "races_found: an interpret() context without detect_races=True was entered since "
+            "reset_state(), so its kernels were not checked for races; use interpret(detect_races=True)"
+        )
+    # The interpreter creates its race state when the first kernel after a reset starts.
+    races = gpu_callbacks._races
+    if races is None:
+        raise RuntimeError("races_found: no kernel ran in interpret mode since reset_state()")
+    return bool(races.races_found)

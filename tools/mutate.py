@@ -1,0 +1,283 @@
+"""A small mutation check: flip one operator or constant at a time in nybble's core, run the tests that
+cover that module, and report the mutants no test kills.
+
+    .venv/bin/python tools/mutate.py                 # every target module (CPU heavy: hours on 2 cores)
+    .venv/bin/python tools/mutate.py --list          # the mutants only
+    .venv/bin/python tools/mutate.py --module nybble/kernels/xla.py --out /tmp/mutants.jsonl
+
+Each mutant is made on the module's syntax tree (``ast``) and written, unparsed, into a scratch copy of
+the repository (the working tree is never touched); the module's test files run there with ``-x`` and
+stop at the first failure. Mutations: arithmetic and bitwise operators (+ -, * /, // *, % //, << >>,
+& | ^), comparisons (< <=, > >=, == !=, is / is not, in / not in), ``and`` / ``or``, dropping ``not`` and
+unary minus, integer constants n -> n + 1, float constants x -> 2x (0 -> 1), True / False. Not mutated:
+strings, f-strings, annotations, ``raise`` statements (their messages), ``__all__``.
+Hypothesis runs derandomized and without shrinking there. Results go to a JSON-lines file (one line a
+mutant, so a run can be resumed) and a summary to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Module -> the test files that cover it, the fastest and most direct first (pytest stops at a failure).
+TARGETS: dict[str, list[str]] = {
+    "nybble/packing/nibbles.py": ["tests/test_packing.py", "tests/test_reference.py"],
+    "nybble/packing/layouts.py": ["tests/test_packing.py", "tests/test_reference.py"],
+    "nybble/packing/fragments.py": ["tests/test_layout_wgmma.py", "tests/test_reference.py"],
+    "nybble/packing/groups.py": ["tests/test_packing.py", "tests/test_quant.py"],
+    "nybble/packing/padding.py": ["tests/test_packing.py", "tests/test_quant.py"],
+    "nybble/quant/qweight.py": ["tests/test_reference.py", "tests/test_quant.py", "tests/test_matmul.py"],
+    "nybble/quant/rtn.py": ["tests/test_quant.py"],
+    "nybble/kernels/xla.py": ["tests/test_matmul.py"],
+}
+COPY = ["nybble", "tests", "bench", "pyproject.toml"]
+
+HYPOTHESIS_PROFILE = """
+
+from hypothesis import Phase, settings
+
+settings.register_profile(
+    "mutation", phases=[Phase.explicit, Phase.reuse, Phase.generate], derandomize=True, database=None
+)
+settings.load_profile("mutation")
+"""
+
+BINOPS = {
+    ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,
+    ast.Mod: ast.FloorDiv, ast.Pow: ast.Mult, ast.LShift: ast.RShift, ast.RShift: ast.LShift,
+    ast.BitAnd: ast.BitOr, ast.BitOr: ast.BitAnd, ast.BitXor: ast.BitAnd,
+}  # fmt: skip
+CMPOPS = {
+    ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq, ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In,
+}  # fmt: skip
+SYMBOL = {
+    ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%",
+    ast.Pow: "**", ast.LShift: "<<", ast.RShift: ">>", ast.BitAnd: "&", ast.BitOr: "|", ast.BitXor: "^",
+    ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!=", ast.Is: "is",
+    ast.IsNot: "is not", ast.In: "in", ast.NotIn: "not in", ast.And: "and", ast.Or: "or",
+}  # fmt: skip
+
+
+@dataclasses.dataclass
+class Mutant:
+    module: str
+    index: int  # the index-th mutation point of the module, in walk order
+    line: int
+    what: str  # e.g. "< -> <="
+    source_line: str
+
+
+def _skipped_subtrees(tree: ast.AST) -> set[int]:
+    """ids of nodes not to mutate: annotations, raise statements, f-strings, __all__, docstrings."""
+    skip: set[int] = set()
+
+    def mark(node: ast.AST | None) -> None:
+        if node is not None:
+            skip.update(id(n) for n in ast.walk(node))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Raise | ast.JoinedStr):
+            mark(node)
+        elif isinstance(node, ast.arg):
+            mark(node.annotation)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            mark(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            mark(node.annotation)
+        elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            mark(node)
+    return skip
+
+
+def _points(tree: ast.AST) -> list[tuple[ast.AST, str, object]]:
+    """Mutation points in a stable walk order: (node, description, how)."""
+    skip = _skipped_subtrees(tree)
+    points = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.BinOp | ast.AugAssign) and type(node.op) in BINOPS:
+            new = BINOPS[type(node.op)]
+            points.append((node, f"{SYMBOL[type(node.op)]} -> {SYMBOL[new]}", ("op", new)))
+        elif isinstance(node, ast.Compare):
+            for i, op in enumerate(node.ops):
+                new = CMPOPS[type(op)]
+                points.append((node, f"{SYMBOL[type(op)]} -> {SYMBOL[new]}", ("cmp", i, new)))
+        elif isinstance(node, ast.BoolOp):
+            new = ast.Or if isinstance(node.op, ast.And) else ast.And
+            points.append((node, f"{SYMBOL[type(node.op)]} -> {SYMBOL[new]}", ("op", new)))
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not | ast.USub):
+            points.append((node, f"drop {'not' if isinstance(node.op, ast.Not) else 'unary -'}", ("unary",)))
+        elif isinstance(node, ast.Constant) and type(node.value) in (bool, int, float):
+            v = node.value
+            if isinstance(v, bool):
+                new_value = not v
+            elif isinstance(v, int):
+                new_value = v + 1
+            else:
+                new_value = 2 * v if v else 1.0
+            points.append((node, f"{v!r} -> {new_value!r}", ("const", new_value)))
+    return points
+
+
+class _Apply(ast.NodeTransformer):
+    def __init__(self, target: ast.AST, how: tuple) -> None:
+        self.target, self.how = target, how
+
+    def visit(self, node: ast.AST) -> ast.AST:
+        node = self.generic_visit(node)
+        if node is not self.target:
+            return node
+        kind = self.how[0]
+        if kind == "op":
+            node.op = self.how[1]()
+        elif kind == "cmp":
+            node.ops[self.how[1]] = self.how[2]()
+        elif kind == "unary":
+            return node.operand
+        elif kind == "const":
+            node.value = self.how[1]
+        return node
+
+
+@functools.cache
+def _source(module: str) -> str:
+    """The module as it was when first read: edits to the working tree during a run change nothing."""
+    return (ROOT / module).read_text()
+
+
+def mutants(module: str) -> list[Mutant]:
+    source = _source(module)
+    lines = source.splitlines()
+    return [
+        Mutant(module, i, node.lineno, what, lines[node.lineno - 1].strip())
+        for i, (node, what, _) in enumerate(_points(ast.parse(source)))
+    ]
+
+
+def mutated_source(module: str, index: int) -> str:
+    tree = ast.parse(_source(module))
+    node, _, how = _points(tree)[index]
+    tree = ast.fix_missing_locations(_Apply(node, how).visit(tree))
+    return ast.unparse(tree)
+
+
+def _run_tests(workdir: Path, tests: list[str], timeout: float) -> tuple[str, float, str]:
+    """('killed' | 'survived' | 'timeout', seconds, the first failing test)."""
+    env = {**os.environ, "PYTHONPATH": str(workdir), "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *tests]
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.monotonic() - t0, ""
+    elapsed = time.monotonic() - t0
+    failed = [ln for ln in done.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+    return ("survived" if done.returncode == 0 else "killed"), elapsed, (failed[0][:200] if failed else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--module", action="append", help="a target module (repeatable); default: all")
+    ap.add_argument("--list", action="store_true", help="print the mutants and stop")
+    default_out = Path(tempfile.gettempdir()) / "nybble-mutants.jsonl"
+    ap.add_argument("--out", default=str(default_out), help="results, one JSON a line (resumable)")
+    ap.add_argument("--timeout-factor", type=float, default=5.0, help="x the unmutated run's time")
+    ap.add_argument("--retry", action="store_true", help="run the survivors and timeouts in --out again")
+    ap.add_argument("--summary", action="store_true", help="summarize --out and stop")
+    args = ap.parse_args(argv)
+    modules = args.module or list(TARGETS)
+    unknown = [m for m in modules if m not in TARGETS]
+    if unknown:
+        ap.error(f"unknown module(s) {unknown}; choose from {list(TARGETS)}")
+    todo = [m for module in modules for m in mutants(module)]
+    if args.list:
+        for m in todo:
+            print(f"{m.module}:{m.line} #{m.index}: {m.what}    {m.source_line}")
+        print(f"{len(todo)} mutants")
+        return 0
+    out = Path(args.out)
+    if args.summary:
+        return summarize(out)
+    done = set()
+    if out.exists():
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        if args.retry:
+            rows = [r for r in rows if r["status"] not in ("survived", "timeout")]
+            out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        done = {(r["module"], r["index"]) for r in rows}
+    todo = [m for m in todo if (m.module, m.index) not in done]
+    modules = [module for module in modules if any(m.module == module for m in todo)]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the scratch copy is removed
+    work = Path(tempfile.mkdtemp(prefix="nybble-mutate-"))
+    try:
+        for name in COPY:
+            src = ROOT / name
+            if src.is_dir():
+                shutil.copytree(src, work / name, ignore=shutil.ignore_patterns("__pycache__", "results"))
+            else:
+                shutil.copy2(src, work / name)
+        # Deterministic hypothesis runs without shrinking (a killed mutant is reported, not minimized).
+        with (work / "tests" / "conftest.py").open("a") as conftest:
+            conftest.write(HYPOTHESIS_PROFILE)
+        probe = subprocess.run(
+            [sys.executable, "-c", "import nybble; print(nybble.__file__)"],
+            cwd=work, env={**os.environ, "PYTHONPATH": str(work)}, capture_output=True, text=True,
+        )  # fmt: skip
+        if not probe.stdout.startswith(str(work)):
+            raise SystemExit(f"the scratch copy is not what gets imported: {probe.stdout or probe.stderr}")
+        baseline: dict[str, float] = {}
+        for module in modules:
+            status, seconds, first = _run_tests(work, TARGETS[module], timeout=3600)
+            if status != "survived":
+                raise SystemExit(f"{module}: the tests fail without a mutant ({first}): fix them first")
+            baseline[module] = seconds
+            print(f"baseline {module}: {seconds:.0f} s", flush=True)
+        with out.open("a") as log:
+            for m in todo:
+                original = _source(m.module)
+                (work / m.module).write_text(mutated_source(m.module, m.index))
+                try:
+                    timeout = max(120.0, args.timeout_factor * baseline[m.module])
+                    status, seconds, first = _run_tests(work, TARGETS[m.module], timeout)
+                finally:
+                    (work / m.module).write_text(original)
+                row = {**dataclasses.asdict(m), "status": status, "seconds": round(seconds, 1)}
+                log.write(json.dumps({**row, "first": first}) + "\n")
+                log.flush()
+                where = f"{m.module}:{m.line} {m.what}    {m.source_line}"
+                print(f"{status:8s} {seconds:5.0f}s {where}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return summarize(out)
+
+
+def summarize(out: Path) -> int:
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    by_status: dict[str, int] = {}
+    for r in rows:
+        by_status[r["status"]] = by_status.get(r["status"], 0) + 1
+    print(f"\n{len(rows)} mutants: " + ", ".join(f"{v} {k}" for k, v in sorted(by_status.items())))
+    for r in rows:
+        if r["status"] == "survived":
+            print(f"  SURVIVED {r['module']}:{r['line']} #{r['index']} {r['what']}    {r['source_line']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
