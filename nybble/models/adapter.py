@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
 import jax
@@ -14,11 +14,12 @@ from tqdm.auto import tqdm
 
 from nybble.models.layers import QLinear
 from nybble.models.rules import Decision, QuantRule, check_rules, decide, warn_unmatched
+from nybble.quant.autoround import key_path_str as path_str  # a dotted path: layers.3.attn.q_proj
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.rtn import check_group_size
 from nybble.quant.rtn import quantize as quantize_weight
 
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "autoround")
 # Options of nybble.quantize that method="rtn" passes through.
 RTN_OPTIONS = frozenset({"clip_search"})
 
@@ -117,11 +118,6 @@ def _nbytes(a: Any) -> int:
     return int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
 
 
-def path_str(path: Sequence[Any]) -> str:
-    """A dotted path, e.g. ``layers.3.attn.q_proj``."""
-    return ".".join(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path)
-
-
 def plan_quantization(
     model: nnx.Module,
     *,
@@ -208,15 +204,18 @@ def quantize(
       group_size, symmetric: defaults for every layer (see :func:`nybble.quantize`).
       rules: ``QuantRule`` list over dotted module paths (``"layers.0.mlp.up_proj"``), first match wins;
         searched before ``DEFAULT_RULES``. A rule that matches no layer is reported with a warning.
-      method: ``"rtn"`` (round to nearest) or a calibrated method (``"gptq"``), which is delegated to
-        ``nybble.models.calibrate.quantize_gptq`` with ``calibration`` data.
+      method: ``"rtn"`` (round to nearest) or a calibrated method, ``"gptq"`` or ``"autoround"``
+        (learned rounding, block by block), delegated to ``nybble.models.calibrate.quantize_gptq`` or
+        ``nybble.models.autoround.quantize_autoround`` with ``calibration`` data.
       scale_dtype: dtype of the stored scales (bf16 by default).
       progress: show a tqdm progress bar over layers.
       verbose: print the :class:`QuantizationReport` summary at the end.
       return_report: return ``(model, report)`` instead of the model alone.
       **method_options: ``clip_search`` (both methods: per group, the range shrink with the least
         squared error), and for GPTQ ``act_order``, ``refit_scales``, ``damp``, ``block_size``,
-        ``static_groups``, ``seq_len`` (see ``nybble.models.calibrate.quantize_gptq``).
+        ``static_groups``, ``seq_len`` (see ``nybble.models.calibrate.quantize_gptq``); for AutoRound
+        ``config`` (a preset name or ``AutoRoundConfig``), its fields (``steps``, ``lr``, ...), ``start``,
+        ``target``, ``seq_len`` (see ``nybble.models.autoround.quantize_autoround``).
     """
     if method not in METHODS:
         raise ValueError(f"nybble.models.quantize: unknown method {method!r}; choose one of {METHODS}")
@@ -231,9 +230,13 @@ def quantize(
             "a single layer"
         )
     if method != "rtn":
-        from nybble.models import calibrate  # lazy: calibrated methods are optional and heavier
+        # lazy: calibrated methods are optional and heavier
+        if method == "gptq":
+            from nybble.models.calibrate import quantize_gptq as calibrated
+        else:
+            from nybble.models.autoround import quantize_autoround as calibrated
 
-        return calibrate.quantize_gptq(
+        return calibrated(
             model,
             calibration=calibration,
             rules=rules,
@@ -246,7 +249,10 @@ def quantize(
             **method_options,
         )
     if calibration is not None:
-        raise ValueError("nybble.models.quantize: calibration data is only used by method='gptq'")
+        raise ValueError(
+            "nybble.models.quantize: calibration data is only used by the calibrated methods "
+            "('gptq', 'autoround')"
+        )
     if bad := sorted(set(method_options) - RTN_OPTIONS):
         raise TypeError(
             f"nybble.models.quantize: options {bad} belong to calibrated methods; method='rtn' takes "
@@ -291,14 +297,31 @@ def quantize_params(
     symmetric: bool = True,
     scale_dtype: Any = jnp.bfloat16,
     return_report: bool = False,
+    method: str = "rtn",
+    calibration: Any = None,
+    apply_fn: Callable[..., Any] | None = None,
+    progress: bool = True,
+    **method_options: Any,
 ) -> Any:
-    """Quantizes the 2-D float ``kernel`` leaves of a params pytree (Linen or hand-written), RTN.
+    """Quantizes the 2-D float ``kernel`` leaves of a params pytree (Linen or hand-written).
 
     Rules match the dotted path of the kernel's parent (``"params.Dense_0"`` for
     ``params["params"]["Dense_0"]["kernel"]``). Quantized kernels become ``QuantizedWeight`` leaves, which
     :func:`dense` and :class:`QDense` multiply with; every other leaf is kept. Returns a new pytree (and a
     :class:`QuantizationReport` when ``return_report``).
+
+    ``method="rtn"`` rounds to nearest. ``method="autoround"`` learns the rounding of every chosen kernel
+    at once against the output of ``apply_fn(params, *calibration)`` (``calibration``: one input array or
+    a tuple of them, samples on axis 0), treating the whole function as one block (memory: all of it;
+    see ``nybble.models.autoround.autoround_params``); ``**method_options`` are ``AutoRoundConfig``
+    fields or ``config=``.
     """
+    if method not in ("rtn", "autoround"):
+        raise ValueError(f"quantize_params: method must be 'rtn' or 'autoround', got {method!r}")
+    if method == "rtn" and (calibration is not None or apply_fn is not None or method_options):
+        raise ValueError(
+            "quantize_params: calibration=, apply_fn= and options are only used by method='autoround'"
+        )
     rules = check_rules(rules)
     check_group_size(group_size)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(
@@ -306,7 +329,26 @@ def quantize_params(
     )
     kernel_paths = [path_str(p[:-1]) for p, leaf in leaves if _is_kernel(p, leaf)]
     unmatched = warn_unmatched(rules, kernel_paths, "kernel")
-    report = QuantizationReport(unmatched_rules=unmatched)
+    report = QuantizationReport(unmatched_rules=unmatched, method=method)
+    decisions = {
+        path_str(p): decide(path_str(p[:-1]), leaf.size, rules, group_size=group_size, symmetric=symmetric)
+        for p, leaf in leaves
+        if _is_kernel(p, leaf)
+    }
+    learned: dict[str, QuantizedWeight] = {}
+    if method == "autoround":
+        from nybble.models.autoround import autoround_params  # lazy: calibrated methods are heavier
+
+        chosen = {name: (d.group_size, d.symmetric) for name, d in decisions.items() if d.quantize}
+        learned = autoround_params(
+            params,
+            apply_fn,
+            calibration,
+            chosen,
+            scale_dtype=scale_dtype,
+            progress=progress,
+            **method_options,
+        )
     out = []
     for p, leaf in leaves:
         if not _is_kernel(p, leaf):
@@ -314,10 +356,10 @@ def quantize_params(
             continue
         path = path_str(p[:-1])
         k, n = leaf.shape
-        d = decide(path, k * n, rules, group_size=group_size, symmetric=symmetric)
+        d = decisions[path_str(p)]
         before = _nbytes(leaf)
         if d.quantize:
-            leaf = quantize_weight(
+            leaf = learned.get(path_str(p)) or quantize_weight(
                 leaf, group_size=d.group_size, symmetric=d.symmetric, scale_dtype=scale_dtype
             )
             report.layers.append(
