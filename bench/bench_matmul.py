@@ -15,6 +15,7 @@ from bench.peers import xla_int4_matmul
 from bench.runner import BF16_TOLERANCE
 from nybble.kernels import available_implementations, reference_matmul, relative_error
 from nybble.packing import nk_int4_as_int4
+from nybble.quant import relayout
 
 K, N, M = 576, 1536, 16  # SmolLM2-135M gate/up, a short prompt
 
@@ -58,6 +59,6 @@ def test_xla_bf16_dot(benchmark, operands):
 
 def test_xla_int4_per_column(benchmark, operands):
     x, _, _, qc = operands
-    w4 = nk_int4_as_int4(qc.codes)
+    w4 = nk_int4_as_int4(relayout(qc, "nk_int4").codes)
     y = _run(benchmark, lambda a, b, s: xla_int4_matmul(a, b, s, N), x, w4, qc.scales[0])
     assert relative_error(y, reference_matmul(x, qc)) < BF16_TOLERANCE

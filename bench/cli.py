@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "bench.md").write_text(report.markdown_report(result))
     png = None
     if not args.no_plot:
-        png = _plot(rows, out / "bench.png", f"nybble vs peers on {machine['device']}")
+        png = _plot(rows, out / "bench.png", machine["device"], gpu)
 
     print()
     print(report.detail_table(rows))
@@ -221,10 +221,10 @@ def _progress(total: int, quiet: bool) -> Any:
     return tqdm(total=total, desc="bench", unit="row", file=sys.stderr, dynamic_ncols=True)
 
 
-def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path | None:
+def _plot(rows: list[dict[str, Any]], path: Path, device: str, gpu: bool) -> Path | None:
     try:
-        from bench.plot import plot_rows
+        from bench.plot import plot_rows, plot_title
     except ImportError as e:  # pragma: no cover - matplotlib missing
         print(f"no plot: {e}", file=sys.stderr)
         return None
-    return plot_rows(rows, path, title)
+    return plot_rows(rows, path, plot_title(device, gpu))

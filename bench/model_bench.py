@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.timing import host_samples
+
 SCHEMA = "nybble-model-bench/1"
 TOP_KEYS = ("schema", "machine", "config", "rows", "checks_ok", "notes", "elapsed_s")
 ROW_KEYS = ("batch", "float", "int4", "speedup", "agreement", "prefix_agreement", "finite")
@@ -50,11 +52,7 @@ TIME_KEYS = ("median_s", "min_s", "max_s", "samples")
 
 def _times(fn: Callable[[], Any], repeats: int) -> dict[str, Any]:
     """Wall times of ``fn`` (which must block until its result is ready), ``repeats`` runs."""
-    samples = []
-    for _ in range(max(repeats, 1)):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
+    samples = host_samples(fn, repeats=repeats, warmup=0)
     return {
         "median_s": statistics.median(samples),
         "min_s": min(samples),

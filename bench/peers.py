@@ -18,8 +18,9 @@ import numpy as np
 
 import nybble
 from nybble.kernels import available_implementations
-from nybble.packing import nk_int4_as_int4, pad_to, unpack_int4
-from nybble.quant import QuantizedWeight
+from nybble.packing import nk_int4_as_int4, pad_to, padded_weight_dims
+from nybble.quant import QuantizedWeight, relayout, to_torch_uint8_codes
+from nybble.quant.formats.torch_int4pack import TORCH_GROUP_SIZES
 
 # Which weight's float64 reference a peer must match.
 REF_GROUPED = "grouped"  # nybble.quantize(w, group_size=G): nybble, torch, tokamax
@@ -217,7 +218,7 @@ class XlaInt4Peer:
 
     def prepare(self, case: Case, n_sets: int) -> Prepared:
         qw: QuantizedWeight = case.weights[REF_PER_COLUMN]
-        w4 = nk_int4_as_int4(qw.codes)  # a real jnp.int4 array (N_pad, K_pad)
+        w4 = nk_int4_as_int4(relayout(qw, "nk_int4").codes)  # a real jnp.int4 array (N_pad, K_pad)
         scale = qw.scales[0]
         n = case.n
         return _jax_prepared(
@@ -226,10 +227,6 @@ class XlaInt4Peer:
             (w4, scale),
             qw.nbytes,
         )
-
-
-# torch tinygemm: group sizes it has kernels for, and the K tile per innerKTiles.
-TORCH_GROUP_SIZES = (32, 64, 128, 256)
 
 
 def torch_unavailable() -> str | None:
@@ -254,50 +251,25 @@ def torch_inner_k_tiles(k: int) -> int | None:
 
 
 def torch_shape_unavailable(k: int, n: int, group_size: int | None) -> str | None:
-    """Shape limits of torch's tinygemm (no torch needed to ask)."""
+    """Shape limits of torch's tinygemm for nybble's padded (K_pad, N_pad) weight (no torch needed)."""
+    k_pad, _ = padded_weight_dims(k, n)
     if group_size is None:
         return f"tinygemm has no per-column mode (group sizes {TORCH_GROUP_SIZES})"
     if group_size not in TORCH_GROUP_SIZES:
         return f"tinygemm supports group sizes {TORCH_GROUP_SIZES}, not {group_size}"
-    if k % group_size:
-        return f"tinygemm needs K % group_size == 0 (K={k}, group {group_size})"
-    if torch_inner_k_tiles(k) is None:
-        return f"tinygemm needs K % 32 == 0 (K={k})"
-    if n % 8:
-        return f"tinygemm needs N % 8 == 0 (N={n})"
+    if k_pad % group_size:
+        return f"tinygemm needs K % group_size == 0 (K={k}, padded {k_pad}, group {group_size})"
     return None
-
-
-def torch_int4pack_operands(qw: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
-    """nybble's codes and scales in the operands torch's tinygemm takes, as numpy arrays.
-
-    Returns ``(w_uint8 (N, K/2), scale_and_zero float32 (K/G, N, 2))``: ``w_uint8`` holds unsigned codes
-    ``u = q + 8`` with EVEN k in the HIGH nibble (what ``_convert_weight_to_int4pack`` expects), and tinygemm
-    dequantizes ``(u - 8) * scale + zero``, which is nybble's ``q * scale + offset`` exactly (zero = offset,
-    0 when symmetric). The same codes and scales as ``qw``: both kernels multiply by the same weight.
-    """
-    k, n = qw.shape
-    k_pad, _ = qw.padded_shape
-    g = qw.block_k
-    q = np.asarray(unpack_int4(np.asarray(qw.codes), k_pad, axis=-1, signed=True))[:n, :k]
-    u = (q.astype(np.int16) + 8).astype(np.uint8)
-    w_u8 = (u[:, 0::2] << 4) | u[:, 1::2]
-    scales = np.asarray(qw.scales, dtype=np.float32)[: k // g, :n]
-    zeros = (
-        np.zeros_like(scales)
-        if qw.offsets is None
-        else np.asarray(qw.offsets, dtype=np.float32)[: k // g, :n]
-    )
-    return np.ascontiguousarray(w_u8), np.ascontiguousarray(np.stack([scales, zeros], axis=-1))
 
 
 @dataclasses.dataclass
 class TorchInt4Peer:
     """torch's tinygemm: ``torch.ops.aten._weight_int4pack_mm`` on the same codes and scales as nybble.
 
-    The weight is converted with torch's own ``_convert_weight_to_int4pack`` from uint8 codes derived from
-    nybble's quantized weight (see :func:`torch_int4pack_operands`); x is the same bf16 data. Timed by
-    replaying a CUDA graph of the rotated calls (falls back to plain launches if capture fails).
+    The weight is converted with torch's own ``_convert_weight_to_int4pack`` from the uint8 codes of
+    ``nybble.quant.to_torch_uint8_codes`` (nybble's padded (K_pad, N_pad) weight); x is the same bf16 data,
+    zero-padded to K_pad, and the N_pad output columns are cut to N. Timed by replaying a CUDA graph of
+    the rotated calls (falls back to plain launches if capture fails).
     """
 
     name: str = "torch:int4pack"
@@ -308,21 +280,24 @@ class TorchInt4Peer:
         return torch_unavailable() or torch_shape_unavailable(case.k, case.n, case.group_size)
 
     def weight_bytes(self, case: Case) -> int:
-        k, n = case.k, case.n
-        return k * n // 2 + (k // (case.group_size or k)) * n * 2 * 2  # codes + bf16 scale_and_zero
+        qw = case.weights[REF_GROUPED]
+        k_pad, n_pad = qw.padded_shape
+        return k_pad * n_pad // 2 + qw.num_groups * n_pad * 2 * 2  # codes + bf16 scale_and_zero
 
     def prepare(self, case: Case, n_sets: int) -> Prepared:
         import torch
 
         qw = case.weights[REF_GROUPED]
-        w_u8, saz = torch_int4pack_operands(qw)
+        ops = to_torch_uint8_codes(qw)
+        k_pad = qw.padded_shape[0]
         dev = torch.device("cuda")
-        tiles = torch_inner_k_tiles(case.k)
-        w_pack = torch.ops.aten._convert_weight_to_int4pack(torch.from_numpy(w_u8).to(dev), tiles)
-        saz_t = torch.from_numpy(saz).to(dev).to(torch.bfloat16).contiguous()
+        tiles = torch_inner_k_tiles(k_pad)
+        w_pack = torch.ops.aten._convert_weight_to_int4pack(torch.from_numpy(ops.codes).to(dev), tiles)
+        # bf16 -> f32 -> bf16 is exact: the same scale_and_zero torch would be handed directly.
+        saz_t = torch.from_numpy(ops.scale_and_zero.astype(np.float32)).to(dev).to(torch.bfloat16)
         extra = {"torch_int4pack_converter": _check_nybble_converter(qw, w_pack, tiles)}
-        g = int(qw.block_k)
-        xs = [_jax_to_torch_bf16(x, dev) for x in case.x_sets(n_sets)]
+        g = ops.group_size
+        xs = [_jax_to_torch_bf16(pad_to(x, (x.shape[0], k_pad)), dev) for x in case.x_sets(n_sets)]
         ws = [(w_pack, saz_t)] + [(w_pack.clone(), saz_t.clone()) for _ in range(len(xs) - 1)]
 
         def run_all() -> list[Any]:
@@ -347,7 +322,8 @@ class TorchInt4Peer:
             call = run_all
 
         def output_rows(out: Any, rows: np.ndarray) -> np.ndarray:
-            return out[0][torch.as_tensor(rows, device=dev)].float().cpu().numpy().astype(np.float64)
+            y = out[0][torch.as_tensor(rows, device=dev)][:, : case.n]  # N_pad columns -> N
+            return y.float().cpu().numpy().astype(np.float64)
 
         return Prepared(
             call=call,
@@ -363,8 +339,8 @@ def _check_nybble_converter(qw: QuantizedWeight, w_pack: Any, tiles: int | None)
     """Whether ``nybble.quant.formats.to_torch_int4pack`` (numpy) equals torch's own conversion."""
     import torch
 
-    if tiles != 8 or tuple(qw.padded_shape) != tuple(qw.shape):
-        return "not checked (needs innerKTiles 8 and an unpadded weight)"
+    if tiles != 8:
+        return "not checked (needs innerKTiles 8)"
     try:
         from nybble.quant.formats import to_torch_int4pack
 
@@ -422,8 +398,8 @@ class TokamaxPeer:
 
         qw: QuantizedWeight = case.weights[REF_GROUPED]
         k, n = qw.shape
-        q = nk_int4_as_int4(qw.codes)[:n, :k].T[None]  # (1, K, N) int4
-        scale = qw.scales[: -(-k // qw.block_k), :n][None]  # (1, K/G, N)
+        q = nk_int4_as_int4(relayout(qw, "nk_int4").codes)[:n, :k].T[None]  # (1, K, N) int4
+        scale = qw.scales[: -(-k // qw.group), :n][None]  # (1, ceil(K / G), N)
         rhs = qwix.QArray(qvalue=q, scale=scale, zero_point=None, qtype=jnp.int4)
 
         def op(x: jax.Array, w: Any) -> jax.Array:

@@ -83,8 +83,9 @@ def measure(
     )
 
 
-def time_host(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall time of a host-side (synchronous) function, in seconds."""
+def host_samples(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> list[float]:
+    """Wall times in seconds of ``repeats`` runs of a synchronous function (which must block until its
+    result is ready), after ``warmup`` untimed runs."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -92,4 +93,9 @@ def time_host(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> fl
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return samples
+
+
+def time_host(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall time of a host-side (synchronous) function, in seconds."""
+    return statistics.median(host_samples(fn, repeats=repeats, warmup=warmup))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -29,7 +30,7 @@ def _group_size(text: str) -> int | None:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"group size must be an integer or 'none', got {text!r}") from None
-    from nybble.quant.rtn import check_group_size
+    from nybble.packing import check_group_size
 
     try:
         check_group_size(value)
@@ -39,10 +40,17 @@ def _group_size(text: str) -> int | None:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+# Tokens per calibration window (the CLI cuts the calibration text into windows of this length).
+CALIB_WINDOW = 256
 
 
 def _model_args(p: argparse.ArgumentParser, quant: bool = True) -> None:
@@ -89,14 +97,16 @@ def _model_args(p: argparse.ArgumentParser, quant: bool = True) -> None:
             type=_positive,
             default=5120,
             metavar="N",
-            help="with --method gptq: calibration tokens from the 'calib' split, in windows of 256 "
-            "(default: 5120)",
+            help="with --method gptq: calibration tokens from the 'calib' split, in windows of "
+            f"{CALIB_WINDOW} (default: 5120)",
         )
         p.add_argument("--no-progress", action="store_true", help="hide the per-layer progress bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``python -m nybble`` argument parser."""
+    """The ``python -m nybble`` argument parser (needs the models extra: raises ModuleNotFoundError)."""
+    from nybble.models.evaluate import DEFAULT_WINDOW
+
     parser = argparse.ArgumentParser(
         prog="python -m nybble",
         description=DESCRIPTION,
@@ -137,16 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--window",
         type=_positive,
-        default=512,
-        help="tokens scored per window; each token sees at most this much context (default: 512)",
+        default=DEFAULT_WINDOW,
+        help="tokens scored per window; each token sees at most this much context (default: "
+        f"{DEFAULT_WINDOW}, as nybble.models.perplexity and the README's table)",
     )
     e.add_argument("--batch", type=_positive, default=2, help="windows per forward pass (default: 2)")
-    e.add_argument(
-        "--checkpoint",
-        metavar="FILE",
-        default=None,
-        help="evaluate this quantized model file (from `nybble quantize`) instead of quantizing now",
-    )
+    _checkpoint_arg(e, "evaluate")
     e.add_argument("--skip-float", action="store_true", help="do not evaluate the float model")
 
     g = sub.add_parser(
@@ -160,7 +166,49 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-new-tokens", type=_positive, default=32, metavar="N", help="tokens to add (default 32)"
     )
     g.add_argument("--int4", action="store_true", help="quantize the model first (--group-size...)")
+    _checkpoint_arg(g, "generate with")
     return parser
+
+
+def _checkpoint_arg(p: argparse.ArgumentParser, verb: str) -> None:
+    p.add_argument(
+        "--checkpoint",
+        metavar="FILE",
+        default=None,
+        help=f"{verb} this quantized model file (from `nybble quantize`, same --model) instead of "
+        "quantizing now",
+    )
+
+
+def check_before_work(args: argparse.Namespace) -> None:
+    """Paths and argument combinations, checked before any model is loaded or quantized.
+
+    Raises FileNotFoundError / ValueError saying what is wrong; costs milliseconds.
+    """
+    from pathlib import Path
+
+    from nybble.checkpoint import read_metadata
+
+    if getattr(args, "method", "rtn") == "gptq" and args.calib_tokens < CALIB_WINDOW:
+        raise ValueError(
+            f"--calib-tokens {args.calib_tokens} is less than one calibration window of {CALIB_WINDOW} tokens"
+        )
+    output = getattr(args, "output", None)
+    if output is not None:
+        out = Path(output)
+        if out.is_dir():
+            raise ValueError(f"--output {output} is a directory; give a file name")
+        if not out.parent.is_dir():
+            raise FileNotFoundError(f"--output {output}: directory {out.parent} does not exist")
+        if not os.access(out.parent, os.W_OK):
+            raise ValueError(f"--output {output}: directory {out.parent} is not writable")
+    checkpoint = getattr(args, "checkpoint", None)
+    if checkpoint is not None:
+        if getattr(args, "int4", False):
+            raise ValueError("--checkpoint and --int4 exclude each other: the checkpoint is already int4")
+        if not Path(checkpoint).is_file():
+            raise FileNotFoundError(f"--checkpoint {checkpoint}: no such file")
+        read_metadata(checkpoint)  # the header only: refuses a file that is not a nybble checkpoint
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -177,17 +225,18 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
 def _quantize(model: Any, tokenizer: Any, args: argparse.Namespace) -> Any:
     from nybble.models import eval_text, quantize
 
-    calibration = None
+    options: dict[str, Any] = {}
     if args.method != "rtn":
-        calibration = tokenizer.encode(eval_text("calib")).ids[: args.calib_tokens]
+        options["calibration"] = tokenizer.encode(eval_text("calib")).ids[: args.calib_tokens]
+        options["seq_len"] = CALIB_WINDOW
     model, report = quantize(
         model,
         group_size=args.group_size,
         symmetric=not args.asymmetric,
         method=args.method,
-        calibration=calibration,
         progress=not args.no_progress,
         return_report=True,
+        **options,
     )
     print(report.summary(), file=sys.stderr)
     return model
@@ -250,10 +299,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """``nybble generate``."""
-    from nybble.models import generate
+    from nybble.models import generate, load_model
 
     model, tokenizer = _load(args)
-    if args.int4:
+    if args.checkpoint is not None:
+        model = load_model(args.checkpoint, model)
+    elif args.int4:
         model = _quantize(model, tokenizer, args)
     text = generate(model, args.prompt, args.max_new_tokens, tokenizer=tokenizer)
     print(args.prompt + text)
@@ -265,12 +316,18 @@ COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "generate": cmd_generate
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m nybble`` / the ``nybble`` script; returns the exit status."""
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except ModuleNotFoundError as e:  # a library-only install: the command line needs the models extra
+        print(f"nybble: {e}", file=sys.stderr)
+        return 1
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.print_help()
-        return 0
+        parser.print_help(sys.stderr)
+        print("\nnybble: error: a command is required (quantize, eval or generate)", file=sys.stderr)
+        return 2
     try:
+        check_before_work(args)
         return COMMANDS[args.command](args)
     except (ImportError, FileNotFoundError, ValueError) as e:
         print(f"nybble {args.command}: error: {e}", file=sys.stderr)

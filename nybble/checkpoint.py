@@ -11,7 +11,8 @@ by any safetensors reader. The header's ``__metadata__`` holds:
 
 Loading refuses (``ValueError``) a truncated or tampered file, a foreign or newer format version and an
 unknown layout, so a damaged file never becomes a silently wrong model. Writes are atomic: a temporary
-file in the target directory, fsync, then ``os.replace``.
+file in the target directory, fsync, then ``os.replace``; the file gets the mode the umask gives a new
+file (0644 under the usual 022), as ``open`` would.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import numpy as np
 
 from nybble.packing import get_layout
 from nybble.quant.qweight import QuantizedWeight
-from nybble.quant.rtn import check_group_size
 
 FORMAT_NAME = "nybble"
 FORMAT_VERSION = 1
@@ -187,6 +187,7 @@ def save(path: str | os.PathLike[str], tree: Any) -> Path:
     header_bytes += b" " * (-len(header_bytes) % 8)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600: give the file the mode open() would
         with os.fdopen(fd, "wb") as f:
             f.write(struct.pack("<Q", len(header_bytes)))
             f.write(header_bytes)
@@ -201,6 +202,13 @@ def save(path: str | os.PathLike[str], tree: Any) -> Path:
     return path
 
 
+def _umask() -> int:
+    """The process umask (reading it means setting it: put straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 # ----------------------------------------------------------------------------------------------- load
 
 
@@ -208,11 +216,25 @@ def _refuse(path: Path, why: str) -> ValueError:
     return ValueError(f"nybble.load: refusing {path}: {why}")
 
 
+NOT_SAFETENSORS = (
+    "not a safetensors file, so not a nybble checkpoint (a safetensors file starts with an 8-byte "
+    "header length and a JSON header; write checkpoints with nybble.save or `nybble quantize`)"
+)
+
+
+def _header_size(path: Path, start: bytes) -> int:
+    """The header length from a file's first 9 bytes, after checking they can begin a safetensors file."""
+    if len(start) < 9:
+        raise _refuse(path, f"file too short ({len(start)} bytes): {NOT_SAFETENSORS}")
+    (n,) = struct.unpack("<Q", start[:8])
+    if start[8:9] != b"{" or n > _MAX_HEADER:  # the JSON header is an object, under 100 MiB
+        raise _refuse(path, NOT_SAFETENSORS)
+    return n
+
+
 def _read_header(path: Path, data: bytes) -> tuple[dict[str, Any], int]:
-    if len(data) < 8:
-        raise _refuse(path, f"file too short ({len(data)} bytes) to be a safetensors file")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > _MAX_HEADER or 8 + n > len(data):
+    n = _header_size(path, data[:9])
+    if 8 + n > len(data):
         raise _refuse(path, f"header size {n} does not fit the {len(data)}-byte file (truncated?)")
     try:
         header = json.loads(data[8 : 8 + n])
@@ -221,6 +243,19 @@ def _read_header(path: Path, data: bytes) -> tuple[dict[str, Any], int]:
     if not isinstance(header, dict):
         raise _refuse(path, "the safetensors header is not a JSON object")
     return header, 8 + n
+
+
+def _check_format(path: Path, meta: Any) -> None:
+    """Refuses a safetensors file nybble did not write, or a newer nybble format version."""
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise _refuse(path, "not a nybble checkpoint (no format='nybble' in the safetensors metadata)")
+    version = meta.get("format_version")
+    if version != str(FORMAT_VERSION):
+        raise _refuse(
+            path,
+            f"unsupported nybble checkpoint format version {version!r}; this nybble reads version "
+            f"{FORMAT_VERSION} (upgrade nybble to read newer files)",
+        )
 
 
 def _tensor(path: Path, header: dict[str, Any], data: memoryview, name: str) -> np.ndarray:
@@ -241,25 +276,6 @@ def _tensor(path: Path, header: dict[str, Any], data: memoryview, name: str) -> 
 def _as_array(a: np.ndarray) -> Any:
     # 64-bit arrays stay numpy: jax without x64 would silently narrow them.
     return a.copy() if a.dtype.itemsize == 8 else jnp.asarray(a)
-
-
-def _check_quantized(path: Path, meta: dict[str, Any], qw: QuantizedWeight) -> None:
-    where = _path_name(meta["path"])
-    k_pad, n_pad = qw.padded_shape
-    codes_shape = jax.eval_shape(
-        get_layout(qw.layout).pack, jax.ShapeDtypeStruct((k_pad, n_pad), jnp.int8)
-    ).shape
-    if tuple(qw.codes.shape) != tuple(codes_shape) or qw.codes.dtype != np.uint8:
-        raise _refuse(
-            path,
-            f"{where}: codes {qw.codes.dtype}{list(qw.codes.shape)} do not fit layout {qw.layout!r} "
-            f"for shape {qw.shape} (expected uint8{list(codes_shape)})",
-        )
-    for what, a in (("scales", qw.scales), ("offsets", qw.offsets)):
-        if a is not None and tuple(a.shape) != (qw.num_groups, n_pad):
-            raise _refuse(path, f"{where}: {what} shape {list(a.shape)} != {[qw.num_groups, n_pad]}")
-    if (qw.offsets is None) != qw.symmetric:
-        raise _refuse(path, f"{where}: offsets must be present exactly when the weight is asymmetric")
 
 
 def _build(entries: list[tuple[list[list[Any]], Any]]) -> Any:
@@ -304,15 +320,7 @@ def load(path: str | os.PathLike[str]) -> Any:
     data = path.read_bytes()
     header, start = _read_header(path, data)
     meta = header.get("__metadata__")
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise _refuse(path, "not a nybble checkpoint (no format='nybble' in the safetensors metadata)")
-    version = meta.get("format_version")
-    if version != str(FORMAT_VERSION):
-        raise _refuse(
-            path,
-            f"unsupported nybble checkpoint format version {version!r}; this nybble reads version "
-            f"{FORMAT_VERSION} (upgrade nybble to read newer files)",
-        )
+    _check_format(path, meta)
     body = memoryview(data)[start:]
     names = [k for k in header if k != "__metadata__"]
     expected_end = max((int(header[k]["data_offsets"][1]) for k in names), default=0)
@@ -343,39 +351,35 @@ def load(path: str | os.PathLike[str]) -> Any:
             continue
         if m.get("kind") != "quantized":
             raise _refuse(path, f"unknown leaf kind {m.get('kind')!r}")
-        layout = m["layout"]
-        group_size = m.get("group_size")
-        try:
-            check_group_size(group_size)
-        except ValueError as e:
-            raise _refuse(path, f"{_path_name(m['path'])}: {e}") from None
         offsets = tensors[m["offsets"]] if "offsets" in m else None
-        qw = QuantizedWeight(
-            codes=jnp.asarray(tensors[m["codes"]]),
-            scales=jnp.asarray(tensors[m["scales"]]),
-            offsets=None if offsets is None else jnp.asarray(offsets),
-            shape=(int(m["shape"][0]), int(m["shape"][1])),
-            group_size=group_size,
-            symmetric=bool(m["symmetric"]),
-            layout=layout,
-        )
-        _check_quantized(path, m, qw)
+        try:  # a QuantizedWeight checks its own group size, layout and array shapes
+            qw = QuantizedWeight(
+                codes=jnp.asarray(tensors[m["codes"]]),
+                scales=jnp.asarray(tensors[m["scales"]]),
+                offsets=None if offsets is None else jnp.asarray(offsets),
+                shape=tuple(int(d) for d in m["shape"]),
+                group_size=m.get("group_size"),
+                symmetric=bool(m["symmetric"]),
+                layout=m["layout"],
+            )
+        except (ValueError, TypeError) as e:
+            raise _refuse(path, f"{_path_name(m['path'])}: {e}") from None
         entries.append((m["path"], qw))
     return _build(entries)
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The nybble metadata of a checkpoint (format, version, per-leaf entries) without loading tensors."""
+    """The nybble metadata of a checkpoint (format, version, per-leaf entries) without loading tensors.
+
+    Reads the header only; refuses (ValueError) a file that is not a nybble checkpoint this version reads.
+    """
     path = Path(path)
     with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise _refuse(path, "file too short to be a safetensors file")
-        (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER:
-            raise _refuse(path, f"header size {n} is implausible")
-        header, _ = _read_header(path, head + f.read(n))
+        head = f.read(9)
+        n = _header_size(path, head)
+        header, _ = _read_header(path, head + f.read(n - 1))
     meta = dict(header.get("__metadata__") or {})
+    _check_format(path, meta)
     if "tree" in meta:
         meta["tree"] = json.loads(meta["tree"])
     return meta

@@ -24,7 +24,6 @@ from bench.peers import (
     XlaBf16Peer,
     XlaInt4Peer,
     torch_inner_k_tiles,
-    torch_int4pack_operands,
     torch_shape_unavailable,
     xla_int4_matmul,
 )
@@ -142,25 +141,33 @@ def test_torch_shape_limits():
     assert "per-column" in torch_shape_unavailable(4096, 4096, None)
     assert "K % group_size" in torch_shape_unavailable(576, 576, 128)
     assert torch_shape_unavailable(576, 576, 64) is None
+    assert torch_shape_unavailable(200, 100, 128) is None  # padded to (256, 128)
     assert (
         torch_inner_k_tiles(4096) == 8 and torch_inner_k_tiles(576) == 4 and torch_inner_k_tiles(40) is None
     )
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_torch_int4pack_operands_dequantize_like_nybble(symmetric):
-    """tinygemm's (u - 8) * scale + zero, from the operands we hand it, is nybble's weight exactly."""
-    k, n, g = 256, 64, 64
+def test_torch_peer_operands_dequantize_like_nybble(symmetric):
+    """tinygemm's (u - 8) * scale + zero, from the operands the torch peer hands it, is nybble's weight.
+
+    The peer takes them from ``nybble.quant.to_torch_uint8_codes``: padded (K_pad, N_pad) with every scale
+    row, the partial last N tile included (N = 100 -> 128).
+    """
+    k, n, g = 256, 100, 64
     w = np.random.default_rng(0).normal(size=(k, n)).astype(np.float32)
     qw = nybble.quantize(w, group_size=g, symmetric=symmetric)
-    w_u8, saz = torch_int4pack_operands(qw)
-    assert w_u8.shape == (n, k // 2) and w_u8.dtype == np.uint8 and saz.shape == (k // g, n, 2)
-    u = np.empty((n, k), np.int32)
-    u[:, 0::2] = w_u8 >> 4  # even k in the HIGH nibble (torch's convention)
-    u[:, 1::2] = w_u8 & 0xF
-    s = np.repeat(saz[..., 0], g, axis=0)  # (K, N)
+    ops = nybble.quant.to_torch_uint8_codes(qw)
+    assert ops.codes.shape == (128, k // 2) and ops.codes.dtype == np.uint8 and ops.group_size == g
+    assert ops.scale_and_zero.shape == (k // g, 128, 2)
+    u = np.empty((128, k), np.int32)
+    u[:, 0::2] = ops.codes >> 4  # even k in the HIGH nibble (torch's convention)
+    u[:, 1::2] = ops.codes & 0xF
+    saz = ops.scale_and_zero.astype(np.float32)
+    s = np.repeat(saz[..., 0], g, axis=0)  # (K, N_pad)
     z = np.repeat(saz[..., 1], g, axis=0)
-    tinygemm = (u.T - 8) * s + z
+    tinygemm = ((u.T - 8) * s + z)[:, :n]
+    assert np.abs(tinygemm).max() > 0
     np.testing.assert_array_equal(tinygemm.astype(np.float32), np.asarray(nybble.dequantize(qw)))
 
 
@@ -168,8 +175,9 @@ def test_xla_int4_matches_reference():
     case = _case(k=192, n=128, m=8)
     qw = case.weights["per-column"]
     from nybble.packing import nk_int4_as_int4
+    from nybble.quant import relayout
 
-    y = xla_int4_matmul(case.xs[0], nk_int4_as_int4(qw.codes), qw.scales[0], case.n)
+    y = xla_int4_matmul(case.xs[0], nk_int4_as_int4(relayout(qw, "nk_int4").codes), qw.scales[0], case.n)
     ref = nybble.kernels.reference_matmul(case.xs[0], qw)
     assert nybble.kernels.relative_error(y, ref) < runner.BF16_TOLERANCE
 
@@ -472,10 +480,12 @@ def _fake_torch():
     )
 
 
-def test_torch_peer_plumbing_with_a_fake_torch(monkeypatch):
-    """The torch peer's conversions (codes, scales, bf16 x through int16) give the right answer."""
+@pytest.mark.parametrize(("k", "n"), [(256, 64), (200, 100)])
+def test_torch_peer_plumbing_with_a_fake_torch(monkeypatch, k, n):
+    """The torch peer's conversions (codes, scales, bf16 x through int16) give the right answer, for a
+    padded weight too ((200, 100) -> (256, 128): x padded along K, the output cut to N)."""
     monkeypatch.setitem(sys.modules, "torch", _fake_torch())
-    case = _case(k=256, n=64, m=8, g=64)
+    case = _case(k=k, n=n, m=8, g=64)
     peer = TorchInt4Peer()
     assert peer.unavailable(case) is None
     shape = arg_specs.Shape("t", case.k, case.n)
@@ -493,3 +503,22 @@ def test_torch_peer_plumbing_with_a_fake_torch(monkeypatch):
     assert row["rel_err"] < runner.BF16_TOLERANCE
     # The fake "packs" as the identity, so the cross-check of nybble's own converter must notice.
     assert row["torch_int4pack_converter"].startswith("DIFFERS")
+
+
+def test_plot_caps_cache_resident_roofline_points_and_says_no_gpu(tmp_path):
+    """A CPU run's plot: points over 100% of the roofline (operands cached) drawn at the cap, and a title
+    that says the run had no GPU."""
+    from bench.plot import ROOFLINE_CAP_PCT, capped_roofline, plot_rows, plot_title
+
+    assert ROOFLINE_CAP_PCT == 100.0
+    shown, over = capped_roofline([12.0, 99.5, 100.0, 1867.0])
+    assert shown == [12.0, 99.5, 100.0, 100.0] and over == [False, False, False, True]
+    cpu_title, gpu_title = plot_title("cpu", has_gpu=False), plot_title("NVIDIA H200", has_gpu=True)
+    assert "CPU (no GPU)" in cpu_title and "no GPU" not in gpu_title and "H200" in gpu_title
+    rows = [
+        {"status": "ok", "shape": "s", "k": 576, "n": 1536, "m": m, "peer": peer, "pct_roofline": pct,
+         "speedup_vs_bf16": None if peer == "xla:bf16" else 0.5}
+        for m, peer, pct in [(1, "xla:bf16", 1867.0), (16, "xla:bf16", 40.0), (1, "nybble:xla", 30.0)]
+    ]  # fmt: skip
+    png = plot_rows(rows, tmp_path / "bench.png", cpu_title)
+    assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -15,6 +15,7 @@ from flax import nnx
 import nybble
 from nybble.checkpoint import FORMAT_VERSION, load, read_metadata, save
 from nybble.models import Llama, LlamaConfig, QLinear, load_model, quantize, save_model
+from nybble.packing import DEFAULT_LAYOUT
 
 
 def _tree():
@@ -91,7 +92,7 @@ def test_metadata(saved):
     assert len(meta["sha256"]) == 64
     entries = {".".join(str(k) for _, k in e["path"]): e for e in meta["tree"]}
     asym = entries["layers.0.asym"]
-    assert asym["kind"] == "quantized" and asym["layout"] == "nk_int4"
+    assert asym["kind"] == "quantized" and asym["layout"] == DEFAULT_LAYOUT
     assert (asym["group_size"], asym["symmetric"], asym["shape"]) == (32, False, [192, 130])
     assert entries["layers.0.col"]["group_size"] is None
     assert entries["layers.0.sym"]["path"] == [["d", "layers"], ["d", 0], ["d", "sym"]]
@@ -159,9 +160,10 @@ def test_unknown_version_refused(saved):
 
 def test_unknown_layout_refused(saved):
     data, _ = _header(saved)
-    assert b"nk_int4" in data
-    saved.write_bytes(data.replace(b"nk_int4", b"zz_int4"))
-    with pytest.raises(ValueError, match="unknown weight layout 'zz_int4'"):
+    name = DEFAULT_LAYOUT.encode()
+    assert name in data
+    saved.write_bytes(data.replace(name, b"z" * len(name)))
+    with pytest.raises(ValueError, match=f"unknown weight layout '{'z' * len(name)}'"):
         load(saved)
 
 
@@ -173,9 +175,43 @@ def test_foreign_files_refused(tmp_path):
     with pytest.raises(ValueError, match="not a nybble checkpoint"):
         load(plain)
     junk = tmp_path / "junk.bin"
-    junk.write_bytes(struct.pack("<Q", 12) + b"not json!!!!" + b"\0" * 16)
+    junk.write_bytes(struct.pack("<Q", 12) + b"{not json!!!" + b"\0" * 16)
     with pytest.raises(ValueError, match="unreadable"):
         load(junk)
+
+
+@pytest.mark.parametrize("kind", ["random", "text", "short"])
+def test_non_safetensors_files_named_as_such(tmp_path, kind):
+    """Random bytes or a text file are "not a safetensors file", not a huge header size or "truncated"."""
+    data = {
+        "random": np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes(),
+        "text": b"To be, or not to be, that is the question:\n" * 100,
+        "short": b"abc",
+    }[kind]
+    path = tmp_path / "weights.safetensors"
+    path.write_bytes(data)
+    for read in (load, read_metadata):
+        with pytest.raises(ValueError, match="not a safetensors file") as e:
+            read(path)
+        assert "truncated" not in str(e.value) and "header size" not in str(e.value)
+
+
+def test_truncated_header_still_says_truncated(saved):
+    data = saved.read_bytes()
+    saved.write_bytes(data[:100])  # 8-byte length and the start of the JSON header
+    with pytest.raises(ValueError, match="truncated"):
+        load(saved)
+
+
+def test_saved_file_mode_follows_umask(tmp_path):
+    """Not mkstemp's 0600: the mode a plain open() would give under the umask."""
+    for umask, mode in ((0o022, 0o644), (0o077, 0o600), (0o002, 0o664)):
+        old = os.umask(umask)
+        try:
+            path = save(tmp_path / f"m{umask:o}.safetensors", {"a": jnp.ones(3)})
+        finally:
+            os.umask(old)
+        assert path.stat().st_mode & 0o777 == mode, (oct(umask), oct(path.stat().st_mode))
 
 
 def test_bad_paths(tmp_path):

@@ -11,11 +11,11 @@ from nybble.__main__ import build_parser, main
 from nybble.checkpoint import load
 
 
-def test_no_args_prints_help(capsys):
-    assert main([]) == 0
-    out = capsys.readouterr().out
-    for word in ("quantize", "eval", "generate", "usage"):
-        assert word in out
+def test_no_args_prints_help_and_fails(capsys):
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    for word in ("quantize", "eval", "generate", "usage", "a command is required"):
+        assert word in err
 
 
 def test_module_entry_point_help():
@@ -55,6 +55,72 @@ def test_bad_arguments(capsys):
     assert build_parser().parse_args(["eval", "--group-size", "none"]).group_size is None
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "1.5"])
+def test_positive_flags_say_what_they_expect(capsys, value):
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "--tokens", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --tokens: expected a positive integer, got {value!r}" in err and "_positive" not in err
+
+
+def test_one_eval_window_default():
+    """`nybble eval`, nybble.models.perplexity and the README's accuracy table use one window."""
+    import inspect
+    from pathlib import Path
+
+    from nybble.models.evaluate import DEFAULT_WINDOW, perplexity
+
+    assert build_parser().parse_args(["eval"]).window == DEFAULT_WINDOW == 256
+    assert inspect.signature(perplexity).parameters["window"].default == DEFAULT_WINDOW
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert f"window {DEFAULT_WINDOW})" in readme and f"`--window` {DEFAULT_WINDOW}" in readme
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["quantize", "--output", "{tmp}/missing/dir/x.safetensors"], "does not exist"),
+        (["quantize", "--output", "{tmp}"], "is a directory"),
+        (["quantize", "--method", "gptq", "--calib-tokens", "100", "--output", "{tmp}/x"], "one calibration"),
+        (["eval", "--checkpoint", "{tmp}/missing.safetensors"], "no such file"),
+        (["eval", "--checkpoint", "{tmp}/notes.txt"], "not a safetensors file"),
+        (["generate", "--prompt", "a", "--checkpoint", "{tmp}/notes.txt"], "not a safetensors file"),
+        (["generate", "--prompt", "a", "--int4", "--checkpoint", "{tmp}/notes.txt"], "exclude each other"),
+    ],
+)
+def test_paths_and_arguments_checked_before_any_work(tmp_path, capsys, monkeypatch, argv, message):
+    import nybble.__main__ as cli
+
+    def never(args):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(cli, "_load", never)
+    (tmp_path / "notes.txt").write_text("not a checkpoint\n" * 50)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main([*argv, "--model", "tiny-random"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_library_only_install_names_the_extra(tmp_path):
+    """Without flax (a plain `pip install nybble`): the CLI and nybble.models say which extra to install,
+    while the core still quantizes and multiplies."""
+    code = (
+        "import sys; sys.modules['flax'] = None\n"  # import flax -> ModuleNotFoundError
+        "import numpy as np, nybble\n"
+        "qw = nybble.quantize(np.full((64, 64), 7.0, np.float32), group_size=32)\n"  # scale 1, code 7
+        "assert float(nybble.matmul(np.ones((1, 64), np.float32), qw)[0, 0]) == 448.0\n"
+        "try:\n    from nybble import models\nexcept ModuleNotFoundError as e:\n    print('MODELS:', e)\n"
+        "from nybble.__main__ import main\n"
+        "sys.exit(main(['eval']))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1, res.stderr
+    hint = 'pip install "nybble[models]"'
+    assert "MODELS: nybble.models needs 'flax'" in res.stdout and hint in res.stdout
+    assert res.stderr.startswith("nybble: ") and hint in res.stderr and "Traceback" not in res.stderr
+
+
 def test_tiny_quantize_eval_generate(tmp_path, capsys):
     out = tmp_path / "tiny.safetensors"
     assert (
@@ -78,9 +144,13 @@ def test_tiny_quantize_eval_generate(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "tiny.safetensors" in text and "float (" not in text
 
-    gen = ["generate", "--model", "tiny-random", "--prompt", "abc", "--max-new-tokens", "3", "--int4"]
-    assert main(gen) == 0
-    assert capsys.readouterr().out.startswith("abc")
+    gen = ["generate", "--model", "tiny-random", "--prompt", "abc", "--max-new-tokens", "8"]
+    assert main([*gen, "--int4", "--group-size", "64", "--asymmetric"]) == 0
+    fresh = capsys.readouterr().out
+    assert fresh.startswith("abc")
+    # The saved checkpoint generates exactly what the same quantization in memory generates.
+    assert main([*gen, "--checkpoint", str(out)]) == 0
+    assert capsys.readouterr().out == fresh
 
 
 def test_gptq_method(tmp_path, capsys):

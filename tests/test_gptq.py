@@ -68,9 +68,8 @@ def correlated_inputs(rng, n, k):
 
 def codes_of(qw):
     k_pad = qw.padded_shape[0]
-    return np.asarray(nybble.unpack_int4(np.asarray(qw.codes), k_pad, axis=-1)).T[
-        : qw.shape[0], : qw.shape[1]
-    ]
+    codes = nybble.packing.get_layout(qw.layout).unpack(np.asarray(qw.codes), k_pad)
+    return np.asarray(codes)[: qw.shape[0], : qw.shape[1]]
 
 
 @pytest.mark.parametrize(
@@ -124,7 +123,7 @@ def test_odd_shapes_padding_and_dead_inputs():
     for sym, act in ((True, False), (False, True)):
         qw = gptq(w, inputs=x, group_size=64, symmetric=sym, act_order=act)
         k_pad = qw.padded_shape[0]
-        full = np.asarray(nybble.unpack_int4(np.asarray(qw.codes), k_pad, axis=-1)).T
+        full = np.asarray(nybble.packing.get_layout(qw.layout).unpack(np.asarray(qw.codes), k_pad))
         assert np.all(full[k:] == 0) and np.all(full[:, n:] == 0)  # padding holds code 0
         assert np.all(np.asarray(qw.scales, np.float32)[:, n:] == 0)
         deq = np.asarray(nybble.dequantize(qw))

@@ -352,7 +352,7 @@ def test_torch_int4pack(k, n, g, sym):
     w = rng.standard_normal((k, n)).astype(np.float32)
     qw = nybble.quantize(w, group_size=g, symmetric=sym)
     k_pad, n_pad = qw.padded_shape
-    q = np.asarray(nybble.unpack_int4(np.asarray(qw.codes), k_pad, axis=-1)).T  # (K_pad, N_pad)
+    q = np.asarray(nybble.packing.get_layout(qw.layout).unpack(np.asarray(qw.codes), k_pad))  # (K_pad, N_pad)
     codes = to_torch_uint8_codes(qw)
     np.testing.assert_array_equal(codes.codes, reference_uint8_codes(q))
     pack = to_torch_int4pack(qw)

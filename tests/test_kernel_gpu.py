@@ -36,11 +36,13 @@ def test_matches_xla(m, k, n, group, symmetric):
 @pytest.mark.parametrize(
     "config",
     [
-        TuningConfig(tile_n=128, tile_m=8, tile_k=128, max_concurrent_steps=6, split_k=4),
-        TuningConfig(tile_n=64, tile_m=64, tile_k=64, max_concurrent_steps=4, split_k=2),
-        TuningConfig(tile_n=128, tile_m=128, tile_k=128, max_concurrent_steps=4, split_k=1),
-        TuningConfig(tile_n=128, tile_m=128, tile_k=64, max_concurrent_steps=4, compute_wgs=2),
-        TuningConfig(tile_n=64, tile_m=16, tile_k=128, max_concurrent_steps=3, split_k=2, compute_wgs=2),
+        TuningConfig(
+            tiles=2, tile_m=8, tile_k=128, max_concurrent_steps=6, split_k=4, scales_on="accumulators"
+        ),
+        TuningConfig(tiles=1, tile_m=64, tile_k=64, max_concurrent_steps=4, split_k=2),
+        TuningConfig(tiles=2, tile_m=128, tile_k=128, max_concurrent_steps=4, split_k=1),
+        TuningConfig(tiles=2, tile_m=128, tile_k=64, max_concurrent_steps=4, compute_wgs=2),
+        TuningConfig(tiles=1, tile_m=16, tile_k=128, max_concurrent_steps=3, split_k=2, compute_wgs=2),
     ],
     ids=str,
 )

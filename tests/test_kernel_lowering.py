@@ -8,6 +8,9 @@ distinct config x kernel structure), plus the error paths on a CPU.
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,20 +45,13 @@ GROUPS = [128, 16, 32, 64, 256, None]
 
 
 def _abstract_weight(
-    k, n, group, symmetric, scale_dtype=jnp.bfloat16, codes_dtype="uint8"
+    k, n, group, symmetric, scale_dtype=jnp.bfloat16, layout="wgmma_int4"
 ) -> QuantizedWeight:
-    k_pad, n_pad = padded_weight_dims(k, n, group)
-    num_groups = -(-k_pad // (k_pad if group is None else group))
-    sds = jax.ShapeDtypeStruct
-    codes = sds((n_pad, k_pad // 2), jnp.uint8) if codes_dtype == "uint8" else sds((n_pad, k_pad), jnp.int4)
-    return QuantizedWeight(
-        codes=codes,
-        scales=sds((num_groups, n_pad), scale_dtype),
-        offsets=None if symmetric else sds((num_groups, n_pad), scale_dtype),
-        shape=(k, n),
-        group_size=group,
-        symmetric=symmetric,
+    """What nybble.quantize returns for a (K, N) weight, as ShapeDtypeStructs: lowering needs no data."""
+    quant = lambda w: quantize(
+        w, group_size=group, symmetric=symmetric, scale_dtype=scale_dtype, layout=layout
     )
+    return jax.eval_shape(quant, jax.ShapeDtypeStruct((k, n), jnp.float32))
 
 
 def _lower(m, qw, x_dtype=jnp.bfloat16, config=None):
@@ -64,57 +60,56 @@ def _lower(m, qw, x_dtype=jnp.bfloat16, config=None):
     return jax.jit(fn).trace(x, qw).lower(lowering_platforms=("cuda",))
 
 
-# uint8 codes (the stored format) at every group size; int4-stored codes only change which code path
-# decode takes, so two group structures cover them.
-_CASES = heuristic_cases(WEIGHT_SHAPES, BATCHES, GROUPS, NUM_SMS, codes_dtypes=("uint8",))
-for _key, _case in heuristic_cases(WEIGHT_SHAPES, BATCHES, [128, 32], NUM_SMS, ("int4",)).items():
-    _CASES.setdefault(_key, _case)
+_CASES = heuristic_cases(WEIGHT_SHAPES, BATCHES, GROUPS, NUM_SMS)
 
 
-def test_heuristics_cover_both_families():
+def test_heuristics_cover_every_code_path():
     configs = {key[0] for key in _CASES}
-    assert any(c.split_k > 1 for c in configs) and any(c.tile_m == 128 for c in configs)
-    assert {c.tile_n for c in configs} == {64, 128} and {c.tile_k for c in configs} == {64, 128}
-    assert any(c.compute_wgs == 2 for c in configs) and any(c.compute_wgs == 1 for c in configs)
-    assert {c.codes_as for c in configs} == {"int4", "uint8"}
-    for (config, _, symmetric), (_, k, n, group, _, _) in _CASES.items():
-        k_pad, _ = padded_weight_dims(k, n, group)
-        assert fits_smem(config, group=group or k_pad, has_offsets=not symmetric)
+    assert any(c.slices == 8 for c in configs) and any(1 < c.slices < 8 for c in configs)
+    assert any(c.slices == 1 and c.compute_wgs == 1 for c in configs)
+    assert any(c.compute_wgs == 2 for c in configs) and any(c.split_k > 1 for c in configs)
+    assert {c.scales_on for c in configs} == {"accumulators", "weights"}
+    assert {c.tile_k for c in configs} >= {128, 256} and {c.tiles for c in configs} >= {1, 2}
 
 
 @pytest.mark.parametrize(
-    "m, k, n, group, symmetric, codes_dtype",
+    "m, k, n, group, symmetric",
     list(_CASES.values()),
-    ids=[f"M{m}-K{k}-N{n}-g{g}-{'sym' if s else 'asym'}-{c}" for m, k, n, g, s, c in _CASES.values()],
+    ids=[f"M{m}-K{k}-N{n}-g{g}-{'sym' if s else 'asym'}" for m, k, n, g, s in _CASES.values()],
 )
-def test_lower_every_heuristic_config(m, k, n, group, symmetric, codes_dtype):
-    text = _lower(m, _abstract_weight(k, n, group, symmetric, codes_dtype=codes_dtype)).as_text()
+def test_lower_every_heuristic_config(m, k, n, group, symmetric):
+    text = _lower(m, _abstract_weight(k, n, group, symmetric)).as_text()
     assert "mosaic_gpu" in text
 
 
 # Configs the heuristics do not pick at these shapes but autotuning or a caller might: both variants
-# with small and large tiles, split-K, one-step pipelines' minimum depth, narrow bands.
+# with small and large tiles, split-K, K slices, the minimum pipeline depth, narrow bands.
 _EXPLICIT = [
-    TuningConfig(tile_n=64, tile_m=8, tile_k=64, max_concurrent_steps=2, split_k=16),
-    TuningConfig(tile_n=128, tile_m=64, tile_k=128, max_concurrent_steps=5, grid_tile_m=1),
-    TuningConfig(tile_n=64, tile_m=16, tile_k=128, max_concurrent_steps=3, split_k=2, compute_wgs=2),
-    TuningConfig(tile_n=128, tile_m=8, tile_k=64, max_concurrent_steps=6, split_k=4, compute_wgs=2),
-    TuningConfig(tile_n=64, tile_m=128, tile_k=128, max_concurrent_steps=4, compute_wgs=2, grid_tile_m=3),
-    TuningConfig(tile_n=128, tile_m=128, tile_k=64, max_concurrent_steps=3, compute_wgs=2, codes_as="uint8"),
-    TuningConfig(tile_n=128, tile_m=32, tile_k=128, max_concurrent_steps=7, split_k=4, codes_as="uint8"),
+    TuningConfig(tiles=1, tile_m=8, tile_k=64, max_concurrent_steps=2, split_k=16),
+    TuningConfig(tiles=4, tile_m=64, tile_k=128, max_concurrent_steps=3, grid_tile_m=1),
+    TuningConfig(tiles=1, tile_m=16, tile_k=128, max_concurrent_steps=3, split_k=2, compute_wgs=2),
+    TuningConfig(tiles=2, tile_m=8, tile_k=64, max_concurrent_steps=6, split_k=4, compute_wgs=2),
+    TuningConfig(tiles=1, tile_m=128, tile_k=128, max_concurrent_steps=4, compute_wgs=2, grid_tile_m=3),
+    TuningConfig(tiles=4, tile_m=1, tile_k=256, slices=8, max_concurrent_steps=4, scales_on="accumulators"),
+    TuningConfig(tiles=2, tile_m=32, tile_k=128, max_concurrent_steps=7, split_k=4),
 ]
 
 
 @pytest.mark.parametrize("config", _EXPLICIT, ids=str)
 @pytest.mark.parametrize("group, symmetric", [(32, False), (256, True)])
 def test_lower_explicit_configs(config, group, symmetric):
-    _lower(300, _abstract_weight(8192, 4096, group, symmetric), config=config)
+    if group % 64:  # groups of 32: exact weights, no K slices
+        config = dataclasses.replace(config, scales_on="weights")
+        if config.slices > 1:
+            config = dataclasses.replace(config, slices=1, tile_m=8)
+    m = 1 if config.slices > 1 else 300
+    _lower(m, _abstract_weight(8192, 4096, group, symmetric), config=config)
 
 
 @pytest.mark.parametrize("compute_wgs", [1, 2])
 def test_lower_one_step_per_split(compute_wgs):
     config = TuningConfig(
-        tile_n=64, tile_m=8, tile_k=64, max_concurrent_steps=3, split_k=2, compute_wgs=compute_wgs
+        tiles=1, tile_m=8, tile_k=64, max_concurrent_steps=3, split_k=2, compute_wgs=compute_wgs
     )
     _lower(4, _abstract_weight(128, 128, 32, True), config=config)
 
@@ -124,22 +119,23 @@ def test_lower_float16_activations_float32_scales(m):
     _lower(m, _abstract_weight(4096, 4096, 128, False, jnp.float32), x_dtype=jnp.float16)
 
 
-def test_decode_fills_the_gpu():
-    """M = 1 on Llama-3-8B's square layer: split-K brings the CTA count close to the SM count."""
-    k_pad, n_pad = padded_weight_dims(4096, 4096, 128)
-    config = heuristic_config(1, n_pad, k_pad, 128, NUM_SMS)
-    ctas = n_pad // config.tile_n * config.split_k
-    assert config.tile_m == 8 and config.split_k > 1 and 0.75 * NUM_SMS <= ctas <= NUM_SMS
+def test_decode_fills_the_gpu_in_one_launch():
+    """M = 1 on Llama-3-8B's layers: K slices give every SM a CTA (two where SMEM allows), no split-K."""
+    for k, n in ((4096, 4096), (14336, 4096), (4096, 14336)):
+        k_pad, n_pad = padded_weight_dims(k, n, 128)
+        config = heuristic_config(1, n_pad, k_pad, 128, NUM_SMS)
+        ctas = n_pad // config.cta_rows
+        assert config.slices == 8 and config.split_k == 1 and ctas >= NUM_SMS
 
 
 def test_prefill_does_not_split_k():
     k_pad, n_pad = padded_weight_dims(4096, 14336, 128)
     config = heuristic_config(4096, n_pad, k_pad, 128, NUM_SMS)
-    assert config.split_k == 1 and config.tile_m == 128 and config.tile_n == 128
+    assert config.split_k == 1 and config.tile_m == 128 and config.compute_wgs == 2
 
 
-def test_over_budget_config_is_pruned_and_fails_to_lower():
-    config = TuningConfig(tile_n=128, tile_m=128, tile_k=128, max_concurrent_steps=8)
+def test_over_budget_config_fails_to_lower():
+    config = TuningConfig(tiles=4, tile_m=128, tile_k=256, max_concurrent_steps=8)
     assert smem_bytes(config, group=128, has_offsets=True) > SMEM_BUDGET_BYTES
     assert not fits_smem(config, group=128, has_offsets=True)
     with pytest.raises(Exception, match="shared memory"):
@@ -149,11 +145,15 @@ def test_over_budget_config_is_pruned_and_fails_to_lower():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(tile_n=96), "tile_n=96"),
+        (dict(tiles=3), "tiles=3"),
         (dict(tile_m=12), "tile_m=12"),
         (dict(tile_k=32), "tile_k=32"),
+        (dict(slices=3), "slices=3"),
+        (dict(tile_m=2, slices=2), "multiple of 8"),
+        (dict(tile_m=8, slices=2, compute_wgs=2), "one-warpgroup"),
         (dict(max_concurrent_steps=0), "max_concurrent_steps=0"),
         (dict(split_k=0), "split_k=0"),
+        (dict(scales_on="x"), "scales_on"),
     ],
 )
 def test_config_validates_itself(kwargs, match):
@@ -162,21 +162,24 @@ def test_config_validates_itself(kwargs, match):
 
 
 def test_config_that_does_not_divide_k_is_refused():
-    config = TuningConfig(tile_n=128, tile_m=8, tile_k=128, max_concurrent_steps=2, split_k=5)
+    config = TuningConfig(tiles=2, tile_m=8, tile_k=128, max_concurrent_steps=2, split_k=5)
     with pytest.raises(ValueError, match="split_k"):
         _lower(1, _abstract_weight(4096, 4096, 128, True), config=config)
 
 
-def test_codes_copy_only_where_compute_bound():
-    """XLA turns a uint8 -> int4 bitcast into a copy of the codes: decode reads uint8 codes as bytes (no
-    bitcast), prefill takes the copy, int4-stored codes never need one."""
-    qw = _abstract_weight(4096, 4096, 128, True)
-    qw4 = _abstract_weight(4096, 4096, 128, True, codes_dtype="int4")
-    assert mg.is_supported(jnp.ones((1, 4096), jnp.bfloat16), qw4) is None
-    assert "bitcast_convert" not in _lower(1, qw).as_text()
-    assert "bitcast_convert" in _lower(4096, qw).as_text()
-    assert "bitcast_convert" not in _lower(1, qw4).as_text()
-    assert "bitcast_convert" not in _lower(4096, qw4).as_text()
+def test_accumulator_route_refuses_small_groups():
+    config = TuningConfig(tiles=1, tile_m=8, tile_k=128, scales_on="accumulators")
+    with pytest.raises(ValueError, match="multiple of 64"):
+        _lower(1, _abstract_weight(1024, 1024, 32, True), config=config)
+
+
+def test_one_launch_and_no_copy_of_x_at_decode():
+    """The compiled call of a decode matmul is the kernel alone: x is read as it is (a reshape), y written
+    as it is, so no padding, de-interleaving or split-K fusion runs beside the kernel."""
+    text = _lower(1, _abstract_weight(4096, 4096, 128, True)).as_text()
+    ops = {op for op in re.findall(r"= (stablehlo\.[a-z_]+)", text)}
+    assert "stablehlo.custom_call" in ops
+    assert not ops & {"stablehlo.pad", "stablehlo.transpose", "stablehlo.reduce", "stablehlo.slice"}, ops
 
 
 def _small_weight() -> QuantizedWeight:
@@ -207,7 +210,7 @@ def test_lower_under_vmap_and_grad():
     [
         (lambda qw: (jnp.ones((2, 256), jnp.float32), qw), "float32"),
         (lambda qw: (jnp.ones((2, 128), jnp.bfloat16), qw), "K=128"),
-        (lambda qw: (jnp.ones((2, 256), jnp.bfloat16), _with_layout(qw, "kn_other")), "layout"),
+        (lambda qw: (jnp.ones((2, 256), jnp.bfloat16), _with_layout(qw, "nk_int4")), "layout"),
     ],
     ids=["f32", "wrong-k", "layout"],
 )
@@ -220,8 +223,13 @@ def test_is_supported_reasons(make, match):
 
 
 def _with_layout(qw: QuantizedWeight, layout: str) -> QuantizedWeight:
+    """The same codes under another registered layout name (a weight refuses an unregistered one)."""
     import dataclasses
 
+    from nybble.packing import LAYOUTS, register_layout
+
+    if layout not in LAYOUTS:
+        register_layout(dataclasses.replace(LAYOUTS["nk_int4"], name=layout, description="a test layout"))
     return dataclasses.replace(qw, layout=layout)
 
 

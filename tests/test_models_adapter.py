@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-import types
 import warnings
 
 import jax
@@ -185,12 +183,7 @@ def test_gptq_dispatches_to_calibrate(monkeypatch):
         calls.update(kwargs)
         return model
 
-    fake = types.ModuleType("nybble.models.calibrate")
-    fake.quantize_gptq = quantize_gptq
-    monkeypatch.setitem(sys.modules, "nybble.models.calibrate", fake)
-    import nybble.models as models_pkg
-
-    monkeypatch.setattr(models_pkg, "calibrate", fake, raising=False)
+    monkeypatch.setattr(nybble.models.adapter, "quantize_gptq", quantize_gptq)
     model = _tiny()
     calib = np.zeros((2, 8), np.int32)
     assert quantize(model, method="gptq", calibration=calib, group_size=64, progress=False) is model
@@ -263,3 +256,25 @@ def test_qlinear_errors_and_from_linear():
         QLinear.from_linear(lin, qweight=other)
     with pytest.raises(ValueError, match="bias"):
         QLinear(other, jnp.zeros(5))
+
+
+def test_quantizing_an_int4_model_again_is_refused_with_the_way_out():
+    """It used to do nothing, silently, whatever the new settings."""
+    model = quantize(_tiny(), group_size=64, progress=False)
+    before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+    gptq = dict(method="gptq", calibration=np.zeros((1, 8), np.int32), seq_len=8)
+    for options in ({}, gptq):
+        with pytest.raises(ValueError, match=r"already quantized \(6 int4 QLinear layer\(s\).*float model"):
+            quantize(model, group_size=32, **options)
+    after = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+    jax.tree.map(np.testing.assert_array_equal, before, after)
+
+
+def test_quantizing_the_rest_of_a_partly_int4_model_warns():
+    model = quantize(_tiny(), rules=[QuantRule(pattern="blocks", skip=True)], progress=False)
+    assert sorted(p for p, k in _kinds(model).items() if k == "QLinear") == ["proj", "small"]
+    with pytest.warns(UserWarning, match=r"2 QLinear layer\(s\) are already int4.*4 float layer\(s\)"):
+        model, report = quantize(model, group_size=32, progress=False, return_report=True)
+    quantized = sorted(r.path for r in report.quantized)
+    assert quantized == ["blocks.0.down", "blocks.0.up", "blocks.1.down", "blocks.1.up"]
+    assert all(r.group_size == 32 for r in report.quantized)

@@ -119,3 +119,10 @@ def test_qdense_shape_mismatch(mlp):
     q["params"]["fc2"]["kernel"] = nybble.quantize(np.ones((256, 64), np.float32))
     with pytest.raises(ValueError, match="kernel shape"):
         MLP().apply(q, x)
+
+
+def test_quantize_params_twice_is_refused(mlp):
+    _, params = mlp
+    q = quantize_params(params, group_size=64)
+    with pytest.raises(ValueError, match=r"already quantized \(2 int4 kernel\(s\).*float model"):
+        quantize_params(q, group_size=32)

@@ -82,7 +82,8 @@ def test_padding_keeps_logical_shape(k, n, group, padded, groups):
     w = jax.ShapeDtypeStruct((k, n), jnp.float32)
     qw = jax.eval_shape(lambda w: nybble.quantize(w, group_size=group), w)
     assert qw.shape == (k, n) and qw.padded_shape == padded and qw.num_groups == groups
-    assert qw.codes.shape == (padded[1], padded[0] // 2) and qw.scales.shape == (groups, padded[1])
+    # The default layout, wgmma_int4: uint32 words, one row per band of 8 output rows.
+    assert qw.codes.shape == (padded[1] // 8, padded[0]) and qw.scales.shape == (groups, padded[1])
 
 
 @pytest.mark.parametrize(("k", "n", "group", "symmetric", "bits"), [
@@ -109,7 +110,7 @@ def test_pytree_jit_vmap_and_repr():
     q_jit = jax.jit(lambda w: nybble.quantize(w, group_size=64, symmetric=False))(w)
     np.testing.assert_array_equal(np.asarray(q_jit.codes), np.asarray(qw.codes))
     stacked = jax.vmap(lambda w: nybble.quantize(w, group_size=64))(np.stack([w, 2 * w]))
-    assert stacked.codes.shape == (2, 64, 64)
+    assert stacked.codes.shape == (2, 64 // 8, 128)
     deq2 = jax.vmap(nybble.dequantize)(stacked)
     np.testing.assert_allclose(np.asarray(deq2[1]), 2 * np.asarray(deq2[0]), rtol=1e-2, atol=1e-2)
     text = repr(qw)
@@ -173,7 +174,7 @@ def test_symmetric_uses_code_minus_8():
     w[:, 1] = np.linspace(-3.0, 7.0, 64)  # extreme positive: step 1, max -> 7
     qw = nybble.quantize(w, group_size=64, scale_dtype=jnp.float32)
     np.testing.assert_array_equal(np.asarray(qw.scales)[0, :2], [1.0, 1.0])
-    codes = np.asarray(nybble.unpack_int4(np.asarray(qw.codes), 64, axis=-1))
+    codes = np.asarray(nybble.packing.get_layout(qw.layout).unpack(np.asarray(qw.codes), 64)).T
     assert codes[0].min() == -8 and codes[0].max() == 4 and codes[1].min() == -3 and codes[1].max() == 7
 
 

@@ -7,6 +7,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
+from nybble.kernels.device import hopper_device, num_sms
 from nybble.kernels.xla import xla_matmul
 from nybble.quant.qweight import QuantizedWeight
 
@@ -14,30 +15,6 @@ Implementation = Literal["mosaic_gpu", "xla"]
 # Tried in this order by implementation=None; XLA runs everywhere and comes last.
 IMPLEMENTATIONS: tuple[str, ...] = ("mosaic_gpu", "xla")
 SUPPORTED_X_DTYPES = ("bfloat16", "float16", "float32")
-DEFAULT_NUM_SMS = 132  # H100 SXM / H200: used only when no GPU device can be asked (lowering on a CPU)
-
-
-def _gpu_device() -> Any | None:
-    """The first local GPU device, or None; asked at call time, never inside a kernel."""
-    try:
-        devices = jax.devices("gpu")
-    except RuntimeError:
-        return None
-    return devices[0] if devices else None
-
-
-def hopper_device() -> Any | None:
-    """The first local GPU if it is a Hopper (compute capability 9.x), else None."""
-    dev = _gpu_device()
-    if dev is None:
-        return None
-    return dev if str(getattr(dev, "compute_capability", "")).startswith("9") else None
-
-
-def num_sms() -> int:
-    """Streaming multiprocessors of the local Hopper GPU, or the H100/H200 count when none is local."""
-    dev = hopper_device()
-    return int(getattr(dev, "core_count", DEFAULT_NUM_SMS)) if dev is not None else DEFAULT_NUM_SMS
 
 
 def _check_args(x: Any, qw: Any) -> None:
@@ -70,10 +47,8 @@ def _mosaic_gpu_unsupported(x: Any, qw: QuantizedWeight) -> str | None:
     return mosaic_gpu.is_supported(x, qw)
 
 
-def _mosaic_gpu_unavailable(x: Any, qw: QuantizedWeight) -> str | None:
-    """Why the Mosaic GPU kernel cannot run these arguments on this machine now, or None when it can."""
-    if (reason := _mosaic_gpu_unsupported(x, qw)) is not None:
-        return reason
+def _mosaic_gpu_not_here() -> str | None:
+    """Why the Mosaic GPU kernel cannot run on this machine now (no Hopper GPU, not interpreting), or None."""
     from nybble.kernels.mosaic_gpu import is_interpret_active
 
     if is_interpret_active() or hopper_device() is not None:
@@ -99,30 +74,31 @@ def matmul(x: Any, qw: QuantizedWeight, *, implementation: Implementation | None
         ``interpret()`` (tracing and lowering for CUDA work anywhere).
     """
     _check_args(x, qw)
-    if implementation is None:
-        implementation = "mosaic_gpu" if _mosaic_gpu_unavailable(x, qw) is None else "xla"
+    if implementation not in (None, *IMPLEMENTATIONS):
+        raise ValueError(
+            f"nybble.matmul: unknown implementation {implementation!r}; choose one of {IMPLEMENTATIONS} "
+            "or None"
+        )
     if implementation == "xla":
         return xla_matmul(x, qw)
-    if implementation == "mosaic_gpu":
-        # Forced: only the argument rules are checked here. The device is checked when the computation is
-        # lowered (a guard that is a no-op on CUDA and a clear error elsewhere), so tracing and lowering
-        # for CUDA work on a CPU-only machine, and running on a CPU outside interpret() fails clearly.
-        if (reason := _mosaic_gpu_unsupported(x, qw)) is not None:
-            raise NotImplementedError(f"nybble.matmul(implementation='mosaic_gpu') cannot run: {reason}")
-        from nybble.kernels.mosaic_gpu import mosaic_gpu_matmul
+    unsupported = _mosaic_gpu_unsupported(x, qw)  # the one check of the arguments against the kernel
+    if implementation is None and (unsupported is not None or _mosaic_gpu_not_here() is not None):
+        return xla_matmul(x, qw)
+    # Forced: only the argument rules are checked here. The device is checked when the computation is
+    # lowered (a guard that is a no-op on CUDA and a clear error elsewhere), so tracing and lowering for
+    # CUDA work on a CPU-only machine, and running on a CPU outside interpret() fails clearly.
+    if unsupported is not None:
+        raise NotImplementedError(f"nybble.matmul(implementation='mosaic_gpu') cannot run: {unsupported}")
+    from nybble.kernels.mosaic_gpu.api import matmul_supported
 
-        x2d = x.reshape(-1, x.shape[-1])
-        y = mosaic_gpu_matmul(x2d, qw, num_sms=num_sms())
-        return y.reshape(*x.shape[:-1], qw.shape[1])
-    raise ValueError(
-        f"nybble.matmul: unknown implementation {implementation!r}; choose one of {IMPLEMENTATIONS} or None"
-    )
+    y = matmul_supported(x.reshape(-1, x.shape[-1]), qw, num_sms=num_sms())
+    return y.reshape(*x.shape[:-1], qw.shape[1])
 
 
 def available_implementations(x: Any, qw: QuantizedWeight) -> dict[str, str | None]:
     """Each implementation mapped to None (it can run these arguments here) or the reason it cannot."""
     _check_args(x, qw)
-    return {"mosaic_gpu": _mosaic_gpu_unavailable(x, qw), "xla": None}
+    return {"mosaic_gpu": _mosaic_gpu_unsupported(x, qw) or _mosaic_gpu_not_here(), "xla": None}
 
 
-__all__ = ["IMPLEMENTATIONS", "available_implementations", "matmul", "num_sms"]
+__all__ = ["IMPLEMENTATIONS", "available_implementations", "hopper_device", "matmul", "num_sms"]

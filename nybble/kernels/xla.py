@@ -1,8 +1,8 @@
 """The XLA path: dequantize and dot, written so XLA can fuse the int4 upcast into its GEMM on GPU.
 
-The ``nk_int4`` codes are viewed as a ``jnp.int4`` (N_pad, K_pad) array through a bitcast (no arithmetic),
-upcast, scaled per group with one multiply-add, rounded to the activation dtype and contracted over K.
-On GPU XLA can fuse the int4 operand and its scaling into a Triton GEMM; elsewhere it is a plain dot.
+The ``nk_int4`` codes are viewed as a ``jnp.int4`` (N_pad, K_pad) array (``nybble.packing.nk_int4_as_int4``,
+whose docstring says what XLA compiles that view to), upcast, scaled per group with one multiply-add,
+rounded to the activation dtype and contracted over K.
 """
 
 from __future__ import annotations

@@ -4,19 +4,22 @@
     model = nybble.models.quantize(model, group_size=128)       # nnx.Linear -> QLinear, in place
     ppl = nybble.models.perplexity(model, tokenizer.encode(nybble.models.eval_text()).ids)
 
-Needs the ``models`` extra (flax, safetensors, gguf, tokenizers).
+Needs the ``models`` extra (flax, safetensors, gguf, tokenizers): ``pip install "nybble[models]"``.
 """
 
-from nybble.models.adapter import (
-    LayerReport,
-    QuantizationReport,
-    plan_quantization,
-    quantize,
-    quantize_params,
-)
+try:  # one clear error naming the extra, before any module of the package needs flax
+    import flax  # noqa: F401
+except ModuleNotFoundError:
+    from nybble.extras import missing_extra_message
+
+    raise ModuleNotFoundError(missing_extra_message("flax", "nybble.models"), name="flax") from None
+
+from nybble.models import smollm2  # `models.smollm2.load()` works after `from nybble import models`
+from nybble.models.adapter import quantize, quantize_params
 from nybble.models.evaluate import generate, negative_log_likelihood, perplexity
 from nybble.models.layers import QDense, QLinear, QuantizedParam, dense
 from nybble.models.llama import KVCache, Llama, LlamaConfig
+from nybble.models.plan import LayerReport, QuantizationReport, plan_quantization
 from nybble.models.rules import DEFAULT_RULES, INHERIT, QuantRule
 from nybble.models.serialization import load_model, save_model
 from nybble.models.text import eval_text
@@ -43,4 +46,5 @@ __all__ = [
     "quantize",
     "quantize_params",
     "save_model",
+    "smollm2",
 ]

@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from nybble.models.autoround import autoround_params, quantize_autoround
+from nybble.models.calibrate import quantize_gptq
 from nybble.models.layers import QLinear
+from nybble.models.plan import (
+    LayerReport,
+    QuantizationReport,
+    array_nbytes,
+    check_not_quantized,
+    path_str,
+    plan_quantization,
+)
 from nybble.models.rules import Decision, QuantRule, check_rules, decide, warn_unmatched
-from nybble.quant.autoround import key_path_str as path_str  # a dotted path: layers.3.attn.q_proj
+from nybble.packing import check_group_size
 from nybble.quant.qweight import QuantizedWeight
-from nybble.quant.rtn import check_group_size
 from nybble.quant.rtn import quantize as quantize_weight
 
 METHODS = ("rtn", "gptq", "autoround")
@@ -24,158 +31,13 @@ METHODS = ("rtn", "gptq", "autoround")
 RTN_OPTIONS = frozenset({"clip_search"})
 
 
-@dataclasses.dataclass(frozen=True)
-class LayerReport:
-    """One dense layer: ``quantized`` with its settings, or skipped for ``reason``; bytes of its weight."""
-
-    path: str
-    shape: tuple[int, int]
-    quantized: bool
-    group_size: int | None
-    symmetric: bool | None
-    reason: str
-    bytes_before: int
-    bytes_after: int
-
-
-@dataclasses.dataclass
-class QuantizationReport:
-    """What ``quantize`` did: every dense layer it saw, quantized or skipped, and the weight bytes."""
-
-    layers: list[LayerReport] = dataclasses.field(default_factory=list)
-    unmatched_rules: list[QuantRule] = dataclasses.field(default_factory=list)
-    method: str = "rtn"
-
-    @property
-    def quantized(self) -> list[LayerReport]:
-        """The layers now held in int4."""
-        return [r for r in self.layers if r.quantized]
-
-    @property
-    def skipped(self) -> list[LayerReport]:
-        """The layers kept in float, each with its reason."""
-        return [r for r in self.layers if not r.quantized]
-
-    @property
-    def bytes_before(self) -> int:
-        """Bytes of all dense-layer weights before quantization."""
-        return sum(r.bytes_before for r in self.layers)
-
-    @property
-    def bytes_after(self) -> int:
-        """Bytes of all dense-layer weights after (int4 codes + scales + offsets for quantized layers)."""
-        return sum(r.bytes_after for r in self.layers)
-
-    def summary(self) -> str:
-        """A short human-readable summary."""
-        mib = 2**20
-        lines = [
-            f"nybble.models.quantize ({self.method}): {len(self.quantized)} layer(s) quantized, "
-            f"{len(self.skipped)} kept in float; dense weights {self.bytes_before / mib:.2f} MiB -> "
-            f"{self.bytes_after / mib:.2f} MiB"
-            + (f" ({self.bytes_before / self.bytes_after:.2f}x smaller)" if self.bytes_after else "")
-        ]
-        settings: dict[tuple[Any, Any], int] = {}
-        for r in self.quantized:
-            settings[(r.group_size, r.symmetric)] = settings.get((r.group_size, r.symmetric), 0) + 1
-        for (gs, sym), count in settings.items():
-            group = "per-column" if gs is None else f"g{gs}"
-            lines.append(f"  {count} x int4 {group} {'symmetric' if sym else 'asymmetric'}")
-        for r in self.skipped:
-            lines.append(f"  kept {r.path} {r.shape}: {r.reason}")
-        for rule in self.unmatched_rules:
-            lines.append(f"  warning: rule {rule.pattern!r} matched no layer")
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.summary()
-
-
-@dataclasses.dataclass
-class PlannedLayer:
-    """One ``nnx.Linear`` found in a model, where it lives, and the rule decision for it."""
-
-    path: str
-    parent: Any
-    key: str | int
-    linear: nnx.Linear
-    decision: Decision
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(in_features, out_features)."""
-        return tuple(self.linear.kernel.shape)  # type: ignore[return-value]
-
-    def replace(self, new: nnx.Module) -> None:
-        """Puts ``new`` where the ``nnx.Linear`` was."""
-        if isinstance(self.parent, nnx.Module) and isinstance(self.key, str):
-            setattr(self.parent, self.key, new)
-        else:
-            self.parent[self.key] = new
-
-
-def _nbytes(a: Any) -> int:
-    return int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-
-
-def plan_quantization(
-    model: nnx.Module,
-    *,
-    rules: Sequence[QuantRule] | None = None,
-    group_size: int | None = 128,
-    symmetric: bool = True,
-    warn: bool = True,
-) -> tuple[list[PlannedLayer], list[QuantRule]]:
-    """Every ``nnx.Linear`` of ``model`` with its rule decision, and the caller's rules that matched none.
-
-    This is the layer selection ``quantize`` uses; calibrated methods (GPTQ) use it too.
-    """
-    rules = check_rules(rules)
-    check_group_size(group_size)
-    modules = {tuple(p): m for p, m in nnx.iter_modules(model)}
-    planned = []
-    for p, m in modules.items():
-        if not isinstance(m, nnx.Linear) or not p:
-            continue
-        path = path_str(p)
-        k, n = m.kernel.shape
-        decision = decide(path, k * n, rules, group_size=group_size, symmetric=symmetric)
-        planned.append(PlannedLayer(path, modules[p[:-1]], p[-1], m, decision))
-    unmatched = warn_unmatched(rules, [pl.path for pl in planned], "nnx.Linear layer") if warn else []
-    return planned, unmatched
+@overload
+def quantize(model: nnx.Module, *, return_report: Literal[False] = ..., **options: Any) -> nnx.Module: ...
 
 
 @overload
 def quantize(
-    model: nnx.Module,
-    *,
-    group_size: int | None = ...,
-    symmetric: bool = ...,
-    rules: Sequence[QuantRule] | None = ...,
-    method: str = ...,
-    calibration: Any = ...,
-    scale_dtype: Any = ...,
-    progress: bool = ...,
-    verbose: bool = ...,
-    return_report: Literal[False] = ...,
-    **method_options: Any,
-) -> nnx.Module: ...
-
-
-@overload
-def quantize(
-    model: nnx.Module,
-    *,
-    group_size: int | None = ...,
-    symmetric: bool = ...,
-    rules: Sequence[QuantRule] | None = ...,
-    method: str = ...,
-    calibration: Any = ...,
-    scale_dtype: Any = ...,
-    progress: bool = ...,
-    verbose: bool = ...,
-    return_report: Literal[True],
-    **method_options: Any,
+    model: nnx.Module, *, return_report: Literal[True], **options: Any
 ) -> tuple[nnx.Module, QuantizationReport]: ...
 
 
@@ -215,7 +77,7 @@ def quantize(
         squared error), and for GPTQ ``act_order``, ``refit_scales``, ``damp``, ``block_size``,
         ``static_groups``, ``seq_len`` (see ``nybble.models.calibrate.quantize_gptq``); for AutoRound
         ``config`` (a preset name or ``AutoRoundConfig``), its fields (``steps``, ``lr``, ...), ``start``,
-        ``target``, ``seq_len`` (see ``nybble.models.autoround.quantize_autoround``).
+        ``target``, ``refit_scales``, ``seq_len`` (see ``nybble.models.autoround.quantize_autoround``).
     """
     if method not in METHODS:
         raise ValueError(f"nybble.models.quantize: unknown method {method!r}; choose one of {METHODS}")
@@ -230,12 +92,7 @@ def quantize(
             "a single layer"
         )
     if method != "rtn":
-        # lazy: calibrated methods are optional and heavier
-        if method == "gptq":
-            from nybble.models.calibrate import quantize_gptq as calibrated
-        else:
-            from nybble.models.autoround import quantize_autoround as calibrated
-
+        calibrated = quantize_gptq if method == "gptq" else quantize_autoround
         return calibrated(
             model,
             calibration=calibration,
@@ -261,10 +118,9 @@ def quantize(
     planned, unmatched = plan_quantization(model, rules=rules, group_size=group_size, symmetric=symmetric)
     report = QuantizationReport(unmatched_rules=unmatched, method=method)
     for pl in tqdm(planned, desc="nybble: quantizing", unit="layer", disable=not progress, leave=False):
-        before = _nbytes(pl.linear.kernel)
         d = pl.decision
         if not d.quantize:
-            report.layers.append(LayerReport(pl.path, pl.shape, False, None, None, d.reason, before, before))
+            report.add(pl.path, pl.shape, d, pl.nbytes)
             continue
         qweight = quantize_weight(
             pl.linear.kernel[...],
@@ -273,11 +129,8 @@ def quantize(
             scale_dtype=scale_dtype,
             **method_options,
         )
-        q = QLinear.from_linear(pl.linear, qweight=qweight)
-        pl.replace(q)
-        report.layers.append(
-            LayerReport(pl.path, pl.shape, True, d.group_size, d.symmetric, "", before, q.weight.nbytes)
-        )
+        pl.replace(QLinear.from_linear(pl.linear, qweight=qweight))
+        report.add(pl.path, pl.shape, d, pl.nbytes, qweight)
     if verbose:
         print(report.summary())
     return (model, report) if return_report else model
@@ -327,19 +180,22 @@ def quantize_params(
     leaves, treedef = jax.tree_util.tree_flatten_with_path(
         params, is_leaf=lambda x: isinstance(x, QuantizedWeight)
     )
-    kernel_paths = [path_str(p[:-1]) for p, leaf in leaves if _is_kernel(p, leaf)]
-    unmatched = warn_unmatched(rules, kernel_paths, "kernel")
+    decisions: dict[int, tuple[str, Decision]] = {}  # leaf index -> (path of the kernel's parent, decision)
+    for i, (p, leaf) in enumerate(leaves):
+        if _is_kernel(p, leaf):
+            path = path_str(p[:-1])
+            decisions[i] = (path, decide(path, leaf.size, rules, group_size=group_size, symmetric=symmetric))
+    already = [path_str(p[:-1]) for p, leaf in leaves if isinstance(leaf, QuantizedWeight)]
+    check_not_quantized(already, sum(d.quantize for _, d in decisions.values()), "kernel")
+    unmatched = warn_unmatched(rules, [path for path, _ in decisions.values()], "kernel")
     report = QuantizationReport(unmatched_rules=unmatched, method=method)
-    decisions = {
-        path_str(p): decide(path_str(p[:-1]), leaf.size, rules, group_size=group_size, symmetric=symmetric)
-        for p, leaf in leaves
-        if _is_kernel(p, leaf)
-    }
     learned: dict[str, QuantizedWeight] = {}
-    if method == "autoround":
-        from nybble.models.autoround import autoround_params  # lazy: calibrated methods are heavier
-
-        chosen = {name: (d.group_size, d.symmetric) for name, d in decisions.items() if d.quantize}
+    if method == "autoround":  # keyed by the kernel leaf's own path ("params.Dense_0.kernel")
+        chosen = {
+            path_str(leaves[i][0]): (d.group_size, d.symmetric)
+            for i, (_, d) in decisions.items()
+            if d.quantize
+        }
         learned = autoround_params(
             params,
             apply_fn,
@@ -349,35 +205,21 @@ def quantize_params(
             progress=progress,
             **method_options,
         )
-    out = []
-    for p, leaf in leaves:
-        if not _is_kernel(p, leaf):
-            out.append(leaf)
-            continue
-        path = path_str(p[:-1])
-        k, n = leaf.shape
-        d = decisions[path_str(p)]
-        before = _nbytes(leaf)
+    out = [leaf for _, leaf in leaves]
+    for i, (path, d) in decisions.items():
+        leaf = out[i]
         if d.quantize:
-            leaf = learned.get(path_str(p)) or quantize_weight(
-                leaf, group_size=d.group_size, symmetric=d.symmetric, scale_dtype=scale_dtype
+            qw = learned.get(path_str(leaves[i][0]))
+            out[i] = (
+                qw
+                if qw is not None
+                else quantize_weight(
+                    leaf, group_size=d.group_size, symmetric=d.symmetric, scale_dtype=scale_dtype
+                )
             )
-            report.layers.append(
-                LayerReport(path, (k, n), True, d.group_size, d.symmetric, "", before, leaf.nbytes)
-            )
-        else:
-            report.layers.append(LayerReport(path, (k, n), False, None, None, d.reason, before, before))
-        out.append(leaf)
+        report.add(path, leaf.shape, d, array_nbytes(leaf), out[i] if d.quantize else None)
     new = jax.tree_util.tree_unflatten(treedef, out)
     return (new, report) if return_report else new
 
 
-__all__ = [
-    "METHODS",
-    "LayerReport",
-    "PlannedLayer",
-    "QuantizationReport",
-    "plan_quantization",
-    "quantize",
-    "quantize_params",
-]
+__all__ = ["METHODS", "LayerReport", "QuantizationReport", "plan_quantization", "quantize", "quantize_params"]

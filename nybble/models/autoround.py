@@ -34,9 +34,9 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm.auto import tqdm
 
-from nybble.models.adapter import PlannedLayer, QuantizationReport, path_str, plan_quantization
 from nybble.models.calibrate import _default_forward, calibration_batches, capture_pass, finish_report
 from nybble.models.layers import QLinear
+from nybble.models.plan import PlannedLayer, QuantizationReport, path_str, plan_quantization
 from nybble.models.rules import QuantRule
 from nybble.quant.autoround import AutoRoundConfig, WeightSpec, autoround_block, block_loss, resolve_config
 from nybble.quant.gptq import gptq, hessian_from_inputs

@@ -26,8 +26,8 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from nybble.models.adapter import LayerReport, PlannedLayer, QuantizationReport, plan_quantization
 from nybble.models.layers import QLinear
+from nybble.models.plan import PlannedLayer, QuantizationReport, plan_quantization
 from nybble.models.rules import QuantRule
 from nybble.quant.gptq import gptq
 
@@ -101,10 +101,9 @@ def finish_report(
     """Appends every planned layer to ``report``; a chosen layer whose result is None (never calibrated)
     is quantized round-to-nearest in place now and reported with the reason ``missed``."""
     for pl in planned:
-        before = int(np.prod(pl.linear.kernel.shape)) * np.dtype(pl.linear.kernel.dtype).itemsize
         d = pl.decision
         if not d.quantize:
-            report.layers.append(LayerReport(pl.path, pl.shape, False, None, None, d.reason, before, before))
+            report.add(pl.path, pl.shape, d, pl.nbytes)
             continue
         result, reason = results.get(pl.path), ""
         if result is None:
@@ -113,11 +112,7 @@ def finish_report(
             )
             pl.replace(result)
             reason = f"{missed}: round-to-nearest"
-        report.layers.append(
-            LayerReport(
-                pl.path, pl.shape, True, d.group_size, d.symmetric, reason, before, result.weight.nbytes
-            )
-        )
+        report.add(pl.path, pl.shape, d, pl.nbytes, result.weight, reason)
 
 
 def quantize_gptq(

@@ -12,6 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+# Tokens scored per window by default (README's perplexity table, `nybble eval`): each token sees at most
+# this much context.
+DEFAULT_WINDOW = 256
+
 
 def _split(model: nnx.Module) -> tuple[Any, Any]:
     if not isinstance(model, nnx.Module):
@@ -29,7 +33,7 @@ def _nll_sum(graphdef: Any, state: Any, inputs: jax.Array, targets: jax.Array, m
 
 
 def negative_log_likelihood(
-    model: nnx.Module, token_ids: Sequence[int] | np.ndarray, *, window: int = 256, batch: int = 4
+    model: nnx.Module, token_ids: Sequence[int] | np.ndarray, *, window: int = DEFAULT_WINDOW, batch: int = 4
 ) -> tuple[float, int]:
     """Summed next-token negative log-likelihood (nats) and the number of tokens scored.
 
@@ -65,7 +69,7 @@ def negative_log_likelihood(
 
 
 def perplexity(
-    model: nnx.Module, token_ids: Sequence[int] | np.ndarray, *, window: int = 256, batch: int = 4
+    model: nnx.Module, token_ids: Sequence[int] | np.ndarray, *, window: int = DEFAULT_WINDOW, batch: int = 4
 ) -> float:
     """Perplexity ``exp(mean NLL)`` of a causal LM (``model(ids)`` -> logits) over a token stream.
 

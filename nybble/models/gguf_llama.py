@@ -10,15 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nybble.extras import require
 from nybble.models.llama import Llama, LlamaConfig
-
-
-def _require_gguf() -> Any:
-    try:
-        import gguf
-    except ImportError as e:  # pragma: no cover - gguf is a declared extra
-        raise ImportError("reading GGUF files needs `pip install gguf` (nybble[models])") from e
-    return gguf
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -76,7 +69,7 @@ _LAYER_TENSORS = {
 
 def read_params(reader: Any, cfg: LlamaConfig) -> dict[str, Any]:
     """The model's float32 weights as a pure dict in ``Llama`` layout (kernels (in, out))."""
-    gguf = _require_gguf()
+    gguf = require("gguf", "reading GGUF files")
     params: dict[str, Any] = {"layers": {i: {} for i in range(cfg.num_layers)}}
     for t in reader.tensors:
         w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
@@ -129,10 +122,9 @@ def build_llama(cfg: LlamaConfig, params: dict[str, Any], dtype: Any = jnp.float
 
 def build_tokenizer(reader: Any) -> Any:
     """A ``tokenizers.Tokenizer`` rebuilt from the GGUF vocabulary (byte-level BPE, gpt2 model)."""
-    try:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    except ImportError as e:  # pragma: no cover - tokenizers is a declared extra
-        raise ImportError("the tokenizer needs `pip install tokenizers` (nybble[models])") from e
+    tokenizers = require("tokenizers", "the GGUF tokenizer")
+    Tokenizer, decoders, models = tokenizers.Tokenizer, tokenizers.decoders, tokenizers.models
+    pre_tokenizers = tokenizers.pre_tokenizers
     model = _field(reader, "tokenizer.ggml.model")
     if model != "gpt2":
         raise ValueError(f"only byte-level BPE (gpt2) GGUF tokenizers are supported, got {model!r}")
@@ -153,7 +145,7 @@ def build_tokenizer(reader: Any) -> Any:
 
 def open_gguf(path: str | os.PathLike[str]) -> Any:
     """A ``gguf.GGUFReader`` over ``path``."""
-    gguf = _require_gguf()
+    gguf = require("gguf", "reading GGUF files")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     return gguf.GGUFReader(os.fspath(path))

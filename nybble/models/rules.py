@@ -8,7 +8,7 @@ import re
 import warnings
 from collections.abc import Sequence
 
-from nybble.quant.rtn import check_group_size
+from nybble.packing import check_group_size
 
 
 class _Inherit(enum.Enum):

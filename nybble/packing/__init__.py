@@ -1,5 +1,7 @@
-"""Pad and pack int4 nibble tensors into byte-aligned blocks and back, exactly; the layouts kernels read."""
+"""Pad and pack int4 nibble tensors into byte-aligned blocks and back, exactly; the layouts kernels read;
+the group geometry (which rows of K share a scale row)."""
 
+from nybble.packing.groups import MIN_GROUP_SIZE, check_group_size, group_rows, num_groups
 from nybble.packing.layouts import (
     DEFAULT_LAYOUT,
     LAYOUTS,
@@ -14,10 +16,14 @@ from nybble.packing.padding import WEIGHT_TILE, pad_to, padded_weight_dims, roun
 __all__ = [
     "DEFAULT_LAYOUT",
     "LAYOUTS",
+    "MIN_GROUP_SIZE",
     "WEIGHT_TILE",
     "WeightLayout",
+    "check_group_size",
     "get_layout",
+    "group_rows",
     "nk_int4_as_int4",
+    "num_groups",
     "pack_int4",
     "pad_to",
     "padded_weight_dims",

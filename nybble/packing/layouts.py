@@ -3,10 +3,13 @@
 A layout maps logical codes ``q`` of shape (K_pad, N_pad), int8 in [-8, 7], to the bytes the kernels read,
 and back. Add a layout by registering a :class:`WeightLayout`; ``QuantizedWeight.layout`` names one.
 
-``nk_int4`` (the default): W^T stored K-major, shape (N_pad, K_pad // 2) uint8. Byte (n, j) holds q[2j, n]
+``wgmma_int4`` (the default, what the Hopper kernels read) is described in :mod:`nybble.packing.fragments`.
+
+``nk_int4``: W^T stored K-major, shape (N_pad, K_pad // 2) uint8. Byte (n, j) holds q[2j, n]
 in its low nibble and q[2j + 1, n] in its high nibble, two's complement. That is exactly the memory of a
-``jnp.int4`` array of shape (N_pad, K_pad), so XLA reads it as int4 through a free bitcast and a Mosaic GPU
-kernel can TMA a (tile_n, tile_k // 2) byte block and load it as an int4 (tile_n, tile_k) WGMMA operand.
+``jnp.int4`` array of shape (N_pad, K_pad) (:func:`nk_int4_as_int4`, whose docstring says what XLA makes of
+that view), so a Mosaic GPU kernel can TMA a (tile_n, tile_k // 2) byte block and load it as an int4
+(tile_n, tile_k) WGMMA operand.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from nybble.packing.fragments import pack_wgmma_int4, unpack_wgmma_int4
 from nybble.packing.nibbles import pack_int4, unpack_int4
 
 
@@ -38,11 +42,20 @@ def _nk_int4_pack(codes_kn: Any) -> Any:
 
 
 def _nk_int4_unpack(packed: Any, k_pad: int) -> Any:
+    if packed.dtype == jnp.int4:  # the same bytes viewed as int4 (nk_int4_as_int4): already one per value
+        return packed.astype(jnp.int8).T[:k_pad]
     return unpack_int4(packed, k_pad, axis=-1, signed=True).T
 
 
 def nk_int4_as_int4(packed: jax.Array) -> jax.Array:
-    """Views ``nk_int4`` bytes (N_pad, K_pad // 2) as a ``jnp.int4`` array (N_pad, K_pad), no arithmetic."""
+    """Views ``nk_int4`` bytes (N_pad, K_pad // 2) as a ``jnp.int4`` array (N_pad, K_pad): a bitcast.
+
+    What the compiled HLO shows (jax 0.11.2): on CUDA (compiled deviceless for sm_90a,
+    /work/shared/KERNEL_XRAY.md) a free ``bitcast``, no copy. On the CPU XLA's BitcastDtypesExpander
+    rewrites it into a shift-and-mask loop fusion: inside the XLA matmul path that fusion merges into the
+    dequantization (no s4 array is written), but where the int4 array itself must exist (a jit output, an
+    operand XLA cannot fuse into) that fusion writes a fresh s4 copy of the codes.
+    """
     n_pad, half_k = packed.shape
     return jax.lax.bitcast_convert_type(packed, jnp.int4).reshape(n_pad, 2 * half_k)
 
@@ -73,4 +86,14 @@ register_layout(
         description="W^T K-major, two int4 per byte along K (low nibble = even k): jnp.int4 memory order",
     )
 )
-DEFAULT_LAYOUT = "nk_int4"
+register_layout(
+    WeightLayout(
+        name="wgmma_int4",
+        pack=pack_wgmma_int4,
+        unpack=unpack_wgmma_int4,
+        stored_shape=lambda k_pad, n_pad: (n_pad // 8, k_pad),
+        description="uint32 words in WGMMA A-fragment order: 8-row bands, 64-K chunks, one lane's nibbles "
+        "per word pair (nybble.packing.fragments); what the Hopper kernels read",
+    )
+)
+DEFAULT_LAYOUT = "wgmma_int4"

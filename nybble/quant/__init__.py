@@ -12,7 +12,7 @@ from nybble.quant.formats import (
     to_torch_uint8_codes,
 )
 from nybble.quant.gptq import HessianAccumulator, gptq, hessian_from_inputs
-from nybble.quant.qweight import QuantizedWeight, dequantize
+from nybble.quant.qweight import QuantizedWeight, dequantize, relayout
 from nybble.quant.refit import refit_group_params
 from nybble.quant.rtn import quantize
 
@@ -30,6 +30,7 @@ __all__ = [
     "load_gptq_checkpoint",
     "quantize",
     "refit_group_params",
+    "relayout",
     "to_torch_int4pack",
     "to_torch_uint8_codes",
 ]

@@ -38,9 +38,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nybble.packing import DEFAULT_LAYOUT, get_layout, pad_to, padded_weight_dims
+from nybble.packing import (
+    DEFAULT_LAYOUT,
+    check_group_size,
+    get_layout,
+    group_rows,
+    num_groups,
+    pad_to,
+    padded_weight_dims,
+)
 from nybble.quant.qweight import QuantizedWeight, dequantize
-from nybble.quant.rtn import SUPPORTED_SCALE_DTYPES, check_group_size, check_weight, group_params
+from nybble.quant.rtn import check_scale_dtype, check_weight, group_params
 
 __all__ = [
     "PRESETS",
@@ -144,7 +152,8 @@ class AutoRoundResult:
 
 @dataclasses.dataclass(frozen=True)
 class _Shape:
-    """Static description of one weight: logical and padded shape, groups, format."""
+    """Static description of one weight: logical and padded shape, groups (the last may be partial: its
+    rows past K_pad exist only while learning), format."""
 
     k: int
     n: int
@@ -158,9 +167,9 @@ class _Shape:
     @classmethod
     def of(cls, shape: tuple[int, int], spec: WeightSpec) -> _Shape:
         k, n = shape
-        k_pad, n_pad = padded_weight_dims(k, n, spec.group_size)
-        g = k_pad if spec.group_size is None else spec.group_size
-        return cls(k, n, k_pad, n_pad, g, -(-k_pad // g), spec.symmetric, spec.group_size)
+        k_pad, n_pad = padded_weight_dims(k, n)
+        g, ng = group_rows(k_pad, spec.group_size), num_groups(k_pad, spec.group_size)
+        return cls(k, n, k_pad, n_pad, g, ng, spec.symmetric, spec.group_size)
 
 
 def _start(
@@ -178,8 +187,7 @@ def _start(
     s0 = scales.astype(jnp.float32)[:, None, :]
     b0 = jnp.zeros_like(s0) if offsets is None else offsets.astype(jnp.float32)[:, None, :]
     if start is not None:  # the offsets that reproduce the given codes: round(z + v0) = q
-        q = get_layout(start.layout).unpack(start.codes, shp.k_pad).astype(jnp.float32)
-        q = pad_to(q, (rows, shp.n_pad)).reshape(wg.shape)
+        q = pad_to(start.logical_codes().astype(jnp.float32), (rows, shp.n_pad)).reshape(wg.shape)
         v0 = jnp.where(s0 == 0, 0.0, q - (wg - b0) / jnp.where(s0 == 0, 1.0, s0))
     return dict(w=wg, valid=valid, s0=s0, b0=b0, v0=v0)
 
@@ -233,13 +241,13 @@ def _freeze(
 ) -> QuantizedWeight:
     _, q, s, b = _fake_quant(fixed, theta, shp, scale_dtype)
     codes = q.reshape(shp.ng * shp.g, shp.n_pad)[: shp.k_pad].astype(jnp.int8)
-    return QuantizedWeight(
-        codes=get_layout(layout).pack(codes),
-        scales=s[:, 0].astype(scale_dtype),
-        offsets=None if shp.symmetric else b[:, 0].astype(scale_dtype),
+    offsets = None if shp.symmetric else b[:, 0].astype(scale_dtype)
+    return QuantizedWeight.from_codes(
+        codes,
+        s[:, 0].astype(scale_dtype),
+        offsets,
         shape=(shp.k, shp.n),
         group_size=shp.group_size,
-        symmetric=shp.symmetric,
         layout=layout,
     )
 
@@ -482,8 +490,7 @@ def autoround_block(
       callback: ``callback(steps_done, loss)`` after each chunk of steps (progress bars).
     """
     cfg = resolve_config(config)
-    if np.dtype(scale_dtype).name not in SUPPORTED_SCALE_DTYPES:
-        raise ValueError(f"autoround: scale_dtype must be one of {SUPPORTED_SCALE_DTYPES}, got {scale_dtype}")
+    check_scale_dtype(scale_dtype, "autoround")
     get_layout(layout)
     start = dict(start or {})
     sdt = np.dtype(scale_dtype)

@@ -1,5 +1,7 @@
 """GPTQ (Frantar et al., 2022): int4 weights that minimize the layer's output error on calibration data.
 
+The algorithm; importing checkpoints other tools made with it is ``nybble.quant.formats.gptq_format``.
+
 For a layer ``y = x @ w`` with ``w`` of shape (K, N) and calibration inputs ``X`` (n, K), GPTQ quantizes
 the rows of ``w`` (the input features) one at a time and, after each, spreads that row's rounding error
 over the rows not yet quantized so that ``X @ w`` moves as little as possible. With the Hessian
@@ -40,16 +42,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nybble.packing import DEFAULT_LAYOUT, get_layout, pad_to, padded_weight_dims, round_up
+from nybble.packing import (
+    DEFAULT_LAYOUT,
+    check_group_size,
+    group_rows,
+    num_groups,
+    pad_to,
+    padded_weight_dims,
+    round_up,
+)
+from nybble.quant.lapack_threads import one_blas_thread, ready
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.refit import damped_hessian, least_squares_params
-from nybble.quant.rtn import (
-    SUPPORTED_SCALE_DTYPES,
-    check_group_size,
-    check_weight,
-    group_params,
-    round_to_codes,
-)
+from nybble.quant.rtn import check_scale_dtype, check_weight, group_params, round_to_codes
 
 __all__ = ["HessianAccumulator", "gptq", "hessian_from_inputs"]
 
@@ -142,8 +147,7 @@ def gptq(
     """
     check_weight(w, "gptq")
     check_group_size(group_size)
-    if np.dtype(scale_dtype).name not in SUPPORTED_SCALE_DTYPES:
-        raise ValueError(f"gptq: scale_dtype must be one of {SUPPORTED_SCALE_DTYPES}, got {scale_dtype}")
+    check_scale_dtype(scale_dtype, "gptq")
     if (hessian is None) == (inputs is None):
         raise ValueError("gptq: pass exactly one of hessian= (K, K) or inputs= (..., K)")
     k, n = w.shape
@@ -161,45 +165,42 @@ def gptq(
             "gptq: act_order=True needs static_groups=True (the default): dynamic groups under act-order "
             "scatter each group over K and would need a permutation of the input at run time"
         )
-    k_pad, n_pad = padded_weight_dims(k, n, group_size)
+    k_pad, n_pad = padded_weight_dims(k, n)
     block = block_size if group_size is None else max(block_size, group_size)
     if group_size is not None and block % group_size:
         raise ValueError(f"gptq: block_size {block_size} must be a multiple of group_size {group_size}")
-    codes, scales, offsets, ok = _gptq_core(
-        jnp.asarray(w, jnp.float32),
-        h,
-        k=k,
-        k_pad=k_pad,
-        n_pad=n_pad,
-        k_loop=round_up(k_pad, block),
-        group_size=group_size,
-        symmetric=symmetric,
-        damp=float(damp),
-        block=block,
-        act_order=act_order,
-        static_groups=static_groups or group_size is None,
-        scale_dtype=np.dtype(scale_dtype),
-        clip_search=bool(clip_search),
-    )
-    if not isinstance(ok, jax.core.Tracer) and not bool(ok):
-        raise ValueError(
-            f"gptq: the damped Hessian of this ({k}, {n}) layer is not positive definite in float32 "
-            f"(damp={damp}); raise damp (e.g. 0.1) or use more calibration data"
+    with one_blas_thread():  # the factorizations run in LAPACK on the CPU: see nybble.quant.lapack_threads
+        codes, scales, offsets, ok = ready(
+            _gptq_core(
+                jnp.asarray(w, jnp.float32),
+                h,
+                k=k,
+                k_pad=k_pad,
+                n_pad=n_pad,
+                k_loop=round_up(k_pad, block),
+                group_size=group_size,
+                symmetric=symmetric,
+                damp=float(damp),
+                block=block,
+                act_order=act_order,
+                static_groups=static_groups or group_size is None,
+                scale_dtype=np.dtype(scale_dtype),
+                clip_search=bool(clip_search),
+            )
         )
-    if refit_scales:  # dead inputs hold weight 0 and code 0, as in the core
-        target = jnp.where((jnp.diag(h) == 0)[:, None], 0.0, jnp.asarray(w, jnp.float32))
-        scales, offsets = least_squares_params(
-            codes, target, damped_hessian(h, float(damp)), scales, offsets,
-            group_size=group_size, symmetric=symmetric, scale_dtype=np.dtype(scale_dtype),
-        )  # fmt: skip
-    return QuantizedWeight(
-        codes=get_layout(layout).pack(codes),
-        scales=scales,
-        offsets=offsets,
-        shape=(k, n),
-        group_size=group_size,
-        symmetric=symmetric,
-        layout=layout,
+        if not isinstance(ok, jax.core.Tracer) and not bool(ok):
+            raise ValueError(
+                f"gptq: the damped Hessian of this ({k}, {n}) layer is not positive definite in float32 "
+                f"(damp={damp}); raise damp (e.g. 0.1) or use more calibration data"
+            )
+        if refit_scales:  # dead inputs hold weight 0 and code 0, as in the core
+            target = jnp.where((jnp.diag(h) == 0)[:, None], 0.0, jnp.asarray(w, jnp.float32))
+            scales, offsets = ready(least_squares_params(
+                codes, target, damped_hessian(h, float(damp)), scales, offsets,
+                group_size=group_size, symmetric=symmetric, scale_dtype=np.dtype(scale_dtype),
+            ))  # fmt: skip
+    return QuantizedWeight.from_codes(
+        codes, scales, offsets, shape=(k, n), group_size=group_size, layout=layout
     )
 
 
@@ -216,8 +217,7 @@ def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, group_size, symmetric, damp, bl
 
     ``ok`` is False when a Cholesky factorization failed (non-finite factor).
     """
-    g = k_pad if group_size is None else group_size
-    num_groups = -(-k_pad // g)
+    g, ng = group_rows(k_pad, group_size), num_groups(k_pad, group_size)
     groups_loop = -(-k_loop // g)
     real = jnp.arange(k_loop) < k
     # Dead inputs (zero Hessian diagonal) get weight 0 and H_kk = 1; rows padded up to a whole number
@@ -247,46 +247,52 @@ def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, group_size, symmetric, damp, bl
     u = jnp.linalg.cholesky(hinv).T
     ok = jnp.all(jnp.isfinite(u))
 
-    codes = jnp.zeros((k_loop, n_pad), jnp.float32)
-    dyn_scales, dyn_offsets = [], []
-    for k0 in range(0, k_loop, block):
-        u1 = u[k0 : k0 + block, k0 : k0 + block]
-        carry = (w[k0 : k0 + block], jnp.zeros((block, n_pad)), jnp.zeros((block, n_pad)))
+    def quantize_block(b: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        """Rows [b * block, (b + 1) * block): one row at a time inside, then one lazy batch update."""
+        w, codes, dyn_s, dyn_b = carry
+        k0 = b * block
+        u_rows = jax.lax.dynamic_slice_in_dim(u, k0, block)  # (block, k_loop)
+        u1 = jax.lax.dynamic_slice_in_dim(u_rows, k0, block, axis=1)
+        zeros = jnp.zeros((block, n_pad), jnp.float32)
+        blk = (jax.lax.dynamic_slice_in_dim(w, k0, block), zeros, zeros)
         if static_groups:
-            rows = perm[k0 : k0 + block] // g
-            step = functools.partial(_row_step, u1, st_s[rows], st_b[rows])
-            carry = jax.lax.fori_loop(0, block, step, carry)
+            rows = jax.lax.dynamic_slice_in_dim(perm, k0, block) // g
+            blk = jax.lax.fori_loop(0, block, functools.partial(_row_step, u1, st_s[rows], st_b[rows]), blk)
         else:
             for start in range(0, block, g):  # a dynamic group: parameters from the updated rows
-                valid = real[k0 + start : k0 + start + g, None]
+                valid = jax.lax.dynamic_slice_in_dim(real, k0 + start, g)[:, None]
                 sc, of = group_params(
-                    carry[0][start : start + g], valid, symmetric, scale_dtype, clip_search=clip_search
+                    blk[0][start : start + g], valid, symmetric, scale_dtype, clip_search=clip_search
                 )
-                dyn_scales.append(sc)
-                dyn_offsets.append(of)
+                j = (k0 + start) // g
+                dyn_s = dyn_s.at[j].set(sc)
                 s_rows = jnp.broadcast_to(sc.astype(jnp.float32), (block, n_pad))
-                b_rows = (
-                    jnp.zeros_like(s_rows)
-                    if of is None
-                    else jnp.broadcast_to(of.astype(jnp.float32), s_rows.shape)
-                )
+                b_rows = jnp.zeros_like(s_rows)
+                if of is not None:
+                    dyn_b = dyn_b.at[j].set(of)
+                    b_rows = jnp.broadcast_to(of.astype(jnp.float32), s_rows.shape)
                 step = functools.partial(_row_step, u1, s_rows, b_rows)
-                carry = jax.lax.fori_loop(start, start + g, step, carry)
-        _, q1, e1 = carry
-        codes = codes.at[k0 : k0 + block].set(q1)
-        if k0 + block < k_loop:  # lazy batch update of every later row
-            upd = jnp.matmul(u[k0 : k0 + block, k0 + block :].T, e1, precision=jax.lax.Precision.HIGHEST)
-            w = w.at[k0 + block :].add(-upd)
+                blk = jax.lax.fori_loop(start, start + g, step, blk)
+        _, q1, e1 = blk
+        codes = jax.lax.dynamic_update_slice_in_dim(codes, q1, k0, 0)
+        # Lazy batch update of every later row; U's columns up to the block's end are masked to zero, so
+        # the rows already quantized receive exactly 0.
+        u_later = jnp.where(jnp.arange(k_loop) >= k0 + block, u_rows, 0.0)
+        w = w - jnp.matmul(u_later.T, e1, precision=jax.lax.Precision.HIGHEST)
+        return w, codes, dyn_s, dyn_b
+
+    no_params = jnp.zeros((groups_loop, n_pad), scale_dtype)
+    carry = (w, jnp.zeros((k_loop, n_pad), jnp.float32), no_params, no_params)
+    _, codes, dyn_scales, dyn_offsets = jax.lax.fori_loop(0, k_loop // block, quantize_block, carry)
 
     codes = jnp.zeros_like(codes).at[perm].set(codes)  # back to natural row order
     codes = jnp.where(real[:, None], codes, 0)[:k_pad].astype(jnp.int8)
     if static_groups:
         scales, offsets = st_scales, st_offsets
     else:
-        scales = jnp.stack(dyn_scales)
-        offsets = None if symmetric else jnp.stack(dyn_offsets)
+        scales, offsets = dyn_scales, None if symmetric else dyn_offsets
     # Groups wholly past K hold zero scales and offsets, as in nybble.quantize.
-    return codes, scales[:num_groups], None if offsets is None else offsets[:num_groups], ok
+    return codes, scales[:ng], None if offsets is None else offsets[:ng], ok
 
 
 def _row_step(u1, s_rows, b_rows, i, carry):
@@ -298,4 +304,3 @@ def _row_step(u1, s_rows, b_rows, i, carry):
     later = jnp.where(jnp.arange(u1.shape[0]) > i, u1[i], 0.0)
     w1 = w1 - later[:, None] * err[None, :]
     return w1, q1.at[i].set(q), e1.at[i].set(err)
-

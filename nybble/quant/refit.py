@@ -19,6 +19,7 @@ memory stays at a few (K, N) arrays plus the (N, G, G) systems.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -26,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nybble.packing import get_layout, pad_to
+from nybble.packing import group_rows, pad_to
+from nybble.quant.lapack_threads import one_blas_thread, ready
 from nybble.quant.qweight import QuantizedWeight
 
 __all__ = ["damped_hessian", "least_squares_params", "refit_group_params"]
@@ -65,7 +67,7 @@ def least_squares_params(
     """
     k_pad, n_pad = codes.shape
     ng = scales.shape[0]
-    g = k_pad if group_size is None else group_size
+    g = group_rows(k_pad, group_size)
     rows = ng * g  # whole groups; rows past K hold code 0 and no Hessian coupling
     q = pad_to(codes.astype(jnp.float32), (rows, n_pad))
     w = pad_to(w.astype(jnp.float32), (rows, n_pad))
@@ -129,25 +131,18 @@ def refit_group_params(
         raise ValueError(f"refit_group_params: hessian must be ({k}, {k}), got {np.shape(hessian)}")
     if not damp >= 0:
         raise ValueError(f"refit_group_params: damp must be >= 0, got {damp}")
-    k_pad = qweight.padded_shape[0]
-    codes = get_layout(qweight.layout).unpack(qweight.codes, k_pad)
     h = damped_hessian(jnp.asarray(hessian, jnp.float32), float(damp))
-    scales, offsets = least_squares_params(
-        codes,
-        jnp.asarray(w, jnp.float32),
-        h,
-        qweight.scales,
-        qweight.offsets,
-        group_size=qweight.group_size,
-        symmetric=qweight.symmetric,
-        scale_dtype=qweight.dtype,
-    )
-    return QuantizedWeight(
-        codes=qweight.codes,
-        scales=scales,
-        offsets=offsets,
-        shape=qweight.shape,
-        group_size=qweight.group_size,
-        symmetric=qweight.symmetric,
-        layout=qweight.layout,
-    )
+    with one_blas_thread():  # the batched solve runs in LAPACK on the CPU: nybble.quant.lapack_threads
+        scales, offsets = ready(
+            least_squares_params(
+                qweight.logical_codes(),
+                jnp.asarray(w, jnp.float32),
+                h,
+                qweight.scales,
+                qweight.offsets,
+                group_size=qweight.group_size,
+                symmetric=qweight.symmetric,
+                scale_dtype=qweight.dtype,
+            )
+        )
+    return dataclasses.replace(qweight, scales=scales, offsets=offsets)

@@ -8,21 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nybble.packing import DEFAULT_LAYOUT, get_layout, pad_to, padded_weight_dims
-from nybble.quant.qweight import QuantizedWeight
-
-SUPPORTED_SCALE_DTYPES = ("bfloat16", "float16", "float32")
-
-
-def check_group_size(group_size: int | None) -> None:
-    """Group sizes are None (per column) or powers of two from 16 up."""
-    if group_size is None:
-        return
-    if not isinstance(group_size, int | np.integer) or group_size < 16 or group_size & (group_size - 1):
-        raise ValueError(
-            f"group_size must be None (one group per column) or a power of two >= 16 "
-            f"(32, 64, 128, 256, ...), got {group_size!r}"
-        )
+from nybble.packing import (
+    DEFAULT_LAYOUT,
+    check_group_size,
+    group_rows,
+    num_groups,
+    pad_to,
+    padded_weight_dims,
+)
+from nybble.quant.qweight import SCALE_DTYPES, QuantizedWeight
 
 
 def check_weight(w: Any, what: str = "quantize") -> None:
@@ -76,33 +70,25 @@ def quantize(
     """
     check_weight(w)
     check_group_size(group_size)
-    if np.dtype(scale_dtype).name not in SUPPORTED_SCALE_DTYPES:
-        raise ValueError(f"scale_dtype must be one of {SUPPORTED_SCALE_DTYPES}, got {scale_dtype}")
-    packer = get_layout(layout)
+    check_scale_dtype(scale_dtype)
     k, n = w.shape
-    k_pad, n_pad = padded_weight_dims(k, n, group_size)
-    g = k_pad if group_size is None else group_size
-    num_groups = -(-k_pad // g)  # the last group may be partial: pad it for the statistics only
-    wf = pad_to(jnp.asarray(w, jnp.float32), (num_groups * g, n_pad)).reshape(num_groups, g, n_pad)
+    k_pad, n_pad = padded_weight_dims(k, n)
+    g, ng = group_rows(k_pad, group_size), num_groups(k_pad, group_size)
+    # The last group may be partial: padded to whole groups for the statistics only.
+    wf = pad_to(jnp.asarray(w, jnp.float32), (ng * g, n_pad)).reshape(ng, g, n_pad)
     # Padded rows take no part in the statistics and get code 0.
-    valid = (jnp.arange(num_groups * g) < k).reshape(num_groups, g, 1)
+    valid = (jnp.arange(ng * g) < k).reshape(ng, g, 1)
     scales, offsets = group_params(wf, valid, symmetric, scale_dtype, clip_search=clip_search)
     b = 0.0 if offsets is None else offsets.astype(jnp.float32)[:, None, :]
     q, _ = round_to_codes(wf, scales.astype(jnp.float32)[:, None, :], b)
-    q = jnp.where(valid, q, 0)
-    q = q.astype(jnp.int8).reshape(num_groups * g, n_pad)[:k_pad]
-    codes = packer.pack(q)
-    if isinstance(w, np.ndarray):  # numpy in: keep host arrays concrete but as jax arrays
-        codes = jnp.asarray(codes)
-    return QuantizedWeight(
-        codes=codes,
-        scales=scales,
-        offsets=offsets,
-        shape=(k, n),
-        group_size=group_size,
-        symmetric=symmetric,
-        layout=layout,
-    )
+    q = jnp.where(valid, q, 0).astype(jnp.int8).reshape(ng * g, n_pad)[:k_pad]
+    return QuantizedWeight.from_codes(q, scales, offsets, shape=(k, n), group_size=group_size, layout=layout)
+
+
+def check_scale_dtype(scale_dtype: Any, what: str = "quantize") -> None:
+    """Raises unless ``scale_dtype`` is one a ``QuantizedWeight`` stores (``SCALE_DTYPES``)."""
+    if np.dtype(scale_dtype).name not in SCALE_DTYPES:
+        raise ValueError(f"{what}: scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype}")
 
 
 # Shrink factors of the group range tried by the clipping search (1.0: no clipping).

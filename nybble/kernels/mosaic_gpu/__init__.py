@@ -10,20 +10,21 @@ from nybble.kernels.mosaic_gpu.api import (
     is_interpret_active,
     is_supported,
     mosaic_gpu_matmul,
+    plan,
 )
 from nybble.kernels.mosaic_gpu.config import TuningConfig, heuristic_cases, heuristic_config
 from nybble.kernels.mosaic_gpu.interpret import races_found, reset_state
-from nybble.kernels.mosaic_gpu.kernel import deinterleave_k, w4a16_padded
+from nybble.kernels.mosaic_gpu.kernel import w4a16
 
 __all__ = [
     "TuningConfig",
-    "deinterleave_k",
     "heuristic_cases",
     "heuristic_config",
     "is_interpret_active",
     "is_supported",
     "mosaic_gpu_matmul",
+    "plan",
     "races_found",
     "reset_state",
-    "w4a16_padded",
+    "w4a16",
 ]

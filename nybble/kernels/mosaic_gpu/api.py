@@ -15,18 +15,13 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from nybble.kernels.mosaic_gpu.config import (
-    DEFAULT_NUM_SMS,
-    MIN_GROUP_SIZE,
-    TuningConfig,
-    heuristic_config,
-)
+from nybble.kernels.mosaic_gpu.common import Problem
+from nybble.kernels.mosaic_gpu.config import DEFAULT_NUM_SMS, TuningConfig, heuristic_config, x_rows
 from nybble.kernels.mosaic_gpu.interpret import active_params
-from nybble.kernels.mosaic_gpu.kernel import deinterleave_k, w4a16_padded
-from nybble.packing import nk_int4_as_int4, round_up
+from nybble.kernels.mosaic_gpu.kernel import w4a16
 from nybble.quant.qweight import QuantizedWeight
 
-SUPPORTED_LAYOUTS = ("nk_int4",)
+SUPPORTED_LAYOUTS = ("wgmma_int4",)
 SUPPORTED_X_DTYPES = ("bfloat16", "float16")
 
 
@@ -43,7 +38,11 @@ def is_supported(x: Any, qw: QuantizedWeight) -> str | None:
     if not isinstance(qw, QuantizedWeight):
         return f"the weight is a {type(qw).__name__}, not a nybble.QuantizedWeight"
     if qw.layout not in SUPPORTED_LAYOUTS:
-        return f"the weight layout {qw.layout!r} is not one the kernel reads {SUPPORTED_LAYOUTS}"
+        return (
+            f"the weight layout {qw.layout!r} is not one the kernel reads {SUPPORTED_LAYOUTS}: repack it "
+            f"once with nybble.quant.relayout(qw, 'wgmma_int4') (exact), or quantize with that layout "
+            f"(the default)"
+        )
     x_dtype = np.dtype(x.dtype).name
     if x_dtype not in SUPPORTED_X_DTYPES:
         return (
@@ -52,26 +51,9 @@ def is_supported(x: Any, qw: QuantizedWeight) -> str | None:
         )
     if x.shape[-1] != qw.shape[0]:
         return f"x has K={x.shape[-1]} but the weight has K={qw.shape[0]}"
-    k_pad, n_pad = qw.padded_shape
-    g = qw.block_k
-    if not (g % 64 == 0 or (64 % g == 0 and g >= MIN_GROUP_SIZE)):
-        return (
-            f"group size {g} is not supported by the kernel (needs {MIN_GROUP_SIZE}, 32 or a multiple "
-            f"of 64); use implementation='xla'"
-        )
-    if np.dtype(qw.scales.dtype).name not in ("bfloat16", "float16", "float32"):
-        return f"scale dtype {np.dtype(qw.scales.dtype).name} is not a float type"
-    if k_pad % 64 or n_pad % 64:
-        return f"padded shape (K_pad, N_pad) = {(k_pad, n_pad)} is not a multiple of 64"
-    codes_dtype = np.dtype(qw.codes.dtype)
-    if codes_dtype == np.dtype(jnp.int4):
-        expected = (n_pad, k_pad)
-    elif codes_dtype == np.uint8:
-        expected = (n_pad, k_pad // 2)
-    else:
-        return f"codes have dtype {codes_dtype.name}; the kernel reads uint8 (packed) or int4 codes"
-    if tuple(qw.codes.shape) != expected:
-        return f"{codes_dtype.name} codes have shape {tuple(qw.codes.shape)}, expected {expected}"
+    # Group sizes, padding to 64 and the codes' dtype and shape need no check here: a QuantizedWeight
+    # validates them on construction (for its layout), and every group it allows (a power of two >= 16,
+    # or K_pad) divides or is a multiple of the kernel's 64-wide dequantization chunk.
     return None
 
 
@@ -105,58 +87,52 @@ mlir.register_lowering(_requires_gpu_p, lambda ctx, x: [x], platform="cuda")
 batching.primitive_batchers[_requires_gpu_p] = lambda args, dims: (_requires_gpu_p.bind(*args), dims[0])
 
 
-def _forward(x2d: jax.Array, qw: QuantizedWeight, config: TuningConfig | None, num_sms: int) -> jax.Array:
-    m, k = x2d.shape
-    n = qw.shape[1]
+def plan(
+    m: int, qw: QuantizedWeight, *, num_sms: int = DEFAULT_NUM_SMS, config: TuningConfig | None = None
+) -> Problem:
+    """The kernel launch one ``nybble.matmul`` of M rows against ``qw`` makes: config, padding, grid.
+
+    ``config`` None takes :func:`heuristic_config`'s choice for a GPU of ``num_sms`` SMs. What the X-ray
+    (``bench.xray``) reads to model a call, and what the wrapper itself runs.
+    """
     k_pad, n_pad = qw.padded_shape
-    group = qw.block_k
-    if m == 0:
-        return jnp.zeros((0, n), x2d.dtype)
     if config is None:
         config = heuristic_config(
-            m,
+            max(m, 1),
             n_pad,
             k_pad,
             qw.group_size,
             num_sms,
             has_offsets=qw.offsets is not None,
             scale_bytes=np.dtype(qw.scales.dtype).itemsize,
-            codes_dtype="int4" if qw.codes.dtype == jnp.int4 else "uint8",
         )
-    m_pad = round_up(m, config.tile_m)
+    n = qw.shape[1]
+    # y is stored straight into (M, N) when its rows suit TMA (16-byte strides), else into (M, N_pad).
+    n_out = n if n % 8 == 0 else n_pad
+    config.check_problem(max(m, 1), n_pad, k_pad, qw.group)
+    return Problem(max(m, 1), n_out, n_pad, k_pad, qw.group, jnp.bfloat16, qw.offsets is not None, config)
+
+
+def _forward(x2d: jax.Array, qw: QuantizedWeight, config: TuningConfig | None, num_sms: int) -> jax.Array:
+    m, k = x2d.shape
+    n = qw.shape[1]
+    k_pad = qw.padded_shape[0]
+    if m == 0:
+        return jnp.zeros((0, n), x2d.dtype)
+    p = plan(m, qw, num_sms=num_sms, config=config)
     if not is_interpret_active():
         x2d = _requires_gpu_p.bind(x2d)
-    # Zero padding: padded K columns of x meet zero codes (and zero scales), padded M rows are sliced off.
-    x_pad = jnp.pad(x2d, ((0, m_pad - m), (0, k_pad - k)))
-    if config.codes_as == "uint8":
-        x_pad = deinterleave_k(x_pad)  # fused with the padding by XLA
-        codes = (
-            qw.codes
-            if qw.codes.dtype == jnp.uint8
-            else jax.lax.bitcast_convert_type(qw.codes.reshape(n_pad, k_pad // 2, 2), jnp.uint8)
-        )
-    else:
-        codes = _codes_as_int4(qw.codes)
-    # Scales and offsets go in as stored (bf16/f16/f32): the kernel widens them to f32 itself.
-    y = w4a16_padded(x_pad, codes, qw.scales, qw.offsets, group=group, config=config)
-    if config.split_k > 1:
+    m_x = x_rows(m, p.config)
+    if k != k_pad or m_x != m:
+        # Zero columns meet zero codes; only when K is not a multiple of 64 (no real model's is not). Zero
+        # rows: when M rows (times the K slices) would not fill whole 8-row SMEM tiles of x.
+        x2d = jnp.pad(x2d, ((0, m_x - m), (0, k_pad - k)))
+    # Scales and offsets go in as stored (bf16/f16/f32): the kernel converts them itself.
+    y = w4a16(x2d, qw.codes, qw.scales, qw.offsets, n=p.n, group=qw.group, config=p.config)
+    if p.config.split_k > 1:
         # Split-K partials are f32; their sum is rounded once.
-        y = y.sum(axis=0)
-    return y[:m, :n].astype(x2d.dtype)
-
-
-def _codes_as_int4(codes: jax.Array) -> jax.Array:
-    """The (N_pad, K_pad) jnp.int4 view the ``codes_as="int4"`` kernel's TMA reads.
-
-    int4 codes pass through untouched. uint8 codes hold the same bytes, but XLA cannot alias a u8
-    buffer as s4: its BitcastDtypesExpander (CPU and GPU pipelines) rewrites the bitcast into a
-    shift-and-mask fusion that writes a fresh s4 copy, one extra read + write of all the codes per
-    call. That is why the heuristics read uint8 codes as bytes (``codes_as="uint8"``) whenever x is
-    small next to the weights, and take this copy only where the GEMM is compute-bound.
-    """
-    if codes.dtype == jnp.int4:
-        return codes
-    return nk_int4_as_int4(codes)
+        y = y.sum(axis=0).astype(x2d.dtype)
+    return y if (p.n, m_x) == (n, m) else y[:m, :n]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -219,3 +195,9 @@ def mosaic_gpu_matmul(
     if num_sms < 1:
         raise ValueError(f"mosaic_gpu_matmul: num_sms={num_sms} must be positive")
     return _matmul(x2d, qw, config, int(num_sms))
+
+
+def matmul_supported(x2d: jax.Array, qw: QuantizedWeight, *, num_sms: int) -> jax.Array:
+    """:func:`mosaic_gpu_matmul` with the heuristic config, for arguments :func:`is_supported` already
+    accepted: what ``nybble.matmul`` calls, so that one call checks its arguments once."""
+    return _matmul(x2d, qw, None, int(num_sms))

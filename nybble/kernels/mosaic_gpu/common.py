@@ -1,14 +1,15 @@
-"""What the W4A16 kernel variants share: operand checks, SMEM tilings, the dequantize+WGMMA step, the store.
+"""What the W4A16 kernel variants share: the problem's facts, the operands' block specs, one K step of
+dequantization and WGMMA for either route, and the epilogue.
 
-Memory order of the codes (layout "nk_int4"): byte (n, j) of the uint8 (N_pad, K_pad / 2) array holds
-k = 2j in the low nibble and k = 2j + 1 in the high nibble: exactly a jnp.int4 (N_pad, K_pad) array, the
-element order WGMMA_UPCAST_4X loads from an int4 SMEM ref. Two ways into registers (config.codes_as):
-  * "int4": TMA the int4 view, Mosaic's upcast path (fewest instructions per weight). Viewing uint8 codes
-    as int4 costs XLA a copy of the codes (its BitcastDtypesExpander), so the heuristics use this where
-    the GEMM is compute-bound, or when the codes are stored as int4;
-  * "uint8": TMA the stored bytes, split each byte into its even-K and odd-K nibble with i32 shifts, and
-    multiply them with x whose 64-chunks the wrapper de-interleaved (even K, then odd K). Zero-copy
-    weights: the decode path.
+Operands, as the wrapper hands them over (all views by reshape, no copies):
+  * codes: ``wgmma_int4`` words (N_pad / 8, K_pad) viewed as (N_pad / W, 8, K_pad / S), W = 64 / S: one
+    64-row A tile is 8 slots of 8 rows, slot = band * S + slice (fragments.py); a step's block is
+    (A tiles, 8, tile_k) words, 32 * tile_k bytes per A tile;
+  * x: (M, K) viewed as (M * S, K / S): B row m * S + j is x[m] over slice j; a block of WGMMA's N rows,
+    rows past M * S zero-filled by TMA;
+  * scales (offsets): (num_groups, N_pad) viewed as (S, num_groups / S, N_pad), or (1, 1, N_pad) for one
+    group per column; a step reads one row (group >= tile_k) or tile_k / group rows per slice;
+  * y: (M, N), or (split_k, M, N) f32 partials; TMA stores clip the rows and columns past M and N.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from nybble.kernels.mosaic_gpu.config import DEQUANT_CHUNK_K, TuningConfig, scale_rows_per_step
+from nybble.kernels.mosaic_gpu.config import CHUNK_K, TuningConfig, scale_rows_per_step
+from nybble.kernels.mosaic_gpu.fragments import BIAS, dequantize_chunk, slot_rows, sum_slices, words_layout
 
 L = plgpu.Layout
 # A per-row vector in the layout of a WGMMA register tile's rows: broadcast along K it lines up with the
@@ -32,9 +34,10 @@ WGMMA_ROW = L.WGMMA.reduce(1)
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """Static facts about one padded problem and config, derived once and shared by the kernel bodies."""
+    """Static facts about one problem and config, derived once and shared by the kernel bodies."""
 
-    m_pad: int
+    m: int  # rows of x
+    n: int  # columns of y as stored (N, or N_pad when N's row stride would not suit TMA)
     n_pad: int
     k_pad: int
     group: int  # K rows per scale row (K_pad for per-column)
@@ -48,110 +51,113 @@ class Problem:
         return jnp.float32 if self.config.split_k > 1 else self.dtype
 
     @property
-    def cta_n(self) -> int:
-        """Output columns per CTA: one tile_n per compute warpgroup."""
-        return self.config.tile_n * self.config.compute_wgs
+    def m_tiles(self) -> int:
+        return 1 if self.config.slices > 1 else -(-self.m // self.config.tile_m)
 
     @property
-    def m_tiles(self) -> int:
-        return self.m_pad // self.config.tile_m
+    def m_pad(self) -> int:
+        """M as the tensor cores see it: WGMMA's N per M tile (slices included)."""
+        return self.m_tiles * self.config.wgmma_n
 
     @property
     def n_tiles(self) -> int:
-        return self.n_pad // self.cta_n
+        return self.n_pad // self.config.cta_rows
+
+    @property
+    def ctas(self) -> int:
+        return self.m_tiles * self.n_tiles * self.config.split_k
+
+    @property
+    def slice_k(self) -> int:
+        return self.k_pad // self.config.slices
 
     @property
     def steps_per_split(self) -> int:
-        return self.k_pad // self.config.tile_k // self.config.split_k
+        return self.slice_k // self.config.tile_k // self.config.split_k
 
     @property
     def scale_rows(self) -> int:
         return scale_rows_per_step(self.config, self.group)
 
     @property
+    def per_column(self) -> bool:
+        return self.group >= self.k_pad
+
+    @property
+    def threads(self) -> int:
+        """Threads per CTA: 128 per compute warpgroup, plus the TMA warpgroup when warp-specialized."""
+        c = self.config
+        return 128 * (c.compute_wgs + (1 if c.compute_wgs > 1 else 0))
+
+    @property
+    def weight_bytes_per_step(self) -> int:
+        """Code bytes one pipeline step of one CTA brings in (scales not counted)."""
+        return self.config.tiles * self.config.compute_wgs * 32 * self.config.tile_k
+
+    @property
+    def weight_bytes_in_flight(self) -> int:
+        """Code bytes a CTA keeps requested: one step per pipeline slot (the whole K when it is shorter)."""
+        return min(self.config.max_concurrent_steps, self.steps_per_split) * self.weight_bytes_per_step
+
+    @property
+    def dequantized_weights(self) -> int:
+        """Weights dequantized over the whole launch: every M tile dequantizes all of W again."""
+        return self.m_tiles * self.n_pad * self.k_pad
+
+    @property
     def out_shape(self) -> tuple[int, ...]:
-        split_k = self.config.split_k
-        return (split_k, self.m_pad, self.n_pad) if split_k > 1 else (self.m_pad, self.n_pad)
+        return (self.config.split_k, self.m, self.n) if self.config.split_k > 1 else (self.m, self.n)
 
 
-def check_operands(
-    x_pad: jax.Array,
-    codes: jax.Array,
-    scales: jax.Array,
-    offsets: jax.Array | None,
-    group: int,
-    config: TuningConfig,
-) -> Problem:
-    """Validates padded operands against each other and the config; returns the problem's static facts."""
-    m_pad, k_pad = x_pad.shape
-    n_pad = codes.shape[0]
-    want = {"int4": (jnp.int4, (n_pad, k_pad)), "uint8": (jnp.uint8, (n_pad, k_pad // 2))}
-    dtype, shape = want[config.codes_as]
-    if codes.dtype != dtype or tuple(codes.shape) != shape:
-        raise ValueError(
-            f"w4a16: config.codes_as={config.codes_as!r} needs {jnp.dtype(dtype).name} codes of shape "
-            f"{shape} for x of shape {x_pad.shape}, got {codes.dtype} {tuple(codes.shape)}"
-        )
-    num_groups = -(-k_pad // group)  # the last group may be partial
-    if scales.shape != (num_groups, n_pad):
-        raise ValueError(
-            f"w4a16: scales have shape {scales.shape}, expected (ceil(K_pad / G), N_pad) = "
-            f"({num_groups}, {n_pad})"
-        )
-    if offsets is not None and offsets.shape != scales.shape:
-        raise ValueError(f"w4a16: offsets shape {offsets.shape} != scales shape {scales.shape}")
-    config.check_problem(m_pad, n_pad, k_pad, group)
-    return Problem(m_pad, n_pad, k_pad, group, x_pad.dtype, offsets is not None, config)
-
-
-def smem_transforms(minor_elems: int, bits: int, what: str) -> tuple[Any, ...]:
-    """Tiling + swizzle for an SMEM tile whose minor dimension holds ``minor_elems`` values."""
-    swizzle = plgpu.find_swizzle(minor_elems * bits, what)
-    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+def operand_views(p: Problem, x: jax.Array, codes: jax.Array, scales: Any, offsets: Any) -> list[Any]:
+    """The GMEM arrays the kernel's TMA reads, as reshapes of the wrapper's operands."""
+    c = p.config
+    s = c.slices
+    views = [
+        codes.reshape(p.n_pad // (64 // s), 8, p.slice_k),
+        x.reshape(p.m * s, p.slice_k),
+    ]
+    for a in (scales, offsets) if p.has_offsets else (scales,):
+        views.append(a.reshape(1, 1, p.n_pad) if p.per_column else a.reshape(s, -1, p.n_pad))
+    return views
 
 
 def operand_specs(p: Problem, mi: Any, ni: Any, k_first: Any, delay_release: int) -> list[Any]:
-    """BlockSpecs of one K step: codes (cta_n, tile_k) int4 or (cta_n, tile_k / 2) uint8, x (tile_m,
-    tile_k), scale [and offset] rows."""
+    """BlockSpecs of one K step: codes (A tiles, 8, tile_k) words, x (WGMMA N, tile_k), scale [and
+    offset] rows (slices, rows, CTA rows)."""
     c = p.config
-    chunk = min(DEQUANT_CHUNK_K, c.tile_k)
     x_bits = jnp.finfo(p.dtype).bits
-    # Codes: a (cta_n, tile_k) block is tile_k / 2 bytes per row either way; the swizzle is sized for one
-    # 64-wide chunk (32 bytes) so that each chunk is whole SMEM tiles and loads without re-tiling.
-    if c.codes_as == "int4":
-        w_block = (p.cta_n, c.tile_k)
-        w_transforms = smem_transforms(chunk, 4, "int4 codes")
-        x_transforms = smem_transforms(c.tile_k, x_bits, "activations")
-    else:
-        w_block = (p.cta_n, c.tile_k // 2)
-        w_transforms = smem_transforms(chunk // 2, 8, "uint8 codes")
-        # Each WGMMA reads half a chunk of x (32 values): 64-byte swizzle tiles make those whole tiles.
-        x_transforms = smem_transforms(chunk // 2, x_bits, "activations")
+    swizzle = plgpu.find_swizzle(CHUNK_K * x_bits, "activations")
+    x_transforms = (plgpu.TilingTransform((8, swizzle * 8 // x_bits)), plgpu.SwizzleTransform(swizzle))
+    scale_slices = 1 if p.per_column else c.slices
 
     def scale_block(ki):
-        # Block index of the scale rows for K step ki: one row when a group spans >= tile_k (group a
-        # multiple of tile_k: row k * tile_k / G), else tile_k / G rows (block index = step index).
+        if p.per_column:  # row 0 always; written in ki because warp-specialized pipelines require it
+            return 0, ((k_first + ki) * c.tile_k) // p.k_pad, ni
+        # One row when a group spans >= tile_k (row k * tile_k / G), else tile_k / G rows (block = step).
         if p.group >= c.tile_k:
-            return ((k_first + ki) * c.tile_k) // p.group, ni
-        return k_first + ki, ni
+            return 0, ((k_first + ki) * c.tile_k) // p.group, ni
+        return 0, k_first + ki, ni
 
+    scale_spec = plgpu.BlockSpec(
+        (scale_slices, p.scale_rows, c.cta_rows), scale_block, delay_release=delay_release
+    )
     specs = [
         plgpu.BlockSpec(
-            w_block,
-            lambda ki: (ni, k_first + ki),
-            transforms=w_transforms,
+            (c.tiles * c.compute_wgs, 8, c.tile_k),
+            lambda ki: (ni, 0, k_first + ki),
             delay_release=delay_release,
         ),
         plgpu.BlockSpec(
-            (c.tile_m, c.tile_k),
+            (c.wgmma_n, c.tile_k),
             lambda ki: (mi, k_first + ki),
             transforms=x_transforms,
             delay_release=delay_release,
         ),
-        plgpu.BlockSpec((p.scale_rows, p.cta_n), scale_block, delay_release=delay_release),
+        scale_spec,
     ]
     if p.has_offsets:
-        specs.append(plgpu.BlockSpec((p.scale_rows, p.cta_n), scale_block, delay_release=delay_release))
+        specs.append(scale_spec)
     return specs
 
 
@@ -168,111 +174,136 @@ def tile_indices(p: Problem, lin: Any) -> tuple[Any, Any]:
     return plgpu.planar_snake(lin, (p.m_tiles, p.n_tiles), 0, band)
 
 
-def _scale_rows(p: Problem, s_smem: Any, o_smem: Any | None, w: Any, k0: int, k_stride: int) -> Any:
-    """w * s + o in f32 for a (rows, cols) register tile whose column j holds K = k0 + k_stride * j.
+def _row_values(p: Problem, ref: Any, g: int, t: int, row0: Any, dtype: Any) -> Any:
+    """Per-row values (scales or offsets) of A tile ``t``'s 64 rows for group row ``g`` of the step."""
+    if p.config.slices == 1:
+        return plgpu.load(ref.at[0, g, pl.ds(row0 + t * 64, 64)], layout=WGMMA_ROW).astype(dtype)
+    ref_slices = 1 if p.per_column else p.config.slices
+    return slot_rows(ref, g, t, ref_slices, p.config.slices).astype(dtype)
 
-    K offsets are within the step; s_smem / o_smem hold the step's scale rows (one row when a group
-    spans the step). Columns of one group form runs of G / k_stride, each scaled by its own row.
-    """
-    cols = w.shape[1]
-    run = min(cols, p.group // k_stride)
+
+def _chunk_groups(p: Problem, k0: int) -> list[tuple[int, int, int]]:
+    """(first column, columns, group row in the step) runs of one 64-wide chunk starting at step column k0."""
+    if p.group >= CHUNK_K:
+        return [(0, CHUNK_K, (k0 // p.group) if p.group < p.config.tile_k else 0)]
+    return [(c, p.group, (k0 + c) // p.group) for c in range(0, CHUNK_K, p.group)]
+
+
+def _chunk_words(p: Problem, codes: Any, t: int, k0: int) -> Any:
+    return plgpu.load(codes.at[t, :, pl.ds(k0, CHUNK_K)], layout=words_layout())
+
+
+def _tiles_chunk(p: Problem, codes: Any, k0: int, *, exact: bool, scale: Any = None) -> Any:
+    """The (64 * tiles, 64) A operand of one chunk: every A tile dequantized, stacked along rows (a
+    relabelling: one WGMMA call then runs all tiles against the same B descriptors)."""
     parts = []
-    for start in range(0, cols, run):
-        r = (k0 + start * k_stride) // p.group if p.group < p.config.tile_k else 0
-        wp = w if run == cols else w[:, start : start + run]
-        # Scale rows are loaded in the row layout of the register tile and broadcast along K
-        # (`s[:, None]` would defeat Warpgroup layout inference).
-        s = plgpu.load(s_smem.at[r], layout=WGMMA_ROW).astype(jnp.float32)
-        wp = wp * lax.broadcast_in_dim(s, wp.shape, [0])
-        if o_smem is not None:
-            o = plgpu.load(o_smem.at[r], layout=WGMMA_ROW).astype(jnp.float32)
-            wp = wp + lax.broadcast_in_dim(o, wp.shape, [0])
-        parts.append(wp)
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+    for t in range(p.config.tiles):
+        a = dequantize_chunk(_chunk_words(p, codes, t, k0), exact=exact, dtype=p.dtype)
+        parts.append(a if scale is None else scale(t, a))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
 
-def dequant_wgmma_step(
-    p: Problem, acc_ref: Any, w_smem: Any, x_smem: Any, s_smem: Any, o_smem: Any | None
+def exact_weights_step(
+    p: Problem, acc_ref: Any, codes: Any, x: Any, scales: Any, offsets: Any, row0: Any
 ) -> None:
-    """acc (tile_n, tile_m) += dequant(codes (tile_n, tile_k)) @ x (tile_m, tile_k)^T, in 64-wide K chunks.
+    """acc += dequant(codes) @ x^T for one K step, weights dequantized exactly: w = q * s (+ o) in bf16.
 
-    ``s_smem`` / ``o_smem`` hold this step's scale / offset rows for the warpgroup's tile_n columns.
-    Leaves one WGMMA in flight (its x tile must outlive the step: delay_release=1).
+    ``codes`` holds this warpgroup's A tiles (tiles, 8, tile_k); ``row0`` its first row in the scale
+    rows. One WGMMA left in flight (the next chunk's dequantization overlaps it).
     """
-    tile_k = p.config.tile_k
-    chunk = min(DEQUANT_CHUNK_K, tile_k)
-    for c in range(tile_k // chunk):
-        if p.config.codes_as == "int4":
-            _int4_chunk(p, acc_ref, w_smem, x_smem, s_smem, o_smem, c * chunk, chunk)
-        else:
-            _uint8_chunk(p, acc_ref, w_smem, x_smem, s_smem, o_smem, c * chunk, chunk)
+    dt = p.dtype
+
+    def scale(t: int, q: Any, k0: int) -> Any:
+        parts = []
+        for c0, cols, g in _chunk_groups(p, k0):
+            qp = q if cols == CHUNK_K else q[:, c0 : c0 + cols]
+            w = qp * lax.broadcast_in_dim(_row_values(p, scales, g, t, row0, dt), qp.shape, [0])
+            if offsets is not None:
+                w = w + lax.broadcast_in_dim(_row_values(p, offsets, g, t, row0, dt), qp.shape, [0])
+            parts.append(w)
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+    for k0 in range(0, p.config.tile_k, CHUNK_K):
+        with jax.named_scope("dequant"):
+            w = _tiles_chunk(p, codes, k0, exact=True, scale=lambda t, q, k0=k0: scale(t, q, k0))
+        with jax.named_scope("wgmma"):
+            plgpu.wgmma(acc_ref, w, x.at[:, pl.ds(k0, CHUNK_K)].T)
+            plgpu.wgmma_wait(1)
     # Orders this step's SMEM reads before the slots are refilled by TMA (the async proxy).
     plgpu.commit_smem()
 
 
-def _int4_chunk(p, acc_ref, w_smem, x_smem, s_smem, o_smem, k0: int, chunk: int) -> None:
-    """K [k0, k0 + chunk) from int4 codes: hardware-friendly upcast, one WGMMA of K = chunk."""
-    ks = slice(k0, k0 + chunk)
-    with jax.named_scope("smem_load_codes"):
-        # UPCAST_4X: each thread loads whole bytes of the int4 tile; casting through UPCAST_2X to WGMMA
-        # re-distributes the nibbles to the WGMMA A-fragment owners. (Casting UPCAST_4X straight to
-        # WGMMA does not lower in jax 0.11.2.)
-        q = plgpu.load(w_smem.at[:, ks], layout=L.WGMMA_UPCAST_4X)
-        q = plgpu.layout_cast(q, L.WGMMA_UPCAST_2X)
-        q = plgpu.layout_cast(q, L.WGMMA)
-    with jax.named_scope("dequant"):
-        # int4 -> bf16 takes Mosaic's CUTLASS-style path (shift, prmt, lop3 into a bf16 with exponent
-        # 0x43 whose mantissa is the code, then one subtract of the 136 bias: two values per register);
-        # bf16 -> f32 is a 16-bit shift. Both exact. Then w = q * s + o in f32 and one rounding to
-        # x.dtype: the same numbers as nybble.dequantize and the XLA path.
-        qf = q.astype(jnp.bfloat16).astype(jnp.float32)
-        w = _scale_rows(p, s_smem, o_smem, qf, k0, k_stride=1).astype(p.dtype)
-    with jax.named_scope("wgmma"):
-        plgpu.wgmma(acc_ref, w, x_smem.at[:, ks].T)
-        # Keep one WGMMA in flight: the next chunk's dequantization overlaps it. (ptxas serializes
-        # rather than let a write hit the A registers of an in-flight WGMMA.)
-        plgpu.wgmma_wait(1)
+def scaled_accumulators_step(
+    p: Problem, total: Any, codes: Any, x: Any, ones: Any, scales: Any, offsets: Any
+) -> Any:
+    """total += sum over the step's groups of s * acc_g + (o - BIAS s) * sum(x), per A row.
 
-
-def _uint8_chunk(p, acc_ref, w_smem, x_smem, s_smem, o_smem, k0: int, chunk: int) -> None:
-    """K [k0, k0 + chunk) from uint8 codes: nibbles split in registers, two WGMMAs of K = chunk / 2.
-
-    Byte j of the chunk holds k0 + 2j (low nibble) and k0 + 2j + 1 (high nibble). Sign-extending each
-    nibble gives two (tile_n, chunk / 2) tiles: the even and the odd K of the chunk. The wrapper stored
-    x with each 64-chunk's K de-interleaved (even K first, then odd K), so x_smem[:, k0 : k0 + 32] are
-    exactly the even K and x_smem[:, k0 + 32 : k0 + 64] the odd K: a dot product does not care about
-    the order of its K terms, only that both operands agree.
+    acc_g = (BIAS + q) @ x^T over the group, straight from the LOP3 (no per-weight arithmetic); sum(x) over
+    the group comes from WGMMA with the all-ones A tile ``ones`` (SMEM), in the same columns as acc_g.
     """
-    half = chunk // 2
-    with jax.named_scope("smem_load_codes"):
-        b = plgpu.load(w_smem.at[:, k0 // 2 : k0 // 2 + half], layout=L.WGMMA)
-        # 8-bit shifts do not lower: widen to i32 first. (b << 28) >> 28 sign-extends the low nibble,
-        # (b << 24) >> 28 the high one (arithmetic shifts on i32).
-        b = b.astype(jnp.int32)
-        even = lax.shift_right_arithmetic(lax.shift_left(b, 28), 28)
-        odd = lax.shift_right_arithmetic(lax.shift_left(b, 24), 28)
-    for h, q in enumerate((even, odd)):
-        with jax.named_scope("dequant"):
-            # Same numbers as the int4 path: exact code -> f32, f32 FMA, one rounding to x.dtype. Column
-            # j of a half is K = k0 + 2j + h (G is even, so k0 + 2j picks the same group).
-            w = _scale_rows(p, s_smem, o_smem, q.astype(jnp.float32), k0, k_stride=2)
-            w = w.astype(p.dtype)
-        with jax.named_scope("wgmma"):
-            plgpu.wgmma(acc_ref, w, x_smem.at[:, k0 + h * half : k0 + (h + 1) * half].T)
-            plgpu.wgmma_wait(1)
-
-
-def store_tile(p: Problem, acc: Any, out_smem: Any, out_gmem: Any, mi: Any, n_start: Any) -> None:
-    """Writes the (tile_n, tile_m) accumulator y^T as y[m tile, n_start : n_start + tile_n]."""
     c = p.config
+    span = min(c.tile_k, p.group)  # K of one accumulator: a group, or the step when groups span steps
+    bias = float(BIAS[jnp.dtype(p.dtype).name])
+    for g0 in range(0, c.tile_k, span):
+        g = g0 // p.group if p.group < c.tile_k else 0
+
+        def group(acc, xs, g0=g0):
+            for k0 in range(g0, g0 + span, CHUNK_K):
+                xk = x.at[:, pl.ds(k0, CHUNK_K)].T
+                plgpu.wgmma(xs, ones, xk)
+                with jax.named_scope("dequant"):
+                    a = _tiles_chunk(p, codes, k0, exact=False)
+                plgpu.wgmma(acc, a, xk)
+                plgpu.wgmma_wait(1)
+            return acc[...], xs[...]
+
+        rows = 64 * c.tiles
+        acc, xsum = pl.run_scoped(
+            group, plgpu.ACC((rows, c.wgmma_n), jnp.float32), plgpu.ACC((64, c.wgmma_n), jnp.float32)
+        )
+        with jax.named_scope("scale_groups"):
+            # y += s * acc + (o - BIAS s) * sum(x): the bias and the offset are one per-row coefficient.
+            s = jnp.concatenate([_row_values(p, scales, g, t, 0, jnp.float32) for t in range(c.tiles)])
+            coef = s * -bias
+            if offsets is not None:
+                coef = coef + jnp.concatenate(
+                    [_row_values(p, offsets, g, t, 0, jnp.float32) for t in range(c.tiles)]
+                )
+            xsum = jnp.concatenate([xsum] * c.tiles) if c.tiles > 1 else xsum
+            shape = (rows, c.wgmma_n)
+            total = (
+                total
+                + acc * lax.broadcast_in_dim(s, shape, [0])
+                + xsum * lax.broadcast_in_dim(coef, shape, [0])
+            )
+    plgpu.commit_smem()
+    return total
+
+
+def store_tiles(p: Problem, acc: Any, smem: dict[str, Any], out_gmem: Any, mi: Any, n_start: Any) -> None:
+    """Writes the warpgroup's accumulator ((64 * tiles, WGMMA N), f32) to y (or the split-K partials)."""
+    c = p.config
+    accs = [acc[64 * t : 64 * (t + 1)] for t in range(c.tiles)]
     with jax.named_scope("epilogue"):
-        # Storing y^T through the transposed view of a (tile_m, tile_n) SMEM tile writes y itself, so the
-        # output needs no transpose pass.
-        out_smem.T[...] = plgpu.layout_cast(acc.astype(p.out_dtype), L.WGMMA_TRANSPOSED)
+        if c.slices > 1:
+            red, y_tile = smem["slices"], smem["out"]
+            for t, acc in enumerate(accs):
+                red.at[t][...] = acc
+            sum_slices(red, y_tile, slices=c.slices, tiles=c.tiles, rows=c.tile_m)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(y_tile.at[: p.m], out_gmem.at[:, pl.ds(n_start, c.rows_per_wg)])
+            plgpu.wait_smem_to_gmem(0)
+            return
+        out_smem = smem["out"]
+        for t, acc in enumerate(accs):
+            # Storing y^T through the transposed view of a (tile_m, 64) SMEM slice writes y itself.
+            out_smem.at[:, pl.ds(t * 64, 64)].T[...] = plgpu.layout_cast(
+                acc.astype(p.out_dtype), L.WGMMA_TRANSPOSED
+            )
         plgpu.commit_smem()
         dst = out_gmem
         if c.split_k > 1:
             dst = dst.at[lax.axis_index("split")]
-        dst = dst.at[pl.ds(mi * c.tile_m, c.tile_m), pl.ds(n_start, c.tile_n)]
+        dst = dst.at[pl.ds(mi * c.tile_m, c.tile_m), pl.ds(n_start, c.rows_per_wg)]
         plgpu.copy_smem_to_gmem(out_smem, dst)
         plgpu.wait_smem_to_gmem(0)

@@ -1,15 +1,22 @@
 """Tuning configurations of the Mosaic GPU W4A16 kernel, their SMEM cost, and the heuristics choosing them.
 
-Naming: the kernel computes y^T = W^T x^T, so the weight's N is WGMMA's M dimension (``tile_n`` rows of
-dequantized weights per warpgroup, in registers) and the batch M is WGMMA's N dimension (``tile_m``).
+Naming: the kernel computes y^T = W^T x^T, so the weight's N is WGMMA's M dimension (``tiles`` A tiles of
+64 rows of dequantized weights per warpgroup, in registers) and the batch M is WGMMA's N dimension.
 
-Two families come out of :func:`heuristic_config`:
-  * decode (M <= 64): one warpgroup per CTA (w4a16.py), ``tile_m`` just covers M, and split-K multiplies
-    the CTA count so that all SMs stream weights (a decode GEMM is a weight-bandwidth problem: every byte
-    of W is read exactly once);
-  * prefill (M > 64): warp-specialized (w4a16_ws.py), two compute warpgroups of ``tile_n`` rows sharing
-    each x tile, ``tile_m`` = 128 (a 128x128 f32 accumulator is 128 registers per thread, the most a
-    warpgroup can hold next to a dequantized chunk), split-K only when the tile grid underfills the GPU.
+WGMMA's N is ``slices * tile_m``: with ``slices`` = S > 1 (decode, M <= 8) K is cut into S slices that
+run side by side in WGMMA's N, so one warpgroup covers 64 * tiles / S output rows over all of K and a
+decode GEMM needs no split-K (see fragments.py). Two dequantization routes (``scales_on``):
+  * "accumulators": each A element is 136 + q straight from one LOP3 (no per-weight arithmetic); every
+    group's products go to a fresh f32 accumulator, which is scaled once per group: y += s * (acc - 136 *
+    sum(x)) + o * sum(x), where sum(x) over the group comes from one more WGMMA with an all-ones A tile in
+    SMEM. 7 instructions per 8 weights; each accumulator element costs ~3 FMAs per group, so it suits a
+    narrow WGMMA N (decode) and groups of >= 64;
+  * "weights": exact bf16 weights w = q * s (+ o), one multiply per weight pair, accumulated in one f32
+    accumulator: for wide N (prefill) and groups of 16 or 32.
+Families from :func:`heuristic_config`:
+  * decode (M <= 64): one warpgroup per CTA, small CTAs (several per SM), K slices for M <= 8;
+  * prefill (M > 64): warp-specialized, a TMA warpgroup feeding two compute warpgroups that share each x
+    tile, 128-wide WGMMA N.
 """
 
 from __future__ import annotations
@@ -18,112 +25,147 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Iterable
+from typing import Literal
+
+from nybble.kernels.device import DEFAULT_NUM_SMS
+from nybble.packing.groups import MIN_GROUP_SIZE, group_rows
 
 # Hopper's opt-in SMEM per CTA (cudaDevAttrMaxSharedMemoryPerBlockOptin), what Mosaic checks against.
 SMEM_BUDGET_BYTES = 232448
-# Barriers and alignment padding next to the buffers counted in `smem_bytes`.
+SMEM_PER_SM_BYTES = 233472
+# Barriers, alignment padding and the driver's reserve next to the buffers counted in `smem_bytes`.
 _SMEM_SLACK_BYTES = 1024
-# WGMMA's N (our tile_m) runs 8..256 in steps of 8; powers of two keep the store path simple.
-TILE_M_CHOICES = (8, 16, 32, 64, 128)
-TILE_N_CHOICES = (64, 128)
-TILE_K_CHOICES = (64, 128)
-# Dequantization works on K chunks of this width: an int4 chunk of 64 is a 32-byte swizzled SMEM tile, the
-# narrowest swizzle WGMMA_UPCAST_4X loads accept, and a 128x64 f32 chunk (64 registers) fits beside the
-# accumulator.
-DEQUANT_CHUNK_K = 64
-# The narrowest group the kernel scales inside a chunk (smaller groups: slices of a register tile).
-MIN_GROUP_SIZE = 16
+TILE_M_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
+TILES_CHOICES = (1, 2, 4)
+TILE_K_CHOICES = (64, 128, 256)
+SLICES_CHOICES = (1, 2, 4, 8)
+CHUNK_K = 64  # one dequantization chunk: 64 x 64 codes, 8 bands x 64 words
 MAX_SPLIT_K = 16
-DEFAULT_NUM_SMS = 132  # H100 / H200 SXM
+ScalesOn = Literal["accumulators", "weights"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TuningConfig:
     """One compiled variant of the W4A16 kernel. Validates itself on construction."""
 
-    # Rows of W^T (columns of the output) per compute warpgroup: WGMMA's M.
-    tile_n: int = 128
-    # Rows of the activations per CTA: WGMMA's N. M is padded to a multiple of it.
+    # 64-row A tiles (of W^T) per compute warpgroup and K step.
+    tiles: int = 2
+    # Rows of x per K slice; WGMMA's N is slices * tile_m (a multiple of 8).
     tile_m: int = 128
-    # K per pipeline step (one TMA of codes, activations, scale rows).
+    # K per pipeline step and slice (one TMA of codes, x and scale rows).
     tile_k: int = 128
-    # Pipeline depth: SMEM slots per operand. >= 2: the activation slot is released one step late
-    # because one WGMMA stays in flight across steps.
+    # K slices folded into WGMMA's N (1: off).
+    slices: int = 1
+    # Pipeline depth: SMEM slots per operand (>= 2: slots are released one step late).
     max_concurrent_steps: int = 4
-    # CTAs sharing one output tile along K; partials are f32 and summed outside the kernel.
+    # CTAs sharing one output tile along K; f32 partials, summed by XLA after the kernel.
     split_k: int = 1
     # Launch order: M tiles per band of the planar snake over (M tiles, N tiles); see common.py.
     grid_tile_m: int = 8
-    # 1: one warpgroup per CTA, software pipeline (w4a16.py). 2: warp-specialized, a TMA warpgroup
-    # feeding two compute warpgroups that share the x tile, a CTA covers 2 * tile_n (w4a16_ws.py).
+    # 1: one warpgroup per CTA (w4a16.py). 2: warp-specialized, a TMA warpgroup feeding two compute
+    # warpgroups that share the x tile (w4a16_ws.py).
     compute_wgs: int = 1
-    # How the codes reach registers. "int4": TMA'd as jnp.int4 and unpacked by Mosaic's WGMMA_UPCAST_4X
-    # path (uint8 codes then need an XLA bitcast that copies them: fine for prefill). "uint8": TMA'd as
-    # the stored bytes, nibbles split with i32 shifts, x's K de-interleaved per 64-chunk by the wrapper
-    # (zero-copy weights: for decode, where weight bytes are the whole cost).
-    codes_as: str = "int4"
+    # Where group scales (and offsets, and the 136 bias of the magic-number dequantization) are applied.
+    scales_on: ScalesOn = "weights"
 
     def __post_init__(self) -> None:
-        if self.tile_n not in TILE_N_CHOICES:
-            raise ValueError(f"TuningConfig: tile_n={self.tile_n} must be one of {TILE_N_CHOICES}")
-        if self.tile_m not in TILE_M_CHOICES:
-            raise ValueError(f"TuningConfig: tile_m={self.tile_m} must be one of {TILE_M_CHOICES}")
-        if self.tile_k not in TILE_K_CHOICES:
-            raise ValueError(f"TuningConfig: tile_k={self.tile_k} must be one of {TILE_K_CHOICES}")
+        for name, choices in (
+            ("tiles", TILES_CHOICES),
+            ("tile_m", TILE_M_CHOICES),
+            ("tile_k", TILE_K_CHOICES),
+            ("slices", SLICES_CHOICES),
+            ("compute_wgs", (1, 2)),
+            ("scales_on", ("accumulators", "weights")),
+        ):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"TuningConfig: {name}={getattr(self, name)!r} must be one of {choices}")
+        if self.wgmma_n % 8 or self.wgmma_n > 256:
+            raise ValueError(
+                f"TuningConfig: slices * tile_m = {self.wgmma_n} is WGMMA's N: a multiple of 8, at most 256"
+            )
+        if self.slices > 1 and self.compute_wgs > 1:
+            raise ValueError("TuningConfig: K slices run in the one-warpgroup kernel only (compute_wgs=1)")
         if not 2 <= self.max_concurrent_steps <= 8:
             raise ValueError(
                 f"TuningConfig: max_concurrent_steps={self.max_concurrent_steps} must be in [2, 8]"
             )
-        if self.codes_as not in ("int4", "uint8"):
-            raise ValueError(f"TuningConfig: codes_as={self.codes_as!r} must be 'int4' or 'uint8'")
-        if self.compute_wgs not in (1, 2):
-            raise ValueError(f"TuningConfig: compute_wgs={self.compute_wgs} must be 1 or 2")
         if not 1 <= self.grid_tile_m <= 64:
             raise ValueError(f"TuningConfig: grid_tile_m={self.grid_tile_m} must be in [1, 64]")
         if not 1 <= self.split_k <= MAX_SPLIT_K:
             raise ValueError(f"TuningConfig: split_k={self.split_k} must be in [1, {MAX_SPLIT_K}]")
 
-    def check_problem(self, m_pad: int, n_pad: int, k_pad: int, group: int) -> None:
-        """Raises ValueError naming the rule when this config cannot run a padded problem."""
-        if m_pad % self.tile_m:
-            raise ValueError(f"padded M={m_pad} must be a multiple of tile_m={self.tile_m}")
-        cta_n = self.tile_n * self.compute_wgs
-        if n_pad % cta_n:
+    @property
+    def wgmma_n(self) -> int:
+        return self.slices * self.tile_m
+
+    @property
+    def rows_per_wg(self) -> int:
+        """Output rows (of N) one compute warpgroup covers: 64 per A tile, over S slices."""
+        return 64 * self.tiles // self.slices
+
+    @property
+    def cta_rows(self) -> int:
+        return self.rows_per_wg * self.compute_wgs
+
+    def k_span(self) -> int:
+        """K one pipeline step covers: tile_k in each of the S slices."""
+        return self.tile_k * self.slices
+
+    def check_problem(self, m: int, n_pad: int, k_pad: int, group: int) -> None:
+        """Raises ValueError naming the rule when this config cannot run (M, K_pad) x (K_pad, N_pad)."""
+        if n_pad % self.cta_rows:
             raise ValueError(
-                f"N_pad={n_pad} must be a multiple of tile_n * compute_wgs = {self.tile_n} * "
-                f"{self.compute_wgs}"
+                f"N_pad={n_pad} must be a multiple of the CTA's {self.cta_rows} output rows "
+                f"(64 * tiles / slices * compute_wgs = 64 * {self.tiles} / {self.slices} * "
+                f"{self.compute_wgs})"
             )
-        if k_pad % (self.tile_k * self.split_k):
+        if k_pad % (self.k_span() * self.split_k):
             raise ValueError(
-                f"K_pad={k_pad} must be a multiple of tile_k * split_k = {self.tile_k} * "
-                f"{self.split_k}; choose a split_k dividing K_pad / tile_k = {k_pad // self.tile_k}"
+                f"K_pad={k_pad} must be a multiple of tile_k * slices * split_k = {self.tile_k} * "
+                f"{self.slices} * {self.split_k}"
             )
+        if self.slices > 1 and m * self.slices > self.wgmma_n:
+            raise ValueError(f"M={m} rows do not fit tile_m={self.tile_m} with slices={self.slices}")
+        if self.slices > 1 and group % CHUNK_K:
+            # Each lane gathers its rows' scales per group: with groups of 16 or 32 that is 2 to 4 gathers
+            # per chunk, too many; those run without slices.
+            raise ValueError(f"K slices need groups of a multiple of 64, got {group}")
         if group < MIN_GROUP_SIZE:
             raise ValueError(f"group size {group} must be >= {MIN_GROUP_SIZE}")
         if group < self.tile_k and self.tile_k % group:
             raise ValueError(f"group size {group} must divide tile_k={self.tile_k}")
         if group > self.tile_k and group % self.tile_k:
             raise ValueError(f"group size {group} must be a multiple of tile_k={self.tile_k}")
+        slice_k = k_pad // self.slices
+        if self.slices > 1 and group < k_pad and slice_k % group:
+            raise ValueError(f"K slices of {slice_k} must hold whole groups of {group}")
+        if self.scales_on == "accumulators" and group % CHUNK_K:
+            raise ValueError(f"scales_on='accumulators' needs groups of a multiple of 64, got {group}")
 
 
 def scale_rows_per_step(config: TuningConfig, group: int) -> int:
-    """Scale (and offset) rows one pipeline step reads: several groups per K step, or one."""
+    """Scale (and offset) rows one step reads per slice: several groups per K step, or one."""
     return max(1, config.tile_k // group)
 
 
 def smem_bytes(
     config: TuningConfig, *, group: int, has_offsets: bool, act_bytes: int = 2, scale_bytes: int = 2
 ) -> int:
-    """SMEM one CTA allocates: the pipeline's stage buffers plus the output staging tile."""
+    """SMEM one CTA allocates: the pipeline's stage buffers, the ones tile, the epilogue's staging."""
     rows = scale_rows_per_step(config, group)
-    cta_n = config.tile_n * config.compute_wgs
+    a_tiles = config.tiles * config.compute_wgs
     per_stage = (
-        cta_n * config.tile_k // 2  # int4 codes
-        + config.tile_m * config.tile_k * act_bytes  # activations
-        + rows * cta_n * scale_bytes * (2 if has_offsets else 1)
+        a_tiles * 64 * config.tile_k // 2  # int4 codes (8 slots of tile_k words per A tile)
+        + config.wgmma_n * config.tile_k * act_bytes  # activations
+        + config.slices * rows * config.cta_rows * scale_bytes * (2 if has_offsets else 1)
     )
-    out_bytes = 4 if config.split_k > 1 else act_bytes
-    return per_stage * config.max_concurrent_steps + config.tile_m * cta_n * out_bytes
+    ones = 64 * CHUNK_K * 2 if config.scales_on == "accumulators" else 0
+    if config.slices > 1:  # f32 accumulators staged for the slice sum, and the y tile
+        epilogue = a_tiles * 64 * config.wgmma_n * 4 + config.tile_m * config.cta_rows * act_bytes
+    else:
+        out_bytes = 4 if config.split_k > 1 else act_bytes
+        epilogue = config.tile_m * config.cta_rows * out_bytes
+    return per_stage * config.max_concurrent_steps + ones + epilogue
 
 
 def fits_smem(config: TuningConfig, *, group: int, has_offsets: bool, scale_bytes: int = 2) -> bool:
@@ -132,16 +174,66 @@ def fits_smem(config: TuningConfig, *, group: int, has_offsets: bool, scale_byte
     return used + _SMEM_SLACK_BYTES <= SMEM_BUDGET_BYTES
 
 
-def _tile_m_for(m: int) -> int:
-    for t in TILE_M_CHOICES:
-        if m <= t:
-            return t
-    return TILE_M_CHOICES[-1]
+def _wave_efficiency(ctas: int, slots: int) -> float:
+    """Fraction of CTA slots doing work over the waves a launch of ``ctas`` CTAs needs."""
+    return ctas / (math.ceil(ctas / slots) * slots)
 
 
-def _wave_efficiency(ctas: int, num_sms: int) -> float:
-    """Fraction of SM-slots doing work over the waves a launch of ``ctas`` CTAs needs."""
-    return ctas / (math.ceil(ctas / num_sms) * num_sms)
+def _pow2_at_least(m: int) -> int:
+    return 1 << max(0, (m - 1).bit_length())
+
+
+def estimated_instructions_per_weight(config: TuningConfig, group: int, has_offsets: bool) -> float:
+    """A rough count of the main loop's SASS instructions per weight per thread, for ranking configs.
+
+    Calibrated on the X-ray of this kernel (bench/xray): 3 SHF + 4 LOP3 per 8 weights, one HGMMA per 8;
+    exact weights add a bf16x2 subtract and multiply (and add, with offsets) per pair; the accumulator
+    route adds the all-ones WGMMA of each 64-wide chunk and ~2 FFMA per accumulator element and group;
+    each step costs ~100 instructions of barriers, descriptors and TMA, and ~2 per HGMMA.
+    """
+    c = config
+    per_thread_step = c.tiles * c.tile_k / 2  # weights a thread dequantizes per step
+    hgmmas = c.tiles * c.tile_k // 16 + (c.tile_k // 16 if c.scales_on == "accumulators" else 0)
+    ipw = 0.875 + 0.125 + (100 + 2 * hgmmas) / per_thread_step
+    if c.scales_on == "weights":
+        ipw += 1.25 + (0.5 if has_offsets else 0.0)
+    else:
+        ipw += (2 * c.wgmma_n + 8) / min(group, c.tile_k)
+    return ipw
+
+
+def modeled_time_us(
+    config: TuningConfig, m: int, n_pad: int, k_pad: int, group: int, has_offsets: bool, num_sms: int
+) -> float:
+    """The heuristics' cost model (H200 figures): max of HBM, issue and tensor-core time, plus a launch.
+
+    HBM time counts the bytes over the bandwidth the busy SMs can pull (an idle SM is lost bandwidth);
+    issue time the instructions of :func:`estimated_instructions_per_weight` on the busiest SM; split-K
+    adds its f32 partials and a second launch (~2 us).
+    """
+    m_tiles = 1 if config.slices > 1 else -(-m // config.tile_m)
+    ctas = n_pad // config.cta_rows * m_tiles * config.split_k
+    weights = n_pad * k_pad * m_tiles
+    nbytes = n_pad * k_pad / 2 + 2 * (m * k_pad + m * n_pad) + 2 * n_pad * -(-k_pad // group)
+    if config.split_k > 1:
+        nbytes += 2 * 4 * config.split_k * m * n_pad
+    t_hbm = nbytes / (4.8e12 * min(1.0, ctas / num_sms))
+    ipw = estimated_instructions_per_weight(config, group, has_offsets)
+    busiest = weights / 32 * ipw / ctas * math.ceil(ctas / num_sms)  # warp-instructions on one SM
+    t_issue = busiest / (4 * 1.98e9)
+    t_tensor = 2.0 * m_tiles * config.wgmma_n * n_pad * k_pad / 989e12
+    launch = 2e-6 * ((config.split_k > 1) + (x_rows(m, config) != m))
+    return (max(t_hbm, t_issue, t_tensor) + launch) * 1e6
+
+
+def x_rows(m: int, config: TuningConfig) -> int:
+    """Rows of x the kernel reads: M, or M padded so that the x view (rows * slices, K / slices) suits a
+    TMA into 8-row SMEM tiles (at most 8 rows, or a multiple of 8). Padding costs the wrapper a copy."""
+    s = config.slices
+    if m * s <= 8 or (m * s) % 8 == 0:
+        return m
+    step = 8 // math.gcd(s, 8)
+    return -(-m // step) * step
 
 
 def heuristic_config(
@@ -154,56 +246,45 @@ def heuristic_config(
     has_offsets: bool = True,
     scale_bytes: int = 2,
     warp_specialized: bool = True,
-    codes_dtype: str = "uint8",
 ) -> TuningConfig:
     """Chooses a config for an (M, K_pad) x (K_pad, N_pad) problem on a GPU with ``num_sms`` SMs.
 
     ``group_size`` None means one group over all of K_pad; K_pad and N_pad are multiples of 64.
-    Decode (M <= 64) runs one warpgroup per CTA; prefill runs the warp-specialized kernel (two compute
-    warpgroups sharing each x tile) unless ``warp_specialized=False`` or N_pad is not a multiple of 128.
-    Among tile_n / split_k choices it takes the launch that fills the SMs' waves best (fewer splits and
-    wider tiles win ties: less f32 partial traffic), then the deepest pipeline that fits SMEM.
-    ``codes_dtype`` is how the weight stores its codes ("uint8" or "int4"): uint8 codes are read as bytes
-    (``codes_as="uint8"``) while x is small next to them (4 M < N: de-interleaving x costs less than
-    XLA's copy of the codes into int4), and through the int4 view otherwise.
+
+    Decode (M <= 64): one warpgroup per CTA. Small M runs S K slices side by side in WGMMA's N (M = 1
+    puts 8 slices of K where padding would be), so a CTA covers 64 * tiles / S rows of N over all of K and
+    needs no split-K: one launch. Every candidate (A tiles, tile_k, slices, split-K, scale route) that
+    fits SMEM, at every pipeline depth, is ranked by :func:`modeled_time_us`; ties go to two CTAs per SM
+    (a second warp per scheduler hides the other's stalls), fewer instructions per weight, more A tiles
+    per step, then deeper pipelines. Prefill (M > 64):
+    two compute warpgroups sharing 128-row x tiles, weights dequantized exactly.
     """
     if m < 1 or n_pad < 1 or k_pad < 1:
         raise ValueError(f"heuristic_config: bad problem M={m}, N_pad={n_pad}, K_pad={k_pad}")
-    group = k_pad if group_size is None else group_size
-    tile_m = _tile_m_for(m)
-    m_tiles = -(-m // tile_m)
+    group = group_rows(k_pad, group_size)
     decode = m <= 64
-    # 128-wide K steps halve the pipeline's per-step overhead; 64 when K_pad or the groups need it.
-    tile_k = 128 if k_pad % 128 == 0 and (group % 128 == 0 or 128 % group == 0) else 64
-    k_steps = k_pad // tile_k
-    wgs_choices = (1,) if decode or not warp_specialized else (2, 1)
-    codes_as = "uint8" if codes_dtype == "uint8" and 4 * m_tiles * tile_m < n_pad else "int4"
-    best: tuple[float, TuningConfig] | None = None
-    for compute_wgs, tile_n in itertools.product(wgs_choices, TILE_N_CHOICES[::-1]):
-        if n_pad % (tile_n * compute_wgs):
+    best: tuple[tuple[float, ...], TuningConfig] | None = None
+    for shape in _candidate_shapes(m, n_pad, k_pad, group, decode, warp_specialized):
+        probe = TuningConfig(**shape)
+        try:
+            probe.check_problem(m, n_pad, k_pad, group)
+        except ValueError:
             continue
-        tiles = n_pad // (tile_n * compute_wgs) * m_tiles
-        for split_k in range(1, MAX_SPLIT_K + 1):
-            # Split K only while the tile grid alone underfills the SMs (each split adds an f32 partial
-            # write + read of the output), and keep >= 4 K steps per split to amortise the prologue.
-            if split_k > 1 and (tiles * (split_k - 1) >= num_sms or k_steps // split_k < 4):
+        k_steps = k_pad // probe.k_span() // probe.split_k
+        for steps in range(min(8 if decode else 4, max(2, k_steps)), 1, -1):
+            config = dataclasses.replace(probe, max_concurrent_steps=steps)
+            used = smem_bytes(config, group=group, has_offsets=has_offsets, scale_bytes=scale_bytes)
+            if used + _SMEM_SLACK_BYTES > SMEM_BUDGET_BYTES:
                 continue
-            if k_steps % split_k:
-                continue
-            # Wave efficiency, discounted 5% per extra split (partials traffic, reduction), 3% for
-            # 64-row tiles (half the WGMMA work per loaded x tile) and 10% for a prefill CTA without
-            # warp specialization.
-            score = _wave_efficiency(tiles * split_k, num_sms) / (1 + 0.05 * (split_k - 1))
-            score *= 0.97 if tile_n == 64 else 1.0
-            score *= 0.9 if len(wgs_choices) == 2 and compute_wgs == 1 else 1.0
-            if best is None or score > best[0] + 1e-9:
-                shape = dict(tile_n=tile_n, tile_m=tile_m, tile_k=tile_k, split_k=split_k)
-                shape.update(compute_wgs=compute_wgs, codes_as=codes_as)
-                # Decode streams weights: a deep pipeline keeps ~8 K steps of codes in flight per SM.
-                max_steps = min(8 if decode else 4, k_steps // split_k)
-                config = _deepest_fitting(shape, max_steps, group, has_offsets, scale_bytes)
-                if config is not None:
-                    best = (score, config)
+            resident = max(1, SMEM_PER_SM_BYTES // (used + _SMEM_SLACK_BYTES))
+            m_tiles = 1 if config.slices > 1 else -(-m // config.tile_m)
+            ctas = n_pad // config.cta_rows * m_tiles * config.split_k
+            t = modeled_time_us(config, m, n_pad, k_pad, group, has_offsets, num_sms)
+            ipw = estimated_instructions_per_weight(config, group, has_offsets)
+            two_per_sm = decode and min(resident, -(-ctas // num_sms)) >= 2
+            score = (-round(t, 2), two_per_sm, -round(ipw, 1), config.tiles, config.tile_k, steps)
+            if best is None or score > best[0]:
+                best = (score, config)
     if best is None:
         raise ValueError(
             f"heuristic_config: no config fits M={m}, N_pad={n_pad}, K_pad={k_pad}, group={group}"
@@ -211,15 +292,30 @@ def heuristic_config(
     return best[1]
 
 
-def _deepest_fitting(
-    shape: dict[str, int], max_steps: int, group: int, has_offsets: bool, scale_bytes: int
-) -> TuningConfig | None:
-    """The config of this tile shape with the most pipeline slots (2..max_steps) that fits SMEM."""
-    for steps in range(max(2, max_steps), 1, -1):
-        config = TuningConfig(max_concurrent_steps=steps, **shape)
-        if fits_smem(config, group=group, has_offsets=has_offsets, scale_bytes=scale_bytes):
-            return config
-    return None
+def _candidate_shapes(
+    m: int, n_pad: int, k_pad: int, group: int, decode: bool, warp_specialized: bool
+) -> Iterable[dict[str, object]]:
+    if not decode:
+        wgs = 2 if warp_specialized and n_pad % 128 == 0 else 1
+        for tiles, tile_k, split_k in itertools.product((2, 1), (128, 64), range(1, 5)):
+            yield dict(
+                tiles=tiles, tile_m=128, tile_k=tile_k, compute_wgs=wgs, split_k=split_k, scales_on="weights"
+            )
+        return
+    tile_m = _pow2_at_least(m)
+    # (slices, tile_m): K slices filling a WGMMA N of 8..32, or none (N = max(8, M)).
+    layouts = [(s, tile_m) for s in SLICES_CHOICES if s > 1 and 8 <= s * tile_m <= 64]
+    layouts.append((1, max(8, tile_m)))
+    for (slices, t_m), tiles, tile_k, split_k in itertools.product(
+        layouts, TILES_CHOICES, TILE_K_CHOICES, range(1, 9)
+    ):
+        if slices > 1 and split_k > 1:
+            continue
+        wgmma_n = slices * t_m
+        scales_on = "accumulators" if group % CHUNK_K == 0 and wgmma_n <= 32 else "weights"
+        yield dict(
+            tiles=tiles, tile_m=t_m, tile_k=tile_k, slices=slices, split_k=split_k, scales_on=scales_on
+        )
 
 
 def heuristic_cases(
@@ -227,25 +323,22 @@ def heuristic_cases(
     batches: Iterable[int],
     group_sizes: Iterable[int | None],
     num_sms: int = DEFAULT_NUM_SMS,
-    codes_dtypes: Iterable[str] = ("uint8", "int4"),
-) -> dict[tuple[TuningConfig, object, bool], tuple[int, int, int, int | None, bool, str]]:
+) -> dict[tuple[TuningConfig, object, bool], tuple[int, int, int, int | None, bool]]:
     """Every kernel :func:`heuristic_config` can build for these problems, each with one problem using it.
 
-    Keys are (config, how groups meet the 64-wide dequant chunks, symmetric): what changes the kernel's
-    code; values are (M, K, N, group_size, symmetric, codes_dtype). Tests lower every entry for CUDA, so
-    every kernel the heuristics can return at those shapes is known to compile. (K, N) are logical.
+    Keys are (config, how groups meet the K step, symmetric): what changes the kernel's code; values are
+    (M, K, N, group_size, symmetric). Tests lower every entry for CUDA, so every kernel the heuristics can
+    return at those shapes is known to compile. (K, N) are logical.
     """
     from nybble.packing import padded_weight_dims
 
-    cases: dict[tuple[TuningConfig, object, bool], tuple[int, int, int, int | None, bool, str]] = {}
-    for (k, n), m, group_size, symmetric, codes_dtype in itertools.product(
-        weight_shapes, list(batches), list(group_sizes), (True, False), list(codes_dtypes)
+    cases: dict[tuple[TuningConfig, object, bool], tuple[int, int, int, int | None, bool]] = {}
+    for (k, n), m, group_size, symmetric in itertools.product(
+        weight_shapes, list(batches), list(group_sizes), (True, False)
     ):
         k_pad, n_pad = padded_weight_dims(k, n, group_size)
-        config = heuristic_config(
-            m, n_pad, k_pad, group_size, num_sms, has_offsets=not symmetric, codes_dtype=codes_dtype
-        )
-        group = k_pad if group_size is None else group_size
+        config = heuristic_config(m, n_pad, k_pad, group_size, num_sms, has_offsets=not symmetric)
+        group = group_rows(k_pad, group_size)
         structure = group if group < config.tile_k else "group >= tile_k"
-        cases.setdefault((config, structure, symmetric), (m, k, n, group_size, symmetric, codes_dtype))
+        cases.setdefault((config, structure, symmetric), (m, k, n, group_size, symmetric))
     return cases

@@ -1,50 +1,70 @@
-"""``w4a16_padded``: check padded operands, then run the kernel variant the config names."""
+"""``w4a16``: check the operands against the config, then run the kernel variant the config names."""
 
 from __future__ import annotations
 
-import jax
+from typing import Any
 
-from nybble.kernels.mosaic_gpu.common import check_operands
+import jax
+import jax.numpy as jnp
+
+from nybble.kernels.mosaic_gpu.common import Problem, operand_views
 from nybble.kernels.mosaic_gpu.config import TuningConfig
 from nybble.kernels.mosaic_gpu.w4a16 import w4a16_single_wg
 from nybble.kernels.mosaic_gpu.w4a16_ws import w4a16_warp_specialized
+from nybble.packing.groups import num_groups
 
 
-def w4a16_padded(
-    x_pad: jax.Array,
+def w4a16(
+    x: jax.Array,
     codes: jax.Array,
     scales: jax.Array,
     offsets: jax.Array | None,
     *,
+    n: int,
     group: int,
     config: TuningConfig,
 ) -> jax.Array:
-    """y = x @ dequant(W) on padded operands, with the Hopper W4A16 kernel ``config`` describes.
+    """y = x @ dequant(W) with the Hopper W4A16 kernel ``config`` describes.
 
     Args:
-      x_pad: (M_pad, K_pad) bf16 or f16 activations, M_pad a multiple of ``config.tile_m``. With
-        ``config.codes_as == "uint8"`` each 64-wide K chunk must be de-interleaved (even K, then odd K:
-        :func:`deinterleave_k`).
-      codes: W^T, K-major: (N_pad, K_pad) ``jnp.int4`` for ``codes_as="int4"``, the stored (N_pad,
-        K_pad // 2) ``nk_int4`` bytes for ``codes_as="uint8"``.
+      x: (M, K_pad) bf16 or f16 activations (the wrapper pads K only when it must).
+      codes: ``wgmma_int4`` words, uint32 (N_pad / 8, K_pad).
       scales: (ceil(K_pad / group), N_pad) group scales; ``offsets``: None or the same shape.
+      n: columns of y to store (N, or N_pad).
       group: rows of K sharing one scale (K_pad for per-column quantization).
       config: the tiling; ``config.compute_wgs`` picks the variant (1: w4a16.py, 2: w4a16_ws.py).
 
     Returns:
-      (M_pad, N_pad) in x's dtype when ``config.split_k == 1``, else the (split_k, M_pad, N_pad) float32
-      partial sums (the caller adds them).
+      (M, n) in x's dtype when ``config.split_k == 1``, else the (split_k, M, n) float32 partial sums
+      (the caller adds them).
     """
-    problem = check_operands(x_pad, codes, scales, offsets, group, config)
+    p = check_operands(x, codes, scales, offsets, n=n, group=group, config=config)
+    views = operand_views(p, x, codes, scales, offsets)
     run = w4a16_single_wg if config.compute_wgs == 1 else w4a16_warp_specialized
-    return run(problem, x_pad, codes, scales, offsets)
+    return run(p, views)
 
 
-def deinterleave_k(x: jax.Array) -> jax.Array:
-    """(M, K) with K % 64 == 0 -> the same columns, each 64-chunk reordered even K first, then odd K.
-
-    The ``codes_as="uint8"`` kernel splits every code byte into its even-K (low nibble) and odd-K (high
-    nibble) halves; this puts x's columns in the same order. XLA fuses it into the padding copy.
-    """
-    m, k = x.shape
-    return x.reshape(m, k // 64, 32, 2).swapaxes(2, 3).reshape(m, k)
+def check_operands(
+    x: Any, codes: Any, scales: Any, offsets: Any, *, n: int, group: int, config: TuningConfig
+) -> Problem:
+    """Validates operands against each other and the config; returns the problem's static facts."""
+    m, k_pad = x.shape
+    bands = codes.shape[0]
+    n_pad = 8 * bands
+    if codes.dtype != jnp.uint32 or tuple(codes.shape) != (bands, k_pad):
+        raise ValueError(
+            f"w4a16: codes must be wgmma_int4 words uint32 (N_pad / 8, K_pad) = (*, {k_pad}) for x of shape "
+            f"{x.shape}, got {codes.dtype} {tuple(codes.shape)}"
+        )
+    groups = num_groups(k_pad, group)  # the last group may be partial
+    if scales.shape != (groups, n_pad):
+        raise ValueError(
+            f"w4a16: scales have shape {scales.shape}, expected (ceil(K_pad / G), N_pad) = "
+            f"({groups}, {n_pad})"
+        )
+    if offsets is not None and offsets.shape != scales.shape:
+        raise ValueError(f"w4a16: offsets shape {offsets.shape} != scales shape {scales.shape}")
+    if not 0 < n <= n_pad:
+        raise ValueError(f"w4a16: n={n} must be in (0, N_pad={n_pad}]")
+    config.check_problem(m, n_pad, k_pad, group)
+    return Problem(m, n, n_pad, k_pad, group, x.dtype, offsets is not None, config)

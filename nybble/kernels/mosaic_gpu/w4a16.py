@@ -1,24 +1,23 @@
 """W4A16 GEMM on Hopper with Pallas Mosaic GPU, one warpgroup per CTA: y = x @ dequant(W).
 
 The kernel computes the transposed product y^T = W^T x^T so that the dequantized weights are WGMMA's A
-operand, held in registers, and the batch M is WGMMA's N (8..256): a decode step with M = 1 pads M to 8
-only, not to 64, and the int4 codes never take a round trip through SMEM as bf16 (Machete's trick).
+operand, held in registers, and the batch M is WGMMA's N (8..256); for M <= 8 the N columns that would
+multiply padding carry S slices of K instead (fragments.py), so one warpgroup covers 64 * tiles / S rows
+of N over all of K, and a decode GEMM needs neither split-K nor a second launch.
 
-One CTA (one warpgroup) owns a (tile_n x tile_m) output tile and a contiguous 1/split_k of K:
+One CTA (one warpgroup) owns ``rows_per_wg`` output rows (and an M tile, and 1 / split_k of each slice):
 
-    for each K step (emit_pipeline, `max_concurrent_steps` SMEM slots, TMA running ahead):
-        TMA  codes (tile_n, tile_k / 2 bytes)  gmem -> swizzled smem  (W^T rows are K-major: whole bytes)
-        TMA  x     (tile_m, tile_k)            gmem -> swizzled smem
-        TMA  scales / offsets rows (tile_k // G or 1, tile_n)
-        for each 64-wide K chunk:                         (common.dequant_wgmma_step)
-            codes -> registers: codes_as="int4": WGMMA_UPCAST_4X load of the int4 view;
-                                codes_as="uint8": byte load, nibbles split by i32 shifts (even / odd K)
-            w = q * s + o   (f32, one FMA per element) -> x.dtype
-            wgmma(acc (tile_n, tile_m) f32, w, x_chunk^T), one WGMMA left in flight
-    acc -> smem (transposed) -> TMA to out[m, n] (or to the f32 split-K partial out[split, m, n])
+    for each K step (emit_pipeline, ``max_concurrent_steps`` SMEM slots, TMA running ahead):
+        TMA  codes (tiles, 8, tile_k) words  (wgmma_int4: each lane's fragment in one 8-byte word pair)
+        TMA  x     (S * tile_m, tile_k)       (x viewed as (M * S, K / S); rows past M * S zero-filled)
+        TMA  scale / offset rows               (per slice)
+        for each 64-wide K chunk and A tile:   LDS.64, 3 SHF + 4 LOP3 per 8 weights, WGMMA
+            scales_on="accumulators": 136 + q straight into a per-group f32 accumulator, the group's sum
+                of x from one WGMMA with an all-ones A tile; per group y += s (acc - 136 sum x) + o sum x
+            scales_on="weights": q exact (one more bf16x2 subtract), w = q * s (+ o) in bf16
+    epilogue: accumulators -> SMEM -> (S > 1: sum of the slices) -> TMA to y (or f32 split-K partials)
 
-This is the decode workhorse: with M <= 64 the work per weight byte is tiny, and many small CTAs (split-K
-over a grid of N tiles) keep every SM streaming weights. w4a16_ws.py is the warp-specialized variant.
+w4a16_ws.py is the warp-specialized variant for prefill.
 """
 
 from __future__ import annotations
@@ -30,49 +29,109 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nybble.kernels.mosaic_gpu.common import (
+    L,
     Problem,
-    dequant_wgmma_step,
+    exact_weights_step,
     operand_specs,
-    store_tile,
+    scaled_accumulators_step,
+    store_tiles,
     tile_indices,
 )
+from nybble.kernels.mosaic_gpu.config import CHUNK_K
 from nybble.kernels.mosaic_gpu.interpret import active_params
 
 
-def w4a16_single_wg(p: Problem, x_pad, codes, scales, offsets) -> jax.Array:
-    """Runs the one-warpgroup kernel on checked, padded operands (see ``w4a16_padded``)."""
-    c = p.config
+def _smem_swizzle(dtype) -> tuple:
+    bits = jnp.finfo(dtype).bits
+    swizzle = plgpu.find_swizzle(CHUNK_K * bits, "ones")
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
-    def kernel(x_gmem, w_gmem, s_gmem, *rest):
+
+def w4a16_single_wg(p: Problem, operands: list[jax.Array]) -> jax.Array:
+    """Runs the one-warpgroup kernel on the operand views of ``common.operand_views``."""
+    c = p.config
+    acc_shape = (64 * c.tiles, c.wgmma_n)
+    deferred = c.scales_on == "accumulators"
+
+    def kernel(*refs):
+        codes_gmem, x_gmem, s_gmem, *rest = refs
         o_gmem = rest[0] if p.has_offsets else None
-        out_gmem, out_smem = rest[-2:]
+        out_gmem = rest[1 if p.has_offsets else 0]
+        scratch = dict(zip(_scratch_names(p), rest[2 if p.has_offsets else 1 :], strict=True))
         mi, ni = tile_indices(p, lax.axis_index("mn"))
         k_first = lax.axis_index("split") * p.steps_per_split
-        # The last WGMMA of a step still reads its x tile while the next step is dequantized, so slots
-        # are released one step late (delay_release=1).
+        # The last WGMMA of a step still reads its x tile while the next step starts, so slots are
+        # released one step late (delay_release=1).
         specs = operand_specs(p, mi, ni, k_first, delay_release=1)
-        operands = [w_gmem, x_gmem, s_gmem] + ([o_gmem] if p.has_offsets else [])
+        gmem = [codes_gmem, x_gmem, s_gmem] + ([o_gmem] if p.has_offsets else [])
+        if deferred:
+            ones = scratch["ones"]
+            ones[...] = plgpu.layout_cast(jnp.full((64, CHUNK_K), 1.0, p.dtype), L.WGMMA)
+            plgpu.commit_smem()
 
-        def mainloop(acc_ref):
-            def body(_, w_smem, x_smem, s_smem, *o_smem):
-                dequant_wgmma_step(p, acc_ref, w_smem, x_smem, s_smem, o_smem[0] if o_smem else None)
+            def body(_, codes, x, s, *rest):
+                *o, total = rest
+                return scaled_accumulators_step(p, total, codes, x, ones, s, o[0] if o else None)
 
-            plgpu.emit_pipeline(
-                body, grid=(p.steps_per_split,), in_specs=specs, max_concurrent_steps=c.max_concurrent_steps
-            )(*operands)
-            return acc_ref[...]  # waits for the last WGMMA
+            acc = plgpu.emit_pipeline(
+                body,
+                grid=(p.steps_per_split,),
+                in_specs=specs,
+                max_concurrent_steps=c.max_concurrent_steps,
+                init_carry=plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), L.WGMMA),
+            )(*gmem)
+        else:
 
-        acc = pl.run_scoped(mainloop, plgpu.ACC((c.tile_n, c.tile_m), jnp.float32))
-        store_tile(p, acc, out_smem, out_gmem, mi, ni * c.tile_n)
+            def mainloop(acc_ref):
+                def body(_, codes, x, s, *o):
+                    exact_weights_step(p, acc_ref, codes, x, s, o[0] if o else None, 0)
+
+                plgpu.emit_pipeline(
+                    body,
+                    grid=(p.steps_per_split,),
+                    in_specs=specs,
+                    max_concurrent_steps=c.max_concurrent_steps,
+                )(*gmem)
+                return acc_ref[...]  # waits for the last WGMMA
+
+            acc = pl.run_scoped(mainloop, plgpu.ACC(acc_shape, jnp.float32))
+        store_tiles(p, acc, scratch, out_gmem, mi, ni * c.cta_rows)
 
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(p.out_shape, p.out_dtype),
         grid=(p.m_tiles * p.n_tiles, c.split_k),
         grid_names=("mn", "split"),
-        scratch_types=[plgpu.SMEM((c.tile_m, c.tile_n), p.out_dtype)],
+        scratch_types=_scratch_types(p),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=active_params(),
+        kernel_name=f"nybble_w4a16_{_config_tag(p)}",
     )
-    args = [x_pad, codes, scales] + ([offsets] if p.has_offsets else [])
-    return call(*args)
+    return call(*operands)
+
+
+def _scratch_names(p: Problem) -> list[str]:
+    names = ["out"]
+    if p.config.slices > 1:
+        names.append("slices")
+    if p.config.scales_on == "accumulators":
+        names.append("ones")
+    return names
+
+
+def _scratch_types(p: Problem) -> list:
+    c = p.config
+    types = [plgpu.SMEM((c.tile_m, c.rows_per_wg), p.out_dtype)]
+    if c.slices > 1:
+        types.append(plgpu.SMEM((c.tiles, 64, c.wgmma_n), jnp.float32))
+    if c.scales_on == "accumulators":
+        types.append(plgpu.SMEM((64, CHUNK_K), p.dtype, transforms=_smem_swizzle(p.dtype)))
+    return types
+
+
+def _config_tag(p: Problem) -> str:
+    c = p.config
+    return (
+        f"t{c.tiles}m{c.tile_m}k{c.tile_k}s{c.slices}x{c.split_k}w{c.compute_wgs}"
+        f"{'acc' if c.scales_on == 'accumulators' else 'wt'}{'o' if p.has_offsets else ''}"
+    )

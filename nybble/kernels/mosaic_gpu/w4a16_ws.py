@@ -1,11 +1,13 @@
 """W4A16 GEMM on Hopper, warp-specialized: one TMA warpgroup feeding ``compute_wgs`` compute warpgroups.
 
-Same math and per-step code as w4a16.py (common.dequant_wgmma_step); what changes is the CTA:
+Same per-step code as w4a16.py (common.exact_weights_step: weights dequantized exactly, w = q * s (+ o) in
+bf16); what changes is the CTA:
 
-    warpgroup `compute_wgs` (memory, 40 registers): TMA codes (cta_n, tile_k), x (tile_m, tile_k) and the
-        scale rows into `max_concurrent_steps` slots, each slot guarded by produced/consumed barriers;
-    warpgroups 0..compute_wgs-1 (compute): each dequantizes its own tile_n rows of the codes tile and runs
-        WGMMA against the shared x tile into its own (tile_n, tile_m) f32 accumulator, then stores it.
+    warpgroup `compute_wgs` (memory, 40 registers): TMA codes (tiles * compute_wgs A tiles), x (tile_m,
+        tile_k) and the scale rows into `max_concurrent_steps` slots, each guarded by produced/consumed
+        barriers;
+    warpgroups 0..compute_wgs-1 (compute): each dequantizes its own A tiles and runs WGMMA against the
+        shared x tile into its own f32 accumulators, then stores them.
 
 Sharing one x tile between warpgroups halves the activation traffic per weight (the prefill cost), and
 while one warpgroup dequantizes the other's WGMMA keeps the tensor cores busy. The memory warpgroup never
@@ -24,9 +26,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nybble.kernels.mosaic_gpu.common import (
     Problem,
-    dequant_wgmma_step,
+    exact_weights_step,
     operand_specs,
-    store_tile,
+    store_tiles,
     tile_indices,
 )
 from nybble.kernels.mosaic_gpu.interpret import active_params
@@ -35,33 +37,43 @@ from nybble.kernels.mosaic_gpu.interpret import active_params
 _MEMORY_REGISTERS = 40
 
 
-def w4a16_warp_specialized(p: Problem, x_pad, codes, scales, offsets) -> jax.Array:
-    """Runs the warp-specialized kernel on checked, padded operands (see ``w4a16_padded``)."""
+def w4a16_warp_specialized(p: Problem, operands: list[jax.Array]) -> jax.Array:
+    """Runs the warp-specialized kernel on the operand views of ``common.operand_views``."""
     c = p.config
+    if c.slices > 1 or c.scales_on != "weights":
+        raise ValueError(f"the warp-specialized kernel runs slices=1, scales_on='weights' only, got {c}")
     num_wgs = c.compute_wgs
+    acc_shape = (64 * c.tiles, c.wgmma_n)
 
-    def kernel(x_gmem, w_gmem, s_gmem, *rest):
+    def kernel(*refs):
+        codes_gmem, x_gmem, s_gmem, *rest = refs
         o_gmem = rest[0] if p.has_offsets else None
         out_gmem, out_smem = rest[-2:]
         mi, ni = tile_indices(p, lax.axis_index("mn"))
         k_first = lax.axis_index("split") * p.steps_per_split
         wg = lax.axis_index("wg")
-        wg_rows = pl.ds(wg * c.tile_n, c.tile_n)  # this warpgroup's rows of the (cta_n, tile_k) codes tile
         specs = operand_specs(p, mi, ni, k_first, delay_release=1)
-        operands = [w_gmem, x_gmem, s_gmem] + ([o_gmem] if p.has_offsets else [])
+        gmem = [codes_gmem, x_gmem, s_gmem] + ([o_gmem] if p.has_offsets else [])
 
         def compute_context(run_pipeline):
-            # Runs in the compute warpgroups only: the accumulator lives in their registers.
-            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_n, c.tile_m), jnp.float32))
+            # Runs in the compute warpgroups only: the accumulators live in their registers.
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(acc_shape, jnp.float32))
             def _(acc_ref):
                 run_pipeline(acc_ref)
                 acc = acc_ref[...]  # waits for the last WGMMA
-                store_tile(p, acc, out_smem.at[wg], out_gmem, mi, ni * p.cta_n + wg * c.tile_n)
+                store_tiles(
+                    p,
+                    acc,
+                    {"out": out_smem.at[wg]},
+                    out_gmem,
+                    mi,
+                    ni * p.config.cta_rows + wg * c.rows_per_wg,
+                )
 
-        def body(_, w_smem, x_smem, s_smem, *rest):
-            *o_smem, acc_ref = rest
-            o_rows = o_smem[0].at[:, wg_rows] if o_smem else None
-            dequant_wgmma_step(p, acc_ref, w_smem.at[wg_rows], x_smem, s_smem.at[:, wg_rows], o_rows)
+        def body(_, codes, x, s, *rest):
+            *o, acc_ref = rest
+            mine = codes.at[pl.ds(wg * c.tiles, c.tiles)]  # this warpgroup's A tiles
+            exact_weights_step(p, acc_ref, mine, x, s, o[0] if o else None, wg * c.rows_per_wg)
             return acc_ref
 
         plgpu.emit_pipeline_warp_specialized(
@@ -73,7 +85,7 @@ def w4a16_warp_specialized(p: Problem, x_pad, codes, scales, offsets) -> jax.Arr
             num_compute_wgs=num_wgs,
             max_concurrent_steps=c.max_concurrent_steps,
             compute_context=compute_context,
-        )(*operands)
+        )(*gmem)
 
     call = plgpu.kernel(
         kernel,
@@ -82,9 +94,9 @@ def w4a16_warp_specialized(p: Problem, x_pad, codes, scales, offsets) -> jax.Arr
         grid_names=("mn", "split"),
         num_threads=num_wgs + 1,
         thread_name="wg",
-        scratch_types=[plgpu.SMEM((num_wgs, c.tile_m, c.tile_n), p.out_dtype)],
+        scratch_types=[plgpu.SMEM((num_wgs, c.tile_m, c.rows_per_wg), p.out_dtype)],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=active_params(),
+        kernel_name="nybble_w4a16_ws",
     )
-    args = [x_pad, codes, scales] + ([offsets] if p.has_offsets else [])
-    return call(*args)
+    return call(*operands)

@@ -1,8 +1,8 @@
 """Checkpoint formats nybble reads and writes: GPTQ, AWQ, qwix in; torch tinygemm out. All exact."""
 
-from nybble.quant.formats.awq import from_awq
-from nybble.quant.formats.checkpoint import load_awq_checkpoint, load_gptq_checkpoint
-from nybble.quant.formats.gptq import from_gptq, from_gptq_act_order
+from nybble.quant.formats.awq_format import from_awq
+from nybble.quant.formats.foreign_checkpoint import load_awq_checkpoint, load_gptq_checkpoint
+from nybble.quant.formats.gptq_format import from_gptq, from_gptq_act_order
 from nybble.quant.formats.qwix import from_qwix
 from nybble.quant.formats.torch_int4pack import (
     TorchCodes,

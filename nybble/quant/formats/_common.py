@@ -14,9 +14,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from nybble.packing import get_layout, pad_to, padded_weight_dims
+from nybble.packing import MIN_GROUP_SIZE, check_group_size
 from nybble.quant.qweight import QuantizedWeight
-from nybble.quant.rtn import check_group_size
 
 # Nibble i of a 32-bit word sits at bits [4i, 4i + 4): the shift that brings it to the bottom.
 NIBBLE_SHIFTS = np.arange(8, dtype=np.uint32) * 4
@@ -61,6 +60,27 @@ def check_bits(bits: int) -> None:
         )
 
 
+def read_layer(
+    qweight: Any, qzeros: Any, scales: Any, *, bits: int, name: str, qweight_layout: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A 4-bit layer's three tensors as numpy arrays, checked: int32 words, float scales, 2-D.
+
+    ``qweight_layout`` describes the packed qweight in errors (e.g. ``"[K / 8, N] (int32, ...)"``).
+    """
+    check_bits(bits)
+    qweight = as_array(qweight, f"{name}.qweight")
+    qzeros = as_array(qzeros, f"{name}.qzeros")
+    scales = as_array(scales, f"{name}.scales")
+    for arr, what in ((qweight, "qweight"), (qzeros, "qzeros")):
+        check_dtype(arr, f"{name}.{what}", "iu", "int32")
+        if arr.dtype.itemsize != 4:
+            raise ValueError(f"{name}.{what}: expected dtype int32, got {arr.dtype.name}")
+    check_dtype(scales, f"{name}.scales", "f", "float16")
+    check_2d(qweight, f"{name}.qweight", qweight_layout)
+    check_2d(scales, f"{name}.scales", "[ceil(K / G), N]")
+    return qweight, qzeros, scales
+
+
 def unpack_words(words: np.ndarray, axis: int) -> np.ndarray:
     """Splits each 32-bit word into its 8 nibbles (nibble i = bits 4i..4i+3), expanded along ``axis``.
 
@@ -74,20 +94,20 @@ def unpack_words(words: np.ndarray, axis: int) -> np.ndarray:
 
 
 def infer_group_size(k: int, num_groups: int, name: str) -> int | None:
-    """The group size G (a power of two >= 16) with ceil(K / G) == num_groups; None for one group.
+    """The group size G (a power of two >= MIN_GROUP_SIZE) with ceil(K / G) == num_groups; None for one.
 
     A single group is per-column quantization (GPTQ ``group_size=-1``, or K <= G): nybble stores it as
     one scale row covering all of K, which dequantizes identically.
     """
     if num_groups == 1:
         return None
-    g = 16
+    g = MIN_GROUP_SIZE
     while g < k:
         if -(-k // g) == num_groups:
             return g
         g *= 2
     raise ValueError(
-        f"{name}: {num_groups} scale rows for K={k} match no power-of-two group size >= 16 "
+        f"{name}: {num_groups} scale rows for K={k} match no power-of-two group size >= {MIN_GROUP_SIZE} "
         "(nybble needs G in 16, 32, 64, 128, ...); pass group_size= explicitly if the checkpoint says so"
     )
 
@@ -145,34 +165,20 @@ def build_weight(
             f"{name}: sym=True but zero point at (group, n) = {bad} is {int(zeros[bad])}, not 8; "
             "pass sym=None (auto) or check the zero convention (v1 checkpoints store zero - 1)"
         )
-    k_pad, n_pad = padded_weight_dims(k, n, group_size)
-    g = k_pad if group_size is None else group_size
-    num_groups = -(-k_pad // g)
     q = u.astype(np.int8) - np.int8(8)
-    codes = get_layout("nk_int4").pack(pad_to(q, (k_pad, n_pad)))
     src_dtype = scales.dtype
     if symmetric:
         stored = np.dtype(scale_dtype) if scale_dtype is not None else src_dtype
-        s = pad_to(scales.astype(stored), (num_groups, n_pad))
-        offsets = None
+        s, offsets = scales.astype(stored), None
     else:
         stored = np.dtype(scale_dtype) if scale_dtype is not None else np.dtype(np.float32)
         s64 = scales.astype(np.float64)
         off = (8.0 - zeros.astype(np.float64)) * s64  # exact in float64, and in float32 (see above)
-        s = pad_to(s64.astype(stored), (num_groups, n_pad))
-        offsets = jnp.asarray(pad_to(off.astype(stored), (num_groups, n_pad)))
-    return QuantizedWeight(
-        codes=jnp.asarray(codes),
-        scales=jnp.asarray(s),
-        offsets=offsets,
-        shape=(k, n),
-        group_size=group_size,
-        symmetric=symmetric,
-        layout="nk_int4",
-    )
+        s, offsets = s64.astype(stored), off.astype(stored)
+    return QuantizedWeight.from_codes(q, s, offsets, shape=(k, n), group_size=group_size)
 
 
-def group_rows(k: int, group_size: int | None) -> np.ndarray:
+def natural_group_index(k: int, group_size: int | None) -> np.ndarray:
     """The natural group of each row of K: k // G (all zeros for per-column)."""
     if group_size is None:
         return np.zeros(k, np.int64)

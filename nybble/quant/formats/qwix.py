@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from nybble.packing import check_group_size
 from nybble.quant.formats._common import as_array, build_weight, check_dtype
 from nybble.quant.qweight import QuantizedWeight
-from nybble.quant.rtn import check_group_size
 
 
 def from_qwix(qarray: Any, *, scale_dtype: Any = None, name: str = "qarray") -> QuantizedWeight:

@@ -26,7 +26,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from nybble.packing import get_layout
 from nybble.quant.qweight import QuantizedWeight
 
 TORCH_GROUP_SIZES = (32, 64, 128, 256)
@@ -50,24 +49,25 @@ class TorchInt4Pack(NamedTuple):
     group_size: int
 
 
-def _signed_codes(qw: QuantizedWeight) -> np.ndarray:
-    """Logical codes q (K_pad, N_pad) int8 in [-8, 7]."""
-    k_pad, _ = qw.padded_shape
-    return np.asarray(get_layout(qw.layout).unpack(np.asarray(qw.codes), k_pad))
+def _unsigned_codes_nk(qw: QuantizedWeight, dtype: type) -> np.ndarray:
+    """Unsigned codes u = q + 8 as (N_pad, K_pad), 0..15."""
+    return (np.asarray(qw.logical_codes()).astype(np.int16) + 8).astype(dtype).T
 
 
 def _torch_group_size(qw: QuantizedWeight) -> int:
+    """tinygemm's qGroupSize for this weight: its own group, or 128-row sub-groups of a larger one."""
     k_pad, _ = qw.padded_shape
-    g = qw.block_k
-    if g in TORCH_GROUP_SIZES and k_pad % g == 0:
-        return g
+    g = qw.group
     if g < TORCH_GROUP_SIZES[0]:
         raise ValueError(
             f"torch tinygemm supports group sizes {TORCH_GROUP_SIZES}, this weight has g{g}; "
             "requantize with group_size >= 32"
         )
+    if g in TORCH_GROUP_SIZES and k_pad % g == 0:
+        return g
     # Larger (or partial-last) groups: repeat each scale row over 128-row sub-groups, which all lie
     # inside one nybble group because g is a power of two >= 128 (or the whole of K).
+    _check_k(qw, K_MULTIPLE, f"group g{g} re-expressed as 128-row tinygemm groups")
     return K_MULTIPLE
 
 
@@ -75,22 +75,25 @@ def _scale_and_zero(qw: QuantizedWeight, group_size: int) -> np.ndarray:
     import ml_dtypes
 
     k_pad = qw.padded_shape[0]
-    rows = np.arange(k_pad // group_size) * group_size // qw.block_k  # nybble group of each torch group
+    rows = np.arange(k_pad // group_size) * group_size // qw.group  # nybble group of each torch group
     scales = np.asarray(qw.scales, np.float32)[rows]
     zeros = np.zeros_like(scales) if qw.offsets is None else np.asarray(qw.offsets, np.float32)[rows]
     return np.stack([scales, zeros], axis=-1).astype(ml_dtypes.bfloat16)
 
 
+def _check_k(qw: QuantizedWeight, multiple: int, why: str) -> None:
+    k_pad, _ = qw.padded_shape
+    if k_pad % multiple:
+        raise ValueError(
+            f"torch tinygemm ({why}) needs K to be a multiple of {multiple}; this weight has K_pad={k_pad} "
+            f"(K={qw.shape[0]}). Zero-pad the float weight to K={-(-k_pad // multiple) * multiple} rows "
+            f"(and x to as many columns) and requantize"
+        )
+
+
 def _check(qw: QuantizedWeight) -> None:
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"expected a QuantizedWeight, got {type(qw).__name__}")
-    k_pad, _ = qw.padded_shape
-    if k_pad % K_MULTIPLE:
-        raise ValueError(
-            f"torch tinygemm with innerKTiles={INNER_K_TILES} needs K to be a multiple of {K_MULTIPLE}; "
-            f"this weight has K_pad={k_pad} (K={qw.shape[0]}). Zero-pad the float weight to "
-            f"K={-(-k_pad // K_MULTIPLE) * K_MULTIPLE} rows (and x to as many columns) and requantize"
-        )
 
 
 def to_torch_uint8_codes(qw: QuantizedWeight) -> TorchCodes:
@@ -99,11 +102,12 @@ def to_torch_uint8_codes(qw: QuantizedWeight) -> TorchCodes:
     Byte (n, b) = (u[2b, n] << 4) | u[2b + 1, n] with u = q + 8 (gpt-fast / torchao packing: even k
     in the HIGH nibble). ``scale_and_zero`` is bf16 [K_pad / g, N_pad, 2] = (scale, offset): exact when
     the weight's scale dtype is bfloat16, rounded to bf16 otherwise. The product of the torch op has
-    N_pad columns; slice ``[:, :N]``.
+    N_pad columns; slice ``[:, :N]``. Needs K_pad to be a multiple of the tinygemm group (convert with
+    innerKTiles 2 or 4 when K_pad is not a multiple of 128).
     """
     _check(qw)
     group_size = _torch_group_size(qw)
-    u = (_signed_codes(qw).astype(np.int16) + 8).astype(np.uint8).T  # (N_pad, K_pad), 0..15
+    u = _unsigned_codes_nk(qw, np.uint8)
     codes = (u[:, 0::2] << 4) | u[:, 1::2]
     return TorchCodes(codes.astype(np.uint8), _scale_and_zero(qw, group_size), group_size)
 
@@ -117,9 +121,10 @@ def to_torch_int4pack(qw: QuantizedWeight) -> TorchInt4Pack:
     re-expressed at g128 by repeating scale rows, exactly).
     """
     _check(qw)
+    _check_k(qw, K_MULTIPLE, f"innerKTiles={INNER_K_TILES}")
     group_size = _torch_group_size(qw)
     k_pad, n_pad = qw.padded_shape
-    u = (_signed_codes(qw).astype(np.int16) + 8).astype(np.uint32).T  # (N_pad, K_pad)
+    u = _unsigned_codes_nk(qw, np.uint32)
     # Split n = 8 nt + tr and k = 128 ko + 32 j + 16 tile + 8 half + 2 tq + e, where the lane is
     # t = 4 tr + tq, j picks the int32 of the lane's int4 (16-byte) vector, tile the k-tile of the pair,
     # half the +8 rows of the fragment and e the even/odd k of a bf16x2 pair.

@@ -22,13 +22,10 @@ from typing import Any
 import numpy as np
 
 from nybble.quant.formats._common import (
-    as_array,
     build_weight,
-    check_2d,
-    check_bits,
-    check_dtype,
     check_shape,
     checked_group_size,
+    read_layer,
     unpack_words,
 )
 from nybble.quant.qweight import QuantizedWeight
@@ -66,17 +63,10 @@ def from_awq(
     Raises:
       ValueError: malformed tensors (named, with expected and actual shape/dtype) or bits != 4.
     """
-    check_bits(bits)
-    qweight = as_array(qweight, f"{name}.qweight")
-    qzeros = as_array(qzeros, f"{name}.qzeros")
-    scales = as_array(scales, f"{name}.scales")
-    for arr, what in ((qweight, "qweight"), (qzeros, "qzeros")):
-        check_dtype(arr, f"{name}.{what}", "iu", "int32")
-        if arr.dtype.itemsize != 4:
-            raise ValueError(f"{name}.{what}: expected dtype int32, got {arr.dtype.name}")
-    check_dtype(scales, f"{name}.scales", "f", "float16")
-    check_2d(qweight, f"{name}.qweight", "[K, N / 8] (int32, 8 codes per word along N)")
-    check_2d(scales, f"{name}.scales", "[K / G, N]")
+    qweight, qzeros, scales = read_layer(
+        qweight, qzeros, scales, bits=bits, name=name,
+        qweight_layout="[K, N / 8] (int32, 8 codes per word along N)",
+    )  # fmt: skip
     k, n = qweight.shape[0], qweight.shape[1] * 8
     num_groups = scales.shape[0]
     check_shape(scales, f"{name}.scales", (num_groups, n), "N = 8 * qweight columns")

@@ -1,5 +1,8 @@
 """Read a whole GPTQ or AWQ safetensors checkpoint into a flat params dict of nybble weights.
 
+Checkpoints written by other tools; nybble's own file format (``nybble.save`` / ``nybble.load``) is
+``nybble.checkpoint``.
+
 Quantized layers are the prefixes ``p`` with a ``p.qweight`` tensor; their ``p.qzeros``, ``p.scales``
 (and for GPTQ ``p.g_idx``) are consumed, everything else (biases, norms, embeddings) is returned as a
 numpy array under its own name.
@@ -13,8 +16,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from nybble.quant.formats.awq import from_awq
-from nybble.quant.formats.gptq import ZeroConvention, from_gptq_act_order
+from nybble.extras import require
+from nybble.quant.formats.awq_format import from_awq
+from nybble.quant.formats.gptq_format import ZeroConvention, from_gptq_act_order
 from nybble.quant.qweight import QuantizedWeight
 
 PERM_SUFFIX = ".input_perm"
@@ -35,8 +39,7 @@ def _read(path_or_dict: Source) -> dict[str, np.ndarray]:
                 raise ValueError(f"tensor {dup[0]!r} appears in more than one shard (at {shard!r})")
             merged.update(tensors)
         return merged
-    from safetensors.numpy import load_file
-
+    load_file = require("safetensors.numpy", "reading GPTQ/AWQ safetensors files").load_file
     path = os.fspath(path_or_dict)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint file at {path!r}")

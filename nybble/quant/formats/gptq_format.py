@@ -1,5 +1,7 @@
 """Import GPTQ checkpoints (AutoGPTQ, optimum, GPTQModel): exact, act-order included.
 
+The checkpoint format only; the GPTQ algorithm itself is ``nybble.quant.gptq``.
+
 The tensors of one 4-bit layer with K inputs, N outputs and group size G (PyTorch ``Linear`` naming, so
 K = in_features), as AutoGPTQ's ``QuantLinear`` stores them:
 
@@ -30,12 +32,11 @@ import numpy as np
 from nybble.quant.formats._common import (
     as_array,
     build_weight,
-    check_2d,
-    check_bits,
     check_dtype,
     check_shape,
     checked_group_size,
-    group_rows,
+    natural_group_index,
+    read_layer,
     unpack_words,
 )
 from nybble.quant.qweight import QuantizedWeight
@@ -43,19 +44,7 @@ from nybble.quant.qweight import QuantizedWeight
 ZeroConvention = Literal["auto", "v1", "v2"]
 
 
-def from_gptq(
-    qweight: Any,
-    qzeros: Any,
-    scales: Any,
-    g_idx: Any = None,
-    *,
-    bits: int = 4,
-    sym: bool | None = None,
-    zero_convention: ZeroConvention = "auto",
-    group_size: int | None = None,
-    scale_dtype: Any = None,
-    name: str = "gptq",
-) -> QuantizedWeight:
+def from_gptq(qweight: Any, qzeros: Any, scales: Any, g_idx: Any = None, **options: Any) -> QuantizedWeight:
     """One GPTQ layer -> ``QuantizedWeight`` of shape (K, N), bit-exact (see the module docstring).
 
     ``nybble.dequantize(qw, jnp.float16)`` equals the source's float16 dequantization bit for bit, and
@@ -63,24 +52,16 @@ def from_gptq(
     float16 scales (4.125 bits/weight at g128); asymmetric ones store float32 scales and offsets, the
     cheapest dtype in which ``(8 - z) * s`` is exact (``scale_dtype=`` overrides, then inexactly).
 
-    Args:
-      qweight, qzeros, scales, g_idx: the layer's tensors (numpy, jax or anything ``np.asarray`` reads).
-      bits: must be 4.
-      sym: None decides from the zeros (all 8 -> symmetric); True insists (raises otherwise).
-      zero_convention: "v1" (stored zero - 1), "v2" (stored zero) or "auto" (see module docstring).
-      group_size: the checkpoint's group size, or None to infer it from the scale rows (-1: per column).
-      scale_dtype: stored dtype override (inexact).
-      name: used in error messages (the tensor prefix).
+    Arguments and options (``bits``, ``sym``, ``zero_convention``, ``group_size``, ``scale_dtype``,
+    ``name``) as :func:`from_gptq_act_order`.
 
     Raises:
       ValueError: malformed tensors (named, with expected and actual shape/dtype), bits != 4, or an
         act-order ``g_idx``: import those with :func:`from_gptq_act_order`.
     """
-    qw, perm = from_gptq_act_order(
-        qweight, qzeros, scales, g_idx, bits=bits, sym=sym, zero_convention=zero_convention,
-        group_size=group_size, scale_dtype=scale_dtype, name=name,
-    )  # fmt: skip
+    qw, perm = from_gptq_act_order(qweight, qzeros, scales, g_idx, **options)
     if perm is not None:
+        name = options.get("name", "gptq")
         raise ValueError(
             f"{name}.g_idx: act-order checkpoint (g_idx != arange(K) // G): its rows of K are grouped "
             "out of order. Use nybble.quant.from_gptq_act_order, which returns (weight, perm) "
@@ -102,7 +83,7 @@ def from_gptq_act_order(
     scale_dtype: Any = None,
     name: str = "gptq",
 ) -> tuple[QuantizedWeight, np.ndarray | None]:
-    """Like :func:`from_gptq`, but also imports act-order layers exactly: returns ``(weight, perm)``.
+    """One GPTQ layer, act-order included, exactly: returns ``(weight, perm)``.
 
     With act-order, row k of K belongs to group ``g_idx[k]`` and the groups are scattered. nybble's
     kernels read groups as contiguous runs of G rows, so the rows are reordered by group (a stable sort:
@@ -112,22 +93,22 @@ def from_gptq_act_order(
 
     ``perm`` is None when ``g_idx`` is absent or already ``arange(K) // G`` (no gather needed). The
     caller applies ``x[..., perm]`` (or folds it into the previous layer's output columns).
+
+    Args:
+      qweight, qzeros, scales, g_idx: the layer's tensors (numpy, jax or anything ``np.asarray`` reads).
+      bits: must be 4.
+      sym: None decides from the zeros (all 8 -> symmetric); True insists (raises otherwise).
+      zero_convention: "v1" (stored zero - 1), "v2" (stored zero) or "auto" (see module docstring).
+      group_size: the checkpoint's group size, or None to infer it from the scale rows (-1: per column).
+      scale_dtype: stored dtype override (inexact).
+      name: used in error messages (the tensor prefix).
     """
-    check_bits(bits)
     if zero_convention not in ("auto", "v1", "v2"):
         raise ValueError(f"zero_convention must be 'auto', 'v1' or 'v2', got {zero_convention!r}")
-    qweight = as_array(qweight, f"{name}.qweight")
-    qzeros = as_array(qzeros, f"{name}.qzeros")
-    scales = as_array(scales, f"{name}.scales")
-    check_dtype(qweight, f"{name}.qweight", "iu", "int32")
-    check_dtype(qzeros, f"{name}.qzeros", "iu", "int32")
-    check_dtype(scales, f"{name}.scales", "f", "float16")
-    check_2d(qweight, f"{name}.qweight", "[K / 8, N] (int32, 8 codes per word along K)")
-    check_2d(scales, f"{name}.scales", "[ceil(K / G), N]")
-    if qweight.dtype.itemsize != 4:
-        raise ValueError(f"{name}.qweight: expected dtype int32, got {qweight.dtype.name}")
-    if qzeros.dtype.itemsize != 4:
-        raise ValueError(f"{name}.qzeros: expected dtype int32, got {qzeros.dtype.name}")
+    qweight, qzeros, scales = read_layer(
+        qweight, qzeros, scales, bits=bits, name=name,
+        qweight_layout="[K / 8, N] (int32, 8 codes per word along K)",
+    )  # fmt: skip
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     num_groups = scales.shape[0]
     check_shape(scales, f"{name}.scales", (num_groups, n), f"N={n} columns as qweight")
@@ -140,7 +121,7 @@ def from_gptq_act_order(
     stored = unpack_words(qzeros, axis=1)  # (groups, N): column 8c + i from nibble i
     zeros = _resolve_zeros(stored, zero_convention, name)
 
-    natural = group_rows(k, group_size)
+    natural = natural_group_index(k, group_size)
     perm = None
     if g_idx is not None:
         g_idx = as_array(g_idx, f"{name}.g_idx")

@@ -1,0 +1,180 @@
+"""``python -m bench.xray``: compile nybble's kernels for an H200 on this machine and report what they run.
+
+Examples::
+
+    python -m bench.xray                                   # named shapes x M 1..4096, g128 sym/asym
+    python -m bench.xray --shapes llama3-8b-qo 4096x11008 --ms 1 16 --groups 128:sym 64:asym
+    python -m bench.xray --check                           # exit 1 on a regression against the baseline
+    python -m bench.xray --update-baseline                 # record today's numbers as the baseline
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.xray.cases import DEFAULT_GROUPS, DEFAULT_MS, MOSAIC, PEERS
+
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
+
+
+def parse_group(text: str) -> tuple[int | None, bool]:
+    """``128:sym``, ``64:asym``, ``col:sym`` -> (group size or None, symmetric)."""
+    from bench.arg_specs import parse_group_size
+
+    group, _, kind = text.partition(":")
+    kind = kind or "sym"
+    if kind not in ("sym", "asym"):
+        raise argparse.ArgumentTypeError(f"--groups {text!r}: write G:sym or G:asym (e.g. 128:asym)")
+    try:
+        return parse_group_size(group), kind == "sym"
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--groups {text!r}: {e}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from bench.arg_specs import SHAPES
+
+    p = argparse.ArgumentParser(
+        prog="python -m bench.xray",
+        description="Compile nybble's Mosaic GPU kernels (and XLA's bf16 dot and int4 path) for an H200 on "
+        "a machine without a GPU; report registers, spills, SMEM, the main loop's SASS, launches and bytes "
+        "per call, and a static model of the time. Needs the `xray` extra.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--shapes", nargs="+", metavar="NAME", help=f"named shapes ({', '.join(SHAPES)}) or KxN")
+    p.add_argument("--ms", nargs="+", type=int, default=list(DEFAULT_MS), help="values of M")
+    p.add_argument(
+        "--groups",
+        nargs="+",
+        type=parse_group,
+        default=list(DEFAULT_GROUPS),
+        metavar="G:sym|asym",
+        help="group settings (default 128:sym 128:asym; col for per column)",
+    )
+    p.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS), help="what to compile")
+    p.add_argument("--gpu", default="h200", choices=("h200", "h100"), help="the GPU compiled for")
+    p.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: cores, <= 4)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output folder (default: $OUT, else bench/results/xray-<date>/)",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="compare with bench/xray_baseline.json; exit 1 on spills, > 3%% more instructions "
+        "per weight, or more launches",
+    )
+    p.add_argument(
+        "--update-baseline", action="store_true", help="write today's kernel numbers as the baseline"
+    )
+    p.add_argument("--no-plot", action="store_true")
+    return p
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=Path(__file__).resolve().parent,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from bench.arg_specs import SHAPES, select_shapes
+    from bench.xray import model, report
+    from bench.xray.cases import build_cases
+    from bench.xray.runner import run_cases
+    from nybble.kernels.xray import ToolchainMissing, get_gpu
+
+    try:
+        shapes = select_shapes(args.shapes or list(SHAPES))
+        cases = build_cases(shapes, args.ms, args.groups, args.peers)
+    except ValueError as e:
+        print(f"python -m bench.xray: {e}", file=sys.stderr)
+        return 2
+    gpu = get_gpu(args.gpu)
+    started = time.time()
+    print(
+        f"X-ray: {len(cases)} compiles for an {gpu.description} (sm_90a) on this CPU; a static view, "
+        "not a timing.",
+        file=sys.stderr,
+    )
+    try:
+        records = run_cases(cases, gpu=gpu.name, jobs=args.jobs)
+    except ToolchainMissing as e:
+        print(f"python -m bench.xray: {e}", file=sys.stderr)
+        return 2
+    ceilings = model.ceilings_for(gpu)
+    models = {k: model.model_case(r, gpu, ceilings) for k, r in records.items() if "error" not in r}
+    rows = report.build_rows(records, models)
+    import jax
+
+    result: dict[str, Any] = {
+        "schema": report.SCHEMA,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "versions": {"jax": jax.__version__, "python": sys.version.split()[0]},
+        "gpu": {k: v for k, v in vars(gpu).items()},
+        "ceilings": vars(ceilings),
+        "model": model.__doc__,
+        "rows": rows,
+        "elapsed_s": round(time.time() - started, 1),
+    }
+    problems: list[str] = []
+    if args.check:
+        problems = report.check_against_baseline(rows, report.load_baseline())
+        result["baseline_check"] = "\n".join(f"- {p}" for p in problems) or "no regression."
+    out = args.out or (
+        Path(os.environ["OUT"])
+        if os.environ.get("OUT")
+        else RESULTS_DIR / f"xray-{datetime.date.today().isoformat()}"
+    )
+    files = report.write_outputs(result, out)
+    if not args.no_plot:
+        png = __import__("bench.xray.plot", fromlist=["plot_rows"]).plot_rows(
+            rows,
+            out / "xray.png",
+            f"nybble kernel X-ray, {gpu.description} (compiled on a CPU; model, not timing)",
+        )
+        files += [png] if png else []
+    print(report.table(rows))
+    print(f"\nwrote {', '.join(str(f) for f in files)} ({result['elapsed_s']} s)")
+    if args.update_baseline:
+        path = report.write_baseline(
+            rows, {"gpu": gpu.name, "commit": result["commit"], "date": result["date"]}
+        )
+        print(f"baseline written: {path}")
+    if args.check:
+        print("\nbaseline check: " + ("no regression" if not problems else f"{len(problems)} problem(s)"))
+        for p in problems:
+            print(f"  {p}")
+        return 1 if problems else 0
+    errors = [r for r in rows if r["peer"] == MOSAIC and "error" in r]
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

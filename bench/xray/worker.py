@@ -1,0 +1,39 @@
+"""The compiling side of the X-ray: a process set up by the toolchain, reading cases, writing reports.
+
+``python -m bench.xray.worker GPU`` reads one JSON case a line on stdin and writes one JSON line per case
+to stdout: ``{"key", "case", "report", "plan"}`` or ``{"key", "case", "error"}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import traceback
+
+
+def main() -> int:
+    from bench.xray.cases import MOSAIC, Case, kernel_plan, program
+    from nybble.kernels.xray import get_gpu, xray_compile
+
+    gpu = get_gpu(sys.argv[1] if len(sys.argv) > 1 else "h200")
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        case = Case(**json.loads(line))
+        out: dict = {"key": case.key, "case": dataclasses.asdict(case)}
+        try:
+            fn, args = program(case)
+            out["report"] = xray_compile(fn, *args, gpu=gpu.name).to_dict()
+            if case.peer == MOSAIC:
+                out["plan"] = kernel_plan(case, gpu.sms)
+        except Exception as e:  # reported per case; the parent decides what fails
+            out["error"] = f"{type(e).__name__}: {e}"
+            out["traceback"] = traceback.format_exc(limit=8)
+        sys.stdout.write(json.dumps(out) + "\n")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

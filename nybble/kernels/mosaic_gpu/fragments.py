@@ -1,0 +1,262 @@
+"""Register-level pieces of the W4A16 kernel: ``wgmma_int4`` codes to WGMMA A fragments, and the K-slice sum.
+
+Pallas cannot relabel registers (a bitcast that changes the element width, or a shuffle-free change of
+layout), so the three steps that need it are written one level down, in Mosaic GPU, inside
+``plgpu.inline_mgpu``:
+
+* :func:`dequantize_chunk`: a 64 x 64 chunk of codes (8 bands x 64 words, two words per lane, one
+  ``LDS.64``; see ``nybble.packing.fragments``) becomes the bf16 WGMMA A operand. Per 32-bit word of 8
+  nibbles: ``(w >> 4u) & 0x000F000F`` puts nibbles u and u + 4 at the bottom of the two 16-bit halves; the
+  same LOP3 XORs in 0x4308 in each half, which sets the exponent of 2^7 (so the 7-bit mantissa counts
+  units: 128 + m) and flips the nibble's sign bit (two's-complement q -> q + 8): one instruction turns
+  two codes q into two bf16 values 136 + q, exactly. With ``exact=True`` one ``sub.bf16x2`` of 136 more
+  gives q itself. The four resulting bf16x2 registers are, with no data movement, the fragment registers
+  (column tile 4q' + u, row half h) of WGMMA's layout. Per 8 weights: 3 SHF + 4 LOP3 (+ 4 HSUB2).
+* :func:`slot_rows`: per-row values (group scales) for the A rows of a K-sliced tile (see below), gathered
+  from SMEM by each lane for its own two rows.
+* :func:`sum_slices`: the epilogue of a K-sliced tile.
+
+**K slices in WGMMA's N.** A decode step has M <= 8 rows of x, but WGMMA's N is at least 8: the padding
+columns would multiply zeros. With S slices, K is cut into S equal slices and x is viewed as (M * S, K / S):
+B row c = m * S + j holds x[m] over slice j. The 64 A rows of a tile are 8 slots (8 rows each) taken from
+8 / S bands x S slices: slot b = band * S + j, so A row r works on slice j(r) = (r // 8) % S for output row
+n(r) = 8 * (r // (8 S)) + r % 8. acc[r, c] is useful where c % S == j(r), and y[m, n] is the sum over the S
+slices: one warpgroup covers 64 / S output rows over all of K, so a decode GEMM needs no split-K.
+
+In GPU interpret mode ``inline_mgpu`` cannot run; each function then computes the same values with
+jax.numpy on the logical arrays (the interpreter keeps arrays, not registers). The bit operations of the
+GPU path are modelled exactly by :func:`reference_dequantize_words`, tested exhaustively on the CPU; the
+GPU path itself runs in tests/test_kernel_gpu.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from nybble.kernels.mosaic_gpu.interpret import active_params
+
+L = plgpu.Layout
+# Words of one 64 x 64 chunk: SMEM (8 slots, 64 words). Lane l of warp w loads words (2l, 2l + 1) of slots
+# 2w and 2w + 1 (its two row halves): tiling (8, 64) -> (2, 64) -> (2,), warps over the 4 slot pairs, lanes
+# over the 32 word pairs, a vector of 2 words (LDS.64).
+CHUNK = 64
+# Per 16-bit half: the exponent that makes the low mantissa bits count units, XORed with 8 (the nibble's
+# flipped sign bit), and the value of that pattern at nibble 0: bf16 2^7 + 8 = 136, f16 2^10 + 8 = 1032.
+MAGIC = {"bfloat16": 0x4308, "float16": 0x6408}
+BIAS = {"bfloat16": 136, "float16": 1032}
+
+
+def _name(dtype: Any) -> str:
+    name = np.dtype(dtype).name
+    if name not in MAGIC:
+        raise ValueError(f"int4 codes dequantize to bfloat16 or float16, not {name}")
+    return name
+
+
+def words_layout() -> Any:
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+    return L.TILED(fa.Tiling(((8, 64), (2, 64), (2,))), warp_dims=(-5,), lane_dims=(-2,), vector_dim=-1)
+
+
+# --------------------------------------------------------------------------- the bit operations, modelled
+
+
+def reference_dequantize_words(words: np.ndarray, exact: bool, dtype: Any = "bfloat16") -> np.ndarray:
+    """The GPU's bit operations on uint32 words, in numpy: (..., 4 [u]) uint32 of two 16-bit patterns.
+
+    Element [..., u] is ``((w >> 4u) & 0x000F000F) ^ MAGIC`` (MAGIC in both halves), and with ``exact``
+    the 16-bit-pair difference with MAGIC (136.0 or 1032.0), both halves exact. Bit patterns, so that
+    tests can compare bit for bit.
+    """
+    name = _name(dtype)
+    magic = np.uint32(MAGIC[name] * 0x10001)
+    w = np.asarray(words, np.uint32)[..., None]
+    t = ((w >> (4 * np.arange(4, dtype=np.uint32))) & np.uint32(0x000F000F)) ^ magic
+    if not exact:
+        return t
+    halves = t.view(np.uint16).reshape(*t.shape, 2)
+    values = halves.view(np.dtype(name)).astype(np.float32) - np.float32(BIAS[name])  # exact: small ints
+    bits = values.astype(np.dtype(name)).view(np.uint16).astype(np.uint32)
+    return bits[..., 0] | (bits[..., 1] << 16)
+
+
+def _twin_dequantize(words: jax.Array, exact: bool, dtype: Any) -> jax.Array:
+    """Interpret-mode twin: (8 slots, 64 words) uint32 -> (64, 64) bf16/f16, the same values and places."""
+    name = _name(dtype)
+    w = words.astype(jnp.uint32)[..., None] >> (4 * jnp.arange(4, dtype=jnp.uint32))
+    t = (w & jnp.uint32(0x000F000F)) ^ jnp.uint32(MAGIC[name] * 0x10001)  # (slot, word, u)
+    halves = jax.lax.bitcast_convert_type(t, jnp.uint16)  # (slot, word, u, e)
+    values = jax.lax.bitcast_convert_type(halves, jnp.dtype(name))
+    if exact:
+        values = values - jnp.asarray(BIAS[name], jnp.dtype(name))
+    # word = 2 * lane + q, lane = 4 * r8 + c4; row = 8 * slot + r8, column = 32 q + 8 u + 2 c4 + e.
+    v = values.reshape(8, 8, 4, 2, 4, 2)  # (slot, r8, c4, q, u, e)
+    return v.transpose(0, 1, 3, 4, 2, 5).reshape(64, 64)
+
+
+# --------------------------------------------------------------------------------------- A fragments
+
+
+def dequantize_chunk(words: jax.Array, *, exact: bool, dtype: Any = jnp.bfloat16) -> jax.Array:
+    """(8 slots, 64 words) uint32 loaded with :func:`words_layout` -> (64, 64) ``dtype`` (bf16 or f16) in
+    the WGMMA layout: values BIAS + q (``exact=False``; the bias is removed later on the f32
+    accumulators) or q."""
+    if active_params() is not None:
+        return _twin_dequantize(words, exact, dtype)
+    return _gpu_dequantize(exact, _name(dtype))(words)
+
+
+def _gpu_dequantize(exact: bool, name: str) -> Any:
+    @plgpu.inline_mgpu(
+        arg_types=(words_layout(),),
+        return_type=plgpu.ShapeDtypeStruct((CHUNK, CHUNK), jnp.dtype(name), layout=L.WGMMA),
+    )
+    def relabel(ctx: Any, words: Any) -> Any:
+        from jax.experimental.mosaic.gpu import fragmented_array as fa
+        from jax.experimental.mosaic.gpu import utils
+        from jaxlib.mlir import ir
+        from jaxlib.mlir.dialects import arith, llvm, vector
+
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        elem = ir.BF16Type.get() if name == "bfloat16" else ir.F16Type.get()
+        pair = ir.VectorType.get((2,), elem)
+        magic = f"0x{MAGIC[name] * 0x10001:08X}"
+        ptx_type = "bf16x2" if name == "bfloat16" else "f16x2"
+        # One LOP3: (x & 0x000F000F) ^ magic (lut (a & b) ^ c = 0x6A); exact adds the 16-bit-pair subtract.
+        asm = f"lop3.b32 $0, $1, 0x000F000F, {magic}, 0x6A;"
+        if exact:
+            asm = (
+                f"{{ .reg .b32 t, c; lop3.b32 t, $1, 0x000F000F, {magic}, 0x6A; "
+                f"mov.b32 c, {magic}; sub.{ptx_type} $0, t, c; }}"
+            )
+        out = np.empty(fa.WGMMA_LAYOUT.registers_shape((CHUNK, CHUNK)), dtype=object)
+        for h in range(2):  # row half: slot 2w + h
+            vec = words.registers[0, 0, 0, 0, h, 0, 0]
+            for q in range(2):
+                w = vector.extract(vec, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([q]))
+                for u in range(4):
+                    src = w if u == 0 else arith.shrui(w, arith.constant(i32, 4 * u))
+                    bits = llvm.inline_asm(i32, [src], asm, "=r,r")
+                    # Register (column tile 4q + u, row half h) of the WGMMA layout: no data movement.
+                    out[0, 4 * q + u, 0, 0, h, 0, 0, 0, 0] = utils.bitcast(bits, pair)
+        return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return relabel
+
+
+# ------------------------------------------------------------------------------------- K-sliced tiles
+
+
+def slot_row_index(slices: int) -> np.ndarray:
+    """For each of a tile's 64 A rows: (slice j, output row n within the tile's 64 / S rows)."""
+    r = np.arange(64)
+    j = (r // 8) % slices
+    n = 8 * (r // (8 * slices)) + r % 8
+    return np.stack([j, n], axis=1)
+
+
+def slot_rows(ref: Any, g: int, t: int, ref_slices: int, slices: int) -> jax.Array:
+    """(64,) f32 per-row values (group scales) of A tile ``t``'s rows under ``slices`` K slices.
+
+    ``ref`` is an SMEM block (ref_slices, rows, CTA rows) of per-slice group rows (``ref_slices`` 1: one
+    row shared by all slices). A row r takes ``ref[j(r) % ref_slices, g, t * 64 / S + n(r)]``, in the WGMMA
+    row layout (each lane gathers its own two rows).
+    """
+    if active_params() is not None:
+        width = 64 // slices
+        v = ref[:, g, t * width : (t + 1) * width].astype(jnp.float32)  # (ref_slices, bands * 8)
+        v = jnp.broadcast_to(v, (slices, width)).reshape(slices, width // 8, 8)  # (j, band, r8)
+        return v.transpose(1, 0, 2).reshape(64)  # row r = 8 * (band * S + j) + r8
+    return _gpu_slot_rows(g, t, ref_slices, slices)(ref)
+
+
+def _gpu_slot_rows(g: int, t: int, ref_slices: int, slices: int) -> Any:
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),),
+        return_type=plgpu.ShapeDtypeStruct((64,), jnp.float32, layout=L.WGMMA.reduce(1)),
+    )
+    def gather(ctx: Any, ref: Any) -> Any:
+        from jax.experimental.mosaic.gpu import fragmented_array as fa
+        from jaxlib.mlir import ir
+        from jaxlib.mlir.dialects import arith, gpu, memref, vector
+
+        del ctx
+        index = ir.IndexType.get()
+        f32 = ir.F32Type.get()
+        c = lambda v: arith.constant(index, v)
+        tid = arith.remui(gpu.thread_id(gpu.Dimension.x), c(128))
+        warp, lane = arith.divui(tid, c(32)), arith.remui(tid, c(32))
+        width = 64 // slices
+        regs = np.empty(fa.WGMMA_ROW_LAYOUT.registers_shape((64,)), dtype=object)
+        for h in range(2):
+            slot = arith.addi(arith.muli(warp, c(2)), c(h))  # 2w + h
+            j = arith.remui(arith.remui(slot, c(slices)), c(ref_slices))
+            n = arith.addi(arith.muli(arith.divui(slot, c(slices)), c(8)), arith.divui(lane, c(4)))
+            v = memref.load(ref, [j, c(g), arith.addi(n, c(t * width))])
+            if v.type != f32:
+                v = arith.extf(f32, v)
+            regs[0, 0, h, 0, 0] = vector.broadcast(ir.VectorType.get((1,), f32), v)
+        return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_ROW_LAYOUT, _is_signed=None)
+
+    return gather
+
+
+def sum_slices(acc_ref: Any, out_ref: Any, *, slices: int, tiles: int, rows: int) -> None:
+    """y tile (rows, tiles * 64 / S) in ``out_ref`` (bf16/f16 SMEM) from ``acc_ref`` (tiles, 64, S rows) f32.
+
+    acc[t, r, m * S + j(r)] summed over the S slices of output row t * 64 / S + n(r); the rest of acc (other
+    slices' columns) is not read.
+    """
+    width = 64 // slices
+    if active_params() is not None:
+        # acc rows r = 8 * (band * S + j) + r8, columns m * S + j': keep j == j', sum over j.
+        acc = acc_ref[...].reshape(tiles, width // 8, slices, 8, rows, slices)
+        y = jnp.einsum("tbjrmk,jk->mtbr", acc, jnp.eye(slices, dtype=jnp.float32))
+        out_ref[...] = y.reshape(rows, tiles * width).astype(out_ref.dtype)
+        return
+    _gpu_sum_slices(slices, tiles, rows)(acc_ref, out_ref)
+
+
+def _gpu_sum_slices(slices: int, tiles: int, rows: int) -> Any:
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def reduce(ctx: Any, acc: Any, out: Any) -> None:
+        from jax.experimental.mosaic.gpu import utils
+        from jaxlib.mlir import ir
+        from jaxlib.mlir.dialects import arith, gpu, memref, scf
+
+        del ctx
+        index = ir.IndexType.get()
+        c = lambda v: arith.constant(index, v)
+        width = 64 // slices
+        outputs = rows * tiles * width
+        tid = arith.remui(gpu.thread_id(gpu.Dimension.x), c(128))
+        out_ty = ir.MemRefType(out.type).element_type
+        for base in range(0, outputs, 128):
+            i = arith.addi(tid, c(base))
+            in_range = arith.cmpi(arith.CmpIPredicate.ult, i, c(outputs))
+            branch = scf.IfOp(in_range)
+            with ir.InsertionPoint(branch.then_block):
+                # i -> (m, t, n): output row-major over (m, t * width + n).
+                m = arith.divui(i, c(tiles * width))
+                col = arith.remui(i, c(tiles * width))
+                t, n = arith.divui(col, c(width)), arith.remui(col, c(width))
+                band, r8 = arith.divui(n, c(8)), arith.remui(n, c(8))
+                total = None
+                for j in range(slices):
+                    # A row r = 8 * (band * S + j) + r8 holds slice j of output row n; its column m * S + j.
+                    r = arith.addi(arith.muli(arith.addi(arith.muli(band, c(slices)), c(j)), c(8)), r8)
+                    col_j = arith.addi(arith.muli(m, c(slices)), c(j))
+                    v = memref.load(acc, [t, r, col_j])
+                    total = v if total is None else arith.addf(total, v)
+                memref.store(arith.truncf(out_ty, total), out, [m, col])
+                scf.yield_([])
+        utils.warpgroup_barrier()
+
+    return reduce

@@ -1,0 +1,197 @@
+"""The launches one compiled call costs, read off XLA's optimized HLO (``compiled.as_text()``).
+
+Every instruction of the ENTRY computation that does work on the device is one launch: a fusion, a custom
+call (a Mosaic GPU kernel, a cuBLAS GEMM), a copy, a collective. Parameters, constants, bitcasts and tuple
+plumbing cost nothing. Each launch's bytes are its operands plus its result as XLA types them; operands are
+traced back through bitcasts to the entry parameters so bytes can be charged to what they are (the
+codes, the scales, x) rather than to an HLO name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+_FREE_OPCODES = frozenset(
+    {
+        "parameter",
+        "constant",
+        "bitcast",
+        "get-tuple-element",
+        "tuple",
+        "after-all",
+        "partition-id",
+        "replica-id",
+        "opt-barrier",
+        "add-dependency",
+        "copy-done",
+        "all-reduce-done",
+        "all-gather-done",
+        "collective-permute-done",
+        "async-done",
+        "send-done",
+        "recv-done",
+    }
+)
+_DTYPE_BITS = {
+    "pred": 8,
+    "s4": 4,
+    "u4": 4,
+    "s8": 8,
+    "u8": 8,
+    "s16": 16,
+    "u16": 16,
+    "s32": 32,
+    "u32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f16": 16,
+    "bf16": 16,
+    "f32": 32,
+    "f64": 64,
+    "f8e4m3fn": 8,
+    "f8e5m2": 8,
+    "token": 0,
+}
+_LINE = re.compile(r"^\s*(?P<root>ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
+_ARRAY_TYPE = re.compile(r"(?P<dtype>[a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[(?P<dims>[\d,]*)\]")
+_OP_NAME = re.compile(r'op_name="(?P<name>[^"]*)"')
+_TARGET = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
+_FUSION_KIND = re.compile(r"kind=(?P<kind>k\w+)")
+_BACKEND_KIND = re.compile(r'"kind":"(?P<kind>__[\w$]+)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Value:
+    name: str
+    opcode: str
+    bytes: int
+    operands: tuple[str, ...]
+    is_root: bool
+    op_name: str  # the op_name metadata (the argument's path for parameters: "x", "qw.codes")
+    line: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One device launch of the compiled entry computation."""
+
+    name: str
+    kind: str  # "mosaic_gpu", "cublas", "cublasLt", "triton_gemm", "fusion", "copy", "all-reduce", ...
+    detail: str  # custom call target or fusion kind
+    operand_bytes: dict[str, int]  # by source: a parameter's op_name, or "intermediate"
+    result_bytes: int
+    result_is_output: bool
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.operand_bytes.values()) + self.result_bytes
+
+
+def _type_bytes(type_text: str) -> int:
+    bits = 0
+    for m in _ARRAY_TYPE.finditer(type_text):
+        dims = [int(d) for d in m["dims"].split(",") if d]
+        count = 1
+        for d in dims:
+            count *= d
+        bits += count * _DTYPE_BITS.get(m["dtype"], 32)
+    return (bits + 7) // 8
+
+
+def _split_type_and_op(rest: str) -> tuple[str, str, str]:
+    """'bf16[8]{0} fusion(%a, %b), kind=...' -> (type text, opcode, the rest after the opcode)."""
+    depth = 0
+    for i, ch in enumerate(rest):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == " " and depth == 0:
+            type_text, tail = rest[:i], rest[i + 1 :].lstrip()
+            m = re.match(r"(?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<after>.*)$", tail)
+            if m is None:
+                raise ValueError(f"unparsed HLO instruction: {rest[:200]}")
+            return type_text, m["op"], m["args"] + "\x00" + m["after"]
+    raise ValueError(f"unparsed HLO instruction: {rest[:200]}")
+
+
+def entry_values(hlo_text: str) -> dict[str, Value]:
+    """The instructions of the ENTRY computation, by name, in program order."""
+    start = hlo_text.find("\nENTRY ")
+    if start < 0:
+        raise ValueError("entry_values: no ENTRY computation in this HLO text")
+    values: dict[str, Value] = {}
+    for line in hlo_text[start:].splitlines()[1:]:
+        if line.strip() == "}":
+            break
+        m = _LINE.match(line)
+        if not m:
+            continue
+        type_text, opcode, packed = _split_type_and_op(m["rest"])
+        args, _, _after = packed.partition("\x00")
+        operands = tuple(a.strip().lstrip("%") for a in args.split(",") if a.strip().startswith("%"))
+        op_name = _OP_NAME.search(line)
+        values[m["name"]] = Value(
+            name=m["name"],
+            opcode=opcode,
+            bytes=_type_bytes(type_text),
+            operands=operands,
+            is_root=bool(m["root"]),
+            op_name=op_name["name"] if op_name else "",
+            line=line.strip(),
+        )
+    return values
+
+
+def _source(values: dict[str, Value], name: str) -> str:
+    """What an operand is: the entry parameter it is a view of (its op_name), else "intermediate"."""
+    v = values.get(name)
+    while v is not None and v.opcode in ("bitcast", "get-tuple-element") and v.operands:
+        v = values.get(v.operands[0])
+    if v is not None and v.opcode == "parameter":
+        return v.op_name or v.name
+    return "intermediate"
+
+
+def _kind(v: Value) -> tuple[str, str]:
+    if v.opcode == "custom-call":
+        target = _TARGET.search(v.line)
+        t = target["target"] if target else "?"
+        if t.startswith("mosaic_gpu"):
+            return "mosaic_gpu", t
+        if t == "__cublas$lt$matmul" or t.startswith("__cublas$lt"):
+            return "cublasLt", t
+        if t.startswith("__cublas"):
+            return "cublas", t
+        return "custom-call", t
+    if v.opcode == "fusion":
+        kind = _FUSION_KIND.search(v.line)
+        backend = _BACKEND_KIND.search(v.line)
+        if backend and "triton" in backend["kind"] and "gemm" in backend["kind"]:
+            return "triton_gemm", backend["kind"]
+        if backend and "cublas" in backend["kind"]:
+            return "cublas", backend["kind"]
+        return "fusion", kind["kind"] if kind else "?"
+    return v.opcode, v.opcode
+
+
+def launches(hlo_text: str) -> list[Launch]:
+    """The device launches of a compiled computation, in program order."""
+    values = entry_values(hlo_text)
+    root = next((v for v in values.values() if v.is_root), None)
+    outputs = {root.name} if root is not None else set()
+    if root is not None and root.opcode == "tuple":
+        outputs.update(root.operands)
+    out = []
+    for v in values.values():
+        if v.opcode in _FREE_OPCODES or v.opcode.endswith("-done"):
+            continue
+        kind, detail = _kind(v)
+        operand_bytes: dict[str, int] = {}
+        for operand in v.operands:
+            src = _source(values, operand)
+            size = values[operand].bytes if operand in values else 0
+            operand_bytes[src] = operand_bytes.get(src, 0) + size
+        out.append(Launch(v.name, kind, detail, operand_bytes, v.bytes, v.name in outputs))
+    return out

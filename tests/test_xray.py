@@ -1,0 +1,322 @@
+"""The kernel X-ray: its parsers on hand-written SASS and HLO, its model on a hand-computed case, and the gate
+on nybble's own kernels, compiled for an H200 (sm_90a) on this CPU.
+
+The gate compiles one case of every distinct kernel the heuristics pick at the named shapes
+(bench/arg_specs) for M in the X-ray's default sweep, g128 symmetric and asymmetric, and asserts 0 spill
+bytes, registers within the launch's budget, and main-loop instructions per weight (within 3%) and launches
+per call no worse than the committed baseline (bench/xray_baseline.json): a kernel regression fails CI, an
+improvement is recorded on purpose with ``python -m bench.xray --update-baseline``. It needs the ``xray``
+extra, which ``make install`` puts in .venv/nybble-xray; without it these tests fail, naming the extra.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.arg_specs import SHAPES
+from bench.xray import model, report
+from bench.xray.cases import DEFAULT_GROUPS, DEFAULT_MS, MOSAIC, build_cases, distinct_kernels
+from nybble.kernels.xray import GPUS, ToolchainMissing, find_toolchain, hlo, sass, toolchain
+
+REPO = Path(__file__).resolve().parents[1]
+H200 = GPUS["h200"]
+
+# ------------------------------------------------------------------------------------------- SASS parsing
+
+# A made-up kernel: a retry path (unconditional backward branch), a main loop of 6 instructions with two
+# HGMMAs closed by a conditional backward branch, an epilogue, and a wait loop without HGMMAs.
+SASS_TEXT = """
+kernel:
+   -:-:-:Y:01        /*0000*/                   MOV R1, R2 ;
+.L_x_0:
+   -:-:-:Y:02        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R8 ;
+   -:-:-:Y:05        /*0020*/              @!P0 BRA `(.L_x_9) ;
+.L_x_1:
+   -:-:1:Y:02        /*0030*/                   LDS.128 R4, [R9+0x800] ;
+   1:-:-:Y:01        /*0040*/                   LOP3.LUT R5, R4, 0xf000f, RZ, 0xc0, !PT ;
+   -:-:-:Y:01        /*0050*/                   HGMMA.64x8x16.F32.BF16 R24, R36, gdesc[UR8], R24 ;
+   -:-:-:Y:06        /*0060*/                   HGMMA.64x8x16.F32.BF16 R24, R40, gdesc[UR16], R24, gsb0 ;
+   -:-:-:Y:03        /*0070*/                   UIADD3 UR15, UR15, 0x1, URZ ;
+   -:-:-:Y:05        /*0080*/               @P0 BRA `(.L_x_1) ;
+   -:-:-:Y:01        /*0090*/                   STS.64 [R0], R24 ;
+   1:-:-:Y:05        /*00a0*/                   EXIT ;
+.L_x_9:
+   -:1:3:Y:03        /*00b0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R9+URZ], R8 ;
+   3:-:-:Y:05        /*00c0*/              @!P0 BRA `(.L_x_9) ;
+   -:-:-:Y:05        /*00d0*/                   BRA `(.L_x_0) ;
+"""
+
+
+def test_main_loop_is_the_conditional_branch_around_the_hgmmas():
+    code = sass.parse_sass(SASS_TEXT)
+    assert len(code.instructions) == 14  # offsets 0x00..0xd0
+    loop = sass.main_loop(code)
+    assert loop is not None
+    assert [i.base_opcode for i in loop.instructions] == ["LDS", "LOP3", "HGMMA", "HGMMA", "UIADD3", "BRA"]
+    assert loop.instructions[0].offset == 0x30 and loop.instructions[-1].offset == 0x80
+    assert loop.stall_cycles == 2 + 1 + 1 + 6 + 3 + 5
+    # Two HGMMA.64x8x16: 2 * 64 * 16 weights over 128 threads = 16 weights per thread; 6 / 16.
+    assert loop.weights_per_thread == 16
+    assert loop.instructions_per_weight == pytest.approx(6 / 16)
+    assert loop.opcode_mix(2) == [("HGMMA", 2), ("LDS", 1)]
+
+
+def test_no_loop_without_hgmma():
+    code = sass.parse_sass(SASS_TEXT.replace("HGMMA.64x8x16.F32.BF16", "FFMA"))
+    assert sass.main_loop(code) is None
+
+
+def test_only_register_a_hgmmas_feed_weights():
+    # An HGMMA reading A from SMEM (a descriptor, e.g. nybble's all-ones tile that sums x) is not a weight.
+    text = SASS_TEXT.replace(
+        "   -:-:-:Y:03        /*0070*/                   UIADD3 UR15, UR15, 0x1, URZ ;",
+        "   -:-:-:Y:03        /*0070*/                   HGMMA.64x8x16.F32.BF16 R40, gdesc[UR8], RZ, !UPT ;",
+    )
+    loop = sass.main_loop(sass.parse_sass(text))
+    assert len(loop.hgmmas) == 3 and len(loop.weight_hgmmas) == 2
+    assert loop.weights_per_thread == 16 and loop.instructions_per_weight == pytest.approx(6 / 16)
+
+
+def test_hgmma_k_counts_in_weights():
+    # An 8-bit HGMMA (K = 32 per instruction) feeds twice the weights of a bf16 one.
+    code = sass.parse_sass(SASS_TEXT.replace("HGMMA.64x8x16.F32.BF16", "HGMMA.64x8x32.F32.E4M3.E4M3"))
+    assert sass.main_loop(code).weights_per_thread == 32
+
+
+def test_ptxas_and_ptx_facts():
+    info = sass.parse_ptxas(
+        "ptxas info    : Function properties for k\n"
+        "    16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
+        "ptxas info    : Used 168 registers, used 2 barriers, 1 bytes smem\n"
+    )
+    assert (info.registers, info.spill_bytes, info.stack_bytes) == (168, 12, 16)
+    assert sass.threads_per_block(".visible .entry k(\n)\n.maxntid 384, 1, 1\n") == 384
+    assert sass.smem_scratch_bytes("Resources(smem_scratch_bytes=52224, tmem_scratch_cols=0)") == 52224
+    with pytest.raises(ValueError, match="no register"):
+        sass.parse_ptxas("garbage")
+
+
+# -------------------------------------------------------------------------------------------- HLO launches
+
+HLO_TEXT = """HloModule m
+
+%fused_slice (p: f32[2,8,64]) -> bf16[1,64] {
+  ROOT %s = bf16[1,64]{1,0} slice(%p)
+}
+
+ENTRY %main.3 (x.1: bf16[1,128], qw_codes.1: u8[64,64], qw_scales.1: bf16[1,64]) -> bf16[1,64] {
+  %qw_scales.1 = bf16[1,64]{1,0} parameter(2), metadata={op_name="qw.scales"}
+  %qw_codes.1 = u8[64,64]{1,0} parameter(1), metadata={op_name="qw.codes"}
+  %x.1 = bf16[1,128]{1,0} parameter(0), metadata={op_name="x"}
+  %pad_fusion = bf16[8,128]{1,0} fusion(%x.1), kind=kLoop, calls=%fused_pad
+  %bitcast.1 = bf16[8,128]{1,0} bitcast(%pad_fusion)
+  %k = f32[2,8,64]{2,1,0} custom-call(%bitcast.1, %qw_codes.1, %qw_scales.1), custom_call_target="mosaic_gpu"
+  ROOT %loop_slice_fusion = bf16[1,64]{1,0} fusion(%k), kind=kLoop, calls=%fused_slice
+}
+"""
+
+
+def test_launches_and_their_bytes():
+    launches = hlo.launches(HLO_TEXT)
+    assert [(la.name, la.kind) for la in launches] == [
+        ("pad_fusion", "fusion"),
+        ("k", "mosaic_gpu"),
+        ("loop_slice_fusion", "fusion"),
+    ]
+    pad, kernel, out = launches
+    assert pad.operand_bytes == {"x": 256} and pad.result_bytes == 8 * 128 * 2
+    assert kernel.operand_bytes == {"intermediate": 2048, "qw.codes": 4096, "qw.scales": 128}
+    assert kernel.result_bytes == 2 * 8 * 64 * 4 and not kernel.result_is_output
+    assert out.result_is_output and out.result_bytes == 128
+    cats = model.byte_categories([vars(la) for la in launches])
+    assert cats == {
+        "codes": 4096,
+        "scales": 128,
+        "x": 256,
+        "w": 0,
+        "output": 128,
+        "intermediate": 2048 + 2048 + 4096 + 4096,
+    }
+
+
+# -------------------------------------------------------------------------------------------- the model
+
+
+def test_model_by_hand():
+    # 64 KiB of bytes, 4 HGMMA.64x8x16 (32 weights per thread) in a 64-instruction loop, 264 CTAs.
+    record = {
+        "case": {"peer": MOSAIC, "k": 1024, "n": 2048, "m": 1},
+        "plan": {"m_pad": 8, "ctas": 264, "dequantized_weights": 1024 * 2048, "weight_bytes_in_flight": 4096},
+        "report": {
+            "launches": [
+                {
+                    "name": "k",
+                    "kind": "mosaic_gpu",
+                    "detail": "",
+                    "result_is_output": True,
+                    "operand_bytes": {"qw.codes": 65536 - 16},
+                    "result_bytes": 16,
+                }
+            ],
+            "kernels": [
+                {
+                    "registers": 64,
+                    "threads": 128,
+                    "smem_bytes": 100_000,
+                    "loop": {"instructions": 64, "weights_per_thread": 32.0},
+                }
+            ],
+        },
+    }
+    ceilings = model.Ceilings(4e12, 1e15, "test")
+    out = model.model_case(record, H200, ceilings)
+    passes = 1024 * 2048 / (32 * 128)  # warpgroup passes through the loop
+    warp_instr = passes * 64 * 4
+    busiest = warp_instr / 264 * 2  # 264 CTAs on 132 SMs: two each
+    assert out["t_issue_us"] == pytest.approx(busiest / (4 * 1.98e9) * 1e6)
+    assert out["t_hbm_us"] == pytest.approx(65536 / 4e12 * 1e6)
+    assert out["t_tc_us"] == pytest.approx(2 * 8 * 2048 * 1024 / 1e15 * 1e6)
+    assert out["bound"] == "issue" and out["t_model_us"] == out["t_issue_us"]
+    assert out["ctas_per_sm"] == 2  # 233472 // (100000 + 1024)
+    assert out["weight_bytes_in_flight_per_sm"] == 2 * 4096
+    assert out["model_pct_hbm"] == pytest.approx(100 * out["t_hbm_us"] / out["t_issue_us"])
+
+
+def test_resident_ctas_limits():
+    assert model.resident_ctas(H200, smem_bytes=1000, registers=32, threads=128) == 16  # threads: 2048/128
+    assert model.resident_ctas(H200, smem_bytes=1000, registers=168, threads=384) == 1  # registers
+    assert model.resident_ctas(H200, smem_bytes=200_000, registers=32, threads=128) == 1  # SMEM
+
+
+# -------------------------------------------------------------------------------------------- toolchain
+
+
+def test_missing_toolchain_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setenv(toolchain.SITE_ENV, str(tmp_path / "nowhere"))
+    monkeypatch.setattr(toolchain.sys, "prefix", str(tmp_path))
+    monkeypatch.setattr(toolchain.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ToolchainMissing, match=r"nybble\[xray\]"):
+        find_toolchain()
+
+
+def test_cuda_root_links_the_tools(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    for rel in (
+        "jax_plugins/xla_cuda12/__init__.py",
+        "nvidia/cuda_nvcc/bin/ptxas",
+        "nvidia/cu13/bin/nvdisasm",
+        "nvidia/cuda_nvcc/nvvm/libdevice/libdevice.10.bc",
+    ):
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text("")
+    monkeypatch.setenv(toolchain.SITE_ENV, str(site))
+    monkeypatch.setenv("NYBBLE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(toolchain.importlib.util, "find_spec", lambda name: None)
+    found = find_toolchain()
+    assert found.site == site
+    root = found.cuda_root()
+    assert (root / "bin" / "ptxas").resolve() == (site / "nvidia/cuda_nvcc/bin/ptxas").resolve()
+    assert (root / "nvvm" / "libdevice" / "libdevice.10.bc").exists()
+    assert found.cuda_root() == root  # cached
+    env = toolchain.child_environment(found, {"JAX_PLATFORMS": "cpu", "PYTHONPATH": "a"})
+    assert env["PYTHONPATH"].split(":") == [str(site), "a"] and "JAX_PLATFORMS" not in env
+    assert env["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] == "1" and env["CUDA_ROOT"] == str(root)
+
+
+# -------------------------------------------------------------------- the gate: nybble's kernels on sm_90a
+
+_CASES = distinct_kernels(build_cases(SHAPES.values(), DEFAULT_MS, DEFAULT_GROUPS, (MOSAIC,)), H200.sms)
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    from bench.xray.runner import run_cases
+
+    try:
+        return run_cases(_CASES, gpu="h200", jobs=2, progress=False)
+    except ToolchainMissing as e:
+        pytest.fail(f"the X-ray toolchain is missing: {e}")
+
+
+@pytest.fixture(scope="module")
+def baseline() -> dict:
+    return report.load_baseline()
+
+
+@pytest.mark.parametrize("case", _CASES, ids=lambda c: c.key.removesuffix("/" + MOSAIC))
+def test_kernel_xray_gate(case, compiled, baseline):
+    record = compiled[case.key]
+    assert "error" not in record, record.get("traceback", record.get("error"))
+    kernels = record["report"]["kernels"]
+    assert len(kernels) == 1, f"expected one Mosaic GPU kernel per call, got {len(kernels)}"
+    k = kernels[0]
+    assert k["spill_bytes"] == 0, f"{k['spill_bytes']} spill bytes"
+    assert k["registers"] <= 255 and k["registers"] * k["threads"] <= H200.registers_per_sm
+    assert k["smem_bytes"] + 1024 <= H200.smem_per_block_optin
+    loop = k["loop"]
+    assert loop is not None, "no main loop (conditional backward branch around HGMMAs) in the SASS"
+    # The loop's size read from its byte offsets (16 bytes per sm_90 instruction) agrees with the count.
+    assert (loop["end_offset"] - loop["start_offset"]) // 16 + 1 == loop["instructions"]
+    base = baseline.get(case.key)
+    assert base is not None, f"{case.key} is not in bench/xray_baseline.json: refresh it (--update-baseline)"
+    limit = base["instructions_per_weight"] * (1 + report.IPW_TOLERANCE)
+    assert loop["instructions_per_weight"] <= limit, (
+        f"{loop['instructions_per_weight']:.3f} instructions per weight, baseline "
+        f"{base['instructions_per_weight']:.3f}: a regression (or refresh the baseline on purpose)"
+    )
+    assert len(record["report"]["launches"]) <= base["launches"]
+
+
+def test_gate_covers_both_kernel_families():
+    from bench.xray.cases import abstract_weight
+    from nybble.kernels import mosaic_gpu
+
+    configs = {mosaic_gpu.plan(c.m, abstract_weight(c), num_sms=H200.sms).config for c in _CASES}
+    assert any(c.compute_wgs == 1 for c in configs) and any(c.compute_wgs == 2 for c in configs)
+    assert {c.symmetric for c in _CASES} == {True, False}
+
+
+def test_cli_end_to_end(tmp_path):
+    """`python -m bench.xray` on one small shape with the XLA peers: table, JSON, markdown and plot."""
+    out = tmp_path / "xray"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.xray",
+            "--shapes",
+            "smollm2-135m-qo",
+            "--ms",
+            "1",
+            "--groups",
+            "128:sym",
+            "--jobs",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "xray.json").read_text())
+    assert result["schema"] == report.SCHEMA
+    peers = {r["peer"]: r for r in result["rows"]}
+    assert set(peers) == {MOSAIC, "nybble:xla", "xla:bf16"}
+    mine = peers[MOSAIC]
+    assert mine["kernel"]["loop"]["instructions_per_weight"] > 0 and mine["bound"] in (
+        "issue",
+        "hbm",
+        "tensor",
+    )
+    assert peers["xla:bf16"]["launches"] >= 1 and peers["xla:bf16"]["kernel"] is None
+    assert (out / "xray.md").read_text().count("smollm2-135m-qo") >= 3
+    assert (out / "xray.png").stat().st_size > 10_000
+    assert "instr/w" in proc.stdout
