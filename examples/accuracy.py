@@ -1,6 +1,6 @@
 """Perplexity of SmolLM2-135M: float against int4 (RTN, GPTQ, AutoRound), the README's accuracy table.
 
-    .venv/bin/python examples/accuracy.py              # every row: about an hour on 2 CPU cores
+    .venv/bin/python examples/accuracy.py              # every row: over an hour on 2 CPU cores
     .venv/bin/python examples/accuracy.py AutoRound    # only the rows whose name contains a word (+ float)
 
 Calibrates on ``eval_text("calib")``, evaluates on ``eval_text("eval")`` (disjoint), window 256. The time
@@ -33,6 +33,10 @@ CONFIGS = [
         dict(group_size=64, symmetric=False, method="autoround", config="fast"),
     ),
     ("AutoRound g64 asymmetric (default)", dict(group_size=64, symmetric=False, method="autoround")),
+    (
+        "AutoRound g128 symmetric, GPTQ start + least-squares scales",
+        dict(group_size=128, method="autoround", start="gptq", refit_scales=True),
+    ),
 ]
 # Calibrated rows also report the share of the same-format RTN row's perplexity increase they remove.
 BASELINES = {
