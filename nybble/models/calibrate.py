@@ -69,6 +69,52 @@ class _Capture:
         return self.result(x)
 
 
+def capture_pass(
+    chosen: Sequence[PlannedLayer],
+    quantize_fn: Callable[[PlannedLayer, jax.Array], QLinear],
+    run: Callable[[], Any],
+) -> list[_Capture]:
+    """Runs ``run()`` (a forward pass) with each chosen ``nnx.Linear`` replaced by a capture stub that
+    quantizes it with ``quantize_fn(planned, x)`` on its first call; returns the captures (``.result``:
+    the new ``QLinear``, or None for a layer the pass never reached, which is left as it was). On an
+    error, the layers already quantized stay quantized and every other one gets its ``nnx.Linear`` back.
+    """
+    captures = [_Capture(pl, quantize_fn) for pl in chosen]
+    try:
+        for c in captures:
+            c.planned.replace(c)
+        jax.block_until_ready(jax.tree.leaves(run()))
+    finally:
+        for c in captures:  # put back whatever the pass did not reach (or all of it, on an error)
+            if c.result is None:
+                c.planned.replace(c.planned.linear)
+    return captures
+
+
+def finish_report(
+    report: QuantizationReport,
+    planned: Sequence[PlannedLayer],
+    results: dict[str, QLinear | None],
+    scale_dtype: Any,
+    missed: str = "not reached by the calibration forward pass",
+) -> None:
+    """Appends every planned layer to ``report``; a chosen layer whose result is None (never calibrated)
+    is quantized round-to-nearest in place now and reported with the reason ``missed``."""
+    for pl in planned:
+        d = pl.decision
+        if not d.quantize:
+            report.add(pl.path, pl.shape, d, pl.nbytes)
+            continue
+        result, reason = results.get(pl.path), ""
+        if result is None:
+            result = QLinear.from_linear(
+                pl.linear, group_size=d.group_size, symmetric=d.symmetric, scale_dtype=scale_dtype
+            )
+            pl.replace(result)
+            reason = f"{missed}: round-to-nearest"
+        report.add(pl.path, pl.shape, d, pl.nbytes, result.weight, reason)
+
+
 def quantize_gptq(
     model: nnx.Module,
     *,
@@ -132,37 +178,18 @@ def quantize_gptq(
         bar.update()
         return QLinear.from_linear(pl.linear, qweight=qw)
 
-    captures = [_Capture(pl, quantize_layer) for pl in chosen]
     start = time.perf_counter()
     try:
-        for c in captures:
-            c.planned.replace(c)
-        jax.block_until_ready(jax.tree.leaves((forward or _default_forward)(model, ids)))
+        captures = capture_pass(chosen, quantize_layer, lambda: (forward or _default_forward)(model, ids))
     finally:
-        for c in captures:  # put back whatever the pass did not reach (or all of it, on an error)
-            if c.result is None:
-                c.planned.replace(c.planned.linear)
         bar.close()
     elapsed = time.perf_counter() - start
 
-    for pl in planned:
-        d = pl.decision
-        if not d.quantize:
-            report.add(pl.path, pl.shape, d, pl.nbytes)
-            continue
-        capture = next(c for c in captures if c.planned is pl)
-        reason = ""
-        if capture.result is None:  # never called by the forward pass: no inputs to calibrate on
-            capture.result = QLinear.from_linear(
-                pl.linear, group_size=d.group_size, symmetric=d.symmetric, scale_dtype=scale_dtype
-            )
-            pl.replace(capture.result)
-            reason = "not reached by the calibration forward pass: round-to-nearest"
-        report.add(pl.path, pl.shape, d, pl.nbytes, capture.result.weight, reason)
+    finish_report(report, planned, {c.planned.path: c.result for c in captures}, scale_dtype)
     if verbose:
         print(report.summary())
         print(f"  GPTQ calibration: {tokens} tokens ({ids.shape[0]} x {ids.shape[1]}), {elapsed:.1f} s")
     return (model, report) if return_report else model
 
 
-__all__ = ["calibration_batches", "quantize_gptq"]
+__all__ = ["calibration_batches", "capture_pass", "finish_report", "quantize_gptq"]
