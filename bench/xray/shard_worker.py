@@ -8,10 +8,8 @@ line on stdout. ``hlo_lines`` are the compiled per-device program's kernel and c
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import sys
-import traceback
 
 # The instructions worth quoting: Mosaic GPU kernels, cuBLAS/Triton GEMMs, collectives.
 _QUOTED_KINDS = frozenset({"mosaic_gpu", "cublas", "cublasLt", "triton_gemm"})
@@ -32,28 +30,21 @@ def quoted_lines(hlo_text: str) -> list[str]:
 
 def main() -> int:
     from bench.xray.shard_cases import MOSAIC, ShardCase, kernel_plans, program
+    from bench.xray.worker import serve
     from nybble.kernels.xray import deviceless_devices, get_gpu, xray_compile
 
     gpu = get_gpu(sys.argv[1] if len(sys.argv) > 1 else "h100")
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        case = ShardCase(**json.loads(line))
-        out: dict = {"key": case.key, "case": dataclasses.asdict(case)}
-        try:
-            devices = deviceless_devices(gpu, case.tp, hosts=case.hosts)
-            fn, args = program(case, devices)
-            report = xray_compile(fn, *args, gpu=gpu.name, devices=devices, keep_hlo=True)
-            out["hlo_lines"] = quoted_lines(report.hlo_text or "")
-            out["report"] = dataclasses.replace(report, hlo_text=None).to_dict()
-            if case.peer == MOSAIC:
-                out["plans"] = kernel_plans(case, gpu.sms)
-        except Exception as e:  # reported per case; the parent decides what fails
-            out["error"] = f"{type(e).__name__}: {e}"
-            out["traceback"] = traceback.format_exc(limit=8)
-        sys.stdout.write(json.dumps(out) + "\n")
-        sys.stdout.flush()
-    return 0
+
+    def compile_case(case: ShardCase, out: dict) -> None:
+        devices = deviceless_devices(gpu, case.tp, hosts=case.hosts)
+        fn, args = program(case, devices)
+        report = xray_compile(fn, *args, gpu=gpu.name, devices=devices, keep_hlo=True)
+        out["hlo_lines"] = quoted_lines(report.hlo_text or "")
+        out["report"] = dataclasses.replace(report, hlo_text=None).to_dict()
+        if case.peer == MOSAIC:
+            out["plans"] = kernel_plans(case, gpu.sms)
+
+    return serve(lambda d: ShardCase(**d), compile_case)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,29 @@ import dataclasses
 import json
 import sys
 import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def serve(read_case: Callable[[dict], Any], compile_case: Callable[[Any, dict], None]) -> int:
+    """The worker loop: one JSON case a line on stdin, one JSON line out per case.
+
+    ``read_case`` builds a case from its JSON; ``compile_case(case, out)`` fills ``out`` (which already
+    holds ``key`` and ``case``). An exception is reported in the case's line (the parent decides what fails).
+    """
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        case = read_case(json.loads(line))
+        out: dict = {"key": case.key, "case": dataclasses.asdict(case)}
+        try:
+            compile_case(case, out)
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+            out["traceback"] = traceback.format_exc(limit=8)
+        sys.stdout.write(json.dumps(out) + "\n")
+        sys.stdout.flush()
+    return 0
 
 
 def main() -> int:
@@ -17,22 +40,14 @@ def main() -> int:
     from nybble.kernels.xray import get_gpu, xray_compile
 
     gpu = get_gpu(sys.argv[1] if len(sys.argv) > 1 else "h200")
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        case = Case(**json.loads(line))
-        out: dict = {"key": case.key, "case": dataclasses.asdict(case)}
-        try:
-            fn, args = program(case)
-            out["report"] = xray_compile(fn, *args, gpu=gpu.name).to_dict()
-            if case.peer == MOSAIC:
-                out["plan"] = kernel_plan(case, gpu.sms)
-        except Exception as e:  # reported per case; the parent decides what fails
-            out["error"] = f"{type(e).__name__}: {e}"
-            out["traceback"] = traceback.format_exc(limit=8)
-        sys.stdout.write(json.dumps(out) + "\n")
-        sys.stdout.flush()
-    return 0
+
+    def compile_case(case: Case, out: dict) -> None:
+        fn, args = program(case)
+        out["report"] = xray_compile(fn, *args, gpu=gpu.name).to_dict()
+        if case.peer == MOSAIC:
+            out["plan"] = kernel_plan(case, gpu.sms)
+
+    return serve(lambda d: Case(**d), compile_case)
 
 
 if __name__ == "__main__":
