@@ -28,7 +28,7 @@ import numpy as np
 
 from nybble.packing import get_layout
 from nybble.quant.qweight import QuantizedWeight
-from nybble.sharding.plan import TensorParallel, plan_split
+from nybble.sharding.plan import TensorParallel
 from nybble.sharding.weight import block_slice, build_sharded
 
 _CHUNK = 64 * 2**20
@@ -137,14 +137,7 @@ def _quantized(reader: _Reader, path: Path, meta: dict[str, Any], where: Any) ->
         raise _refuse(path, f"{name}: {e}") from None
     fields = dict(shape=spec.shape, group_size=spec.group_size, symmetric=spec.symmetric, layout=spec.layout)
     if isinstance(where, TensorParallel):
-        plan = plan_split(
-            spec.shape,
-            group_size=spec.group_size,
-            layout=spec.layout,
-            split=where.split,
-            num_shards=where.num_shards,
-            name=name,
-        )
+        plan = where.plan(spec, name)
 
         def block(array: str, shard: int) -> np.ndarray:
             b = block_slice(plan, array, shard)

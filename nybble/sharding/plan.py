@@ -68,6 +68,17 @@ class TensorParallel:
         """tp: the size of the mesh axis."""
         return int(self.mesh.shape[self.axis])
 
+    def plan(self, weight: Any, name: str = "weight") -> ShardPlan:
+        """The :class:`ShardPlan` of ``weight`` (anything with ``shape``, ``group_size`` and ``layout``)."""
+        return plan_split(
+            weight.shape,
+            group_size=weight.group_size,
+            layout=weight.layout,
+            split=self.split,
+            num_shards=self.num_shards,
+            name=name,
+        )
+
     @property
     def batch_axes(self) -> tuple[str, ...]:
         """The mesh's other axes of size > 1: the weight is replicated over them, the rows of x split."""

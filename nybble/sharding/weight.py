@@ -87,13 +87,7 @@ class ShardedWeight:
 
     @property
     def plan(self) -> ShardPlan:
-        return plan_split(
-            self.shape,
-            group_size=self.group_size,
-            layout=self.layout,
-            split=self.parallel.split,
-            num_shards=self.parallel.num_shards,
-        )
+        return self.parallel.plan(self)
 
     @property
     def num_shards(self) -> int:
@@ -232,14 +226,7 @@ def build_sharded(
     None makes an abstract weight (``ShapeDtypeStruct`` s carrying the shardings), for compiling.
     ``dtypes`` maps "codes", "scales" and, when asymmetric, "offsets" to their dtypes.
     """
-    plan = plan_split(
-        meta.shape,
-        group_size=meta.group_size,
-        layout=meta.layout,
-        split=parallel.split,
-        num_shards=parallel.num_shards,
-        name=name,
-    )
+    plan = parallel.plan(meta, name)
     codes_axis, scales_axis = plan.codes_axis, plan.scales_axis
     arrays: dict[str, Any] = {}
     cache: dict[tuple[str, int], np.ndarray] = {}
@@ -294,14 +281,7 @@ def shard_weight(qw: QuantizedWeight, parallel: TensorParallel, *, name: str = "
     if isinstance(qw.codes, jax.ShapeDtypeStruct):
         return build_sharded(qw, parallel, None, dtypes, name=name)
     host = {a: np.asarray(jax.device_get(getattr(qw, a))) for a in dtypes}
-    plan = plan_split(
-        qw.shape,
-        group_size=qw.group_size,
-        layout=qw.layout,
-        split=parallel.split,
-        num_shards=parallel.num_shards,
-        name=name,
-    )
+    plan = parallel.plan(qw, name)
     return build_sharded(
         qw, parallel, lambda a, i: cut_block(host[a], block_slice(plan, a, i)), dtypes, name=name
     )
