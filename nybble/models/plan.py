@@ -18,6 +18,7 @@ from flax import nnx
 from nybble.models.layers import QLinear
 from nybble.models.rules import Decision, QuantRule, check_rules, decide, warn_unmatched
 from nybble.packing import check_group_size
+from nybble.quant.autoround import key_path_str as path_str
 from nybble.quant.qweight import QuantizedWeight
 
 
@@ -136,11 +137,6 @@ class PlannedLayer:
 def array_nbytes(a: Any) -> int:
     """Bytes of an array (or an ``nnx.Variable`` holding one)."""
     return int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-
-
-def path_str(path: Sequence[Any]) -> str:
-    """A dotted path, e.g. ``layers.3.attn.q_proj``."""
-    return ".".join(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path)
 
 
 def check_not_quantized(already: Sequence[str], to_quantize: int, what: str) -> None:
