@@ -277,3 +277,44 @@ def test_clip_search_clips_an_outlier():
     assert (np.asarray(searched.scales, np.float32)[0] < np.asarray(plain.scales, np.float32)[0]).all()
     err = lambda qw: float(((np.asarray(nybble.dequantize(qw)) - w) ** 2).sum())
     assert err(searched) < 0.9 * err(plain)
+
+
+def _grid_points_for(factor, symmetric, g, rng):
+    """One column of ``g`` weights whose best shrink is ``factor``: the range's end(s) as outliers, every other
+    weight exactly on the code grid the range shrunk by ``factor`` gives (no rounding error there)."""
+    hi = rng.uniform(0.5, 2.0)
+    if symmetric:  # the step is hi / 7 (the negative side stays within 8 steps)
+        col = factor * hi / 7 * rng.integers(-7, 8, g).astype(np.float64)
+        col[0] = hi
+    else:
+        lo = -hi * rng.uniform(0.5, 1.0)
+        col = factor * (lo + rng.integers(0, 16, g) * (hi - lo) / 15)
+        col[:2] = lo, hi
+    return rng.permutation(col)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_clip_search_picks_the_best_factor_of_the_documented_grid(symmetric):
+    """Per group, the stored scale is the documented rule's scale times the factor (of 1.0, 0.95, ..., 0.7)
+    whose codes give the least squared error, searched here in float64; columns are built so that every
+    factor of the grid is the best for some, so a wrong factor in the grid cannot go unseen."""
+    grid = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+    rng = np.random.default_rng(11)
+    g, n = 256, 7 * 24
+    w64 = np.stack([_grid_points_for(grid[j % 7], symmetric, g, rng) for j in range(n)], axis=1)
+    w = w64.astype(np.float32)
+    w64 = w.astype(np.float64)
+    qw = nybble.quantize(w, group_size=g, symmetric=symmetric, scale_dtype=jnp.float32, clip_search=True)
+    stored = np.asarray(qw.scales, np.float64)[0, :n]
+    errors, scales = [], []
+    for f in grid:
+        s, o = _rule_params(w64 * f, g, symmetric)  # the rule on the range shrunk by f
+        s = s[0].astype(np.float32).astype(np.float64)
+        b = 0.0 if o is None else o[0].astype(np.float32).astype(np.float64)
+        q = np.clip(np.round((w64 - b) / s), -8, 7)
+        errors.append(((q * s + b - w64) ** 2).sum(0))
+        scales.append(s)
+    errors, scales = np.stack(errors), np.stack(scales)
+    best = errors.argmin(0)
+    np.testing.assert_array_equal(best, np.arange(n) % 7)  # the construction worked: each factor wins
+    np.testing.assert_allclose(stored, scales[best, np.arange(n)], rtol=1e-6)
