@@ -280,8 +280,8 @@ def test_clip_search_clips_an_outlier():
 
 
 def _grid_points_for(factor, symmetric, g, rng):
-    """One column of ``g`` weights whose best shrink is ``factor``: the range's end(s) as outliers, every other
-    weight exactly on the code grid the range shrunk by ``factor`` gives (no rounding error there)."""
+    """One column of ``g`` weights whose best shrink is ``factor``: the range's end(s) as outliers, every
+    other weight exactly on the code grid the range shrunk by ``factor`` gives (no rounding error there)."""
     hi = rng.uniform(0.5, 2.0)
     if symmetric:  # the step is hi / 7 (the negative side stays within 8 steps)
         col = factor * hi / 7 * rng.integers(-7, 8, g).astype(np.float64)
@@ -322,8 +322,8 @@ def test_clip_search_picks_the_best_factor_of_the_documented_grid(symmetric):
 
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_group_params_default_is_the_plain_rule(symmetric):
-    """``group_params`` without ``clip_search`` (as AutoRound's start calls it) is the documented rule, with no
-    range shrink, even where a shrink would lower the error (an outlier per column)."""
+    """``group_params`` without ``clip_search`` (as AutoRound's start calls it) is the documented rule, with
+    no range shrink, even where a shrink would lower the error (an outlier per column)."""
     from nybble.quant.rtn import group_params
 
     rng = np.random.default_rng(12)
