@@ -336,3 +336,29 @@ def test_group_params_default_is_the_plain_rule(symmetric):
     np.testing.assert_allclose(np.asarray(scales), want_s, rtol=1e-6)
     if not symmetric:
         np.testing.assert_allclose(np.asarray(offsets), want_o, rtol=1e-5, atol=1e-6)
+
+
+def test_tree_map_to_dtypes_and_shapes():
+    """JAX may put non-arrays in a QuantizedWeight's leaf slots: a dtype (it has ``shape`` but no ``dtype``),
+    a shape tuple. The weight's checks run on arrays only, so these round-trip through ``jax.tree.map``."""
+    qw = nybble.quantize(np.random.default_rng(13).standard_normal((64, 32)).astype(np.float32))
+    dtypes = jax.tree.map(lambda a: a.dtype, qw)
+    assert (dtypes.codes, dtypes.scales) == (qw.codes.dtype, qw.scales.dtype)
+    shapes = jax.tree.map(lambda a: a.shape, qw)
+    assert (shapes.codes, shapes.scales) == (qw.codes.shape, qw.scales.shape)
+
+
+def test_relayout_stores_the_codes_in_the_asked_layout():
+    """Each layout's stored codes by its own packer from the logical codes; same layout: the same object."""
+    from nybble.quant.qweight import relayout
+
+    w = np.random.default_rng(14).standard_normal((200, 96)).astype(np.float32)
+    qw = nybble.quantize(w, group_size=64)
+    codes = np.asarray(reference_codes(qw))
+    for name in nybble.packing.LAYOUTS:
+        moved = relayout(qw, name)
+        assert moved.layout == name
+        want = nybble.packing.get_layout(name).pack(jnp.asarray(codes))  # padded (K_pad, N_pad)
+        np.testing.assert_array_equal(np.asarray(moved.codes), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(reference_codes(moved)), codes)
+    assert relayout(qw, qw.layout) is qw
