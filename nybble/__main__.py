@@ -49,6 +49,8 @@ def _positive(text: str) -> int:
     return value
 
 
+# --method choices: nybble.models.quantize's methods, AutoRound also as its fast preset.
+METHODS = ("rtn", "gptq", "autoround", "autoround-fast")
 # Tokens per calibration window (the CLI cuts the calibration text into windows of this length).
 CALIB_WINDOW = 256
 
@@ -87,17 +89,19 @@ def _model_args(p: argparse.ArgumentParser, quant: bool = True) -> None:
         )
         p.add_argument(
             "--method",
-            choices=("rtn", "gptq"),
+            choices=METHODS,
             default="rtn",
             help="rtn: round to nearest; gptq: GPTQ calibrated on the calibration split of the bundled "
-            "text, layer by layer (slower; needs no other data) (default: rtn)",
+            "text, layer by layer (slower; needs no other data); autoround: rounding learned block by "
+            "block on the same text (slowest, most accurate); autoround-fast: its fast preset "
+            "(default: rtn)",
         )
         p.add_argument(
             "--calib-tokens",
             type=_positive,
             default=5120,
             metavar="N",
-            help="with --method gptq: calibration tokens from the 'calib' split, in windows of "
+            help="with a calibrated --method: calibration tokens from the 'calib' split, in windows of "
             f"{CALIB_WINDOW} (default: 5120)",
         )
         p.add_argument("--no-progress", action="store_true", help="hide the per-layer progress bar")
@@ -189,7 +193,7 @@ def check_before_work(args: argparse.Namespace) -> None:
 
     from nybble.checkpoint import read_metadata
 
-    if getattr(args, "method", "rtn") == "gptq" and args.calib_tokens < CALIB_WINDOW:
+    if getattr(args, "method", "rtn") != "rtn" and args.calib_tokens < CALIB_WINDOW:
         raise ValueError(
             f"--calib-tokens {args.calib_tokens} is less than one calibration window of {CALIB_WINDOW} tokens"
         )
@@ -226,14 +230,17 @@ def _quantize(model: Any, tokenizer: Any, args: argparse.Namespace) -> Any:
     from nybble.models import eval_text, quantize
 
     options: dict[str, Any] = {}
-    if args.method != "rtn":
+    method = args.method
+    if method == "autoround-fast":
+        method, options["config"] = "autoround", "fast"
+    if method != "rtn":
         options["calibration"] = tokenizer.encode(eval_text("calib")).ids[: args.calib_tokens]
         options["seq_len"] = CALIB_WINDOW
     model, report = quantize(
         model,
         group_size=args.group_size,
         symmetric=not args.asymmetric,
-        method=args.method,
+        method=method,
         progress=not args.no_progress,
         return_report=True,
         **options,

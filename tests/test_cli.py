@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from nybble.__main__ import build_parser, main
@@ -163,6 +164,20 @@ def test_gptq_method(tmp_path, capsys):
     args = ["eval", "--model", "tiny-random", "--method", "gptq", "--calib-tokens", "256", "--tokens", "64"]
     assert main([*args, "--window", "32", "--no-progress", "--skip-float"]) == 0
     assert "int4 g128 sym gptq" in capsys.readouterr().out
+
+
+def test_autoround_fast_method(tmp_path, capsys):
+    """--method autoround-fast runs AutoRound's fast preset on the calibration split and saves its codes."""
+    out = tmp_path / "ar.safetensors"
+    argv = ["quantize", "--model", "tiny-random", "--method", "autoround-fast", "--calib-tokens", "256"]
+    assert main([*argv, "--output", str(out), "--no-progress"]) == 0
+    assert "nybble.models.quantize (autoround)" in capsys.readouterr().err
+    qw = load(out)["layers"][1]["mlp"]["down_proj"]["qweight"]
+    assert (qw.group_size, qw.symmetric) == (128, True)
+    rtn = tmp_path / "rtn.safetensors"
+    assert main(["quantize", "--model", "tiny-random", "--output", str(rtn), "--no-progress"]) == 0
+    plain = load(rtn)["layers"][1]["mlp"]["down_proj"]["qweight"]
+    assert (np.asarray(qw.codes) != np.asarray(plain.codes)).any()  # learned, not round to nearest
 
 
 def test_errors_are_reported_not_raised(tmp_path, capsys):
