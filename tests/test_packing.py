@@ -151,3 +151,44 @@ def test_nk_int4_layout_exact_inverse(k, n, data):
 def test_unknown_layout():
     with pytest.raises(ValueError, match="unknown weight layout 'nope'"):
         get_layout("nope")
+
+
+@pytest.mark.parametrize("name", ["nk_int4", "wgmma_int4"])
+@pytest.mark.parametrize(("k", "n"), [(64, 64), (128, 192), (320, 64)])
+def test_layout_stored_shape_and_granules_are_what_pack_does(name, k, n):
+    """``stored_shape`` is the packed array's shape, and ``StoredDim`` says how to slice it: a block of N
+    (or K) from one granule multiple to another is the stored array sliced along ``axis`` at indices
+    ``value / per_index``, i.e. the packing of that block of codes alone."""
+    from nybble.packing import LAYOUTS
+
+    layout = LAYOUTS[name]
+    codes = np.random.default_rng(k + n).integers(-8, 8, (k, n)).astype(np.int8)
+    stored = np.asarray(layout.pack(codes))
+    assert stored.shape == layout.stored_shape(k, n)
+    expected = {"nk_int4": ((0, 1, 1), (1, 2, 2)), "wgmma_int4": ((0, 8, 8), (1, 1, 64))}[name]
+    as_tuple = lambda d: (d.axis, d.per_index, d.granule)
+    assert (as_tuple(layout.n), as_tuple(layout.k)) == expected
+    blocks = ((layout.n, n, lambda a, b: codes[:, a:b]), (layout.k, k, lambda a, b: codes[a:b]))
+    for dim, length, cut in blocks:
+        a, b = dim.granule, length  # the block from the first granule boundary to the end
+        if a >= b:
+            continue
+        sliced = np.take(stored, np.arange(a // dim.per_index, b // dim.per_index), axis=dim.axis)
+        np.testing.assert_array_equal(sliced, np.asarray(layout.pack(cut(a, b))))
+
+
+def test_stored_dim_refuses_bad_granules_and_layouts_are_frozen():
+    import dataclasses
+
+    from nybble.packing.layouts import StoredDim, WeightLayout
+
+    for per_index, granule in [(2, 3), (1, 0), (0, 0), (-1, 1)]:
+        with pytest.raises(ValueError, match="positive multiple of per_index"):
+            StoredDim(axis=0, per_index=per_index, granule=granule)
+    layout = get_layout("nk_int4")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.k.granule = 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.name = "other"
+    with pytest.raises(TypeError):  # keyword-only: a positional field list would be too easy to misorder
+        WeightLayout("x", layout.pack, layout.unpack, layout.stored_shape, "", layout.n, layout.k)
