@@ -362,3 +362,22 @@ def test_relayout_stores_the_codes_in_the_asked_layout():
         np.testing.assert_array_equal(np.asarray(moved.codes), np.asarray(want))
         np.testing.assert_array_equal(np.asarray(reference_codes(moved)), codes)
     assert relayout(qw, qw.layout) is qw
+
+
+def test_quantized_weight_refuses_inconsistent_fields():
+    """Each field is checked against the others when a QuantizedWeight is built by hand; the message names
+    the field, what it got and what fits."""
+    qw = nybble.quantize(np.random.default_rng(15).standard_normal((200, 96)).astype(np.float32))
+    fields = dict(
+        codes=qw.codes, scales=qw.scales, offsets=None, shape=qw.shape, group_size=128, symmetric=True
+    )
+    nybble.QuantizedWeight(**fields)  # as quantize built it: accepted
+    with pytest.raises(ValueError, match=r"shape must be \(K, N\), two positive ints, got \[200, 96\]"):
+        nybble.QuantizedWeight(**{**fields, "shape": [200, 96]})  # a list is not hashable: no static field
+    with pytest.raises(ValueError, match="stores uint32 codes, got dtype int32"):
+        nybble.QuantizedWeight(**{**fields, "codes": qw.codes.astype(jnp.int32)})
+    with pytest.raises(ValueError, match=r"at g128: expected \(num_groups, N_pad\) = \(2, 128\)"):
+        nybble.QuantizedWeight(**{**fields, "scales": qw.scales[:1]})
+    per_column = nybble.quantize(np.ones((200, 96), np.float32), group_size=None)
+    with pytest.raises(ValueError, match=r"at per column: expected \(num_groups, N_pad\) = \(1, 128\)"):
+        nybble.QuantizedWeight(**{**fields, "scales": per_column.scales[:, :64], "group_size": None})
