@@ -367,17 +367,29 @@ def test_relayout_stores_the_codes_in_the_asked_layout():
 def test_quantized_weight_refuses_inconsistent_fields():
     """Each field is checked against the others when a QuantizedWeight is built by hand; the message names
     the field, what it got and what fits."""
-    qw = nybble.quantize(np.random.default_rng(15).standard_normal((200, 96)).astype(np.float32))
+    qw = nybble.quantize(np.random.default_rng(15).standard_normal((200, 160)).astype(np.float32))
     fields = dict(
         codes=qw.codes, scales=qw.scales, offsets=None, shape=qw.shape, group_size=128, symmetric=True
     )
     nybble.QuantizedWeight(**fields)  # as quantize built it: accepted
-    with pytest.raises(ValueError, match=r"shape must be \(K, N\), two positive ints, got \[200, 96\]"):
-        nybble.QuantizedWeight(**{**fields, "shape": [200, 96]})  # a list is not hashable: no static field
+    with pytest.raises(ValueError, match=r"shape must be \(K, N\), two positive ints, got \[200, 160\]"):
+        nybble.QuantizedWeight(**{**fields, "shape": [200, 160]})  # a list is not hashable: no static field
+    for shape in [(200.0, 160), (0, 160), (200, -160)]:
+        with pytest.raises(ValueError, match="two positive ints"):
+            nybble.QuantizedWeight(**{**fields, "shape": shape})
+    # nk_int4 codes may also arrive viewed as int4 (two values a byte: (N_pad, K_pad) instead of K_pad / 2).
+    nk = nybble.quant.relayout(qw, "nk_int4")
+    as_int4 = nybble.packing.nk_int4_as_int4(nk.codes)
+    viewed = nybble.QuantizedWeight(**{**fields, "codes": as_int4, "layout": "nk_int4"})
+    assert viewed.codes.shape == (192, 256)  # N_pad != K_pad / 2, so the two axes cannot be confused
+    with pytest.raises(ValueError, match=r"codes of shape \(120, 256\) do not fit layout 'nk_int4'"):
+        nybble.QuantizedWeight(**{**fields, "codes": as_int4[:120], "layout": "nk_int4"})
+    with pytest.raises(ValueError, match=r"codes of shape \(192, 240\) do not fit layout 'nk_int4'"):
+        nybble.QuantizedWeight(**{**fields, "codes": as_int4[:, :240], "layout": "nk_int4"})
     with pytest.raises(ValueError, match="stores uint32 codes, got dtype int32"):
         nybble.QuantizedWeight(**{**fields, "codes": qw.codes.astype(jnp.int32)})
-    with pytest.raises(ValueError, match=r"at g128: expected \(num_groups, N_pad\) = \(2, 128\)"):
+    with pytest.raises(ValueError, match=r"at g128: expected \(num_groups, N_pad\) = \(2, 192\)"):
         nybble.QuantizedWeight(**{**fields, "scales": qw.scales[:1]})
-    per_column = nybble.quantize(np.ones((200, 96), np.float32), group_size=None)
-    with pytest.raises(ValueError, match=r"at per column: expected \(num_groups, N_pad\) = \(1, 128\)"):
+    per_column = nybble.quantize(np.ones((200, 160), np.float32), group_size=None)
+    with pytest.raises(ValueError, match=r"at per column: expected \(num_groups, N_pad\) = \(1, 192\)"):
         nybble.QuantizedWeight(**{**fields, "scales": per_column.scales[:, :64], "group_size": None})
