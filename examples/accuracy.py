@@ -34,8 +34,12 @@ CONFIGS = [
     ),
     ("AutoRound g64 asymmetric (default)", dict(group_size=64, symmetric=False, method="autoround")),
     (
-        "AutoRound g128 symmetric, GPTQ start + least-squares scales",
-        dict(group_size=128, method="autoround", start="gptq", refit_scales=True),
+        "AutoRound g128 symmetric, scale_lr=0.1, GPTQ start + least-squares scales",
+        dict(group_size=128, method="autoround", start="gptq", refit_scales=True, scale_lr=0.1),
+    ),
+    (
+        "AutoRound g128 symmetric, signed gradient",
+        dict(group_size=128, method="autoround", optimizer="sign"),
     ),
 ]
 # Calibrated rows also report the share of the same-format RTN row's perplexity increase they remove.
