@@ -96,6 +96,38 @@ def test_all_zero_group_is_exact_zero(symmetric):
     np.testing.assert_array_equal(deq[128:], 0)
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_zero_groups_and_padded_rows_hold_code_0(symmetric):
+    """An all-zero group (scale 0) and the rows padding K up to the layout's granule hold code 0."""
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal((100, 64)) + 0.5).astype(np.float32)  # K = 100 pads to 128
+    w[:32, :16] = 0  # one whole group of zeros in 16 columns
+    qw = nybble.quantize(w, group_size=32, symmetric=symmetric)
+    codes = reference_codes(qw)
+    assert codes.shape == (128, 64)
+    np.testing.assert_array_equal(np.asarray(qw.scales, np.float32)[0, :16], 0)
+    np.testing.assert_array_equal(codes[:32, :16], 0)
+    np.testing.assert_array_equal(codes[100:], 0)
+    assert (codes[32:100, :64] != 0).mean() > 0.8  # real groups do use nonzero codes
+
+
+@pytest.mark.parametrize("scale_dtype", [jnp.bfloat16, jnp.float16])
+def test_asymmetric_scale_is_rounded_up_to_cover_the_range(scale_dtype):
+    """Asymmetric: where the scale dtype rounds (max - min) / 15 down, the stored scale is one ulp up,
+    so 15 steps of it span the group's range (no code needs clipping at the top)."""
+    w = np.random.default_rng(5).standard_normal((512, 256)).astype(np.float32)
+    qw = nybble.quantize(w, group_size=64, symmetric=False, scale_dtype=scale_dtype)
+    wg = w.reshape(8, 64, 256)
+    span = wg.max(1) - wg.min(1)  # float32, as quantize computes it
+    stored = np.asarray(qw.scales, np.float32)[:, :256]
+    nearest = (span / 15).astype(scale_dtype).astype(np.float32)
+    assert (nearest * 15 < span).mean() > 0.2  # the case arises often on random data
+    assert (stored * 15 >= span).all()
+    # Rounded up only where needed: elsewhere it is the nearest value.
+    fits = nearest * 15 >= span
+    np.testing.assert_array_equal(stored[fits], nearest[fits])
+
+
 def test_codes_are_exact_for_representable_weights():
     """Small integers times a power-of-two scale quantize and dequantize exactly."""
     rng = np.random.default_rng(1)
