@@ -9,8 +9,11 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from nybble.packing import (
+    check_group_size,
     get_layout,
+    group_rows,
     nk_int4_as_int4,
+    num_groups,
     pack_int4,
     pad_to,
     padded_weight_dims,
@@ -192,3 +195,25 @@ def test_stored_dim_refuses_bad_granules_and_layouts_are_frozen():
         layout.name = "other"
     with pytest.raises(TypeError):  # keyword-only: a positional field list would be too easy to misorder
         WeightLayout("x", layout.pack, layout.unpack, layout.stored_shape, "", layout.n, layout.k)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 2**15), st.sampled_from([None, 16, 32, 64, 128, 256, 1024]))
+def test_group_geometry_by_hand(k_pad, group_size):
+    """G rows per scale row (all of K when per column) and ceil(K_pad / G) scale rows, the last partial."""
+    g = group_rows(k_pad, group_size)
+    assert g == (k_pad if group_size is None else group_size)
+    rows = num_groups(k_pad, group_size)
+    assert (rows - 1) * g < k_pad <= rows * g
+    assert [num_groups(576, 128), num_groups(512, 128), num_groups(100, None)] == [5, 4, 1]
+
+
+@pytest.mark.parametrize("group_size", [16, 32, 64, 128, 256, 2**20, np.int64(64), None])
+def test_group_sizes_accepted(group_size):
+    check_group_size(group_size)
+
+
+@pytest.mark.parametrize("group_size", [0, 8, 15, 17, 18, 24, 48, 96, 130, -16, 64.0, "64", True])
+def test_group_sizes_refused(group_size):
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        check_group_size(group_size)
