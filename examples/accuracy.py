@@ -41,6 +41,15 @@ CONFIGS = [
         "AutoRound g128 symmetric, signed gradient",
         dict(group_size=128, method="autoround", optimizer="sign"),
     ),
+    ("AutoRound g128 symmetric (default), seed=1", dict(group_size=128, method="autoround", seed=1)),
+    (
+        "AutoRound g128 symmetric, scale gradient through the rounding",
+        dict(group_size=128, method="autoround", scale_gradient="ste"),
+    ),
+    (
+        "AutoRound g128 symmetric, two windows a step",
+        dict(group_size=128, method="autoround", batch_size=2),
+    ),
 ]
 # Calibrated rows also report the share of the same-format RTN row's perplexity increase they remove.
 BASELINES = {
