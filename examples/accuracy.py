@@ -50,6 +50,7 @@ CONFIGS = [
         "AutoRound g128 symmetric, two windows a step",
         dict(group_size=128, method="autoround", batch_size=2),
     ),
+    ("AutoRound g128 symmetric, 400 steps", dict(group_size=128, method="autoround", steps=400)),
 ]
 # Calibrated rows also report the share of the same-format RTN row's perplexity increase they remove.
 BASELINES = {
