@@ -172,15 +172,16 @@ _FAMILIES = {
     ),
     # Decode, 4 K slices, weights route, two A tiles: 4 steps a slice through 2 slots.
     "slices4-wt": (TuningConfig(tiles=2, tile_m=2, tile_k=64, slices=4, max_concurrent_steps=2), 2, 1024, 64),
-    # Decode, split-K 3 (3 steps a split through 2 slots), weights route, planar snake of 1.
-    "split3-wt": (
-        TuningConfig(tiles=1, tile_m=8, tile_k=64, max_concurrent_steps=2, split_k=3, grid_tile_m=1),
-        13, 576, 128,
+    # Decode, split-K 4 in a cluster (3 steps a split through 2 slots; of the four 8-row slabs of y two
+    # hold rows < M = 13, two are not stored), weights route, planar snake of 1.
+    "split4-wt": (
+        TuningConfig(tiles=1, tile_m=32, tile_k=64, max_concurrent_steps=2, split_k=4, grid_tile_m=1),
+        13, 768, 128,
     ),
     # Decode, split-K 2, scales on the accumulators.
     "split2-acc": (
         TuningConfig(
-            tiles=2, tile_m=8, tile_k=128, max_concurrent_steps=2, split_k=2, scales_on="accumulators"
+            tiles=2, tile_m=16, tile_k=128, max_concurrent_steps=2, split_k=2, scales_on="accumulators"
         ),
         5, 768, 256,
     ),
@@ -223,7 +224,7 @@ def _family_rows():
         # Cheap in interpret mode: split-K weights route, g256 asymmetric (K = 576: a quarter-full last
         # group); prefill, g32 symmetric; 8 K slices on the accumulators, g128 asymmetric.
         cheap = (group, symmetric, family) in (
-            (256, False, "split3-wt"), (32, True, "ws"), (128, False, "slices8-acc"),
+            (256, False, "split4-wt"), (32, True, "ws"), (128, False, "slices8-acc"),
         )  # fmt: skip
         rows.append([cheap, name, config, m, k_pad - 5 * odd, n_pad - 3 * odd, group, symmetric,
                      x_dtype, scale_dtype])  # fmt: skip
@@ -244,7 +245,7 @@ def test_families_routes_groups_exact(config, m, k, n, group, symmetric, x_dtype
 
 _REAL = [(4096, 4096, 128, True), (576, 1536, 128, False), (1536, 576, None, True), (10944, 7392, 32, False)]
 _EXPLICIT = [
-    TuningConfig(tiles=2, tile_m=8, tile_k=128, max_concurrent_steps=6, split_k=4, scales_on="accumulators"),
+    TuningConfig(tiles=2, tile_m=32, tile_k=128, max_concurrent_steps=6, split_k=4, scales_on="accumulators"),
     TuningConfig(tiles=1, tile_m=64, tile_k=64, max_concurrent_steps=4, split_k=2),
     TuningConfig(tiles=2, tile_m=128, tile_k=128, max_concurrent_steps=4, split_k=1),
     TuningConfig(tiles=2, tile_m=128, tile_k=64, max_concurrent_steps=4, compute_wgs=2),

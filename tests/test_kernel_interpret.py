@@ -193,7 +193,7 @@ _EXACT_CONFIGS = {
     "acc-split": (
         5,
         TuningConfig(
-            tiles=1, tile_m=8, tile_k=128, max_concurrent_steps=2, split_k=2, scales_on="accumulators"
+            tiles=1, tile_m=16, tile_k=128, max_concurrent_steps=2, split_k=2, scales_on="accumulators"
         ),
     ),
     "ws": (70, TuningConfig(tiles=1, tile_m=128, tile_k=64, max_concurrent_steps=2, compute_wgs=2)),
@@ -231,10 +231,10 @@ def test_partial_last_group_exact(group):
 @pytest.mark.parametrize(
     "config",
     [
-        TuningConfig(tiles=4, tile_m=16, tile_k=128, max_concurrent_steps=4, split_k=3, grid_tile_m=2),
+        TuningConfig(tiles=4, tile_m=16, tile_k=128, max_concurrent_steps=4, split_k=2, grid_tile_m=2),
         TuningConfig(tiles=1, tile_m=32, tile_k=64, max_concurrent_steps=2, scales_on="accumulators"),
         TuningConfig(tiles=2, tile_m=8, tile_k=256, max_concurrent_steps=3, scales_on="accumulators"),
-        TuningConfig(tiles=2, tile_m=8, tile_k=64, max_concurrent_steps=5, split_k=2, grid_tile_m=2),
+        TuningConfig(tiles=2, tile_m=32, tile_k=64, max_concurrent_steps=5, split_k=4, grid_tile_m=2),
         TuningConfig(
             tiles=2, tile_m=4, tile_k=64, slices=2, max_concurrent_steps=2, scales_on="accumulators"
         ),

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import nybble.kernels.mosaic_gpu as mg
-from nybble.kernels.mosaic_gpu import faults
+from nybble.kernels.mosaic_gpu import faults, split_k
 from nybble.kernels.mosaic_gpu.config import (
     SMEM_BUDGET_BYTES,
     TuningConfig,
@@ -86,10 +86,10 @@ def test_lower_every_heuristic_config(m, k, n, group, symmetric):
 # Configs the heuristics do not pick at these shapes but autotuning or a caller might: both variants
 # with small and large tiles, split-K, K slices, the minimum pipeline depth, narrow bands.
 _EXPLICIT = [
-    TuningConfig(tiles=1, tile_m=8, tile_k=64, max_concurrent_steps=2, split_k=16),
+    TuningConfig(tiles=1, tile_m=64, tile_k=64, max_concurrent_steps=2, split_k=8),
     TuningConfig(tiles=4, tile_m=64, tile_k=128, max_concurrent_steps=3, grid_tile_m=1),
     TuningConfig(tiles=1, tile_m=16, tile_k=128, max_concurrent_steps=3, split_k=2, compute_wgs=2),
-    TuningConfig(tiles=2, tile_m=8, tile_k=64, max_concurrent_steps=6, split_k=4, compute_wgs=2),
+    TuningConfig(tiles=2, tile_m=32, tile_k=64, max_concurrent_steps=6, split_k=4, compute_wgs=2),
     TuningConfig(tiles=1, tile_m=128, tile_k=128, max_concurrent_steps=4, compute_wgs=2, grid_tile_m=3),
     TuningConfig(tiles=4, tile_m=1, tile_k=256, slices=8, max_concurrent_steps=4, scales_on="accumulators"),
     TuningConfig(tiles=2, tile_m=32, tile_k=128, max_concurrent_steps=7, split_k=4),
@@ -110,7 +110,7 @@ def test_lower_explicit_configs(config, group, symmetric):
 @pytest.mark.parametrize("compute_wgs", [1, 2])
 def test_lower_one_step_per_split(compute_wgs):
     config = TuningConfig(
-        tiles=1, tile_m=8, tile_k=64, max_concurrent_steps=3, split_k=2, compute_wgs=compute_wgs
+        tiles=1, tile_m=16, tile_k=64, max_concurrent_steps=3, split_k=2, compute_wgs=compute_wgs
     )
     _lower(4, _abstract_weight(128, 128, 32, True), config=config)
 
@@ -127,6 +127,29 @@ def test_decode_fills_the_gpu_in_one_launch():
         config = heuristic_config(1, n_pad, k_pad, 128, NUM_SMS)
         ctas = n_pad // config.cta_rows
         assert config.slices == 8 and config.split_k == 1 and ctas >= NUM_SMS
+
+
+def test_split_k_is_one_launch():
+    """Llama-3-8B kv and down at M = 64: the heuristics split K (the output tiles alone leave SMs idle), and
+    the lowered call is the one Mosaic GPU kernel with its split_k CTAs in one cluster: no f32 partials, no
+    reduction or slice after it (the X-ray counts the same on the compiled module)."""
+    for k, n in ((4096, 1024), (14336, 4096)):
+        qw = _abstract_weight(k, n, 128, True)
+        config = mg.plan(64, qw, num_sms=NUM_SMS).config
+        assert config.split_k > 1, config
+        text = _lower(64, qw).as_text()
+        assert text.count("mosaic_gpu") >= 1
+        calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+        assert len(calls) == 1, calls
+        assert "stablehlo.reduce" not in text and "f32" not in calls[0].split("->")[-1]
+
+
+def test_split_k_slabs():
+    """Each CTA of the cluster sums and stores whole 8-row slabs of y: tile_m / split_k, a multiple of 8."""
+    assert [split_k.slab_rows(*a) for a in ((64, 8), (128, 4), (16, 1), (16, 2))] == [8, 32, 16, 8]
+    for tile_m, parts in ((8, 2), (32, 8), (128, 3), (64, 0)):
+        with pytest.raises(ValueError, match="multiple of 8"):
+            split_k.slab_rows(tile_m, parts)
 
 
 def test_prefill_does_not_split_k():
@@ -162,13 +185,19 @@ def test_smem_bytes_by_hand():
     assert fits_smem(prefill, group=32, has_offsets=False, scale_bytes=4)
     four = dataclasses.replace(prefill, max_concurrent_steps=4)
     assert not fits_smem(four, group=32, has_offsets=False, scale_bytes=4)
+    split = TuningConfig(tiles=1, tile_m=64, tile_k=256, max_concurrent_steps=2, split_k=8)
+    # codes 64 x 256 / 2 B + x 64 x 256 x 2 B + 2 scale rows x 64 x 2 B, two slots; the f32 partial in
+    # 8 slabs, 64 x 64 x 4 B; the bf16 y slab (8 x 64 x 2 B) reuses the slots' SMEM (split_k.py).
+    assert smem_bytes(split, group=128, has_offsets=False) == (8192 + 32768 + 256) * 2 + 16384
 
 
 def test_injected_bugs_are_off_unless_asked():
     """The deliberate bugs of faults.py (the GPU tests' proof that they can fail) change the traced
     kernel when injected, and removing them restores it exactly: off, they trace nothing. (The jaxpr:
     the lowered module's serialization differs from one lowering to the next.)"""
-    config = TuningConfig(tiles=1, tile_m=8, tile_k=128, max_concurrent_steps=2, scales_on="accumulators")
+    config = TuningConfig(
+        tiles=1, tile_m=16, tile_k=128, max_concurrent_steps=2, split_k=2, scales_on="accumulators"
+    )
     qw = _abstract_weight(1024, 256, 128, False)
     x = jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16)
     trace = lambda: str(jax.make_jaxpr(lambda x, qw: mg.mosaic_gpu_matmul(x, qw, config=config))(x, qw))
@@ -196,6 +225,11 @@ def test_injected_bugs_are_off_unless_asked():
         (dict(tile_m=8, slices=2, compute_wgs=2), "one-warpgroup"),
         (dict(max_concurrent_steps=0), "max_concurrent_steps=0"),
         (dict(split_k=0), "split_k=0"),
+        (dict(split_k=9), "split_k=9"),
+        (dict(tile_m=16, slices=2, split_k=2), "K slices or split-K"),
+        (dict(tile_m=8, split_k=2), "multiple of 8 \\* split_k"),
+        (dict(tile_m=128, split_k=3), "multiple of 8 \\* split_k"),
+        (dict(tile_m=128, split_k=2, compute_wgs=2), "slabs of at most 32 rows"),
         (dict(scales_on="x"), "scales_on"),
     ],
 )
@@ -205,9 +239,9 @@ def test_config_validates_itself(kwargs, match):
 
 
 def test_config_that_does_not_divide_k_is_refused():
-    config = TuningConfig(tiles=2, tile_m=8, tile_k=128, max_concurrent_steps=2, split_k=5)
+    config = TuningConfig(tiles=2, tile_m=16, tile_k=128, max_concurrent_steps=2, split_k=2)
     with pytest.raises(ValueError, match="split_k"):
-        _lower(1, _abstract_weight(4096, 4096, 128, True), config=config)
+        _lower(1, _abstract_weight(640, 4096, 128, True), config=config)
 
 
 def test_accumulator_route_refuses_small_groups():

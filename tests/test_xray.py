@@ -66,6 +66,15 @@ def test_main_loop_is_the_conditional_branch_around_the_hgmmas():
     assert loop.opcode_mix(2) == [("HGMMA", 2), ("LDS", 1)]
 
 
+def test_wait_mask_on_two_scoreboards_is_an_instruction():
+    """A control code waiting on two scoreboards ("2&1", as nybble's split-K kernel has in its main loop)
+    is one instruction like any other: the loop keeps it (it was once dropped, one short of the offsets)."""
+    text = SASS_TEXT.replace("   -:-:1:Y:02        /*0030*/", " 2&1:-:1:Y:02        /*0030*/")
+    assert text != SASS_TEXT
+    loop = sass.main_loop(sass.parse_sass(text))
+    assert loop is not None and loop.instructions[0].offset == 0x30 and loop.size == 6
+
+
 def test_no_loop_without_hgmma():
     code = sass.parse_sass(SASS_TEXT.replace("HGMMA.64x8x16.F32.BF16", "FFMA"))
     assert sass.main_loop(code) is None

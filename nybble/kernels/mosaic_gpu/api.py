@@ -128,10 +128,8 @@ def _forward(x2d: jax.Array, qw: QuantizedWeight, config: TuningConfig | None, n
         # rows: when M rows (times the K slices) would not fill whole 8-row SMEM tiles of x.
         x2d = jnp.pad(x2d, ((0, m_x - m), (0, k_pad - k)))
     # Scales and offsets go in as stored (bf16/f16/f32): the kernel converts them itself.
+    # Split-K partials are summed in f32 inside the launch (split_k.py) and rounded once.
     y = w4a16(x2d, qw.codes, qw.scales, qw.offsets, n=p.n, group=qw.group, config=p.config)
-    if p.config.split_k > 1:
-        # Split-K partials are f32; their sum is rounded once.
-        y = y.sum(axis=0).astype(x2d.dtype)
     return y if (p.n, m_x) == (n, m) else y[:m, :n]
 
 

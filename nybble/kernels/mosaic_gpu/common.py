@@ -9,7 +9,8 @@ Operands, as the wrapper hands them over (all views by reshape, no copies):
     rows past M * S zero-filled by TMA;
   * scales (offsets): (num_groups, N_pad) viewed as (S, num_groups / S, N_pad), or (1, 1, N_pad) for one
     group per column; a step reads one row (group >= tile_k) or tile_k / group rows per slice;
-  * y: (M, N), or (split_k, M, N) f32 partials; TMA stores clip the rows and columns past M and N.
+  * y: (M, N); TMA stores clip the rows and columns past M and N. Under split-K the CTAs of one output
+    tile form a cluster and sum their f32 partials in SMEM (split_k.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from nybble.kernels.mosaic_gpu import faults
+from nybble.kernels.mosaic_gpu import faults, split_k
 from nybble.kernels.mosaic_gpu.config import CHUNK_K, TuningConfig, scale_rows_per_step
 from nybble.kernels.mosaic_gpu.fragments import BIAS, dequantize_chunk, slot_rows, sum_slices, words_layout
 
@@ -48,8 +49,9 @@ class Problem:
 
     @property
     def out_dtype(self) -> Any:
-        """f32 partials under split-K (summed outside), else the activation dtype."""
-        return jnp.float32 if self.config.split_k > 1 else self.dtype
+        """y's dtype: the activation dtype (split-K partials are summed in the cluster, split_k.py)."""
+        return self.dtype
+
 
     @property
     def m_tiles(self) -> int:
@@ -107,7 +109,7 @@ class Problem:
 
     @property
     def out_shape(self) -> tuple[int, ...]:
-        return (self.config.split_k, self.m, self.n) if self.config.split_k > 1 else (self.m, self.n)
+        return (self.m, self.n)
 
 
 def operand_views(p: Problem, x: jax.Array, codes: jax.Array, scales: Any, offsets: Any) -> list[Any]:
@@ -288,8 +290,18 @@ def scaled_accumulators_step(
     return total
 
 
-def store_tiles(p: Problem, acc: Any, smem: dict[str, Any], out_gmem: Any, mi: Any, n_start: Any) -> None:
-    """Writes the warpgroup's accumulator ((64 * tiles, WGMMA N), f32) to y (or the split-K partials)."""
+def store_tiles(
+    p: Problem,
+    acc: Any,
+    smem: dict[str, Any],
+    out_gmem: Any,
+    mi: Any,
+    n_start: Any,
+    partition: int | None = None,
+) -> None:
+    """Writes the warpgroup's accumulator ((64 * tiles, WGMMA N), f32) to y. Under split-K it is K
+    partition ``partition``'s partial (None: this CTA's own), stored into the slabs of
+    ``smem["split_k"]`` (split_k.warpgroup_slabs) for the kernel's split_k.reduce."""
     c = p.config
     if faults.injected() == "last-n-tile-zero":  # a deliberate bug (faults.py)
         acc = acc * jnp.where(n_start >= p.n_pad - c.cta_rows, 0.0, 1.0).astype(acc.dtype)
@@ -304,6 +316,9 @@ def store_tiles(p: Problem, acc: Any, smem: dict[str, Any], out_gmem: Any, mi: A
             plgpu.copy_smem_to_gmem(y_tile.at[: p.m], out_gmem.at[:, pl.ds(n_start, c.rows_per_wg)])
             plgpu.wait_smem_to_gmem(0)
             return
+        if c.split_k > 1:
+            split_k.store_partial(accs, smem["split_k"], partition)
+            return
         out_smem = smem["out"]
         for t, acc in enumerate(accs):
             # Storing y^T through the transposed view of a (tile_m, 64) SMEM slice writes y itself.
@@ -311,9 +326,6 @@ def store_tiles(p: Problem, acc: Any, smem: dict[str, Any], out_gmem: Any, mi: A
                 acc.astype(p.out_dtype), L.WGMMA_TRANSPOSED
             )
         plgpu.commit_smem()
-        dst = out_gmem
-        if c.split_k > 1:
-            dst = dst.at[lax.axis_index("split")]
-        dst = dst.at[pl.ds(mi * c.tile_m, c.tile_m), pl.ds(n_start, c.rows_per_wg)]
+        dst = out_gmem.at[pl.ds(mi * c.tile_m, c.tile_m), pl.ds(n_start, c.rows_per_wg)]
         plgpu.copy_smem_to_gmem(out_smem, dst)
         plgpu.wait_smem_to_gmem(0)

@@ -17,6 +17,9 @@ Families from :func:`heuristic_config`:
   * decode (M <= 64): one warpgroup per CTA, small CTAs (several per SM), K slices for M <= 8;
   * prefill (M > 64): warp-specialized, a TMA warpgroup feeding two compute warpgroups that share each x
     tile, 128-wide WGMMA N.
+Either family may split K over ``split_k`` CTAs (2, 4 or 8 where tile_m allows) when the output tiles
+alone leave SMs idle: those CTAs form one thread-block cluster and sum their f32 partials through
+distributed SMEM (split_k.py), so a split-K matmul is one launch like any other.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ TILES_CHOICES = (1, 2, 4)
 TILE_K_CHOICES = (64, 128, 256)
 SLICES_CHOICES = (1, 2, 4, 8)
 CHUNK_K = 64  # one dequantization chunk: 64 x 64 codes, 8 bands x 64 words
-MAX_SPLIT_K = 16
+MAX_SPLIT_K = 8  # the split_k CTAs of one output tile form a cluster: 8 is the portable maximum
+# y rows one CTA of a warp-specialized split-K cluster sums (tile_m / split_k): 64 spill 32 bytes (X-ray).
+MAX_WS_SLAB_ROWS = 32
 ScalesOn = Literal["accumulators", "weights"]
 
 
@@ -58,7 +63,8 @@ class TuningConfig:
     slices: int = 1
     # Pipeline depth: SMEM slots per operand (>= 2: slots are released one step late).
     max_concurrent_steps: int = 4
-    # CTAs sharing one output tile along K; f32 partials, summed by XLA after the kernel.
+    # CTAs sharing one output tile along K: one thread-block cluster, f32 partials summed in SMEM
+    # (split_k.py).
     split_k: int = 1
     # Launch order: M tiles per band of the planar snake over (M tiles, N tiles); see common.py.
     grid_tile_m: int = 8
@@ -83,6 +89,19 @@ class TuningConfig:
             raise ValueError(
                 f"TuningConfig: slices * tile_m = {self.wgmma_n} is WGMMA's N: a multiple of 8, at most 256"
             )
+        if self.split_k > 1 and self.tile_m % (8 * self.split_k):
+            raise ValueError(
+                f"TuningConfig: split_k={self.split_k} needs tile_m={self.tile_m} to be a multiple of 8 * "
+                "split_k: each CTA of the cluster sums whole 8-row slabs of the y tile (split_k.py)"
+            )
+        if self.split_k > 1 and self.compute_wgs > 1 and self.tile_m // self.split_k > MAX_WS_SLAB_ROWS:
+            raise ValueError(
+                f"TuningConfig: the warp-specialized kernel splits K into slabs of at most "
+                f"{MAX_WS_SLAB_ROWS} rows, got tile_m / split_k = {self.tile_m} / {self.split_k}: 64-row "
+                "slabs spill registers (the X-ray of tile_m=128, split_k=2: 32 bytes)"
+            )
+        if self.slices > 1 and self.split_k > 1:
+            raise ValueError("TuningConfig: K slices or split-K, not both (slices already span all of K)")
         if self.slices > 1 and self.compute_wgs > 1:
             raise ValueError("TuningConfig: K slices run in the one-warpgroup kernel only (compute_wgs=1)")
         if not 2 <= self.max_concurrent_steps <= 8:
@@ -162,9 +181,14 @@ def smem_bytes(
     ones = 64 * CHUNK_K * 2 if config.scales_on == "accumulators" else 0
     if config.slices > 1:  # f32 accumulators staged for the slice sum, and the y tile
         epilogue = a_tiles * 64 * config.wgmma_n * 4 + config.tile_m * config.cta_rows * act_bytes
+    elif config.split_k > 1:
+        # The f32 partial in slabs for the cluster's reduction; its bf16 y staging slab is allocated after
+        # the pipeline, in the stage buffers' SMEM (split_k.py).
+        slab = config.tile_m // config.split_k * config.cta_rows * act_bytes
+        fixed = ones + config.tile_m * config.cta_rows * 4
+        return fixed + max(per_stage * config.max_concurrent_steps, slab)
     else:
-        out_bytes = 4 if config.split_k > 1 else act_bytes
-        epilogue = config.tile_m * config.cta_rows * out_bytes
+        epilogue = config.tile_m * config.cta_rows * act_bytes
     return per_stage * config.max_concurrent_steps + ones + epilogue
 
 
@@ -209,21 +233,23 @@ def modeled_time_us(
 
     HBM time counts the bytes over the bandwidth the busy SMs can pull (an idle SM is lost bandwidth);
     issue time the instructions of :func:`estimated_instructions_per_weight` on the busiest SM; split-K
-    adds its f32 partials and a second launch (~2 us).
+    adds its reduction in the cluster (each CTA reads 1 / S of the f32 tile from each of S CTAs through
+    distributed SMEM, taken as ~32 bytes per cycle per SM); an x copy by the wrapper a second launch (~2 us).
     """
     m_tiles = 1 if config.slices > 1 else -(-m // config.tile_m)
     ctas = n_pad // config.cta_rows * m_tiles * config.split_k
     weights = n_pad * k_pad * m_tiles
     nbytes = n_pad * k_pad / 2 + 2 * (m * k_pad + m * n_pad) + 2 * n_pad * -(-k_pad // group)
+    t_reduce = 0.0
     if config.split_k > 1:
-        nbytes += 2 * 4 * config.split_k * m * n_pad
+        t_reduce = config.tile_m * config.cta_rows * 4 / 32 / 1.98e9
     t_hbm = nbytes / (4.8e12 * min(1.0, ctas / num_sms))
     ipw = estimated_instructions_per_weight(config, group, has_offsets)
     busiest = weights / 32 * ipw / ctas * math.ceil(ctas / num_sms)  # warp-instructions on one SM
     t_issue = busiest / (4 * 1.98e9)
     t_tensor = 2.0 * m_tiles * config.wgmma_n * n_pad * k_pad / 989e12
-    launch = 2e-6 * ((config.split_k > 1) + (x_rows(m, config) != m))
-    return (max(t_hbm, t_issue, t_tensor) + launch) * 1e6
+    launch = 2e-6 * (x_rows(m, config) != m)
+    return (max(t_hbm, t_issue, t_tensor) + t_reduce + launch) * 1e6
 
 
 def x_rows(m: int, config: TuningConfig) -> int:
@@ -297,7 +323,9 @@ def _candidate_shapes(
 ) -> Iterable[dict[str, object]]:
     if not decode:
         wgs = 2 if warp_specialized and n_pad % 128 == 0 else 1
-        for tiles, tile_k, split_k in itertools.product((2, 1), (128, 64), range(1, 5)):
+        for tiles, tile_k, split_k in itertools.product((2, 1), (128, 64), (1, 2, 4)):
+            if split_k > 1 and wgs > 1 and 128 // split_k > MAX_WS_SLAB_ROWS:
+                continue
             yield dict(
                 tiles=tiles, tile_m=128, tile_k=tile_k, compute_wgs=wgs, split_k=split_k, scales_on="weights"
             )
@@ -309,7 +337,7 @@ def _candidate_shapes(
     for (slices, t_m), tiles, tile_k, split_k in itertools.product(
         layouts, TILES_CHOICES, TILE_K_CHOICES, range(1, 9)
     ):
-        if slices > 1 and split_k > 1:
+        if split_k > 1 and (slices > 1 or t_m % (8 * split_k)):
             continue
         wgmma_n = slices * t_m
         scales_on = "accumulators" if group % CHUNK_K == 0 and wgmma_n <= 32 else "weights"

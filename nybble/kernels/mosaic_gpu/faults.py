@@ -8,14 +8,15 @@ The bugs (each a plausible mistake that shifts results by a little, as measured 
   * ``last-group-scale-row``: the last scale (and offset) row of K (of each K slice) is read from the
     row before it: the wrong scales for the last group only (for the last step's rows when a step holds
     several groups; per-column weights, with one row, are unaffected);
-  * ``last-n-tile-zero``: the CTAs of the last N tile store zeros.
+  * ``last-n-tile-zero``: the CTAs of the last N tile store zeros;
+  * ``split-k-partial-sum``: the split-K reduction (split_k.py) leaves out the last K partition's partial.
 """
 
 from __future__ import annotations
 
 import jax
 
-BUGS = ("asym-bf16-dequant", "last-group-scale-row", "last-n-tile-zero")
+BUGS = ("asym-bf16-dequant", "last-group-scale-row", "last-n-tile-zero", "split-k-partial-sum")
 _injected: str | None = None
 
 

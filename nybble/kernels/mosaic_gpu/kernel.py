@@ -35,8 +35,7 @@ def w4a16(
       config: the tiling; ``config.compute_wgs`` picks the variant (1: w4a16.py, 2: w4a16_ws.py).
 
     Returns:
-      (M, n) in x's dtype when ``config.split_k == 1``, else the (split_k, M, n) float32 partial sums
-      (the caller adds them).
+      (M, n) in x's dtype (under split-K the partials are summed in f32 inside the launch).
     """
     p = check_operands(x, codes, scales, offsets, n=n, group=group, config=config)
     views = operand_views(p, x, codes, scales, offsets)

@@ -15,7 +15,8 @@ One CTA (one warpgroup) owns ``rows_per_wg`` output rows (and an M tile, and 1 /
             scales_on="accumulators": 136 + q straight into a per-group f32 accumulator, the group's sum
                 of x from one WGMMA with an all-ones A tile; per group y += s (acc - 136 sum x) + o sum x
             scales_on="weights": q exact (one more bf16x2 subtract), w = q * s (+ o) in bf16
-    epilogue: accumulators -> SMEM -> (S > 1: sum of the slices) -> TMA to y (or f32 split-K partials)
+    epilogue: accumulators -> SMEM -> (S > 1: sum of the slices; split-K: sum of the cluster's
+        partials, split_k.py) -> TMA to y
 
 w4a16_ws.py is the warp-specialized variant for prefill.
 """
@@ -28,6 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from nybble.kernels.mosaic_gpu import split_k
 from nybble.kernels.mosaic_gpu.common import (
     L,
     Problem,
@@ -55,53 +57,75 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array]) -> jax.Array:
 
     def kernel(*refs):
         codes_gmem, x_gmem, s_gmem, *rest = refs
-        o_gmem = rest[0] if p.has_offsets else None
-        out_gmem = rest[1 if p.has_offsets else 0]
-        scratch = dict(zip(_scratch_names(p), rest[2 if p.has_offsets else 1 :], strict=True))
+        o_gmem = rest.pop(0) if p.has_offsets else None
+        out_gmem = rest.pop(0)
+        scratch = {}
+        for name, n_refs in _scratch_layout(p):
+            if n_refs is None:
+                scratch[name], rest = rest[0], rest[1:]
+            else:  # the split-K reduction's refs
+                scratch[name], rest = rest[:n_refs], rest[n_refs:]
         mi, ni = tile_indices(p, lax.axis_index("mn"))
-        k_first = lax.axis_index("split") * p.steps_per_split
-        # The last WGMMA of a step still reads its x tile while the next step starts, so slots are
-        # released one step late (delay_release=1).
-        specs = operand_specs(p, mi, ni, k_first, delay_release=1)
         gmem = [codes_gmem, x_gmem, s_gmem] + ([o_gmem] if p.has_offsets else [])
         if deferred:
             ones = scratch["ones"]
             ones[...] = plgpu.layout_cast(jnp.full((64, CHUNK_K), 1.0, p.dtype), L.WGMMA)
             plgpu.commit_smem()
+        # One K partition: this CTA's own (split_k.py: all of them, in turn, when interpreting).
+        for part in split_k.partitions(c.split_k):
+            k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
+            # The last WGMMA of a step still reads its x tile while the next step starts, so slots are
+            # released one step late (delay_release=1).
+            specs = operand_specs(p, mi, ni, k_first, delay_release=1)
+            if deferred:
 
-            def body(_, codes, x, s, *rest):
-                *o, total = rest
-                return scaled_accumulators_step(p, total, codes, x, ones, s, o[0] if o else None)
+                def body(_, codes, x, s, *rest):
+                    *o, total = rest
+                    return scaled_accumulators_step(p, total, codes, x, ones, s, o[0] if o else None)
 
-            acc = plgpu.emit_pipeline(
-                body,
-                grid=(p.steps_per_split,),
-                in_specs=specs,
-                max_concurrent_steps=c.max_concurrent_steps,
-                init_carry=plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), L.WGMMA),
-            )(*gmem)
-        else:
-
-            def mainloop(acc_ref):
-                def body(_, codes, x, s, *o):
-                    exact_weights_step(p, acc_ref, codes, x, s, o[0] if o else None, 0)
-
-                plgpu.emit_pipeline(
+                acc = plgpu.emit_pipeline(
                     body,
                     grid=(p.steps_per_split,),
                     in_specs=specs,
                     max_concurrent_steps=c.max_concurrent_steps,
+                    init_carry=plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), L.WGMMA),
                 )(*gmem)
-                return acc_ref[...]  # waits for the last WGMMA
+            else:
 
-            acc = pl.run_scoped(mainloop, plgpu.ACC(acc_shape, jnp.float32))
-        store_tiles(p, acc, scratch, out_gmem, mi, ni * c.cta_rows)
+                def mainloop(acc_ref, specs=specs):
+                    def body(_, codes, x, s, *o):
+                        exact_weights_step(p, acc_ref, codes, x, s, o[0] if o else None, 0)
 
+                    plgpu.emit_pipeline(
+                        body,
+                        grid=(p.steps_per_split,),
+                        in_specs=specs,
+                        max_concurrent_steps=c.max_concurrent_steps,
+                    )(*gmem)
+                    return acc_ref[...]  # waits for the last WGMMA
+
+                acc = pl.run_scoped(mainloop, plgpu.ACC(acc_shape, jnp.float32))
+            store_tiles(p, acc, scratch, out_gmem, mi, ni * c.cta_rows, partition=part)
+        if c.split_k > 1:
+            split_k.reduce(
+                scratch["split_k"],
+                out_gmem,
+                m=p.m,
+                tile_m=c.tile_m,
+                tiles=c.tiles,
+                row0=mi * c.tile_m,
+                col0=ni * c.cta_rows,
+            )
+
+    out_type = jax.ShapeDtypeStruct(p.out_shape, p.out_dtype)
+    launch = split_k.launch_args(c.split_k)
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct(p.out_shape, p.out_dtype),
-        grid=(p.m_tiles * p.n_tiles, c.split_k),
-        grid_names=("mn", "split"),
+        out_type=out_type,
+        grid=(p.m_tiles * p.n_tiles, *launch["grid_extra"]),
+        grid_names=("mn", *launch["grid_names_extra"]),
+        cluster=launch["cluster"],
+        cluster_names=launch["cluster_names"],
         scratch_types=_scratch_types(p),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=active_params(),
@@ -110,23 +134,29 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array]) -> jax.Array:
     return call(*operands)
 
 
-def _scratch_names(p: Problem) -> list[str]:
-    names = ["out"]
-    if p.config.slices > 1:
-        names.append("slices")
-    if p.config.scales_on == "accumulators":
-        names.append("ones")
-    return names
-
-
 def _scratch_types(p: Problem) -> list:
     c = p.config
-    types = [plgpu.SMEM((c.tile_m, c.rows_per_wg), p.out_dtype)]
+    types = [plgpu.SMEM((c.tile_m, c.rows_per_wg), p.out_dtype)] if c.split_k == 1 else []
     if c.slices > 1:
         types.append(plgpu.SMEM((c.tiles, 64, c.wgmma_n), jnp.float32))
     if c.scales_on == "accumulators":
         types.append(plgpu.SMEM((64, CHUNK_K), p.dtype, transforms=_smem_swizzle(p.dtype)))
+    if c.split_k > 1:
+        types += split_k.scratch_types(c.tile_m, c.split_k, c.tiles)
     return types
+
+
+def _scratch_layout(p: Problem) -> list[tuple[str, int | None]]:
+    """(name, refs) of the scratch, in _scratch_types' order: one ref (None) or a list of that many."""
+    c = p.config
+    layout: list[tuple[str, int | None]] = [("out", None)] if c.split_k == 1 else []
+    if c.slices > 1:
+        layout.append(("slices", None))
+    if c.scales_on == "accumulators":
+        layout.append(("ones", None))
+    if c.split_k > 1:
+        layout.append(("split_k", split_k.scratch_count(c.split_k, c.tiles)))
+    return layout
 
 
 def _config_tag(p: Problem) -> str:

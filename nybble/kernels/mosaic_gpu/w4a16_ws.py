@@ -24,6 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from nybble.kernels.mosaic_gpu import split_k
 from nybble.kernels.mosaic_gpu.common import (
     Problem,
     exact_weights_step,
@@ -44,31 +45,34 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array]) -> jax.Array:
         raise ValueError(f"the warp-specialized kernel runs slices=1, scales_on='weights' only, got {c}")
     num_wgs = c.compute_wgs
     acc_shape = (64 * c.tiles, c.wgmma_n)
-
     def kernel(*refs):
         codes_gmem, x_gmem, s_gmem, *rest = refs
-        o_gmem = rest[0] if p.has_offsets else None
-        out_gmem, out_smem = rest[-2:]
+        o_gmem = rest.pop(0) if p.has_offsets else None
+        out_gmem = rest.pop(0)
+        out_smem = rest.pop(0) if c.split_k == 1 else None
+        reduce_scratch = rest
         mi, ni = tile_indices(p, lax.axis_index("mn"))
-        k_first = lax.axis_index("split") * p.steps_per_split
         wg = lax.axis_index("wg")
-        specs = operand_specs(p, mi, ni, k_first, delay_release=1)
         gmem = [codes_gmem, x_gmem, s_gmem] + ([o_gmem] if p.has_offsets else [])
 
-        def compute_context(run_pipeline):
+        def store(acc, part):
+            n_start = ni * p.config.cta_rows + wg * c.rows_per_wg
+            if c.split_k == 1:
+                store_tiles(p, acc, {"out": out_smem.at[wg]}, out_gmem, mi, n_start)
+                return
+            for w in range(num_wgs):  # each warpgroup sums its own columns with its own slabs
+
+                @pl.when(wg == w)
+                def _(w=w):
+                    smem = {"split_k": split_k.warpgroup_slabs(reduce_scratch, w, num_wgs)}
+                    store_tiles(p, acc, smem, out_gmem, mi, n_start, partition=part)
+
+        def compute_context(run_pipeline, part):
             # Runs in the compute warpgroups only: the accumulators live in their registers.
             @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(acc_shape, jnp.float32))
             def _(acc_ref):
                 run_pipeline(acc_ref)
-                acc = acc_ref[...]  # waits for the last WGMMA
-                store_tiles(
-                    p,
-                    acc,
-                    {"out": out_smem.at[wg]},
-                    out_gmem,
-                    mi,
-                    ni * p.config.cta_rows + wg * c.rows_per_wg,
-                )
+                store(acc_ref[...], part)  # the load waits for the last WGMMA
 
         def body(_, codes, x, s, *rest):
             *o, acc_ref = rest
@@ -76,25 +80,48 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array]) -> jax.Array:
             exact_weights_step(p, acc_ref, mine, x, s, o[0] if o else None, wg * c.rows_per_wg)
             return acc_ref
 
-        plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(p.steps_per_split,),
-            memory_registers=_MEMORY_REGISTERS,
-            in_specs=specs,
-            wg_axis="wg",
-            num_compute_wgs=num_wgs,
-            max_concurrent_steps=c.max_concurrent_steps,
-            compute_context=compute_context,
-        )(*gmem)
+        # One K partition: this CTA's own (split_k.py: all of them, in turn, when interpreting).
+        for part in split_k.partitions(c.split_k):
+            k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
+            plgpu.emit_pipeline_warp_specialized(
+                body,
+                grid=(p.steps_per_split,),
+                memory_registers=_MEMORY_REGISTERS,
+                in_specs=operand_specs(p, mi, ni, k_first, delay_release=1),
+                wg_axis="wg",
+                num_compute_wgs=num_wgs,
+                max_concurrent_steps=c.max_concurrent_steps,
+                compute_context=functools.partial(compute_context, part=part),
+            )(*gmem)
+        if c.split_k > 1:  # every warpgroup joins the cluster's barriers; the compute ones sum
+            split_k.reduce(
+                reduce_scratch,
+                out_gmem,
+                m=p.m,
+                tile_m=c.tile_m,
+                tiles=c.tiles,
+                row0=mi * c.tile_m,
+                col0=ni * c.cta_rows,
+                wg=wg,
+                wgs=num_wgs,
+            )
 
+    out_type = jax.ShapeDtypeStruct(p.out_shape, p.out_dtype)
+    if c.split_k == 1:
+        scratch = [plgpu.SMEM((num_wgs, c.tile_m, c.rows_per_wg), p.out_dtype)]
+    else:
+        scratch = split_k.scratch_types(c.tile_m, c.split_k, c.tiles, wgs=num_wgs)
+    launch = split_k.launch_args(c.split_k)
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct(p.out_shape, p.out_dtype),
-        grid=(p.m_tiles * p.n_tiles, c.split_k),
-        grid_names=("mn", "split"),
+        out_type=out_type,
+        grid=(p.m_tiles * p.n_tiles, *launch["grid_extra"]),
+        grid_names=("mn", *launch["grid_names_extra"]),
+        cluster=launch["cluster"],
+        cluster_names=launch["cluster_names"],
         num_threads=num_wgs + 1,
         thread_name="wg",
-        scratch_types=[plgpu.SMEM((num_wgs, c.tile_m, c.rows_per_wg), p.out_dtype)],
+        scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=active_params(),
         kernel_name="nybble_w4a16_ws",

@@ -17,8 +17,9 @@ import collections
 import dataclasses
 import re
 
+# Control codes: wait mask (scoreboards waited on, "2&1" for two), read and write scoreboards, yield, stall.
 _INSTRUCTION = re.compile(
-    r"^\s*(?P<ctrl>[-\d]+:[-\d]+:[-\d]+:[-Y]:\d+)\s+/\*(?P<offset>[0-9a-f]+)\*/\s+(?P<text>.*?)\s*;?\s*$"
+    r"^\s*(?P<ctrl>[-\d&]+:[-\d]+:[-\d]+:[-Y]:\d+)\s+/\*(?P<offset>[0-9a-f]+)\*/\s+(?P<text>.*?)\s*;?\s*$"
 )
 _LABEL = re.compile(r"^\s*(?P<label>\.L_x_\d+):\s*$")
 _BRANCH_TARGET = re.compile(r"BRA\s+`?\(?(?P<label>\.L_x_\d+)\)?`?")
