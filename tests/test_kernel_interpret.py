@@ -217,6 +217,25 @@ def test_groups_exact(group, symmetric, name):
     _check(x, qw, config, exact=True)
 
 
+@pytest.mark.parametrize("wgs", [1, 2])
+@pytest.mark.parametrize(
+    "steps, slots",
+    [(1, 2), (3, 2), (5, 4), (7, 3), (8, 4)],
+    ids=lambda v: str(v),
+)
+def test_constant_slot_pipeline_rounds_exact(steps, slots, wgs):
+    """The constant-slot pipelines (pipeline.py, one warpgroup and warp-specialized) run rounds of
+    ``slots`` steps, the last one cut short by a predicate: fewer steps than slots, one round and part of
+    another, two and a part, whole rounds only; bit-exact."""
+    config = TuningConfig(tiles=1, tile_m=16, tile_k=64, max_concurrent_steps=slots, compute_wgs=wgs)
+    rng = np.random.default_rng([steps, slots])
+    k = 64 * steps
+    qw = exact_weight(rng, k, 128, 64, False)
+    x = activations(rng, 9, k, exact=True)
+    assert mg.plan(9, qw, config=config).steps_per_split == steps
+    _check(x, qw, config, exact=True)
+
+
 @pytest.mark.parametrize("group", [128, 256])
 def test_partial_last_group_exact(group):
     """K = 576: the last scale row covers half (g128) or a quarter (g256) of a group."""

@@ -75,9 +75,49 @@ def test_wait_mask_on_two_scoreboards_is_an_instruction():
     assert loop is not None and loop.instructions[0].offset == 0x30 and loop.size == 6
 
 
+def test_hex_wait_mask_is_an_instruction():
+    """A wait on many scoreboards is printed as a hex mask ("0x1e", seen in a predicated step of the
+    constant-slot pipeline's loop): one instruction like any other."""
+    text = SASS_TEXT.replace("   1:-:-:Y:01        /*0040*/", "0x1e:-:-:Y:01        /*0040*/")
+    assert text != SASS_TEXT
+    loop = sass.main_loop(sass.parse_sass(text))
+    assert loop is not None and loop.size == 6 and loop.instructions[1].offset == 0x40
+
+
+def test_baseline_check_flags_a_loop_it_did_not_read_whole():
+    """``--check`` reports a case whose main loop's byte span holds more instructions than were parsed
+    (a SASS line the parser missed, as the hex wait mask once was); a consistent case passes."""
+    loop = {"start_offset": 0x30, "end_offset": 0x80, "instructions": 6, "instructions_per_weight": 0.375}
+    row = {
+        "key": "k/M1/g128-sym/" + MOSAIC,
+        "peer": MOSAIC,
+        "config": None,
+        "kernel": {"registers": 64, "spill_bytes": 0, "loop": loop},
+        "launches": 1,
+    }
+    baseline = report.baseline_entries([row])
+    assert report.check_against_baseline([row], baseline) == []
+    short = {**row, "kernel": {**row["kernel"], "loop": {**loop, "instructions": 5}}}
+    assert any("disagree" in p for p in report.check_against_baseline([short], baseline))
+
+
 def test_no_loop_without_hgmma():
     code = sass.parse_sass(SASS_TEXT.replace("HGMMA.64x8x16.F32.BF16", "FFMA"))
     assert sass.main_loop(code) is None
+
+
+def test_unrolled_steps_are_measured_without_a_loop():
+    """Every K step unrolled (no conditional backward branch around the HGMMAs): the stretch from the last
+    barrier wait before the first weight HGMMA to the last weight HGMMA; with no weight HGMMA, None."""
+    text = SASS_TEXT.replace("@P0 BRA `(.L_x_1)", "@P0 BRA `(.L_x_9)")  # now a forward branch
+    code = sass.parse_sass(text)
+    loop = sass.main_loop(code)
+    assert loop is not None and loop.straight_line
+    # From the TRYWAIT at 0x10 to the second HGMMA at 0x60: 6 instructions, 16 weights per thread.
+    assert loop.instructions[0].offset == 0x10 and loop.instructions[-1].offset == 0x60
+    assert loop.size == 6 and loop.weights_per_thread == 16
+    assert sass.main_loop(sass.parse_sass(SASS_TEXT)).straight_line is False
+    assert sass.main_loop(sass.parse_sass(text.replace("HGMMA.64x8x16.F32.BF16", "FFMA"))) is None
 
 
 def test_only_register_a_hgmmas_feed_weights():

@@ -243,4 +243,10 @@ def check_against_baseline(rows: Sequence[dict[str, Any]], baseline: dict[str, d
     for r in rows:
         if r["peer"] == MOSAIC and "error" in r:
             problems.append(f"{r['key']}: compile failed: {r['error']}")
+        loop = (r.get("kernel") or {}).get("loop")
+        if r["peer"] == MOSAIC and loop and (loop["end_offset"] - loop["start_offset"]) // 16 + 1 != loop[
+            "instructions"
+        ]:
+            # 16 bytes per sm_90 instruction: a line of the span the SASS parser did not read.
+            problems.append(f"{r['key']}: the main loop's byte span and its parsed instructions disagree")
     return problems

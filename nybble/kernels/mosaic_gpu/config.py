@@ -213,12 +213,14 @@ def estimated_instructions_per_weight(config: TuningConfig, group: int, has_offs
     Calibrated on the X-ray of this kernel (bench/xray): 3 SHF + 4 LOP3 per 8 weights, one HGMMA per 8;
     exact weights add a bf16x2 subtract and multiply (and add, with offsets) per pair; the accumulator
     route adds the all-ones WGMMA of each 64-wide chunk and ~2 FFMA per accumulator element and group;
-    each step costs ~100 instructions of barriers, descriptors and TMA, and ~2 per HGMMA.
+    each step costs ~100 instructions of barriers, descriptors and TMA, and ~2 per HGMMA; in the
+    warp-specialized kernel, whose pipeline has constant slots (pipeline.py), ~15 and ~2.5 per HGMMA.
     """
     c = config
     per_thread_step = c.tiles * c.tile_k / 2  # weights a thread dequantizes per step
     hgmmas = c.tiles * c.tile_k // 16 + (c.tile_k // 16 if c.scales_on == "accumulators" else 0)
-    ipw = 0.875 + 0.125 + (100 + 2 * hgmmas) / per_thread_step
+    per_step = 15 + 2.5 * hgmmas if c.compute_wgs > 1 else 100 + 2 * hgmmas
+    ipw = 0.875 + 0.125 + per_step / per_thread_step
     if c.scales_on == "weights":
         ipw += 1.25 + (0.5 if has_offsets else 0.0)
     else:

@@ -7,7 +7,7 @@ of N over all of K, and a decode GEMM needs neither split-K nor a second launch.
 
 One CTA (one warpgroup) owns ``rows_per_wg`` output rows (and an M tile, and 1 / split_k of each slice):
 
-    for each K step (emit_pipeline, ``max_concurrent_steps`` SMEM slots, TMA running ahead):
+    for each K step (``max_concurrent_steps`` SMEM slots, TMA running ahead; constant slots: pipeline.py):
         TMA  codes (tiles, 8, tile_k) words  (wgmma_int4: each lane's fragment in one 8-byte word pair)
         TMA  x     (S * tile_m, tile_k)       (x viewed as (M * S, K / S); rows past M * S zero-filled)
         TMA  scale / offset rows               (per slice)
@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from nybble.kernels.mosaic_gpu import split_k
+from nybble.kernels.mosaic_gpu import pipeline, split_k
 from nybble.kernels.mosaic_gpu.common import (
     L,
     Problem,
@@ -83,6 +83,8 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array]) -> jax.Array:
                     *o, total = rest
                     return scaled_accumulators_step(p, total, codes, x, ones, s, o[0] if o else None)
 
+                # Pallas' pipeline: with constant slots (pipeline.py) ptxas interleaves consecutive steps'
+                # group accumulators and spills (X-ray, Llama-3-8B gate-up at M = 16: 648 bytes).
                 acc = plgpu.emit_pipeline(
                     body,
                     grid=(p.steps_per_split,),
@@ -96,7 +98,10 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array]) -> jax.Array:
                     def body(_, codes, x, s, *o):
                         exact_weights_step(p, acc_ref, codes, x, s, o[0] if o else None, 0)
 
-                    plgpu.emit_pipeline(
+                    # Constant SMEM slots where they pay (pipeline.constant_slots), else Pallas' pipeline.
+                    constant = pipeline.constant_slots(c, p.group)
+                    emit = pipeline.emit_pipeline if constant else plgpu.emit_pipeline
+                    emit(
                         body,
                         grid=(p.steps_per_split,),
                         in_specs=specs,

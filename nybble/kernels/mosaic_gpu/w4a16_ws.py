@@ -11,7 +11,8 @@ bf16); what changes is the CTA:
 
 Sharing one x tile between warpgroups halves the activation traffic per weight (the prefill cost), and
 while one warpgroup dequantizes the other's WGMMA keeps the tensor cores busy. The memory warpgroup never
-waits on dequantization, so TMA runs ahead by the whole pipeline depth.
+waits on dequantization, so TMA runs ahead by the whole pipeline depth. The pipeline's slots are
+constants in the code (pipeline.py) for groups of >= 64.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from nybble.kernels.mosaic_gpu import split_k
+from nybble.kernels.mosaic_gpu import pipeline, split_k
 from nybble.kernels.mosaic_gpu.common import (
     Problem,
     exact_weights_step,
@@ -80,10 +81,16 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array]) -> jax.Array:
             exact_weights_step(p, acc_ref, mine, x, s, o[0] if o else None, wg * c.rows_per_wg)
             return acc_ref
 
+        # Constant SMEM slots where they pay (pipeline.constant_slots), else Pallas' pipeline.
+        emit = (
+            pipeline.emit_pipeline_warp_specialized
+            if pipeline.constant_slots(c, p.group)
+            else plgpu.emit_pipeline_warp_specialized
+        )
         # One K partition: this CTA's own (split_k.py: all of them, in turn, when interpreting).
         for part in split_k.partitions(c.split_k):
             k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
-            plgpu.emit_pipeline_warp_specialized(
+            emit(
                 body,
                 grid=(p.steps_per_split,),
                 memory_registers=_MEMORY_REGISTERS,

@@ -35,6 +35,7 @@ class LoopReport:
     instructions_per_weight: float
     stall_cycles: int
     opcode_mix: list[tuple[str, int]]
+    straight_line: bool = False  # every K step unrolled: the stretch of steps, not a loop (sass.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +138,7 @@ def read_kernel_dumps(folder: Path) -> list[KernelReport]:
                 instructions_per_weight=loop.instructions_per_weight,
                 stall_cycles=loop.stall_cycles,
                 opcode_mix=loop.opcode_mix(12),
+                straight_line=loop.straight_line,
             )
         info = sass.parse_ptxas(ptxas_file.read_text())
         resources = Path(f"{base}.resources.txt")

@@ -8,7 +8,9 @@ yield, stall cycles) and its byte offset::
 
 The steady-state main loop of a GEMM kernel is a conditional backward branch (``@P0 BRA`` to an earlier
 label) whose span holds the HGMMAs and no EXIT. Unconditional backward branches are barrier-wait retry
-paths and are never counted.
+paths and are never counted. A kernel whose K steps are all unrolled (nybble's pipelines unroll one round
+of SMEM slots, so K of at most one round has no loop) is measured over its straight-line main stretch
+instead: from the last barrier wait before its first weight HGMMA to its last weight HGMMA.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import collections
 import dataclasses
 import re
 
-# Control codes: wait mask (scoreboards waited on, "2&1" for two), read and write scoreboards, yield, stall.
+# Control codes: wait mask (scoreboards waited on: "2&1" for two, or a hex mask "0x1e" for many), read
+# and write scoreboards, yield, stall.
 _INSTRUCTION = re.compile(
-    r"^\s*(?P<ctrl>[-\d&]+:[-\d]+:[-\d]+:[-Y]:\d+)\s+/\*(?P<offset>[0-9a-f]+)\*/\s+(?P<text>.*?)\s*;?\s*$"
+    r"^\s*(?P<ctrl>(?:0x[0-9a-f]+|[-\d&]+):[-\d]+:[-\d]+:[-Y]:\d+)\s+/\*(?P<offset>[0-9a-f]+)\*/\s+(?P<text>.*?)\s*;?\s*$"
 )
 _LABEL = re.compile(r"^\s*(?P<label>\.L_x_\d+):\s*$")
 _BRANCH_TARGET = re.compile(r"BRA\s+`?\(?(?P<label>\.L_x_\d+)\)?`?")
@@ -83,11 +86,13 @@ def parse_sass(text: str) -> Sass:
 
 @dataclasses.dataclass(frozen=True)
 class Loop:
-    """One steady-state loop: instructions [start, end] inclusive, the closing branch at ``end``."""
+    """One steady-state loop: instructions [start, end] inclusive, the closing branch at ``end``; or, for
+    a kernel with every K step unrolled (``straight_line``), its stretch of steps."""
 
     start: int
     end: int
     instructions: tuple[Instruction, ...]
+    straight_line: bool = False
 
     @property
     def size(self) -> int:
@@ -141,8 +146,9 @@ class Loop:
 def main_loop(sass: Sass) -> Loop | None:
     """The loop that issues the HGMMAs: the conditional backward branch whose body has the most of them.
 
-    Ties (nested loops with the same HGMMAs) go to the innermost, the smallest span. None when no
-    conditional backward branch encloses an HGMMA (a kernel with no steady-state loop).
+    Ties (nested loops with the same HGMMAs) go to the innermost, the smallest span. When no conditional
+    backward branch encloses an HGMMA (every K step unrolled), :func:`straight_line_steps`; None when the
+    kernel has no register-A HGMMA either.
     """
     best: Loop | None = None
     for end, instr in enumerate(sass.instructions):
@@ -163,7 +169,19 @@ def main_loop(sass: Sass) -> Loop | None:
             continue
         if best is None or n > len(best.hgmmas) or (n == len(best.hgmmas) and loop.size < best.size):
             best = loop
-    return best
+    return best if best is not None else straight_line_steps(sass)
+
+
+def straight_line_steps(sass: Sass) -> Loop | None:
+    """The unrolled K steps of a kernel without a main loop: from the last mbarrier wait before the first
+    register-A HGMMA (the first step's wait for its operands) to the last register-A HGMMA."""
+    code = sass.instructions
+    weight = [i for i, ins in enumerate(code) if ins.base_opcode == "HGMMA" and _REGISTER_A.search(ins.text)]
+    if not weight:
+        return None
+    waits = [i for i in range(weight[0]) if code[i].base_opcode == "SYNCS" and "TRYWAIT" in code[i].opcode]
+    start = waits[-1] if waits else 0
+    return Loop(start, weight[-1], code[start : weight[-1] + 1], straight_line=True)
 
 
 @dataclasses.dataclass(frozen=True)
