@@ -79,7 +79,7 @@ def _stage_types(gmem: Sequence[Any], specs: Sequence[Any], slots: int) -> list[
 
 
 def _fetch(
-    gmem: Sequence[Any], specs: Sequence[Any], bufs: Sequence[Any], produced: Any, step: Any, slot: int
+    gmem: Sequence[Any], specs: Sequence[Any], bufs: Sequence[Any], produced: Any, step: Any, slot: Any
 ):
     """TMA of every operand's block of K step ``step`` into ``slot``, arriving on produced[slot]."""
     for src, spec, buf in zip(gmem, specs, bufs, strict=True):
