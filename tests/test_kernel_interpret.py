@@ -181,7 +181,7 @@ def test_heuristic_families():
     assert prefill.compute_wgs == 2 and prefill.scales_on == "weights" and prefill.tile_m == 128
 
 
-# Every group size x symmetric/asymmetric x scale route x K slices, exact.
+# Every group size, symmetric and asymmetric, both scale routes, K slices: exact.
 _EXACT_CONFIGS = {
     "slices8-acc": (
         1,
@@ -200,10 +200,30 @@ _EXACT_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("group", [16, 32, 64, 128, 256, None])
-@pytest.mark.parametrize("symmetric", [True, False])
-@pytest.mark.parametrize("name", sorted(_EXACT_CONFIGS))
-def test_groups_exact(group, symmetric, name):
+_GROUPS = [16, 32, 64, 128, 256, None]
+# Each config x each group size once, symmetric and asymmetric alternating, so that every config meets
+# both with three group sizes each, and every group size meets both with two configs each.
+_GROUP_CASES = [
+    (name, group, (i + j) % 2 == 0)
+    for j, name in enumerate(sorted(_EXACT_CONFIGS))
+    for i, group in enumerate(_GROUPS)
+]
+
+
+@pytest.mark.no_kernel  # the case list only
+def test_group_cases_pair_every_config_and_group_with_both_signs():
+    for name in _EXACT_CONFIGS:
+        assert sorted(sym for n, _, sym in _GROUP_CASES if n == name) == [False] * 3 + [True] * 3
+    for group in _GROUPS:
+        assert sorted(sym for _, g, sym in _GROUP_CASES if g == group) == [False, False, True, True]
+
+
+@pytest.mark.parametrize(
+    "name, group, symmetric",
+    _GROUP_CASES,
+    ids=[f"{n}-g{g}-{'sym' if s else 'asym'}" for n, g, s in _GROUP_CASES],
+)
+def test_groups_exact(name, group, symmetric):
     m, config = _EXACT_CONFIGS[name]
     if group is not None and group % 64:  # groups of 16, 32: exact weights, no K slices
         config = dataclasses.replace(config, scales_on="weights")

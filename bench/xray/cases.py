@@ -114,19 +114,38 @@ def kernel_plan(case: Case, num_sms: int) -> dict[str, Any]:
     }
 
 
-def distinct_kernels(cases: Iterable[Case], num_sms: int) -> list[Case]:
-    """One nybble kernel case per distinct kernel: (config, how groups meet the K tile, symmetric).
-
-    The code of the main loop depends on these, not on the problem's extent, so compiling one case of
-    each covers every kernel the heuristics pick at those cases (what the test suite does).
-    """
+def kernel_key(case: Case, num_sms: int) -> tuple[Any, Any, bool]:
+    """What the kernel's code depends on: (config, how groups meet the K tile, symmetric), the same key
+    as ``nybble.kernels.mosaic_gpu.config.heuristic_cases``."""
     from nybble.kernels import mosaic_gpu
 
+    p = mosaic_gpu.plan(case.m, abstract_weight(case), num_sms=num_sms)
+    structure = p.group if p.group < p.config.tile_k else "group >= tile_k"
+    return p.config, structure, case.symmetric
+
+
+def distinct_kernels(cases: Iterable[Case], num_sms: int) -> list[Case]:
+    """One nybble kernel case per distinct kernel (``kernel_key``).
+
+    The code of the main loop depends on the key, not on the problem's extent, so compiling one case of
+    each covers every kernel the heuristics pick at those cases (what the test suite does).
+    """
     seen: dict[tuple[Any, ...], Case] = {}
     for case in cases:
-        if case.peer != MOSAIC:
-            continue
-        p = mosaic_gpu.plan(case.m, abstract_weight(case), num_sms=num_sms)
-        structure = p.group if p.group < p.config.tile_k else "group >= tile_k"
-        seen.setdefault((p.config, structure, case.symmetric), case)
+        if case.peer == MOSAIC:
+            seen.setdefault(kernel_key(case, num_sms), case)
     return list(seen.values())
+
+
+def gate_cases(num_sms: int) -> list[Case]:
+    """The test suite's X-ray gate: one case per distinct kernel config (and how groups meet its K tile)
+    the heuristics pick at the named shapes (``bench.arg_specs.SHAPES``) for ``DEFAULT_MS`` and
+    ``DEFAULT_GROUPS``. A config picked for both symmetric and asymmetric groups is compiled asymmetric
+    only: the same kernel plus the offsets' registers and instructions, so where the symmetric one would
+    spill or grow, so does it (``python -m bench.xray --check`` compiles both). Each is compiled down to
+    SASS, which lowers it for CUDA first: tests/test_kernel_lowering.py skips the kernels listed here."""
+    from bench.arg_specs import SHAPES
+
+    kernels = distinct_kernels(build_cases(SHAPES.values(), DEFAULT_MS, DEFAULT_GROUPS, (MOSAIC,)), num_sms)
+    keys = {kernel_key(c, num_sms)[:2] for c in kernels if not c.symmetric}
+    return [c for c in kernels if not c.symmetric or kernel_key(c, num_sms)[:2] not in keys]
