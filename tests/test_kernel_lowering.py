@@ -3,7 +3,8 @@
 ``jax.jit(f).trace(*ShapeDtypeStructs).lower(lowering_platforms=("cuda",))`` runs Mosaic GPU's layout
 inference, its SMEM budget and TMA alignment checks, with no data and no GPU, so production shapes cost
 nothing. Every config the heuristics can pick at the shapes of real models is lowered here (once per
-distinct config x kernel structure), plus the error paths on a CPU.
+distinct config x kernel structure; those the X-ray gate of tests/test_xray.py compiles, which lowers them
+first, are not lowered twice), plus the error paths on a CPU.
 """
 
 from __future__ import annotations
