@@ -310,7 +310,7 @@ def test_kernel_xray_gate(case, compiled, baseline):
     loop = k["loop"]
     assert loop is not None, "no main loop (conditional backward branch around HGMMAs) in the SASS"
     # The loop's size read from its byte offsets (16 bytes per sm_90 instruction) agrees with the count.
-    assert (loop["end_offset"] - loop["start_offset"]) // 16 + 1 == loop["instructions"]
+    assert report.loop_read_whole(loop)
     base = baseline.get(case.key)
     assert base is not None, f"{case.key} is not in bench/xray_baseline.json: refresh it (--update-baseline)"
     limit = base["instructions_per_weight"] * (1 + report.IPW_TOLERANCE)

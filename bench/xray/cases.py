@@ -118,10 +118,10 @@ def kernel_key(case: Case, num_sms: int) -> tuple[Any, Any, bool]:
     """What the kernel's code depends on: (config, how groups meet the K tile, symmetric), the same key
     as ``nybble.kernels.mosaic_gpu.config.heuristic_cases``."""
     from nybble.kernels import mosaic_gpu
+    from nybble.kernels.mosaic_gpu.config import group_structure
 
     p = mosaic_gpu.plan(case.m, abstract_weight(case), num_sms=num_sms)
-    structure = p.group if p.group < p.config.tile_k else "group >= tile_k"
-    return p.config, structure, case.symmetric
+    return p.config, group_structure(p.group, p.config), case.symmetric
 
 
 def distinct_kernels(cases: Iterable[Case], num_sms: int) -> list[Case]:
@@ -147,5 +147,6 @@ def gate_cases(num_sms: int) -> list[Case]:
     from bench.arg_specs import SHAPES
 
     kernels = distinct_kernels(build_cases(SHAPES.values(), DEFAULT_MS, DEFAULT_GROUPS, (MOSAIC,)), num_sms)
-    keys = {kernel_key(c, num_sms)[:2] for c in kernels if not c.symmetric}
-    return [c for c in kernels if not c.symmetric or kernel_key(c, num_sms)[:2] not in keys]
+    keyed = [(kernel_key(c, num_sms), c) for c in kernels]
+    asymmetric = {key[:2] for key, c in keyed if not c.symmetric}
+    return [c for key, c in keyed if not c.symmetric or key[:2] not in asymmetric]

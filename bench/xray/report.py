@@ -222,6 +222,12 @@ def load_baseline(path: Path = BASELINE_PATH) -> dict[str, dict[str, Any]]:
     return data["cases"]
 
 
+def loop_read_whole(loop: dict[str, Any]) -> bool:
+    """Whether a main loop's byte span (16 bytes per sm_90 instruction) holds exactly the instructions the
+    SASS parser read: False means a line of the span was missed."""
+    return (loop["end_offset"] - loop["start_offset"]) // 16 + 1 == loop["instructions"]
+
+
 def check_against_baseline(rows: Sequence[dict[str, Any]], baseline: dict[str, dict[str, Any]]) -> list[str]:
     """Regressions: spills, instructions per weight above baseline + 3%, more launches, missing cases."""
     problems = []
@@ -244,9 +250,6 @@ def check_against_baseline(rows: Sequence[dict[str, Any]], baseline: dict[str, d
         if r["peer"] == MOSAIC and "error" in r:
             problems.append(f"{r['key']}: compile failed: {r['error']}")
         loop = (r.get("kernel") or {}).get("loop")
-        if r["peer"] == MOSAIC and loop and (loop["end_offset"] - loop["start_offset"]) // 16 + 1 != loop[
-            "instructions"
-        ]:
-            # 16 bytes per sm_90 instruction: a line of the span the SASS parser did not read.
+        if r["peer"] == MOSAIC and loop and not loop_read_whole(loop):
             problems.append(f"{r['key']}: the main loop's byte span and its parsed instructions disagree")
     return problems

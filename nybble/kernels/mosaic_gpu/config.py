@@ -348,6 +348,12 @@ def _candidate_shapes(
         )
 
 
+def group_structure(group: int, config: TuningConfig) -> int | str:
+    """How groups of ``group`` K rows meet ``config``'s K step, as far as the kernel's code is concerned:
+    the group itself when a step holds several, else ``"group >= tile_k"``."""
+    return group if group < config.tile_k else "group >= tile_k"
+
+
 def heuristic_cases(
     weight_shapes: Iterable[tuple[int, int]],
     batches: Iterable[int],
@@ -368,7 +374,6 @@ def heuristic_cases(
     ):
         k_pad, n_pad = padded_weight_dims(k, n, group_size)
         config = heuristic_config(m, n_pad, k_pad, group_size, num_sms, has_offsets=not symmetric)
-        group = group_rows(k_pad, group_size)
-        structure = group if group < config.tile_k else "group >= tile_k"
+        structure = group_structure(group_rows(k_pad, group_size), config)
         cases.setdefault((config, structure, symmetric), (m, k, n, group_size, symmetric))
     return cases
