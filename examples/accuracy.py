@@ -51,6 +51,18 @@ CONFIGS = [
         dict(group_size=128, method="autoround", batch_size=2),
     ),
     ("AutoRound g128 symmetric, 400 steps", dict(group_size=128, method="autoround", steps=400)),
+    (
+        "AutoRound g128 symmetric: GPTQ codes + end-to-end scales",
+        dict(group_size=128, method="autoround", start="gptq", steps=0, end_to_end_epochs=4),
+    ),
+    (
+        "AutoRound g128 symmetric: GPTQ codes + end-to-end scales, seed=1",
+        dict(group_size=128, method="autoround", start="gptq", steps=0, end_to_end_epochs=4, seed=1),
+    ),
+    (
+        "AutoRound g128 symmetric, fast preset + end-to-end scales at 1e-3",
+        dict(group_size=128, method="autoround", config="fast", end_to_end_epochs=2, end_to_end_lr=1e-3),
+    ),
 ]
 # Calibrated rows also report the share of the same-format RTN row's perplexity increase they remove.
 BASELINES = {

@@ -50,7 +50,7 @@ def _positive(text: str) -> int:
 
 
 # --method choices: nybble.models.quantize's methods, AutoRound also as its fast preset.
-METHODS = ("rtn", "gptq", "autoround", "autoround-fast")
+METHODS = ("rtn", "gptq", "autoround", "autoround-fast", "gptq-e2e")
 # Tokens per calibration window (the CLI cuts the calibration text into windows of this length).
 CALIB_WINDOW = 256
 
@@ -93,8 +93,9 @@ def _model_args(p: argparse.ArgumentParser, quant: bool = True) -> None:
             default="rtn",
             help="rtn: round to nearest; gptq: GPTQ calibrated on the calibration split of the bundled "
             "text, layer by layer (slower; needs no other data); autoround: rounding learned block by "
-            "block on the same text (slowest, most accurate); autoround-fast: its fast preset "
-            "(default: rtn)",
+            "block on the same text (slowest); autoround-fast: its fast preset; gptq-e2e: GPTQ's codes, "
+            "then every group's scale tuned through the whole model against the float model's logits "
+            "(most accurate at g128 symmetric) (default: rtn)",
         )
         p.add_argument(
             "--calib-tokens",
@@ -233,6 +234,9 @@ def _quantize(model: Any, tokenizer: Any, args: argparse.Namespace) -> Any:
     method = args.method
     if method == "autoround-fast":
         method, options["config"] = "autoround", "fast"
+    if method == "gptq-e2e":  # README, Accuracy: GPTQ's codes with end-to-end scales
+        method = "autoround"
+        options.update(start="gptq", steps=0, end_to_end_epochs=4)
     if method != "rtn":
         options["calibration"] = tokenizer.encode(eval_text("calib")).ids[: args.calib_tokens]
         options["seq_len"] = CALIB_WINDOW

@@ -113,6 +113,20 @@ def test_gptq_start_is_improved(learned):
     assert res.learned and res.loss < 0.97 * res.loss_start
 
 
+def test_no_steps_returns_the_start(learned):
+    params, x, _ = learned
+    start = {p: nybble.quantize(params[p.split(".")[0]]["kernel"], group_size=spec.group_size,
+                                symmetric=spec.symmetric) for p, spec in SPECS.items()}  # fmt: skip
+    res = run_block(params, x, dataclasses.replace(FAST, steps=0), start=start)
+    assert not res.learned and res.loss == res.loss_start
+    for path, qw in start.items():
+        for field in ("codes", "scales", "offsets"):
+            want, got = getattr(qw, field), getattr(res.weights[path], field)
+            assert (want is None) == (got is None)
+            if want is not None:
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_deterministic_given_the_seed(learned):
     params, x, a = learned
     b = run_block(params, x)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from flax import linen, nnx
@@ -80,6 +81,28 @@ def test_deterministic_and_a_later_failure_keeps_earlier_blocks(learned):
     for path, qw in got.items():  # the same result as in the complete run
         np.testing.assert_array_equal(np.asarray(qw.codes), np.asarray(a[path].codes))
     assert isinstance(model.layers[1].attn.q_proj, nnx.Linear) and isinstance(model.layers[1], nnx.Module)
+
+
+def kl_to_float(model, ids):
+    log_p = jax.nn.log_softmax(np.asarray(tiny_model()(ids), np.float64), -1)
+    log_q = jax.nn.log_softmax(np.asarray(model(ids), np.float64), -1)
+    return float(np.mean(np.sum(np.exp(log_p) * (log_p - log_q), -1)))
+
+
+def test_end_to_end_stage_keeps_codes_and_lowers_the_models_kl(learned):
+    ids, model, _ = learned
+    rules = [nm.QuantRule(pattern=r"lm_head$")]
+    options = dict(method="autoround", calibration=ids, group_size=32, rules=rules, progress=False, **OPTIONS)
+    tuned = nm.quantize(tiny_model(), end_to_end_epochs=3, end_to_end_lr=0.01, **options)
+    a, b = weights_of(model), weights_of(tuned)
+    assert a.keys() == b.keys() and len(a) == 15
+    changed = 0
+    for path in a:  # the blocks' codes, then only scales move
+        np.testing.assert_array_equal(np.asarray(a[path].codes), np.asarray(b[path].codes))
+        changed += not np.array_equal(np.asarray(a[path].scales), np.asarray(b[path].scales))
+    assert changed == 15
+    kl = [kl_to_float(m, ids) for m in (model, tuned)]
+    assert kl[1] < 0.9 * kl[0], kl
 
 
 def test_gptq_start_and_own_target():

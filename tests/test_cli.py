@@ -180,6 +180,18 @@ def test_autoround_fast_method(tmp_path, capsys):
     assert (np.asarray(qw.codes) != np.asarray(plain.codes)).any()  # learned, not round to nearest
 
 
+def test_gptq_e2e_method(tmp_path, capsys):
+    """--method gptq-e2e: GPTQ's codes, then end-to-end scales: same codes as --method gptq, other scales."""
+    paths = {m: tmp_path / f"{m}.safetensors" for m in ("gptq", "gptq-e2e")}
+    for method, out in paths.items():
+        argv = ["quantize", "--model", "tiny-random", "--method", method, "--calib-tokens", "256"]
+        assert main([*argv, "--output", str(out), "--no-progress"]) == 0
+    assert "nybble.models.quantize (autoround)" in capsys.readouterr().err
+    a, b = (load(out)["layers"][1]["mlp"]["down_proj"]["qweight"] for out in paths.values())
+    np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
+    assert (np.asarray(a.scales) != np.asarray(b.scales)).any()
+
+
 def test_errors_are_reported_not_raised(tmp_path, capsys):
     missing = tmp_path / "nope.safetensors"
     argv = ["eval", "--model", "tiny-random", "--tokens", "8", "--checkpoint", str(missing), "--skip-float"]

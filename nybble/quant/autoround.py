@@ -55,6 +55,7 @@ __all__ = [
     "AutoRoundConfig",
     "AutoRoundResult",
     "WeightSpec",
+    "adam_direction",
     "autoround",
     "autoround_block",
     "block_loss",
@@ -97,6 +98,11 @@ class AutoRoundConfig:
     seed: int = 0
     # Steps per compiled chunk: the progress callback (and bar) is updated between chunks.
     chunk: int = 25
+    # Whole models only (``nybble.models.quantize``): after the blocks, passes over the calibration windows
+    # tuning every group's scale (and offset) against the float model's logits, codes fixed
+    # (``nybble.models.tune``; 0: none), and that stage's starting step.
+    end_to_end_epochs: int = 0
+    end_to_end_lr: float = 3e-3
 
     def __post_init__(self) -> None:
         if not (isinstance(self.steps, int) and self.steps >= 0):
@@ -119,6 +125,12 @@ class AutoRoundConfig:
             )
         if not (isinstance(self.chunk, int) and self.chunk >= 1):
             raise ValueError(f"AutoRoundConfig: chunk must be an int >= 1, got {self.chunk!r}")
+        if not (isinstance(self.end_to_end_epochs, int) and self.end_to_end_epochs >= 0):
+            raise ValueError(
+                f"AutoRoundConfig: end_to_end_epochs must be an int >= 0, got {self.end_to_end_epochs!r}"
+            )
+        if not (math.isfinite(self.end_to_end_lr) and self.end_to_end_lr > 0):
+            raise ValueError(f"AutoRoundConfig: end_to_end_lr must be > 0, got {self.end_to_end_lr!r}")
 
     @property
     def step_size(self) -> float:
@@ -358,14 +370,7 @@ def _train_chunk(
         best_ratio = jnp.where(better, ratio, best_ratio)
 
         if optimizer == "adam":
-            m1, m2 = moments
-            m1 = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, m1, grads)
-            m2 = jax.tree.map(lambda m, g: 0.999 * m + 0.001 * g * g, m2, grads)
-            n = (steps0 + t + 1).astype(jnp.float32)
-            direction = jax.tree.map(
-                lambda a, b: (a / (1 - 0.9**n)) / (jnp.sqrt(b / (1 - 0.999**n)) + 1e-12), m1, m2
-            )
-            moments = (m1, m2)
+            direction, moments = adam_direction(moments, grads, steps0 + t + 1)
         else:
             direction = jax.tree.map(jnp.sign, grads)
 
@@ -378,6 +383,17 @@ def _train_chunk(
         return theta, best, best_ratio, loss, moments
 
     return jax.lax.fori_loop(0, count, step, carry)
+
+
+def adam_direction(moments: tuple[Any, Any], grads: Any, n: Any, eps: float = 1e-12) -> tuple[Any, Any]:
+    """Adam's bias-corrected step direction for gradients ``grads`` at step ``n`` (1-based), and the new
+    ``moments`` (first and second, each a pytree like ``grads``; zeros before the first step)."""
+    m1, m2 = moments
+    m1 = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, m1, grads)
+    m2 = jax.tree.map(lambda m, g: 0.999 * m + 0.001 * g * g, m2, grads)
+    n = jnp.asarray(n, jnp.float32)
+    direction = jax.tree.map(lambda a, b: (a / (1 - 0.9**n)) / (jnp.sqrt(b / (1 - 0.999**n)) + eps), m1, m2)
+    return direction, (m1, m2)
 
 
 def _pad(a: np.ndarray, length: int) -> np.ndarray:
@@ -551,7 +567,7 @@ def autoround_block(
     zeros = functools.partial(jax.tree.map, jnp.zeros_like)
     moments = (zeros(theta0), zeros(theta0)) if cfg.optimizer == "adam" else ()
     carry = (copy(theta0), copy(theta0), jnp.float32(np.inf), jnp.float32(loss_start), moments)
-    chunk = min(cfg.chunk, steps)
+    chunk = max(1, min(cfg.chunk, steps))  # steps=0: no chunk runs
     for t0 in range(0, steps, chunk):  # every chunk has one shape (the last padded): one compilation
         t1 = min(t0 + chunk, steps)
         carry = _train_chunk(
