@@ -48,7 +48,7 @@ quickstart: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check nybble tests bench examples
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 gpu-check:
 	bash bench/gpu_check.sh

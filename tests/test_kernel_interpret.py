@@ -30,7 +30,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import nybble.kernels.mosaic_gpu as mg
 from nybble.kernels.mosaic_gpu import fragments
 from nybble.kernels.mosaic_gpu import interpret as mgpu_interpret
-from nybble.kernels.mosaic_gpu.config import TuningConfig, heuristic_cases, heuristic_config
+from nybble.kernels.mosaic_gpu.config import (
+    TuningConfig,
+    heuristic_cases,
+    heuristic_config,
+    modeled_time_us,
+    modeled_times_us,
+)
 from nybble.kernels.reference import reference_dequantize, rounding_bound
 from nybble.kernels.xla import xla_matmul
 from nybble.packing import get_layout
@@ -178,7 +184,16 @@ def test_heuristic_families():
     assert decode.slices == 8 and decode.split_k == 1 and decode.compute_wgs == 1
     assert decode.scales_on == "accumulators"
     prefill = heuristic_config(4096, 4096, 4096, 128)
-    assert prefill.compute_wgs == 2 and prefill.scales_on == "weights" and prefill.tile_m == 128
+    assert prefill.compute_wgs == 2 and prefill.scales_on == "weights"
+    # Large M: 256-wide M tiles, one A tile per compute warpgroup (each weight dequantized once per 256
+    # rows of x); below M ~ 1024 at this N, 128-wide ones.
+    assert (prefill.tile_m, prefill.tiles, prefill.tile_k) == (256, 1, 64)
+    assert heuristic_config(128, 4096, 4096, 128).tile_m == 128
+    # Same modeled tensor-core time as two A tiles of 128-wide M, a little over half the issue time.
+    narrow = TuningConfig(tiles=2, tile_m=128, tile_k=128, max_concurrent_steps=3, compute_wgs=2)
+    wide_t, narrow_t = (modeled_times_us(c, 4096, 4096, 4096, 128, True, 132) for c in (prefill, narrow))
+    assert wide_t["tensor"] == narrow_t["tensor"] and wide_t["issue"] < 0.6 * narrow_t["issue"]
+    assert modeled_time_us(prefill, 4096, 4096, 4096, 128, True, 132) == wide_t["tensor"]
 
 
 # Every group size, symmetric and asymmetric, both scale routes, K slices: exact.
@@ -208,6 +223,15 @@ _GROUP_CASES = [
     for j, name in enumerate(sorted(_EXACT_CONFIGS))
     for i, group in enumerate(_GROUPS)
 ]
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_256_wide_m_tile_exact(symmetric):
+    # Two M tiles, the second partial (TMA zero-fills x's rows past M and clips y's), two CTA columns.
+    config = TuningConfig(tiles=1, tile_m=256, tile_k=64, max_concurrent_steps=4, compute_wgs=2)
+    rng = np.random.default_rng(256 + symmetric)
+    qw = exact_weight(rng, 256, 256, 128, symmetric)
+    _check(activations(rng, 300, 256, exact=True), qw, config, exact=True)
 
 
 @pytest.mark.no_kernel  # the case list only

@@ -107,8 +107,11 @@ def plan(
             scale_bytes=np.dtype(qw.scales.dtype).itemsize,
         )
     n = qw.shape[1]
-    # y is stored straight into (M, N) when its rows suit TMA (16-byte strides), else into (M, N_pad).
-    n_out = n if n % 8 == 0 else n_pad
+    # y is stored straight into (M, N) when N is a multiple of 64, else into (M, N_pad) and sliced (a copy):
+    # Mosaic tiles the GMEM side of a TMA store like its SMEM tile, whose 128-byte swizzle is 64 columns
+    # of bf16, and refuses a GMEM dimension that is not a multiple of it (N = 7392: "dimension 1 must have
+    # size smaller or a multiple of its tiling 64"), whatever the row stride.
+    n_out = n if n % 64 == 0 else n_pad
     config.check_problem(max(m, 1), n_pad, k_pad, qw.group)
     return Problem(max(m, 1), n_out, n_pad, k_pad, qw.group, jnp.bfloat16, qw.offsets is not None, config)
 

@@ -16,7 +16,11 @@ decode GEMM needs no split-K (see fragments.py). Two dequantization routes (``sc
 Families from :func:`heuristic_config`:
   * decode (M <= 64): one warpgroup per CTA, small CTAs (several per SM), K slices for M <= 8;
   * prefill (M > 64): warp-specialized, a TMA warpgroup feeding two compute warpgroups that share each x
-    tile, 128-wide WGMMA N.
+    tile, 128- or 256-wide WGMMA N. Where the tensor cores bound every candidate (the model's times tie),
+    the one issuing least per tensor-core cycle wins: from M ~ 1024 (and at M = 256 of the widest N) that is
+    a 256-wide M tile with one A tile per warpgroup, which dequantizes each weight once per 256 rows of x
+    (X-ray, Llama-3-8B q/o at M = 2048: 2.66 instructions per weight against 2.44 for two A tiles and
+    128-wide M, so 0.55x the instructions per FLOP).
 Either family may split K over ``split_k`` CTAs (2, 4 or 8 where tile_m allows) when the output tiles
 alone leave SMs idle: those CTAs form one thread-block cluster and sum their f32 partials through
 distributed SMEM (split_k.py), so a split-K matmul is one launch like any other.
@@ -38,7 +42,7 @@ SMEM_BUDGET_BYTES = 232448
 SMEM_PER_SM_BYTES = 233472
 # Barriers, alignment padding and the driver's reserve next to the buffers counted in `smem_bytes`.
 _SMEM_SLACK_BYTES = 1024
-TILE_M_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
+TILE_M_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TILES_CHOICES = (1, 2, 4)
 TILE_K_CHOICES = (64, 128, 256)
 SLICES_CHOICES = (1, 2, 4, 8)
@@ -228,10 +232,11 @@ def estimated_instructions_per_weight(config: TuningConfig, group: int, has_offs
     return ipw
 
 
-def modeled_time_us(
+def modeled_times_us(
     config: TuningConfig, m: int, n_pad: int, k_pad: int, group: int, has_offsets: bool, num_sms: int
-) -> float:
-    """The heuristics' cost model (H200 figures): max of HBM, issue and tensor-core time, plus a launch.
+) -> dict[str, float]:
+    """The heuristics' cost model (H200 figures), its parts in microseconds: ``hbm``, ``issue``, ``tensor``
+    and ``extra`` (split-K's reduction, a launch); :func:`modeled_time_us` combines them.
 
     HBM time counts the bytes over the bandwidth the busy SMs can pull (an idle SM is lost bandwidth);
     issue time the instructions of :func:`estimated_instructions_per_weight` on the busiest SM; split-K
@@ -251,7 +256,17 @@ def modeled_time_us(
     t_issue = busiest / (4 * 1.98e9)
     t_tensor = 2.0 * m_tiles * config.wgmma_n * n_pad * k_pad / 989e12
     launch = 2e-6 * (x_rows(m, config) != m)
-    return (max(t_hbm, t_issue, t_tensor) + t_reduce + launch) * 1e6
+    extra = t_reduce + launch
+    return {"hbm": t_hbm * 1e6, "issue": t_issue * 1e6, "tensor": t_tensor * 1e6, "extra": extra * 1e6}
+
+
+def modeled_time_us(
+    config: TuningConfig, m: int, n_pad: int, k_pad: int, group: int, has_offsets: bool, num_sms: int
+) -> float:
+    """The heuristics' modeled time: the largest of HBM, issue and tensor-core time (they overlap), plus
+    the split-K reduction and a launch (:func:`modeled_times_us`)."""
+    t = modeled_times_us(config, m, n_pad, k_pad, group, has_offsets, num_sms)
+    return max(t["hbm"], t["issue"], t["tensor"]) + t["extra"]
 
 
 def x_rows(m: int, config: TuningConfig) -> int:
@@ -284,8 +299,8 @@ def heuristic_config(
     needs no split-K: one launch. Every candidate (A tiles, tile_k, slices, split-K, scale route) that
     fits SMEM, at every pipeline depth, is ranked by :func:`modeled_time_us`; ties go to two CTAs per SM
     (a second warp per scheduler hides the other's stalls), fewer instructions per weight, more A tiles
-    per step, then deeper pipelines. Prefill (M > 64):
-    two compute warpgroups sharing 128-row x tiles, weights dequantized exactly.
+    per step, then deeper pipelines. Prefill (M > 64): two compute warpgroups sharing 128- or 256-row x
+    tiles, weights dequantized exactly; ties go to the least issue time per tensor-core time.
     """
     if m < 1 or n_pad < 1 or k_pad < 1:
         raise ValueError(f"heuristic_config: bad problem M={m}, N_pad={n_pad}, K_pad={k_pad}")
@@ -307,10 +322,14 @@ def heuristic_config(
             resident = max(1, SMEM_PER_SM_BYTES // (used + _SMEM_SLACK_BYTES))
             m_tiles = 1 if config.slices > 1 else -(-m // config.tile_m)
             ctas = n_pad // config.cta_rows * m_tiles * config.split_k
-            t = modeled_time_us(config, m, n_pad, k_pad, group, has_offsets, num_sms)
+            times = modeled_times_us(config, m, n_pad, k_pad, group, has_offsets, num_sms)
+            t = max(times["hbm"], times["issue"], times["tensor"]) + times["extra"]
             ipw = estimated_instructions_per_weight(config, group, has_offsets)
             two_per_sm = decode and min(resident, -(-ctas // num_sms)) >= 2
-            score = (-round(t, 2), two_per_sm, -round(ipw, 1), config.tiles, config.tile_k, steps)
+            # Prefill ties (the tensor cores bound both) go to less issue per tensor-core cycle: the
+            # dequantization then hides better behind WGMMA (a 256-wide M tile halves it per FLOP).
+            issue = 0.0 if decode else -round(times["issue"] / max(times["tensor"], 1e-9), 2)
+            score = (-round(t, 2), issue, two_per_sm, -round(ipw, 1), config.tiles, config.tile_k, steps)
             if best is None or score > best[0]:
                 best = (score, config)
     if best is None:
@@ -331,6 +350,12 @@ def _candidate_shapes(
             yield dict(
                 tiles=tiles, tile_m=128, tile_k=tile_k, compute_wgs=wgs, split_k=split_k, scales_on="weights"
             )
+        if wgs > 1:
+            # 256-wide M tiles: each compute warpgroup one A tile against 256 rows of x (a 64 x 256 f32
+            # accumulator, 128 registers), so every weight is dequantized once per 256 rows of x, not 128.
+            # tile_k=64 only: a 128-deep step is 72 KB, two slots, and with slots released a step late
+            # (pipeline.py) two slots leave no copy in flight.
+            yield dict(tiles=1, tile_m=256, tile_k=64, compute_wgs=wgs, split_k=1, scales_on="weights")
         return
     tile_m = _pow2_at_least(m)
     # (slices, tile_m): K slices filling a WGMMA N of 8..32, or none (N = max(8, M)).
