@@ -8,6 +8,7 @@ on the Mosaic GPU kernel in GPU interpret mode; real models are compared on thei
 
 from __future__ import annotations
 
+import math
 import os
 from unittest import mock
 
@@ -269,11 +270,13 @@ def test_checkpoint_placed_load_refuses_tampering_when_verifying(tmp_path):
 
 
 def test_smollm2_perplexity_sharded_tp8():
-    """SmolLM2-135M, int4 g64, on a 1x8 mesh: attention's o_proj (K = 576 = 8 x 72, not whole groups of
-    64) replicated by a rule, everything else Megatron-placed; perplexity as unsharded."""
+    """SmolLM2-135M's first 4 blocks (its real weights and shapes; all 30 took 45 s), int4 g64, on a 1x8
+    mesh: attention's o_proj (K = 576 = 8 x 72, not whole groups of 64) replicated by a rule, everything
+    else Megatron-placed; perplexity as unsharded."""
     from nybble.models import smollm2
 
     model, tok = smollm2.load()
+    model.layers = nnx.List(list(model.layers)[:4])
     ids = tok.encode(models.eval_text("eval")).ids[:65]
     models.quantize(model, group_size=64)
     want = models.perplexity(model, ids, window=64, batch=1)
@@ -281,8 +284,8 @@ def test_smollm2_perplexity_sharded_tp8():
         models.shard(model, _mesh("1x8"))
     rules = [models.ShardRule(pattern=r"attn\.o_proj$", placement="replicate")]
     _, report = models.shard(model, _mesh("1x8"), rules=rules, return_report=True)
-    assert sum(layer.placement == "column" for layer in report.layers) == 30 * 5
-    assert sum(layer.placement == "row" for layer in report.layers) == 30 + 1  # down_proj, embed
+    assert sum(layer.placement == "column" for layer in report.layers) == 4 * 5
+    assert sum(layer.placement == "row" for layer in report.layers) == 4 + 1  # down_proj, embed
     got = models.perplexity(model, ids, window=64, batch=1)
     print(f"SmolLM2-135M g64 perplexity over 64 tokens: unsharded {want:.6f}, tp=8 {got:.6f}")
-    assert 20 < want < 200 and abs(got - want) / want < 1e-5
+    assert math.isfinite(want) and want > 1 and abs(got - want) / want < 1e-5

@@ -16,8 +16,8 @@ decode GEMM needs no split-K (see fragments.py). Two dequantization routes (``sc
 Families from :func:`heuristic_config`:
   * decode (M <= 64): one warpgroup per CTA, small CTAs (several per SM), K slices for M <= 8;
   * prefill (M > 64): warp-specialized, a TMA warpgroup feeding two compute warpgroups that share each x
-    tile, 128- or 256-wide WGMMA N. Where the tensor cores bound every candidate (the model's times tie),
-    the one issuing least per tensor-core cycle wins: from M ~ 1024 (and at M = 256 of the widest N) that is
+    tile, 128- or 256-wide WGMMA N. Where the model's times tie (the tensor cores bound every candidate),
+    the one issuing least wins: from M ~ 1024 (and at M = 256 of the widest N) that is
     a 256-wide M tile with one A tile per warpgroup, which dequantizes each weight once per 256 rows of x
     (X-ray, Llama-3-8B q/o at M = 2048: 2.66 instructions per weight against 2.44 for two A tiles and
     128-wide M, so 0.55x the instructions per FLOP).
@@ -300,7 +300,7 @@ def heuristic_config(
     fits SMEM, at every pipeline depth, is ranked by :func:`modeled_time_us`; ties go to two CTAs per SM
     (a second warp per scheduler hides the other's stalls), fewer instructions per weight, more A tiles
     per step, then deeper pipelines. Prefill (M > 64): two compute warpgroups sharing 128- or 256-row x
-    tiles, weights dequantized exactly; ties go to the least issue time per tensor-core time.
+    tiles, weights dequantized exactly; ties go to the least issue time, then the least tensor-core time.
     """
     if m < 1 or n_pad < 1 or k_pad < 1:
         raise ValueError(f"heuristic_config: bad problem M={m}, N_pad={n_pad}, K_pad={k_pad}")
@@ -326,10 +326,12 @@ def heuristic_config(
             t = max(times["hbm"], times["issue"], times["tensor"]) + times["extra"]
             ipw = estimated_instructions_per_weight(config, group, has_offsets)
             two_per_sm = decode and min(resident, -(-ctas // num_sms)) >= 2
-            # Prefill ties (the tensor cores bound both) go to less issue per tensor-core cycle: the
-            # dequantization then hides better behind WGMMA (a 256-wide M tile halves it per FLOP).
-            issue = 0.0 if decode else -round(times["issue"] / max(times["tensor"], 1e-9), 2)
-            score = (-round(t, 2), issue, two_per_sm, -round(ipw, 1), config.tiles, config.tile_k, steps)
+            # Prefill ties go to less issue time (the dequantization hides better behind WGMMA: a 256-wide
+            # M tile halves it per FLOP), then to less tensor-core time (no WGMMA columns wasted on padding).
+            issue = 0.0 if decode else -round(times["issue"], 2)
+            tensor = 0.0 if decode else -round(times["tensor"], 2)
+            rank = (two_per_sm, -round(ipw, 1), config.tiles, config.tile_k, steps)
+            score = (-round(t, 2), issue, tensor, *rank)
             if best is None or score > best[0]:
                 best = (score, config)
     if best is None:
