@@ -265,8 +265,11 @@ def modeled_time_us(
 ) -> float:
     """The heuristics' modeled time: the largest of HBM, issue and tensor-core time (they overlap), plus
     the split-K reduction and a launch (:func:`modeled_times_us`)."""
-    t = modeled_times_us(config, m, n_pad, k_pad, group, has_offsets, num_sms)
-    return max(t["hbm"], t["issue"], t["tensor"]) + t["extra"]
+    return _combined(modeled_times_us(config, m, n_pad, k_pad, group, has_offsets, num_sms))
+
+
+def _combined(times: dict[str, float]) -> float:
+    return max(times["hbm"], times["issue"], times["tensor"]) + times["extra"]
 
 
 def x_rows(m: int, config: TuningConfig) -> int:
@@ -323,7 +326,7 @@ def heuristic_config(
             m_tiles = 1 if config.slices > 1 else -(-m // config.tile_m)
             ctas = n_pad // config.cta_rows * m_tiles * config.split_k
             times = modeled_times_us(config, m, n_pad, k_pad, group, has_offsets, num_sms)
-            t = max(times["hbm"], times["issue"], times["tensor"]) + times["extra"]
+            t = _combined(times)
             ipw = estimated_instructions_per_weight(config, group, has_offsets)
             two_per_sm = decode and min(resident, -(-ctas // num_sms)) >= 2
             # Prefill ties go to less issue time (the dequantization hides better behind WGMMA: a 256-wide
