@@ -30,12 +30,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import nybble.kernels.mosaic_gpu as mg
 from nybble.kernels.mosaic_gpu import fragments
 from nybble.kernels.mosaic_gpu import interpret as mgpu_interpret
+from nybble.kernels.mosaic_gpu.common import folds_bias
 from nybble.kernels.mosaic_gpu.config import (
     TuningConfig,
     heuristic_cases,
     heuristic_config,
     modeled_time_us,
     modeled_times_us,
+)
+from nybble.kernels.mosaic_gpu.config import (
+    folds_bias as folds_bias_config,
 )
 from nybble.kernels.reference import reference_dequantize, rounding_bound
 from nybble.kernels.xla import xla_matmul
@@ -223,6 +227,25 @@ _GROUP_CASES = [
     for j, name in enumerate(sorted(_EXACT_CONFIGS))
     for i, group in enumerate(_GROUPS)
 ]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_bias_folded_by_wgmma(dtype):
+    """Symmetric groups, one A tile, the accumulator route: the -BIAS tile's WGMMA takes BIAS * sum(x) off
+    each group's accumulator (common.folds_bias); bf16 (136) and f16 (1032). Bit-exact on small integers,
+    within the route's rounding bound on random data; the same config with offsets keeps sum(x) apart."""
+    config = TuningConfig(
+        tiles=1, tile_m=8, tile_k=128, slices=2, max_concurrent_steps=3, scales_on="accumulators"
+    )
+    rng = np.random.default_rng(136)
+    qw = exact_weight(rng, 1024, 128, 128, True, scale_dtype=dtype)
+    assert folds_bias(mg.plan(4, qw, config=config))
+    _check(activations(rng, 4, 1024, exact=True, dtype=dtype), qw, config, exact=True)
+    qw = random_weight(rng, 1024, 128, 128, True, scale_dtype=dtype)
+    _check(activations(rng, 3, 1024, dtype=dtype), qw, config, exact=False)
+    asym = random_weight(rng, 1024, 128, 128, False, scale_dtype=dtype)
+    assert not folds_bias(mg.plan(4, asym, config=config))
+    assert not folds_bias(mg.plan(4, qw, config=dataclasses.replace(config, tiles=2, slices=4)))
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -427,13 +450,15 @@ def test_race_check_can_fail():
 
 def _distinct_heuristic_configs() -> list[tuple[TuningConfig, int | None, bool]]:
     """Every TuningConfig the heuristics pick at the lowering tests' real-model shapes, with one group
-    size and symmetry it was picked for (the lowering tests cover every combination at full size)."""
+    size and symmetry it was picked for (the lowering tests cover every combination at full size); a
+    config whose symmetric kernel folds the bias into WGMMA (other code) runs with both symmetries."""
     from tests.test_kernel_lowering import BATCHES, GROUPS, NUM_SMS, WEIGHT_SHAPES
 
-    picked: dict[TuningConfig, tuple[int | None, bool]] = {}
+    picked: dict[tuple[TuningConfig, bool], tuple[int | None, bool]] = {}
     for (config, _, symmetric), case in heuristic_cases(WEIGHT_SHAPES, BATCHES, GROUPS, NUM_SMS).items():
-        picked.setdefault(config, (case[3], symmetric))
-    return [(config, group, symmetric) for config, (group, symmetric) in picked.items()]
+        folded = symmetric and folds_bias_config(config, has_offsets=False)
+        picked.setdefault((config, folded), (case[3], symmetric))
+    return [(config, group, symmetric) for (config, _), (group, symmetric) in picked.items()]
 
 
 # Interpret mode checks the numbers of every config the heuristics can choose, on the smallest problem

@@ -26,6 +26,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nybble.kernels.mosaic_gpu import faults, split_k
 from nybble.kernels.mosaic_gpu.config import CHUNK_K, TuningConfig, scale_rows_per_step
+from nybble.kernels.mosaic_gpu.config import folds_bias as config_folds_bias
 from nybble.kernels.mosaic_gpu.fragments import BIAS, dequantize_chunk, slot_rows, sum_slices, words_layout
 
 L = plgpu.Layout
@@ -51,7 +52,6 @@ class Problem:
     def out_dtype(self) -> Any:
         """y's dtype: the activation dtype (split-K partials are summed in the cluster, split_k.py)."""
         return self.dtype
-
 
     @property
     def m_tiles(self) -> int:
@@ -240,44 +240,73 @@ def exact_weights_step(
     plgpu.commit_smem()
 
 
-def scaled_accumulators_step(
-    p: Problem, total: Any, codes: Any, x: Any, ones: Any, scales: Any, offsets: Any
-) -> Any:
-    """total += sum over the step's groups of s * acc_g + (o - BIAS s) * sum(x), per A row.
+def folds_bias(p: Problem) -> bool:
+    """Whether this problem's accumulator route folds the bias into WGMMA (``config.folds_bias``)."""
+    return config_folds_bias(p.config, p.has_offsets)
 
-    acc_g = (BIAS + q) @ x^T over the group, straight from the LOP3 (no per-weight arithmetic); sum(x) over
-    the group comes from WGMMA with the all-ones A tile ``ones`` (SMEM), in the same columns as acc_g.
+
+def constant_value(p: Problem) -> float:
+    """The accumulator route's constant 64 x 64 A tile in SMEM: -BIAS when :func:`folds_bias`, else 1
+    (sum(x), shared by the A tiles)."""
+    return -float(BIAS[jnp.dtype(p.dtype).name]) if folds_bias(p) else 1.0
+
+
+def scaled_accumulators_step(
+    p: Problem, total: Any, codes: Any, x: Any, const: Any, scales: Any, offsets: Any
+) -> Any:
+    """total += sum over the step's groups of s * (acc_g - BIAS sum(x)) (+ o sum(x)), per A row.
+
+    acc_g = (BIAS + q) @ x^T over the group, straight from the LOP3 (no per-weight arithmetic). The
+    constant A tile ``const`` (SMEM, :func:`constant_value`) meets the same x columns. Where
+    :func:`folds_bias` it is -BIAS, accumulated into acc_g itself, so acc_g = q @ x^T and a group costs one
+    FMA per accumulator element. Else it is all ones, giving sum(x) in an accumulator of its own:
+    total += s * acc_g + (o - BIAS s) * sum(x), two FMAs.
     """
     c = p.config
     span = min(c.tile_k, p.group)  # K of one accumulator: a group, or the step when groups span steps
     bias = float(BIAS[jnp.dtype(p.dtype).name])
+    rows = 64 * c.tiles
+    shape = (rows, c.wgmma_n)
+    fold = folds_bias(p)
     for g0 in range(0, c.tile_k, span):
         g = g0 // p.group if p.group < c.tile_k else 0
 
-        def group(acc, xs, g0=g0):
+        def chunks(acc, xs, g0=g0):
             for k0 in range(g0, g0 + span, CHUNK_K):
                 xk = x.at[:, pl.ds(k0, CHUNK_K)].T
-                plgpu.wgmma(xs, ones, xk)
+                plgpu.wgmma(acc if fold else xs, const, xk)
                 with jax.named_scope("dequant"):
                     a = _tiles_chunk(p, codes, k0, exact=False)
                 plgpu.wgmma(acc, a, xk)
                 plgpu.wgmma_wait(1)
+
+        s = jnp.concatenate([_row_values(p, scales, g, t, 0, jnp.float32) for t in range(c.tiles)])
+        if fold:
+
+            def group(acc):
+                chunks(acc, None)
+                return acc[...]
+
+            acc = pl.run_scoped(group, plgpu.ACC(shape, jnp.float32))
+            with jax.named_scope("scale_groups"):
+                total = total + acc * lax.broadcast_in_dim(s, shape, [0])
+            continue
+
+        def group(acc, xs):
+            chunks(acc, xs)
             return acc[...], xs[...]
 
-        rows = 64 * c.tiles
         acc, xsum = pl.run_scoped(
-            group, plgpu.ACC((rows, c.wgmma_n), jnp.float32), plgpu.ACC((64, c.wgmma_n), jnp.float32)
+            group, plgpu.ACC(shape, jnp.float32), plgpu.ACC((64, c.wgmma_n), jnp.float32)
         )
         with jax.named_scope("scale_groups"):
             # y += s * acc + (o - BIAS s) * sum(x): the bias and the offset are one per-row coefficient.
-            s = jnp.concatenate([_row_values(p, scales, g, t, 0, jnp.float32) for t in range(c.tiles)])
             coef = s * -bias
             bug = faults.injected() == "asym-bf16-dequant" and offsets is not None
             if offsets is not None:
                 o = jnp.concatenate([_row_values(p, offsets, g, t, 0, jnp.float32) for t in range(c.tiles)])
                 coef = coef if bug else coef + o
             xsum = jnp.concatenate([xsum] * c.tiles) if c.tiles > 1 else xsum
-            shape = (rows, c.wgmma_n)
             total = (
                 total
                 + acc * lax.broadcast_in_dim(s, shape, [0])

@@ -9,8 +9,9 @@ decode GEMM needs no split-K (see fragments.py). Two dequantization routes (``sc
   * "accumulators": each A element is 136 + q straight from one LOP3 (no per-weight arithmetic); every
     group's products go to a fresh f32 accumulator, which is scaled once per group: y += s * (acc - 136 *
     sum(x)) + o * sum(x), where sum(x) over the group comes from one more WGMMA with an all-ones A tile in
-    SMEM. 7 instructions per 8 weights; each accumulator element costs ~3 FMAs per group, so it suits a
-    narrow WGMMA N (decode) and groups of >= 64;
+    SMEM (symmetric groups with one A tile: that WGMMA multiplies a -136 tile into acc itself, and
+    y += s * acc). 7 instructions per 8 weights; each accumulator element costs ~1-2 FMAs per group, so it
+    suits a narrow WGMMA N (decode) and groups of >= 64;
   * "weights": exact bf16 weights w = q * s (+ o), one multiply per weight pair, accumulated in one f32
     accumulator: for wide N (prefill) and groups of 16 or 32.
 Families from :func:`heuristic_config`:
@@ -166,6 +167,15 @@ class TuningConfig:
             raise ValueError(f"scales_on='accumulators' needs groups of a multiple of 64, got {group}")
 
 
+def folds_bias(config: TuningConfig, has_offsets: bool) -> bool:
+    """Whether the accumulator route takes 136 * sum(x) off each group's accumulator inside WGMMA, with a
+    constant A tile of -136 (common.scaled_accumulators_step): symmetric groups (offsets need sum(x) on
+    its own) and one A tile (with more, that tile's WGMMAs would repeat per A tile; X-ray: 1.63 -> 1.93
+    instructions per weight at tiles=4, 2.98 -> 2.66 at tiles=1, Llama-3-8B down). Such a symmetric
+    kernel is not the asymmetric one minus the offsets: tests lower and compile both."""
+    return config.scales_on == "accumulators" and not has_offsets and config.tiles == 1
+
+
 def scale_rows_per_step(config: TuningConfig, group: int) -> int:
     """Scale (and offset) rows one step reads per slice: several groups per K step, or one."""
     return max(1, config.tile_k // group)
@@ -216,7 +226,8 @@ def estimated_instructions_per_weight(config: TuningConfig, group: int, has_offs
 
     Calibrated on the X-ray of this kernel (bench/xray): 3 SHF + 4 LOP3 per 8 weights, one HGMMA per 8;
     exact weights add a bf16x2 subtract and multiply (and add, with offsets) per pair; the accumulator
-    route adds the all-ones WGMMA of each 64-wide chunk and ~2 FFMA per accumulator element and group;
+    route adds the constant tile's WGMMA of each 64-wide chunk and ~2 FFMA per accumulator element and group
+    (~1 where :func:`folds_bias`);
     each step costs ~100 instructions of barriers, descriptors and TMA, and ~2 per HGMMA; in the
     warp-specialized kernel, whose pipeline has constant slots (pipeline.py), ~15 and ~2.5 per HGMMA.
     """
@@ -227,6 +238,8 @@ def estimated_instructions_per_weight(config: TuningConfig, group: int, has_offs
     ipw = 0.875 + 0.125 + per_step / per_thread_step
     if c.scales_on == "weights":
         ipw += 1.25 + (0.5 if has_offsets else 0.0)
+    elif folds_bias(c, has_offsets):  # one FFMA per accumulator element and group
+        ipw += (c.wgmma_n + 4) / min(group, c.tile_k)
     else:
         ipw += (2 * c.wgmma_n + 8) / min(group, c.tile_k)
     return ipw

@@ -12,8 +12,9 @@ One CTA (one warpgroup) owns ``rows_per_wg`` output rows (and an M tile, and 1 /
         TMA  x     (S * tile_m, tile_k)       (x viewed as (M * S, K / S); rows past M * S zero-filled)
         TMA  scale / offset rows               (per slice)
         for each 64-wide K chunk and A tile:   LDS.64, 3 SHF + 4 LOP3 per 8 weights, WGMMA
-            scales_on="accumulators": 136 + q straight into a per-group f32 accumulator, the group's sum
-                of x from one WGMMA with an all-ones A tile; per group y += s (acc - 136 sum x) + o sum x
+            scales_on="accumulators": 136 + q straight into a per-group f32 accumulator; one more WGMMA
+                per chunk with a constant A tile: -136 (symmetric, one A tile: the bias folded into acc,
+                per group y += s acc) or ones (the group's sum of x: y += s (acc - 136 sum x) + o sum x)
             scales_on="weights": q exact (one more bf16x2 subtract), w = q * s (+ o) in bf16
     epilogue: accumulators -> SMEM -> (S > 1: sum of the slices; split-K: sum of the cluster's
         partials, split_k.py) -> TMA to y
@@ -33,6 +34,7 @@ from nybble.kernels.mosaic_gpu import pipeline, split_k
 from nybble.kernels.mosaic_gpu.common import (
     L,
     Problem,
+    constant_value,
     exact_weights_step,
     operand_specs,
     scaled_accumulators_step,
@@ -68,8 +70,8 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array]) -> jax.Array:
         mi, ni = tile_indices(p, lax.axis_index("mn"))
         gmem = [codes_gmem, x_gmem, s_gmem] + ([o_gmem] if p.has_offsets else [])
         if deferred:
-            ones = scratch["ones"]
-            ones[...] = plgpu.layout_cast(jnp.full((64, CHUNK_K), 1.0, p.dtype), L.WGMMA)
+            const = scratch["const"]
+            const[...] = plgpu.layout_cast(jnp.full((64, CHUNK_K), constant_value(p), p.dtype), L.WGMMA)
             plgpu.commit_smem()
         # One K partition: this CTA's own (split_k.py: all of them, in turn, when interpreting).
         for part in split_k.partitions(c.split_k):
@@ -81,7 +83,7 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array]) -> jax.Array:
 
                 def body(_, codes, x, s, *rest):
                     *o, total = rest
-                    return scaled_accumulators_step(p, total, codes, x, ones, s, o[0] if o else None)
+                    return scaled_accumulators_step(p, total, codes, x, const, s, o[0] if o else None)
 
                 # Pallas' pipeline: with constant slots (pipeline.py) ptxas interleaves consecutive steps'
                 # group accumulators and spills (X-ray, Llama-3-8B gate-up at M = 16: 648 bytes).
@@ -158,7 +160,7 @@ def _scratch_layout(p: Problem) -> list[tuple[str, int | None]]:
     if c.slices > 1:
         layout.append(("slices", None))
     if c.scales_on == "accumulators":
-        layout.append(("ones", None))
+        layout.append(("const", None))
     if c.split_k > 1:
         layout.append(("split_k", split_k.scratch_count(c.split_k, c.tiles)))
     return layout

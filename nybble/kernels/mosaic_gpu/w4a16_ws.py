@@ -46,6 +46,7 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array]) -> jax.Array:
         raise ValueError(f"the warp-specialized kernel runs slices=1, scales_on='weights' only, got {c}")
     num_wgs = c.compute_wgs
     acc_shape = (64 * c.tiles, c.wgmma_n)
+
     def kernel(*refs):
         codes_gmem, x_gmem, s_gmem, *rest = refs
         o_gmem = rest.pop(0) if p.has_offsets else None

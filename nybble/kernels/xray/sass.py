@@ -108,7 +108,7 @@ class Loop:
 
         ``HGMMA.64x8x16.F32.BF16 R24, R36, gdesc[UR8], R24`` reads A from registers (R36); ``..., R24,
         gdesc[UR8], R24`` reads both operands from SMEM (a constant tile, e.g. nybble's all-ones A that sums
-        x). A loop without register-A HGMMAs (an SMEM-only GEMM) counts all of them.
+        x, or its -136 tile). A loop without register-A HGMMAs (an SMEM-only GEMM) counts all of them.
         """
         register_a = tuple(h for h in self.hgmmas if _REGISTER_A.search(h.text))
         return register_a or self.hgmmas
