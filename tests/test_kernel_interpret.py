@@ -33,6 +33,7 @@ from nybble.kernels.mosaic_gpu import interpret as mgpu_interpret
 from nybble.kernels.mosaic_gpu.common import folds_bias
 from nybble.kernels.mosaic_gpu.config import (
     TuningConfig,
+    estimated_instructions_per_weight,
     heuristic_cases,
     heuristic_config,
     modeled_time_us,
@@ -187,6 +188,16 @@ def test_heuristic_families():
     decode = heuristic_config(1, 4096, 4096, 128)
     assert decode.slices == 8 and decode.split_k == 1 and decode.compute_wgs == 1
     assert decode.scales_on == "accumulators"
+    # K = 4096 in 8 slices is 2 steps of 256: each has a slot, every copy goes out up front, no producer.
+    assert not decode.producer and decode.max_concurrent_steps == 2
+    # K = 28672 (14 steps, at most 8 slots): the pipeline refills its slots, and a producer warpgroup takes
+    # the ~60 instructions of TMA issue off each step of the compute warpgroup (X-ray).
+    deep = heuristic_config(1, 8192, 28672, 128)
+    assert deep.producer and deep.slices == 8 and 28672 // deep.k_span() > deep.max_concurrent_steps
+    alone = dataclasses.replace(deep, producer=False)
+    assert estimated_instructions_per_weight(deep, 128, False) < estimated_instructions_per_weight(
+        alone, 128, False
+    )
     prefill = heuristic_config(4096, 4096, 4096, 128)
     assert prefill.compute_wgs == 2 and prefill.scales_on == "weights"
     # Large M: 256-wide M tiles, one A tile per compute warpgroup (each weight dequantized once per 256
@@ -246,6 +257,73 @@ def test_bias_folded_by_wgmma(dtype):
     asym = random_weight(rng, 1024, 128, 128, False, scale_dtype=dtype)
     assert not folds_bias(mg.plan(4, asym, config=config))
     assert not folds_bias(mg.plan(4, qw, config=dataclasses.replace(config, tiles=2, slices=4)))
+
+
+_ACC = "accumulators"
+
+
+@pytest.mark.parametrize(
+    "m, config, group, symmetric",
+    [
+        (
+            1,
+            TuningConfig(tiles=1, tile_m=1, tile_k=128, slices=8, max_concurrent_steps=2, scales_on=_ACC),
+            128,
+            True,
+        ),
+        (
+            3,
+            TuningConfig(tiles=2, tile_m=4, tile_k=64, slices=2, max_concurrent_steps=3, scales_on=_ACC),
+            128,
+            False,
+        ),
+        (
+            13,
+            TuningConfig(tiles=1, tile_m=16, tile_k=256, max_concurrent_steps=2, scales_on=_ACC),
+            128,
+            False,
+        ),
+        (16, TuningConfig(tiles=2, tile_m=16, tile_k=128, max_concurrent_steps=4, scales_on=_ACC), 128, True),
+        (40, TuningConfig(tiles=1, tile_m=64, tile_k=128, max_concurrent_steps=3), 64, False),
+        (5, TuningConfig(tiles=2, tile_m=8, tile_k=64, slices=2, max_concurrent_steps=2), 64, True),
+        (9, TuningConfig(tiles=1, tile_m=16, tile_k=128, max_concurrent_steps=2), 32, True),
+        (
+            27,
+            TuningConfig(tiles=1, tile_m=32, tile_k=128, max_concurrent_steps=2, split_k=2, scales_on=_ACC),
+            128,
+            False,
+        ),
+        (40, TuningConfig(tiles=2, tile_m=64, tile_k=64, max_concurrent_steps=3, split_k=4), 64, True),
+    ],
+    ids=[
+        "S8-sym",
+        "S2-t2-asym",
+        "m16-asym-2-slots",
+        "m16-t2-sym",
+        "wt-m64",
+        "wt-S2-t2",
+        "wt-g32",
+        "acc-split2",
+        "wt-t2-split4",
+    ],
+)
+def test_producer_warpgroup_exact(m, config, group, symmetric):
+    """A producer warpgroup issuing the TMA: the accumulator route (Pallas' warp-specialized pipeline, the
+    running total its carry) and exact weights (constant slots, or Pallas' pipeline for two A tiles and
+    groups of 32), K slices and not, one and two A tiles, split-K (the cluster's reduction after the
+    pipeline), both symmetries, more steps than slots, two CTA columns; bit-exact on small integers."""
+    config = dataclasses.replace(config, producer=True)
+    rng = np.random.default_rng([m, config.tiles, symmetric])
+    k = 2 * config.k_span() * config.max_concurrent_steps * config.split_k
+    qw = exact_weight(rng, k, 2 * config.cta_rows, group, symmetric)
+    assert mg.plan(m, qw, config=config).threads == 256
+    _check(activations(rng, m, k, exact=True), qw, config, exact=True)
+
+
+@pytest.mark.no_kernel
+def test_producer_needs_one_warpgroup():
+    with pytest.raises(ValueError, match="producer=True"):
+        TuningConfig(producer=True, compute_wgs=2)
 
 
 @pytest.mark.parametrize("symmetric", [True, False])

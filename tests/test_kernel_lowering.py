@@ -155,7 +155,7 @@ def test_lower_float16_activations_float32_scales(m):
 
 
 def test_decode_fills_the_gpu_in_one_launch():
-    """M = 1 on Llama-3-8B's layers: K slices give every SM a CTA (two where SMEM allows), no split-K."""
+    """M = 1 on Llama-3-8B's layers: K slices give every SM a CTA, no split-K."""
     for k, n in ((4096, 4096), (14336, 4096), (4096, 14336)):
         k_pad, n_pad = padded_weight_dims(k, n, 128)
         config = heuristic_config(1, n_pad, k_pad, 128, NUM_SMS)

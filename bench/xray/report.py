@@ -38,12 +38,14 @@ COLUMN_HELP = {
 
 def short_config(config: dict[str, Any] | None) -> str:
     """``t2 m1 k128 S8 p4 x1 w1 acc``: A tiles, tile_m, tile_k, K slices, pipeline slots, split-K, compute
-    warpgroups, where the scales go (acc: on the accumulators, wt: on the weights)."""
+    warpgroups (``w1+tma``: and a producer warpgroup issuing the TMA), where the scales go (acc: on the
+    accumulators, wt: on the weights)."""
     if not config:
         return "-"
     return (
         f"t{config['tiles']} m{config['tile_m']} k{config['tile_k']} S{config['slices']} "
-        f"p{config['max_concurrent_steps']} x{config['split_k']} w{config['compute_wgs']} "
+        f"p{config['max_concurrent_steps']} x{config['split_k']} w{config['compute_wgs']}"
+        f"{'+tma' if config.get('producer') else ''} "
         f"{'acc' if config['scales_on'] == 'accumulators' else 'wt'}"
     )
 

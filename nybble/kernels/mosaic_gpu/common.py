@@ -88,9 +88,10 @@ class Problem:
 
     @property
     def threads(self) -> int:
-        """Threads per CTA: 128 per compute warpgroup, plus the TMA warpgroup when warp-specialized."""
+        """Threads per CTA: 128 per compute warpgroup, plus the TMA warpgroup when warp-specialized or with a
+        producer."""
         c = self.config
-        return 128 * (c.compute_wgs + (1 if c.compute_wgs > 1 else 0))
+        return 128 * (c.compute_wgs + (1 if c.compute_wgs > 1 or c.producer else 0))
 
     @property
     def weight_bytes_per_step(self) -> int:

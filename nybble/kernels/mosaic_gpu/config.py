@@ -15,7 +15,12 @@ decode GEMM needs no split-K (see fragments.py). Two dequantization routes (``sc
   * "weights": exact bf16 weights w = q * s (+ o), one multiply per weight pair, accumulated in one f32
     accumulator: for wide N (prefill) and groups of 16 or 32.
 Families from :func:`heuristic_config`:
-  * decode (M <= 64): one warpgroup per CTA, small CTAs (several per SM), K slices for M <= 8;
+  * decode (M <= 64): one compute warpgroup per CTA, K slices for M <= 8. Where the pipeline refills its
+    slots (more K steps than slots), a producer warpgroup issues the TMA (``producer``): the compute loop
+    loses the copies' ~60 instructions a step (X-ray, Llama-3-8B down at M = 16: 2.66 -> 2.17
+    instructions per weight) and TMA runs the whole pipeline ahead; the CTA then holds the SM's register
+    file, one per SM. Where every step has a slot, all copies go out up front and no producer is needed;
+    small CTAs may then run two per SM;
   * prefill (M > 64): warp-specialized, a TMA warpgroup feeding two compute warpgroups that share each x
     tile, 128- or 256-wide WGMMA N. Where the model's times tie (the tensor cores bound every candidate),
     the one issuing least wins: from M ~ 1024 (and at M = 256 of the widest N) that is
@@ -78,6 +83,10 @@ class TuningConfig:
     compute_wgs: int = 1
     # Where group scales (and offsets, and the 136 bias of the magic-number dequantization) are applied.
     scales_on: ScalesOn = "weights"
+    # One-warpgroup kernel only: a second warpgroup issues the TMA copies (the producer, 40 registers)
+    # while the compute warpgroup only waits on full slots, dequantizes and runs WGMMA (w4a16.py). The CTA
+    # then takes the SM's whole register file (one CTA per SM).
+    producer: bool = False
 
     def __post_init__(self) -> None:
         for name, choices in (
@@ -109,6 +118,11 @@ class TuningConfig:
             raise ValueError("TuningConfig: K slices or split-K, not both (slices already span all of K)")
         if self.slices > 1 and self.compute_wgs > 1:
             raise ValueError("TuningConfig: K slices run in the one-warpgroup kernel only (compute_wgs=1)")
+        if self.producer and self.compute_wgs > 1:
+            raise ValueError(
+                "TuningConfig: producer=True is the one-warpgroup kernel's (compute_wgs=1), got "
+                f"compute_wgs={self.compute_wgs} (compute_wgs=2 has a producer already)"
+            )
         if not 2 <= self.max_concurrent_steps <= 8:
             raise ValueError(
                 f"TuningConfig: max_concurrent_steps={self.max_concurrent_steps} must be in [2, 8]"
@@ -221,20 +235,27 @@ def _pow2_at_least(m: int) -> int:
     return 1 << max(0, (m - 1).bit_length())
 
 
-def estimated_instructions_per_weight(config: TuningConfig, group: int, has_offsets: bool) -> float:
+def estimated_instructions_per_weight(
+    config: TuningConfig, group: int, has_offsets: bool, *, refills: bool = True
+) -> float:
     """A rough count of the main loop's SASS instructions per weight per thread, for ranking configs.
 
     Calibrated on the X-ray of this kernel (bench/xray): 3 SHF + 4 LOP3 per 8 weights, one HGMMA per 8;
     exact weights add a bf16x2 subtract and multiply (and add, with offsets) per pair; the accumulator
     route adds the constant tile's WGMMA of each 64-wide chunk and ~2 FFMA per accumulator element and group
     (~1 where :func:`folds_bias`);
-    each step costs ~100 instructions of barriers, descriptors and TMA, and ~2 per HGMMA; in the
-    warp-specialized kernel, whose pipeline has constant slots (pipeline.py), ~15 and ~2.5 per HGMMA.
+    each step costs ~100 instructions of barriers, descriptors and TMA, and ~2 per HGMMA (~40 and ~2 with
+    a producer warpgroup issuing the TMA, or when nothing ``refills`` a slot: every step has its own and
+    all copies go out before the first; X-ray, 340 -> 278 a step at tiles=1, 526 -> 465 at tiles=2); in
+    the warp-specialized kernel, whose pipeline has constant slots (pipeline.py), ~15 and ~2.5 per HGMMA.
     """
     c = config
     per_thread_step = c.tiles * c.tile_k / 2  # weights a thread dequantizes per step
     hgmmas = c.tiles * c.tile_k // 16 + (c.tile_k // 16 if c.scales_on == "accumulators" else 0)
-    per_step = 15 + 2.5 * hgmmas if c.compute_wgs > 1 else 100 + 2 * hgmmas
+    if c.compute_wgs > 1:
+        per_step = 15 + 2.5 * hgmmas
+    else:
+        per_step = (40 if c.producer or not refills else 100) + 2 * hgmmas
     ipw = 0.875 + 0.125 + per_step / per_thread_step
     if c.scales_on == "weights":
         ipw += 1.25 + (0.5 if has_offsets else 0.0)
@@ -264,7 +285,7 @@ def modeled_times_us(
     if config.split_k > 1:
         t_reduce = config.tile_m * config.cta_rows * 4 / 32 / 1.98e9
     t_hbm = nbytes / (4.8e12 * min(1.0, ctas / num_sms))
-    ipw = estimated_instructions_per_weight(config, group, has_offsets)
+    ipw = estimated_instructions_per_weight(config, group, has_offsets, refills=refills(config, k_pad))
     busiest = weights / 32 * ipw / ctas * math.ceil(ctas / num_sms)  # warp-instructions on one SM
     t_issue = busiest / (4 * 1.98e9)
     t_tensor = 2.0 * m_tiles * config.wgmma_n * n_pad * k_pad / 989e12
@@ -283,6 +304,11 @@ def modeled_time_us(
 
 def _combined(times: dict[str, float]) -> float:
     return max(times["hbm"], times["issue"], times["tensor"]) + times["extra"]
+
+
+def refills(config: TuningConfig, k_pad: int) -> bool:
+    """Whether a CTA's pipeline refills slots (more K steps than slots), or issues every copy up front."""
+    return k_pad // config.k_span() // config.split_k > config.max_concurrent_steps
 
 
 def x_rows(m: int, config: TuningConfig) -> int:
@@ -310,13 +336,16 @@ def heuristic_config(
 
     ``group_size`` None means one group over all of K_pad; K_pad and N_pad are multiples of 64.
 
-    Decode (M <= 64): one warpgroup per CTA. Small M runs S K slices side by side in WGMMA's N (M = 1
-    puts 8 slices of K where padding would be), so a CTA covers 64 * tiles / S rows of N over all of K and
-    needs no split-K: one launch. Every candidate (A tiles, tile_k, slices, split-K, scale route) that
-    fits SMEM, at every pipeline depth, is ranked by :func:`modeled_time_us`; ties go to two CTAs per SM
-    (a second warp per scheduler hides the other's stalls), fewer instructions per weight, more A tiles
-    per step, then deeper pipelines. Prefill (M > 64): two compute warpgroups sharing 128- or 256-row x
-    tiles, weights dequantized exactly; ties go to the least issue time, then the least tensor-core time.
+    Decode (M <= 64): one compute warpgroup per CTA (with a producer warpgroup issuing the TMA, or
+    without). Small M runs S K slices side by side in WGMMA's N (M = 1 puts 8 slices of K where padding
+    would be), so a CTA covers 64 * tiles / S rows of N over all of K and needs no split-K: one launch.
+    Every candidate (A tiles, tile_k, slices, split-K, scale route, producer where the pipeline refills
+    its slots) that fits SMEM, at every pipeline depth, is ranked by :func:`modeled_time_us`; ties go to
+    hidden latency (a producer running TMA ahead, every copy issued up front, or two CTAs per SM: a second
+    warp per scheduler hides the other's stalls), fewer instructions per weight, more A tiles per step,
+    then deeper pipelines. Prefill (M > 64): two compute
+    warpgroups sharing 128- or 256-row x tiles, weights dequantized exactly; ties go to the least issue
+    time, then the least tensor-core time.
     """
     if m < 1 or n_pad < 1 or k_pad < 1:
         raise ValueError(f"heuristic_config: bad problem M={m}, N_pad={n_pad}, K_pad={k_pad}")
@@ -331,22 +360,28 @@ def heuristic_config(
             continue
         k_steps = k_pad // probe.k_span() // probe.split_k
         for steps in range(min(8 if decode else 4, max(2, k_steps)), 1, -1):
+            if probe.producer and k_steps <= steps:
+                continue  # every step has a slot: all copies go out up front, a producer saves nothing
             config = dataclasses.replace(probe, max_concurrent_steps=steps)
             used = smem_bytes(config, group=group, has_offsets=has_offsets, scale_bytes=scale_bytes)
             if used + _SMEM_SLACK_BYTES > SMEM_BUDGET_BYTES:
                 continue
-            resident = max(1, SMEM_PER_SM_BYTES // (used + _SMEM_SLACK_BYTES))
+            # A producer's CTA takes the whole register file (two warpgroups, up to 256 registers each).
+            resident = 1 if config.producer else max(1, SMEM_PER_SM_BYTES // (used + _SMEM_SLACK_BYTES))
             m_tiles = 1 if config.slices > 1 else -(-m // config.tile_m)
             ctas = n_pad // config.cta_rows * m_tiles * config.split_k
             times = modeled_times_us(config, m, n_pad, k_pad, group, has_offsets, num_sms)
             t = _combined(times)
-            ipw = estimated_instructions_per_weight(config, group, has_offsets)
-            two_per_sm = decode and min(resident, -(-ctas // num_sms)) >= 2
+            ipw = estimated_instructions_per_weight(config, group, has_offsets, refills=k_steps > steps)
+            # Latency hidden: a producer running TMA ahead, every step's copy issued up front, or a second
+            # CTA's warp on each scheduler.
+            up_front = k_steps <= steps
+            hidden = decode and (config.producer or up_front or min(resident, -(-ctas // num_sms)) >= 2)
             # Prefill ties go to less issue time (the dequantization hides better behind WGMMA: a 256-wide
             # M tile halves it per FLOP), then to less tensor-core time (no WGMMA columns wasted on padding).
             issue = 0.0 if decode else -round(times["issue"], 2)
             tensor = 0.0 if decode else -round(times["tensor"], 2)
-            rank = (two_per_sm, -round(ipw, 1), config.tiles, config.tile_k, steps)
+            rank = (hidden, -round(ipw, 1), config.tiles, config.tile_k, steps)
             score = (-round(t, 2), issue, tensor, *rank)
             if best is None or score > best[0]:
                 best = (score, config)
@@ -386,9 +421,11 @@ def _candidate_shapes(
             continue
         wgmma_n = slices * t_m
         scales_on = "accumulators" if group % CHUNK_K == 0 and wgmma_n <= 32 else "weights"
-        yield dict(
+        shape = dict(
             tiles=tiles, tile_m=t_m, tile_k=tile_k, slices=slices, split_k=split_k, scales_on=scales_on
         )
+        yield shape
+        yield dict(shape, producer=True)
 
 
 def group_structure(group: int, config: TuningConfig) -> int | str:

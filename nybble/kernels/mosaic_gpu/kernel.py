@@ -32,7 +32,8 @@ def w4a16(
       scales: (ceil(K_pad / group), N_pad) group scales; ``offsets``: None or the same shape.
       n: columns of y to store (N, or N_pad).
       group: rows of K sharing one scale (K_pad for per-column quantization).
-      config: the tiling; ``config.compute_wgs`` picks the variant (1: w4a16.py, 2: w4a16_ws.py).
+      config: the tiling; ``config.compute_wgs`` picks the variant (1: w4a16.py, with a producer
+        warpgroup when ``config.producer``; 2: w4a16_ws.py).
 
     Returns:
       (M, n) in x's dtype (under split-K the partials are summed in f32 inside the launch).

@@ -5,7 +5,11 @@ operand, held in registers, and the batch M is WGMMA's N (8..256); for M <= 8 th
 multiply padding carry S slices of K instead (fragments.py), so one warpgroup covers 64 * tiles / S rows
 of N over all of K, and a decode GEMM needs neither split-K nor a second launch.
 
-One CTA (one warpgroup) owns ``rows_per_wg`` output rows (and an M tile, and 1 / split_k of each slice):
+One CTA (one compute warpgroup) owns ``rows_per_wg`` output rows (and an M tile, and 1 / split_k of each
+slice). With ``producer`` a second warpgroup (40 registers) issues every TMA and the compute warpgroup
+only waits on full slots: the copies, their barriers and the slot bookkeeping (~60 instructions a step in
+the X-ray) leave the compute loop, and TMA runs ahead by the whole pipeline depth; the CTA then holds the
+SM's register file, one CTA per SM. Without, the compute warpgroup refills each slot itself:
 
     for each K step (``max_concurrent_steps`` SMEM slots, TMA running ahead; constant slots: pipeline.py):
         TMA  codes (tiles, 8, tile_k) words  (wgmma_int4: each lane's fragment in one 8-byte word pair)
@@ -23,6 +27,8 @@ w4a16_ws.py is the warp-specialized variant for prefill.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +49,9 @@ from nybble.kernels.mosaic_gpu.common import (
 )
 from nybble.kernels.mosaic_gpu.config import CHUNK_K
 from nybble.kernels.mosaic_gpu.interpret import active_params
+
+# Registers per thread the producer warpgroup keeps (it only issues copies); the compute one takes the rest.
+_PRODUCER_REGISTERS = 40
 
 
 def _smem_swizzle(dtype) -> tuple:
@@ -69,6 +78,9 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array]) -> jax.Array:
                 scratch[name], rest = rest[:n_refs], rest[n_refs:]
         mi, ni = tile_indices(p, lax.axis_index("mn"))
         gmem = [codes_gmem, x_gmem, s_gmem] + ([o_gmem] if p.has_offsets else [])
+        if c.producer:
+            _with_producer(p, gmem, scratch, out_gmem, mi, ni)
+            return
         if deferred:
             const = scratch["const"]
             const[...] = plgpu.layout_cast(jnp.full((64, CHUNK_K), constant_value(p), p.dtype), L.WGMMA)
@@ -134,11 +146,85 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array]) -> jax.Array:
         cluster=launch["cluster"],
         cluster_names=launch["cluster_names"],
         scratch_types=_scratch_types(p),
+        **(dict(num_threads=2, thread_name="wg") if c.producer else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=active_params(),
         kernel_name=f"nybble_w4a16_{_config_tag(p)}",
     )
     return call(*operands)
+
+
+def _with_producer(p: Problem, gmem: list[Any], scratch: dict[str, Any], out_gmem: Any, mi: Any, ni: Any):
+    """The kernel with a producer: warpgroup 1 (40 registers) issues every TMA, warpgroup 0 waits on full
+    slots, computes and stores y (or its split-K partial), with the same steps and epilogue as without.
+    The accumulator route carries its running total through Pallas' warp-specialized pipeline; exact
+    weights accumulate in a WGMMA accumulator ref, with constant slots where they pay (pipeline.py).
+    Under split-K both warpgroups then join the cluster's reduction; the compute one sums."""
+    c = p.config
+    acc_shape = (64 * c.tiles, c.wgmma_n)
+    const = scratch.get("const")
+
+    def run_partition(part: int | None) -> None:
+        k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
+        args = dict(
+            grid=(p.steps_per_split,),
+            memory_registers=_PRODUCER_REGISTERS,
+            in_specs=operand_specs(p, mi, ni, k_first, delay_release=1),
+            wg_axis="wg",
+            num_compute_wgs=1,
+            max_concurrent_steps=c.max_concurrent_steps,
+        )
+
+        def store(acc: Any) -> None:
+            store_tiles(p, acc, scratch, out_gmem, mi, ni * c.cta_rows, partition=part)
+
+        if c.scales_on == "weights":
+
+            def compute_exact(run_pipeline: Any) -> None:  # warpgroup 0 only
+                def scoped(acc_ref: Any) -> None:
+                    run_pipeline(acc_ref)
+                    store(acc_ref[...])
+
+                pl.run_scoped(scoped, plgpu.ACC(acc_shape, jnp.float32))
+
+            def exact_body(_, codes, x, s, *rest):
+                *o, acc_ref = rest
+                exact_weights_step(p, acc_ref, codes, x, s, o[0] if o else None, 0)
+                return acc_ref
+
+            constant = pipeline.constant_slots(c, p.group)
+            emit = (
+                pipeline.emit_pipeline_warp_specialized if constant else plgpu.emit_pipeline_warp_specialized
+            )
+            emit(exact_body, compute_context=compute_exact, **args)(*gmem)
+            return
+
+        def compute(run_pipeline: Any) -> None:  # warpgroup 0 only
+            const[...] = plgpu.layout_cast(jnp.full((64, CHUNK_K), constant_value(p), p.dtype), L.WGMMA)
+            plgpu.commit_smem()
+            store(run_pipeline(plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), L.WGMMA)))
+
+        def body(_, codes, x, s, *rest):
+            *o, total = rest
+            return scaled_accumulators_step(p, total, codes, x, const, s, o[0] if o else None)
+
+        plgpu.emit_pipeline_warp_specialized(body, compute_context=compute, **args)(*gmem)
+
+    # One K partition: this CTA's own (split_k.py: all of them, in turn, when interpreting).
+    for part in split_k.partitions(c.split_k):
+        run_partition(part)
+    if c.split_k > 1:  # both warpgroups join the cluster's barriers; the compute one sums
+        split_k.reduce(
+            scratch["split_k"],
+            out_gmem,
+            m=p.m,
+            tile_m=c.tile_m,
+            tiles=c.tiles,
+            row0=mi * c.tile_m,
+            col0=ni * c.cta_rows,
+            wg=lax.axis_index("wg"),
+            wgs=1,
+        )
 
 
 def _scratch_types(p: Problem) -> list:
@@ -171,4 +257,5 @@ def _config_tag(p: Problem) -> str:
     return (
         f"t{c.tiles}m{c.tile_m}k{c.tile_k}s{c.slices}x{c.split_k}w{c.compute_wgs}"
         f"{'acc' if c.scales_on == 'accumulators' else 'wt'}{'o' if p.has_offsets else ''}"
+        f"{'p' if c.producer else ''}"
     )
