@@ -243,8 +243,8 @@ _GROUP_CASES = [
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_bias_folded_by_wgmma(dtype):
     """Symmetric groups, one A tile, the accumulator route: the -BIAS tile's WGMMA takes BIAS * sum(x) off
-    each group's accumulator (common.folds_bias); bf16 (136) and f16 (1032). Bit-exact on small integers,
-    within the route's rounding bound on random data; the same config with offsets keeps sum(x) apart."""
+    each group's accumulator (common.folds_bias); bf16 (136) and f16 (1032). Bit-exact on small integers
+    (random data: every folded heuristic config, below); with offsets or two A tiles sum(x) stays apart."""
     config = TuningConfig(
         tiles=1, tile_m=8, tile_k=128, slices=2, max_concurrent_steps=3, scales_on="accumulators"
     )
@@ -252,9 +252,7 @@ def test_bias_folded_by_wgmma(dtype):
     qw = exact_weight(rng, 1024, 128, 128, True, scale_dtype=dtype)
     assert folds_bias(mg.plan(4, qw, config=config))
     _check(activations(rng, 4, 1024, exact=True, dtype=dtype), qw, config, exact=True)
-    qw = random_weight(rng, 1024, 128, 128, True, scale_dtype=dtype)
-    _check(activations(rng, 3, 1024, dtype=dtype), qw, config, exact=False)
-    asym = random_weight(rng, 1024, 128, 128, False, scale_dtype=dtype)
+    asym = exact_weight(rng, 1024, 128, 128, False, scale_dtype=dtype)
     assert not folds_bias(mg.plan(4, asym, config=config))
     assert not folds_bias(mg.plan(4, qw, config=dataclasses.replace(config, tiles=2, slices=4)))
 
@@ -277,15 +275,7 @@ _ACC = "accumulators"
             128,
             False,
         ),
-        (
-            13,
-            TuningConfig(tiles=1, tile_m=16, tile_k=256, max_concurrent_steps=2, scales_on=_ACC),
-            128,
-            False,
-        ),
-        (16, TuningConfig(tiles=2, tile_m=16, tile_k=128, max_concurrent_steps=4, scales_on=_ACC), 128, True),
         (40, TuningConfig(tiles=1, tile_m=64, tile_k=128, max_concurrent_steps=3), 64, False),
-        (5, TuningConfig(tiles=2, tile_m=8, tile_k=64, slices=2, max_concurrent_steps=2), 64, True),
         (9, TuningConfig(tiles=1, tile_m=16, tile_k=128, max_concurrent_steps=2), 32, True),
         (
             27,
@@ -298,10 +288,7 @@ _ACC = "accumulators"
     ids=[
         "S8-sym",
         "S2-t2-asym",
-        "m16-asym-2-slots",
-        "m16-t2-sym",
         "wt-m64",
-        "wt-S2-t2",
         "wt-g32",
         "acc-split2",
         "wt-t2-split4",
@@ -314,7 +301,7 @@ def test_producer_warpgroup_exact(m, config, group, symmetric):
     pipeline), both symmetries, more steps than slots, two CTA columns; bit-exact on small integers."""
     config = dataclasses.replace(config, producer=True)
     rng = np.random.default_rng([m, config.tiles, symmetric])
-    k = 2 * config.k_span() * config.max_concurrent_steps * config.split_k
+    k = (config.max_concurrent_steps + 1) * config.k_span() * config.split_k  # one step past the slots
     qw = exact_weight(rng, k, 2 * config.cta_rows, group, symmetric)
     assert mg.plan(m, qw, config=config).threads == 256
     _check(activations(rng, m, k, exact=True), qw, config, exact=True)
@@ -528,15 +515,17 @@ def test_race_check_can_fail():
 
 def _distinct_heuristic_configs() -> list[tuple[TuningConfig, int | None, bool]]:
     """Every TuningConfig the heuristics pick at the lowering tests' real-model shapes, with one group
-    size and symmetry it was picked for (the lowering tests cover every combination at full size); a
-    config whose symmetric kernel folds the bias into WGMMA (other code) runs with both symmetries."""
+    size and symmetry it was picked for (the lowering tests cover every combination at full size):
+    symmetric where that kernel folds the bias into WGMMA (the asymmetric route runs in other configs)."""
     from tests.test_kernel_lowering import BATCHES, GROUPS, NUM_SMS, WEIGHT_SHAPES
 
-    picked: dict[tuple[TuningConfig, bool], tuple[int | None, bool]] = {}
+    picked: dict[TuningConfig, tuple[int | None, bool]] = {}
     for (config, _, symmetric), case in heuristic_cases(WEIGHT_SHAPES, BATCHES, GROUPS, NUM_SMS).items():
-        folded = symmetric and folds_bias_config(config, has_offsets=False)
-        picked.setdefault((config, folded), (case[3], symmetric))
-    return [(config, group, symmetric) for (config, _), (group, symmetric) in picked.items()]
+        if symmetric and folds_bias_config(config, has_offsets=False):
+            picked[config] = (case[3], symmetric)
+        else:
+            picked.setdefault(config, (case[3], symmetric))
+    return [(config, group, symmetric) for config, (group, symmetric) in picked.items()]
 
 
 # Interpret mode checks the numbers of every config the heuristics can choose, on the smallest problem
@@ -548,7 +537,7 @@ def _distinct_heuristic_configs() -> list[tuple[TuningConfig, int | None, bool]]
     _distinct_heuristic_configs(),
     ids=lambda v: (
         f"t{v.tiles}m{v.tile_m}k{v.tile_k}S{v.slices}p{v.max_concurrent_steps}x{v.split_k}w{v.compute_wgs}"
-        f"{v.scales_on[:3]}"
+        f"{'+tma' if v.producer else ''}{v.scales_on[:3]}"
         if isinstance(v, TuningConfig)
         else str(v)
     ),

@@ -320,6 +320,26 @@ def scaled_accumulators_step(
     return total
 
 
+def reduce_split_k(
+    p: Problem, slabs: list[Any], out_gmem: Any, mi: Any, ni: Any, wg: Any = None, wgs: int = 1
+) -> None:
+    """The cluster's split-K reduction of this CTA's output tile (``split_k.reduce``), called by every
+    warpgroup of the CTA after :func:`store_tiles` put its partial in ``slabs`` (``wg``: a
+    warp-specialized CTA's warpgroup index; its warpgroups past ``wgs`` only join the barriers)."""
+    c = p.config
+    split_k.reduce(
+        slabs,
+        out_gmem,
+        m=p.m,
+        tile_m=c.tile_m,
+        tiles=c.tiles,
+        row0=mi * c.tile_m,
+        col0=ni * c.cta_rows,
+        wg=wg,
+        wgs=wgs,
+    )
+
+
 def store_tiles(
     p: Problem,
     acc: Any,

@@ -43,6 +43,7 @@ from nybble.kernels.mosaic_gpu.common import (
     constant_value,
     exact_weights_step,
     operand_specs,
+    reduce_split_k,
     scaled_accumulators_step,
     store_tiles,
     tile_indices,
@@ -126,15 +127,7 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array]) -> jax.Array:
                 acc = pl.run_scoped(mainloop, plgpu.ACC(acc_shape, jnp.float32))
             store_tiles(p, acc, scratch, out_gmem, mi, ni * c.cta_rows, partition=part)
         if c.split_k > 1:
-            split_k.reduce(
-                scratch["split_k"],
-                out_gmem,
-                m=p.m,
-                tile_m=c.tile_m,
-                tiles=c.tiles,
-                row0=mi * c.tile_m,
-                col0=ni * c.cta_rows,
-            )
+            reduce_split_k(p, scratch["split_k"], out_gmem, mi, ni)
 
     out_type = jax.ShapeDtypeStruct(p.out_shape, p.out_dtype)
     launch = split_k.launch_args(c.split_k)
@@ -214,17 +207,7 @@ def _with_producer(p: Problem, gmem: list[Any], scratch: dict[str, Any], out_gme
     for part in split_k.partitions(c.split_k):
         run_partition(part)
     if c.split_k > 1:  # both warpgroups join the cluster's barriers; the compute one sums
-        split_k.reduce(
-            scratch["split_k"],
-            out_gmem,
-            m=p.m,
-            tile_m=c.tile_m,
-            tiles=c.tiles,
-            row0=mi * c.tile_m,
-            col0=ni * c.cta_rows,
-            wg=lax.axis_index("wg"),
-            wgs=1,
-        )
+        reduce_split_k(p, scratch["split_k"], out_gmem, mi, ni, wg=lax.axis_index("wg"), wgs=1)
 
 
 def _scratch_types(p: Problem) -> list:

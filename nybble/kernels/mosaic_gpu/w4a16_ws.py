@@ -30,6 +30,7 @@ from nybble.kernels.mosaic_gpu.common import (
     Problem,
     exact_weights_step,
     operand_specs,
+    reduce_split_k,
     store_tiles,
     tile_indices,
 )
@@ -102,17 +103,7 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array]) -> jax.Array:
                 compute_context=functools.partial(compute_context, part=part),
             )(*gmem)
         if c.split_k > 1:  # every warpgroup joins the cluster's barriers; the compute ones sum
-            split_k.reduce(
-                reduce_scratch,
-                out_gmem,
-                m=p.m,
-                tile_m=c.tile_m,
-                tiles=c.tiles,
-                row0=mi * c.tile_m,
-                col0=ni * c.cta_rows,
-                wg=wg,
-                wgs=num_wgs,
-            )
+            reduce_split_k(p, reduce_scratch, out_gmem, mi, ni, wg=wg, wgs=num_wgs)
 
     out_type = jax.ShapeDtypeStruct(p.out_shape, p.out_dtype)
     if c.split_k == 1:
