@@ -75,7 +75,7 @@ def weights(draw):
     return w
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(weights(), st.sampled_from(GROUPS), st.booleans(),
        st.sampled_from([jnp.bfloat16, jnp.float16, jnp.float32]))
 def test_every_element_within_half_a_step(w, group_size, symmetric, scale_dtype):
