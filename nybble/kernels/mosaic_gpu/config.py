@@ -186,7 +186,8 @@ def folds_bias(config: TuningConfig, has_offsets: bool) -> bool:
     constant A tile of -136 (common.scaled_accumulators_step): symmetric groups (offsets need sum(x) on
     its own) and one A tile (with more, that tile's WGMMAs would repeat per A tile; X-ray: 1.63 -> 1.93
     instructions per weight at tiles=4, 2.98 -> 2.66 at tiles=1, Llama-3-8B down). Such a symmetric
-    kernel is not the asymmetric one minus the offsets: tests lower and compile both."""
+    kernel is not the asymmetric one minus the offsets: the suite interprets it, lowers it once per fold
+    class (tests/test_kernel_lowering.py) and compiles its asymmetric twin, whose loop is longer (X-ray)."""
     return config.scales_on == "accumulators" and not has_offsets and config.tiles == 1
 
 
