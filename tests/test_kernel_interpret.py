@@ -212,21 +212,24 @@ def test_heuristic_families():
 
 
 # Every group size, symmetric and asymmetric, both scale routes, K slices: exact.
+# (M, config, K): K = 2048 gives the 8-slice config two steps; the others have 4-16 steps over 1024.
 _EXACT_CONFIGS = {
     "slices8-acc": (
         1,
         TuningConfig(
             tiles=1, tile_m=1, tile_k=128, slices=8, max_concurrent_steps=2, scales_on="accumulators"
         ),
+        2048,
     ),
-    "slices4-wt": (2, TuningConfig(tiles=2, tile_m=2, tile_k=64, slices=4, max_concurrent_steps=3)),
+    "slices4-wt": (2, TuningConfig(tiles=2, tile_m=2, tile_k=64, slices=4, max_concurrent_steps=3), 1024),
     "acc-split": (
         5,
         TuningConfig(
             tiles=1, tile_m=16, tile_k=128, max_concurrent_steps=2, split_k=2, scales_on="accumulators"
         ),
+        1024,
     ),
-    "ws": (70, TuningConfig(tiles=1, tile_m=128, tile_k=64, max_concurrent_steps=2, compute_wgs=2)),
+    "ws": (70, TuningConfig(tiles=1, tile_m=128, tile_k=64, max_concurrent_steps=2, compute_wgs=2), 1024),
 }
 
 
@@ -336,16 +339,16 @@ def test_group_cases_pair_every_config_and_group_with_both_signs():
     ids=[f"{n}-g{g}-{'sym' if s else 'asym'}" for n, g, s in _GROUP_CASES],
 )
 def test_groups_exact(name, group, symmetric):
-    m, config = _EXACT_CONFIGS[name]
+    m, config, k = _EXACT_CONFIGS[name]
     if group is not None and group % 64:  # groups of 16, 32: exact weights, no K slices
         config = dataclasses.replace(config, scales_on="weights")
         if config.slices > 1:
             config = dataclasses.replace(config, slices=1, tile_m=8)
-    if config.slices > 1 and group is not None and group > 2048 // config.slices:
+    if config.slices > 1 and group is not None and group > k // config.slices:
         config = dataclasses.replace(config, tile_k=64)
     rng = np.random.default_rng([group or 0, symmetric, len(name)])
-    qw = exact_weight(rng, 2048, 128, group, symmetric)
-    x = activations(rng, m, 2048, exact=True)
+    qw = exact_weight(rng, k, 128, group, symmetric)
+    x = activations(rng, m, k, exact=True)
     _check(x, qw, config, exact=True)
 
 

@@ -11,19 +11,20 @@ import numpy as np
 from flax import nnx
 
 from nybble.extras import require
+from nybble.models.gguf_file import GGUFFile, read_gguf
 from nybble.models.llama import Llama, LlamaConfig
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    value = reader.fields.get(key)
+    if value is None:
         if default is None:
-            raise ValueError(f"GGUF file has no {key!r} field")
+            raise ValueError(f"GGUF file {reader.path} has no {key!r} field")
         return default
-    return field.contents()
+    return value
 
 
-def read_config(reader: Any) -> LlamaConfig:
+def read_config(reader: GGUFFile) -> LlamaConfig:
     """The ``LlamaConfig`` of a llama-architecture GGUF file."""
     arch = _field(reader, "general.architecture")
     if arch != "llama":
@@ -67,7 +68,7 @@ _LAYER_TENSORS = {
 }
 
 
-def read_params(reader: Any, cfg: LlamaConfig) -> dict[str, Any]:
+def read_params(reader: GGUFFile, cfg: LlamaConfig) -> dict[str, Any]:
     """The model's float32 weights as a pure dict in ``Llama`` layout (kernels (in, out))."""
     gguf = require("gguf", "reading GGUF files")
     params: dict[str, Any] = {"layers": {i: {} for i in range(cfg.num_layers)}}
@@ -120,7 +121,7 @@ def build_llama(cfg: LlamaConfig, params: dict[str, Any], dtype: Any = jnp.float
     return nnx.merge(graphdef, state)
 
 
-def build_tokenizer(reader: Any) -> Any:
+def build_tokenizer(reader: GGUFFile) -> Any:
     """A ``tokenizers.Tokenizer`` rebuilt from the GGUF vocabulary (byte-level BPE, gpt2 model)."""
     tokenizers = require("tokenizers", "the GGUF tokenizer")
     Tokenizer, decoders, models = tokenizers.Tokenizer, tokenizers.decoders, tokenizers.models
@@ -143,12 +144,10 @@ def build_tokenizer(reader: Any) -> Any:
     return tok
 
 
-def open_gguf(path: str | os.PathLike[str]) -> Any:
-    """A ``gguf.GGUFReader`` over ``path``."""
-    gguf = require("gguf", "reading GGUF files")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    return gguf.GGUFReader(os.fspath(path))
+def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+    """``path``'s metadata and tensors (:func:`nybble.models.gguf_file.read_gguf`)."""
+    require("gguf", "reading GGUF files")
+    return read_gguf(path)
 
 
 def load_gguf_llama(path: str | os.PathLike[str], dtype: Any = jnp.float32) -> tuple[Llama, Any]:

@@ -27,7 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from nybble.kernels.mosaic_gpu import faults, split_k
 from nybble.kernels.mosaic_gpu.config import CHUNK_K, TuningConfig, scale_rows_per_step
 from nybble.kernels.mosaic_gpu.config import folds_bias as config_folds_bias
-from nybble.kernels.mosaic_gpu.fragments import BIAS, dequantize_chunk, slot_rows, sum_slices, words_layout
+from nybble.kernels.mosaic_gpu.fragments import BIAS, dequantize_chunk, slot_rows, sum_slices
 
 L = plgpu.Layout
 # A per-row vector in the layout of a WGMMA register tile's rows: broadcast along K it lines up with the
@@ -182,10 +182,14 @@ def tile_indices(p: Problem, lin: Any) -> tuple[Any, Any]:
     return plgpu.planar_snake(lin, (p.m_tiles, p.n_tiles), 0, band)
 
 
+# SMEM loads name no layout where their use fixes it (the WGMMA row layout of the product they scale, the
+# dequantizer's operand layout): ``plgpu.load(..., layout=)`` is a load plus a layout cast, which leaves the
+# load's own layout to Mosaic's layout search, one full pass over the kernel's constraints per load (a
+# third of a lowering's time; the same SASS either way, X-ray of every gate case).
 def _row_values(p: Problem, ref: Any, g: int, t: int, row0: Any, dtype: Any) -> Any:
     """Per-row values (scales or offsets) of A tile ``t``'s 64 rows for group row ``g`` of the step."""
     if p.config.slices == 1:
-        return plgpu.load(ref.at[0, g, pl.ds(row0 + t * 64, 64)], layout=WGMMA_ROW).astype(dtype)
+        return plgpu.load(ref.at[0, g, pl.ds(row0 + t * 64, 64)]).astype(dtype)
     ref_slices = 1 if p.per_column else p.config.slices
     return slot_rows(ref, g, t, ref_slices, p.config.slices).astype(dtype)
 
@@ -198,7 +202,7 @@ def _chunk_groups(p: Problem, k0: int) -> list[tuple[int, int, int]]:
 
 
 def _chunk_words(p: Problem, codes: Any, t: int, k0: int) -> Any:
-    return plgpu.load(codes.at[t, :, pl.ds(k0, CHUNK_K)], layout=words_layout())
+    return plgpu.load(codes.at[t, :, pl.ds(k0, CHUNK_K)])
 
 
 def _tiles_chunk(p: Problem, codes: Any, k0: int, *, exact: bool, scale: Any = None) -> Any:

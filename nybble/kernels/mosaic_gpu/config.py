@@ -35,6 +35,7 @@ distributed SMEM (split_k.py), so a split-K matmul is one launch like any other.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Iterable
@@ -322,6 +323,7 @@ def x_rows(m: int, config: TuningConfig) -> int:
     return -(-m // step) * step
 
 
+@functools.lru_cache(maxsize=8192)  # frozen results; the suite and dispatch ask again and again
 def heuristic_config(
     m: int,
     n_pad: int,

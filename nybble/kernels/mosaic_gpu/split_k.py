@@ -134,7 +134,8 @@ def peer_slab(slabs: list[Any], q: int, t: int, r: int, split_k: int, tiles: int
         slab = _slab(slabs, q, t, r, split_k, tiles)
         return plgpu.load(slab.T, layout=L.WGMMA_TRANSPOSED)
     slab = _slab(slabs, None, t, r, split_k, tiles)
-    return plgpu.load(plgpu.cluster_ref(slab, {AXIS: q}).T, layout=L.WGMMA_TRANSPOSED)
+    # No layout named: the sum's store fixes it (common._row_values says why that lowers faster).
+    return plgpu.load(plgpu.cluster_ref(slab, {AXIS: q}).T)
 
 
 def store_partial(accs: list[Any], slabs: list[Any], partition: int | None) -> None:
