@@ -26,12 +26,13 @@ In the warp-specialized pipeline the two roles are the two sides of one ``lax.co
 ``pl.when`` blocks instead, ptxas spills (the X-ray: 48 bytes at tiles=1, split_k=4), as code after the
 first block must fit the TMA warpgroup's 40 registers.
 
-:func:`constant_slots` says where the kernels use these: steps of whole 64-wide groups (with groups of 16
-or 32 each step has 4-16 times the operations, and lowering one kernel took minutes: Mosaic's layout
-inference over the unrolled steps, 20 s for 4 slots of groups of 16 against 3 s in Pallas' pipeline),
-and not the one-warpgroup kernel with two A tiles (registers). The accumulator route (scales on the
-accumulators) keeps Pallas' pipeline: unrolled, ptxas interleaved consecutive steps' group accumulators
-and spilled.
+:func:`constant_slots` says where the kernels use these: the warp-specialized kernel always, the
+one-warpgroup kernel with one A tile and groups of whole 64-wide chunks. With groups of 16 or 32 a
+one-warpgroup step has 4-16 times the operations, and compiling its unrolled steps took 52-132 s per
+kernel (X-ray, K = N = 4096, M = 1 and 16) for 0.15-0.27 fewer instructions per weight; the warp-specialized
+kernel's took 7-19 s for 0.8-1.0 fewer (M = 128 and 2048, groups of 32: 3.53 -> 2.70 and 3.81 -> 2.84).
+Two A tiles in one warpgroup need too many registers. The accumulator route (scales on the accumulators)
+keeps Pallas' pipeline: unrolled, ptxas interleaved consecutive steps' group accumulators and spilled.
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ _REGISTER_FILE_PER_THREAD = 512
 
 def constant_slots(config: TuningConfig, group: int) -> bool:
     """Whether the exact-weights kernel of ``config`` pipelines with constant slots (this module), for
-    groups of ``group`` K rows, rather than with Pallas' pipelines: groups of at least one 64-wide chunk,
-    and in the one-warpgroup kernel one A tile (two A tiles of 256-wide steps, unrolled over 4 slots, need
-    more than 255 registers: 128 bytes spilled in the X-ray of Llama-3-70B gate-up at M = 64)."""
-    return group >= CHUNK_K and (config.compute_wgs > 1 or config.tiles == 1)
+    groups of ``group`` K rows, rather than with Pallas' pipelines: the warp-specialized kernel always; the
+    one-warpgroup kernel with one A tile and groups of at least one 64-wide chunk (two A tiles of 256-wide
+    steps, unrolled over 4 slots, need more than 255 registers: 128 bytes spilled in the X-ray of
+    Llama-3-70B gate-up at M = 64; smaller groups compile for minutes, see the module docstring)."""
+    return config.compute_wgs > 1 or (config.tiles == 1 and group >= CHUNK_K)
 
 
 def compute_registers(memory_registers: int, compute_wgs: int) -> int:
