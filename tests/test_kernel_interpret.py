@@ -28,7 +28,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import nybble.kernels.mosaic_gpu as mg
-from nybble.kernels.mosaic_gpu import fragments
+from nybble.kernels.mosaic_gpu import fragments, pipeline
 from nybble.kernels.mosaic_gpu import interpret as mgpu_interpret
 from nybble.kernels.mosaic_gpu.common import folds_bias
 from nybble.kernels.mosaic_gpu.config import (
@@ -350,6 +350,16 @@ def test_groups_exact(name, group, symmetric):
     qw = exact_weight(rng, k, 128, group, symmetric)
     x = activations(rng, m, k, exact=True)
     _check(x, qw, config, exact=True)
+
+
+@pytest.mark.no_kernel  # which pipeline a kernel gets; the exact runs above and below go through both
+def test_constant_slots_where_they_pay():
+    ws = TuningConfig(tiles=1, tile_m=128, tile_k=64, compute_wgs=2)
+    one = TuningConfig(tiles=1, tile_m=16, tile_k=256)
+    for group in (16, 32, 64, 128, 4096):
+        assert pipeline.constant_slots(ws, group)  # warp-specialized: every group size
+        assert pipeline.constant_slots(one, group) == (group >= 64)  # one warpgroup: whole 64-wide chunks
+        assert not pipeline.constant_slots(dataclasses.replace(one, tiles=2), group)  # registers
 
 
 @pytest.mark.parametrize("wgs", [1, 2])
