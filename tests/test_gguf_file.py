@@ -24,6 +24,11 @@ def _write(path, rng, alignment=None):
     w.add_tensor("f32.vector", rng.standard_normal(7).astype(np.float32))
     w.add_tensor("f32.matrix", rng.standard_normal((3, 5)).astype(np.float32))
     w.add_tensor("f16.matrix", rng.standard_normal((4, 6)).astype(np.float16))
+    w.add_tensor("i8.matrix", rng.integers(-128, 128, (2, 9)).astype(np.int8))
+    w.add_tensor("i32.vector", rng.integers(-(2**31), 2**31, 5).astype(np.int32))
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    cube = gguf.quants.quantize(rng.standard_normal((2, 3, 64)).astype(np.float32), q8)
+    w.add_tensor("q8_0.cube", cube, raw_dtype=q8)
     for qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1):
         blocks = gguf.quants.quantize(rng.standard_normal((6, 64)).astype(np.float32), qtype)
         w.add_tensor(f"{qtype.name}.matrix", blocks, raw_dtype=qtype)
@@ -41,11 +46,15 @@ def test_same_as_gguf_reader(tmp_path, alignment):
     assert got.version == 3
     expected = {k: f.contents() for k, f in want.fields.items() if not k.startswith("GGUF.")}
     assert got.fields == expected and got.fields["tokenizer.ggml.pre"] == "smollm ünïcode"
+    assert {t.data.dtype for t in got.tensors} >= {np.dtype(np.int8), np.dtype(np.int32), np.dtype(np.uint8)}
+    assert [t.data.shape for t in got.tensors if t.name == "q8_0.cube"] == [(2, 3, 68)]
     assert [t.name for t in got.tensors] == [t.name for t in want.tensors]
     for a, b in zip(want.tensors, got.tensors, strict=True):
         assert b.tensor_type == a.tensor_type and b.shape == tuple(int(d) for d in a.shape), a.name
         assert b.data.dtype == a.data.dtype and b.data.shape == a.data.shape, a.name
         np.testing.assert_array_equal(b.data, np.asarray(a.data))
+        if b.data.dtype.kind == "i":  # integer tensors: values, nothing to dequantize
+            continue
         np.testing.assert_array_equal(
             gguf.quants.dequantize(b.data, b.tensor_type), gguf.quants.dequantize(a.data, a.tensor_type)
         )
@@ -72,3 +81,20 @@ def test_refuses_bad_files(tmp_path):
     old.write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(40))
     with pytest.raises(ValueError, match="GGUF version 1 is not supported"):
         read_gguf(old)
+
+
+def test_refuses_a_quantized_row_of_partial_blocks(tmp_path):
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    path = tmp_path / "q.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("q8.only", gguf.quants.quantize(np.ones((2, 64), np.float32), q8), raw_dtype=q8)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    dims = b"q8.only" + (2).to_bytes(4, "little") + (64).to_bytes(8, "little")
+    data = path.read_bytes()
+    assert data.count(dims) == 1
+    path.write_bytes(data.replace(dims, dims[:-8] + (48).to_bytes(8, "little")))
+    with pytest.raises(ValueError, match=r"'q8.only' has dims \(48, 2\).*multiple of Q8_0's 32-element"):
+        read_gguf(path)

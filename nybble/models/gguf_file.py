@@ -26,8 +26,9 @@ _STRING, _ARRAY = 8, 9
 
 @dataclasses.dataclass(frozen=True)
 class GGUFTensor:
-    """One tensor: ``data`` is what ``gguf.quants.dequantize`` takes (float32/float16 values, or uint8
-    blocks one row of the innermost dimension a row), ``shape`` GGUF's dims (innermost first)."""
+    """One tensor: ``data`` is what ``gguf.quants.dequantize`` takes (float and integer types as values of
+    the tensor's shape; quantized ones as uint8 blocks, the innermost dimension in bytes), ``shape`` GGUF's
+    dims (innermost first)."""
 
     name: str
     tensor_type: Any  # gguf.GGMLQuantizationType
@@ -110,21 +111,33 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         infos.append((name, GGMLQuantizationType(cur.take("I")), dims, cur.take("Q")))
     align = int(fields.get("general.alignment", 32))
     start = -(-cur.pos // align) * align
+    plain = {  # element types read as numpy arrays of the tensor's shape; the rest as bytes of blocks
+        GGMLQuantizationType.F32: np.float32,
+        GGMLQuantizationType.F16: np.float16,
+        GGMLQuantizationType.F64: np.float64,
+        GGMLQuantizationType.I8: np.int8,
+        GGMLQuantizationType.I16: np.int16,
+        GGMLQuantizationType.I32: np.int32,
+        GGMLQuantizationType.I64: np.int64,
+    }
     tensors = []
     for name, qtype, dims, offset in infos:
         block, block_bytes = GGML_QUANT_SIZES[qtype]
-        rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
+        if not dims or dims[0] % block:
+            raise ValueError(
+                f"{path}: tensor {name!r} has dims {dims}: the innermost must be a multiple of "
+                f"{qtype.name}'s {block}-element blocks"
+            )
+        rows = int(np.prod(dims[1:], dtype=np.int64))
         row_bytes = dims[0] // block * block_bytes
         begin = start + offset
         if begin + rows * row_bytes > len(raw):
             raise ValueError(f"{path}: tensor {name!r} runs past the end of the file")
         blob = np.array(raw[begin : begin + rows * row_bytes])
-        if qtype == GGMLQuantizationType.F32:
-            data = blob.view(np.float32).reshape(*dims[::-1])
-        elif qtype == GGMLQuantizationType.F16:
-            data = blob.view(np.float16).reshape(*dims[::-1])
-        else:
-            data = blob.reshape(rows, row_bytes)
+        if qtype in plain:
+            data = blob.view(plain[qtype]).reshape(dims[::-1])
+        else:  # (outer dims..., bytes of one row's blocks), as gguf.GGUFReader shapes them
+            data = blob.reshape(*dims[:0:-1], row_bytes)
         tensors.append(GGUFTensor(name, qtype, dims, data))
     del cur, raw
     return GGUFFile(path, version, fields, tensors)
