@@ -74,6 +74,10 @@ def test_refuses_bad_files(tmp_path):
     cut.write_bytes(data[:200])  # inside the metadata
     with pytest.raises(ValueError, match="truncated GGUF"):
         read_gguf(cut)
+    key = b"tokenizer.ggml.token_type"
+    cut.write_bytes(data[: data.index(key) + len(key) + 4 + 4 + 8 + 6])  # inside its 5 numbers
+    with pytest.raises(ValueError, match="truncated GGUF array"):
+        read_gguf(cut)
     cut.write_bytes(data[:-48])  # into the last tensor (240 bytes; at most 31 bytes of padding follow it)
     with pytest.raises(ValueError, match="runs past the end of the file"):
         read_gguf(cut)

@@ -75,6 +75,8 @@ class _Cursor:
                 return [self.string() for _ in range(count)]
             if elem in _SCALARS:
                 fmt = f"<{count}{_SCALARS[elem]}"
+                if self.pos + struct.calcsize(fmt) > len(self.buf):
+                    raise ValueError(f"{self.path}: truncated GGUF array at byte {self.pos}")
                 values = list(struct.unpack_from(fmt, self.buf, self.pos))
                 self.pos += struct.calcsize(fmt)
                 return values

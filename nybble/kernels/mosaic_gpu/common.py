@@ -30,9 +30,6 @@ from nybble.kernels.mosaic_gpu.config import folds_bias as config_folds_bias
 from nybble.kernels.mosaic_gpu.fragments import BIAS, dequantize_chunk, slot_rows, sum_slices
 
 L = plgpu.Layout
-# A per-row vector in the layout of a WGMMA register tile's rows: broadcast along K it lines up with the
-# tile element for element, so scaling needs no shuffles.
-WGMMA_ROW = L.WGMMA.reduce(1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,10 +179,12 @@ def tile_indices(p: Problem, lin: Any) -> tuple[Any, Any]:
     return plgpu.planar_snake(lin, (p.m_tiles, p.n_tiles), 0, band)
 
 
-# SMEM loads name no layout where their use fixes it (the WGMMA row layout of the product they scale, the
-# dequantizer's operand layout): ``plgpu.load(..., layout=)`` is a load plus a layout cast, which leaves the
-# load's own layout to Mosaic's layout search, one full pass over the kernel's constraints per load (a
-# third of a lowering's time; the same SASS either way, X-ray of every gate case).
+# SMEM loads name no layout where their use fixes it: scale rows take the layout of a WGMMA tile's rows
+# from the product they scale (broadcast along K it lines up with the tile element for element, so scaling
+# needs no shuffles), code words the dequantizer's operand layout. ``plgpu.load(..., layout=)`` is a load
+# plus a layout cast, which leaves the load's own layout to Mosaic's layout search, one full pass over the
+# kernel's constraints per load (a quarter to a third of a lowering; the same SASS either way, X-ray of
+# every gate case).
 def _row_values(p: Problem, ref: Any, g: int, t: int, row0: Any, dtype: Any) -> Any:
     """Per-row values (scales or offsets) of A tile ``t``'s 64 rows for group row ``g`` of the step."""
     if p.config.slices == 1:
