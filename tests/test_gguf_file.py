@@ -9,6 +9,13 @@ import pytest
 from nybble.models.gguf_file import read_gguf
 
 
+def _finish(w):
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def _write(path, rng, alignment=None):
     w = gguf.GGUFWriter(str(path), "llama")
     if alignment is not None:
@@ -32,10 +39,7 @@ def _write(path, rng, alignment=None):
     for qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1):
         blocks = gguf.quants.quantize(rng.standard_normal((6, 64)).astype(np.float32), qtype)
         w.add_tensor(f"{qtype.name}.matrix", blocks, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
 
 
 @pytest.mark.parametrize("alignment", [None, 64])
@@ -92,10 +96,7 @@ def test_refuses_a_quantized_row_of_partial_blocks(tmp_path):
     path = tmp_path / "q.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tensor("q8.only", gguf.quants.quantize(np.ones((2, 64), np.float32), q8), raw_dtype=q8)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     dims = b"q8.only" + (2).to_bytes(4, "little") + (64).to_bytes(8, "little")
     data = path.read_bytes()
     assert data.count(dims) == 1

@@ -50,13 +50,16 @@ class _Cursor:
     def __init__(self, buf: memoryview, path: str) -> None:
         self.buf, self.pos, self.path = buf, 0, path
 
-    def take(self, fmt: str) -> Any:
+    def unpack(self, fmt: str, what: str = "header") -> tuple[Any, ...]:
         size = struct.calcsize("<" + fmt)
         if self.pos + size > len(self.buf):
-            raise ValueError(f"{self.path}: truncated GGUF header at byte {self.pos}")
-        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+            raise ValueError(f"{self.path}: truncated GGUF {what} at byte {self.pos}")
+        values = struct.unpack_from("<" + fmt, self.buf, self.pos)
         self.pos += size
-        return value
+        return values
+
+    def take(self, fmt: str) -> Any:
+        return self.unpack(fmt)[0]
 
     def string(self) -> str:
         n = self.take("Q")
@@ -74,12 +77,7 @@ class _Cursor:
             if elem == _STRING:
                 return [self.string() for _ in range(count)]
             if elem in _SCALARS:
-                fmt = f"<{count}{_SCALARS[elem]}"
-                if self.pos + struct.calcsize(fmt) > len(self.buf):
-                    raise ValueError(f"{self.path}: truncated GGUF array at byte {self.pos}")
-                values = list(struct.unpack_from(fmt, self.buf, self.pos))
-                self.pos += struct.calcsize(fmt)
-                return values
+                return list(self.unpack(f"{count}{_SCALARS[elem]}", "array"))
             return [self.value(elem) for _ in range(count)]
         if kind not in _SCALARS:
             raise ValueError(f"{self.path}: unknown GGUF value type {kind} at byte {self.pos}")
