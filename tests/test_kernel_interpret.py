@@ -381,6 +381,47 @@ def test_constant_slot_pipeline_rounds_exact(steps, slots, wgs):
     _check(x, qw, config, exact=True)
 
 
+@pytest.mark.parametrize(
+    "ctas, steps, slots, symmetric",
+    [(4, 3, 2, False), (2, 2, 3, True), (5, 5, 4, False)],
+    ids=lambda v: str(v),
+)
+def test_persistent_grid_exact(ctas, steps, slots, symmetric):
+    """A persistent grid (``persistent_ctas``): 6 output tiles (3 M tiles, the last one partial, times 2 N
+    tiles) over 4, 2 or 5 CTAs, so that CTAs run 1 to 3 tiles each; each tile's K steps start from slot 0
+    again, and its first copies wait for the tile before to release their slots (fewer steps than slots,
+    and more). Bit-exact and race-free: the interpreter also checks every barrier's phases."""
+    config = TuningConfig(
+        tiles=1, tile_m=8, tile_k=64, max_concurrent_steps=slots, compute_wgs=2, persistent_ctas=ctas
+    )
+    rng = np.random.default_rng([ctas, steps, slots])
+    k = 64 * steps
+    qw = exact_weight(rng, k, 256, 64, symmetric)
+    x = activations(rng, 21, k, exact=True)
+    p = mg.plan(21, qw, config=config)
+    assert p.m_tiles * p.n_tiles == 6 and p.steps_per_split == steps
+    _check(x, qw, config, exact=True)
+
+
+@pytest.mark.no_kernel  # heuristics and refusals: no kernel runs
+def test_persistent_grid_where_tiles_outnumber_sms():
+    """The heuristics put the warp-specialized kernel on a persistent grid of one CTA per SM exactly when
+    its output tiles outnumber the SMs, and never split K there; other kernels refuse it."""
+    for m, n, k in [(128, 4096, 4096), (2048, 4096, 4096), (4096, 1024, 4096), (8192, 1024, 4096)]:
+        for sms in (132, 16):
+            config = heuristic_config(m, n, k, 128, sms)
+            tiles = -(-m // config.tile_m) * (n // config.cta_rows)
+            persistent = config.compute_wgs == 2 and config.split_k == 1 and tiles > sms
+            assert config.persistent_ctas == (sms if persistent else 0), (m, n, k, sms, config)
+    assert heuristic_config(2048, 4096, 4096, 128).persistent_ctas == 132  # 256 tiles
+    assert heuristic_config(128, 4096, 4096, 128).persistent_ctas == 0  # split-K over 128 CTAs
+    for bad in (dict(compute_wgs=1), dict(compute_wgs=2, split_k=2, tile_m=32)):
+        with pytest.raises(ValueError, match="persistent_ctas=4 needs the warp-specialized kernel"):
+            TuningConfig(tiles=1, persistent_ctas=4, **bad)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        TuningConfig(compute_wgs=2, persistent_ctas=-1)
+
+
 @pytest.mark.parametrize("group", [128, 256])
 def test_partial_last_group_exact(group):
     """K = 576: the last scale row covers half (g128) or a quarter (g256) of a group."""
@@ -543,19 +584,22 @@ def _distinct_heuristic_configs() -> list[tuple[TuningConfig, int | None, bool]]
 
 # Interpret mode checks the numbers of every config the heuristics can choose, on the smallest problem
 # with that config's structure: two CTA columns of N, two K steps per split, M filling the WGMMA's N
-# (two M tiles, the last one partial, without K slices). (Production shapes would take minutes each in
-# interpret mode; their lowering is checked in test_kernel_lowering.py and their SASS in test_xray.py.)
+# (two M tiles, the last one partial, without K slices); a persistent grid on 3 CTAs. (Production shapes
+# would take minutes each in interpret mode; their lowering is checked in test_kernel_lowering.py and their
+# SASS in test_xray.py.)
 @pytest.mark.parametrize(
     "config, group, symmetric",
     _distinct_heuristic_configs(),
     ids=lambda v: (
         f"t{v.tiles}m{v.tile_m}k{v.tile_k}S{v.slices}p{v.max_concurrent_steps}x{v.split_k}w{v.compute_wgs}"
-        f"{'+tma' if v.producer else ''}{v.scales_on[:3]}"
+        f"{'+tma' if v.producer else ''}{v.scales_on[:3]}{'P' if v.persistent_ctas else ''}"
         if isinstance(v, TuningConfig)
         else str(v)
     ),
 )
 def test_every_heuristic_config_in_interpret_mode(config, group, symmetric):
+    if config.persistent_ctas:  # 4 output tiles over 3 CTAs: one CTA runs two
+        config = dataclasses.replace(config, persistent_ctas=3)
     k = config.k_span() * config.split_k * 2
     if group is not None and group > k:
         k = group * config.split_k

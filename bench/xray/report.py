@@ -39,7 +39,7 @@ COLUMN_HELP = {
 def short_config(config: dict[str, Any] | None) -> str:
     """``t2 m1 k128 S8 p4 x1 w1 acc``: A tiles, tile_m, tile_k, K slices, pipeline slots, split-K, compute
     warpgroups (``w1+tma``: and a producer warpgroup issuing the TMA), where the scales go (acc: on the
-    accumulators, wt: on the weights)."""
+    accumulators, wt: on the weights), and ``P132`` for a persistent grid of 132 CTAs."""
     if not config:
         return "-"
     return (
@@ -47,6 +47,7 @@ def short_config(config: dict[str, Any] | None) -> str:
         f"p{config['max_concurrent_steps']} x{config['split_k']} w{config['compute_wgs']}"
         f"{'+tma' if config.get('producer') else ''} "
         f"{'acc' if config['scales_on'] == 'accumulators' else 'wt'}"
+        f"{' P' + str(config['persistent_ctas']) if config.get('persistent_ctas') else ''}"
     )
 
 

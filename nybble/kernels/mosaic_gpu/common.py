@@ -351,10 +351,15 @@ def store_tiles(
     mi: Any,
     n_start: Any,
     partition: int | None = None,
+    overlap: bool = False,
 ) -> None:
     """Writes the warpgroup's accumulator ((64 * tiles, WGMMA N), f32) to y. Under split-K it is K
     partition ``partition``'s partial (None: this CTA's own), stored into the slabs of
-    ``smem["split_k"]`` (split_k.warpgroup_slabs) for the kernel's split_k.reduce."""
+    ``smem["split_k"]`` (split_k.warpgroup_slabs) for the kernel's split_k.reduce.
+
+    ``overlap`` (a persistent CTA, one y tile after another through the same SMEM): wait until the last
+    store has read the staging tile before writing it, and return with this store in flight; the kernel
+    waits for the last one before it ends."""
     c = p.config
     if faults.injected() == "last-n-tile-zero":  # a deliberate bug (faults.py)
         acc = acc * jnp.where(n_start >= p.n_pad - c.cta_rows, 0.0, 1.0).astype(acc.dtype)
@@ -373,6 +378,8 @@ def store_tiles(
             split_k.store_partial(accs, smem["split_k"], partition)
             return
         out_smem = smem["out"]
+        if overlap:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         for t, acc in enumerate(accs):
             # Storing y^T through the transposed view of a (tile_m, 64) SMEM slice writes y itself.
             out_smem.at[:, pl.ds(t * 64, 64)].T[...] = plgpu.layout_cast(
@@ -381,4 +388,5 @@ def store_tiles(
         plgpu.commit_smem()
         dst = out_gmem.at[pl.ds(mi * c.tile_m, c.tile_m), pl.ds(n_start, c.rows_per_wg)]
         plgpu.copy_smem_to_gmem(out_smem, dst)
-        plgpu.wait_smem_to_gmem(0)
+        if not overlap:
+            plgpu.wait_smem_to_gmem(0)

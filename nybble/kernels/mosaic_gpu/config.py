@@ -27,9 +27,10 @@ Families from :func:`heuristic_config`:
     a 256-wide M tile with one A tile per warpgroup, which dequantizes each weight once per 256 rows of x
     (X-ray, Llama-3-8B q/o at M = 2048: 2.66 instructions per weight against 2.44 for two A tiles and
     128-wide M, so 0.55x the instructions per FLOP).
-Either family may split K over ``split_k`` CTAs (2, 4 or 8 where tile_m allows) when the output tiles
-alone leave SMs idle: those CTAs form one thread-block cluster and sum their f32 partials through
-distributed SMEM (split_k.py), so a split-K matmul is one launch like any other.
+Prefill launches with more output tiles than SMs run on a persistent grid of one CTA per SM
+(``persistent_ctas``). Either family may split K over ``split_k`` CTAs (2, 4 or 8 where tile_m allows)
+when the output tiles alone leave SMs idle: those CTAs form one thread-block cluster and sum their f32
+partials through distributed SMEM (split_k.py), so a split-K matmul is one launch like any other.
 """
 
 from __future__ import annotations
@@ -88,6 +89,11 @@ class TuningConfig:
     # while the compute warpgroup only waits on full slots, dequantizes and runs WGMMA (w4a16.py). The CTA
     # then takes the SM's whole register file (one CTA per SM).
     producer: bool = False
+    # Warp-specialized kernel without split-K only. 0: one CTA per output tile. n > 0: min(n, tiles) CTAs,
+    # each looping over output tiles cta, cta + CTAs, ... (a persistent grid, pipeline.OutputTiles): the TMA
+    # warpgroup fetches the next tile's first K steps while the compute warpgroups store the last one, and
+    # that store (a TMA from SMEM) runs under the next tile's WGMMAs.
+    persistent_ctas: int = 0
 
     def __post_init__(self) -> None:
         for name, choices in (
@@ -123,6 +129,13 @@ class TuningConfig:
             raise ValueError(
                 "TuningConfig: producer=True is the one-warpgroup kernel's (compute_wgs=1), got "
                 f"compute_wgs={self.compute_wgs} (compute_wgs=2 has a producer already)"
+            )
+        if self.persistent_ctas < 0:
+            raise ValueError(f"TuningConfig: persistent_ctas={self.persistent_ctas} must be >= 0 (0: off)")
+        if self.persistent_ctas and (self.compute_wgs == 1 or self.split_k > 1):
+            raise ValueError(
+                f"TuningConfig: persistent_ctas={self.persistent_ctas} needs the warp-specialized kernel "
+                f"(compute_wgs=2) without split-K, got compute_wgs={self.compute_wgs}, split_k={self.split_k}"
             )
         if not 2 <= self.max_concurrent_steps <= 8:
             raise ValueError(
@@ -392,7 +405,17 @@ def heuristic_config(
         raise ValueError(
             f"heuristic_config: no config fits M={m}, N_pad={n_pad}, K_pad={k_pad}, group={group}"
         )
-    return best[1]
+    return _persistent_where_it_pays(best[1], m, n_pad, num_sms)
+
+
+def _persistent_where_it_pays(config: TuningConfig, m: int, n_pad: int, num_sms: int) -> TuningConfig:
+    """The warp-specialized ``config`` on a persistent grid of ``num_sms`` CTAs when its output tiles
+    outnumber the SMs: every CTA but the last wave's then runs several tiles, and each tile's epilogue
+    overlaps the next one's loads (not in the cost model, which counts the same waves either way)."""
+    if config.compute_wgs == 1 or config.split_k > 1:
+        return config
+    tiles = -(-m // config.tile_m) * (n_pad // config.cta_rows)
+    return dataclasses.replace(config, persistent_ctas=num_sms) if tiles > num_sms else config
 
 
 def _candidate_shapes(

@@ -16,7 +16,14 @@ When ``slots`` does not divide the steps, the last round's missing steps are ski
     compute warpgroups: for step s: wait produced[s % slots], run the step (which fences its SMEM reads,
                         common.exact_weights_step), then release step s - 1's slot (consumed: one arrival
                         per compute warpgroup). The release is one step late because a step leaves its
-                        last WGMMA in flight, reading x from the slot.
+                        last WGMMA in flight, reading x from the slot; the last step's slot is released
+                        once its WGMMAs are done.
+
+A persistent CTA (:class:`OutputTiles` with a count) runs these K steps once per output tile it owns, each
+tile from slot 0 again: the TMA warpgroup goes on to the next tile's first steps as soon as their slots
+are released, while the compute warpgroups still store the tile before (the epilogue overlaps the next
+tile's loads). Every use of a slot but a CTA's first is preceded by a wait for its release; the TMA
+warpgroup ends by taking each slot's last release.
 
 The one-warpgroup kernel issues its own copies (:func:`emit_pipeline`): the first round fills
 every slot, and after step s (whose body fences its SMEM reads) the warpgroup refills step s - 1's slot
@@ -37,6 +44,7 @@ keeps Pallas' pipeline: unrolled, ptxas interleaved consecutive steps' group acc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -154,23 +162,47 @@ def emit_pipeline(
     return pipeline
 
 
+@dataclasses.dataclass(frozen=True)
+class OutputTiles:
+    """The output tiles a CTA runs: its own (``count`` None: the tile of index ``lax.axis_index(axis)``), or
+    a persistent grid's share of ``count`` tiles: the CTAs along grid axis ``axis`` take tiles cta, cta +
+    CTAs, cta + 2 * CTAs, ... in turn (``plgpu.nd_loop``)."""
+
+    axis: str
+    count: int | None = None
+
+    def run(self, fn: Callable[[Any, Any], None]) -> None:
+        """``fn(tile, local)`` for each of this CTA's tiles; ``local`` counts the CTA's tiles before it (a
+        Python 0 for a CTA of one tile)."""
+        if self.count is None:
+            fn(lax.axis_index(self.axis), 0)
+            return
+
+        @plgpu.nd_loop((self.count,), collective_axes=self.axis)
+        def _(info: Any) -> None:
+            fn(info.index[0], info.local_index)
+
+
 def emit_pipeline_warp_specialized(
     body: Callable[..., Any],
     *,
     grid: Sequence[int],
     memory_registers: int,
-    in_specs: Sequence[Any],
+    in_specs: Callable[[Any], Sequence[Any]],
     wg_axis: str,
     num_compute_wgs: int,
     max_concurrent_steps: int,
-    compute_context: Callable[[Callable[[Any], Any]], None],
+    compute_context: Callable[[Callable[[Any], Any], Any], None],
+    output_tiles: OutputTiles,
 ) -> Callable[..., None]:
-    """``plgpu.emit_pipeline_warp_specialized`` as nybble calls it, with constant slots: warpgroup
-    ``num_compute_wgs`` issues the copies, the others compute.
+    """``plgpu.emit_pipeline_warp_specialized`` as nybble calls it, with constant slots and, optionally, a
+    persistent grid: warpgroup ``num_compute_wgs`` issues the copies, the others compute.
 
-    ``compute_context(run_pipeline)`` runs in every compute warpgroup; ``run_pipeline(carry)`` runs the K
-    loop there, ``body((step,), *slot_refs, carry)`` each step. The carry must be a ref (the accumulator),
-    returned unchanged: steps past the end of the last round are skipped under a predicate.
+    For each output tile of ``output_tiles``: ``in_specs(tile)`` are its operands' BlockSpecs (their block
+    shapes and transforms must not depend on the tile); ``compute_context(run_pipeline, tile)`` runs in
+    every compute warpgroup; ``run_pipeline(carry)`` runs the tile's K loop there, ``body((step,),
+    *slot_refs, carry)`` each step. The carry must be a ref (the accumulator), returned unchanged: steps
+    past the end of the last round are skipped under a predicate.
     """
     slots, wgs = max_concurrent_steps, num_compute_wgs
     steps = _steps(grid, slots)
@@ -186,20 +218,25 @@ def emit_pipeline_warp_specialized(
             def memory() -> None:
                 plgpu.set_max_registers(memory_registers, action="decrease")
 
-                # A plain loop here: the copies are not on the critical path, and unrolled slots would
-                # need more than the 40 registers this warpgroup keeps (ptxas then spills values that
-                # live across the pipeline, e.g. the split-K epilogue's tile indices).
-                @pl.loop(0, steps)
-                def _(step: Any) -> None:
-                    slot = lax.rem(step, slots)
-                    # The first round finds every slot free.
-                    pl.when(step >= slots)(lambda: plgpu.barrier_wait(consumed.at[slot]))
-                    _fetch(gmem, in_specs, bufs, produced, step, slot)
+                def tile_copies(tile: Any, local: Any) -> None:
+                    specs = in_specs(tile)
 
-                # Take the releases nobody waited for (steps - slots .. steps - 2), so that no arrival is
-                # left pending on a barrier when the scope ends.
-                for step in range(max(0, steps - slots), steps - 1):
-                    plgpu.barrier_wait(consumed.at[step % slots])
+                    # A plain loop here: the copies are not on the critical path, and unrolled slots would
+                    # need more than the 40 registers this warpgroup keeps (ptxas then spills values that
+                    # live across the pipeline, e.g. the split-K epilogue's tile indices).
+                    @pl.loop(0, steps)
+                    def _(step: Any) -> None:
+                        slot = lax.rem(step, slots)
+                        # The CTA's first round finds every slot free; later uses wait for a release.
+                        used = step >= slots if isinstance(local, int) else (local > 0) | (step >= slots)
+                        pl.when(used)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+                        _fetch(gmem, specs, bufs, produced, step, slot)
+
+                output_tiles.run(tile_copies)
+                # Take each slot's last release, which nobody waited for, so that no arrival is left
+                # pending on a barrier when the scope ends.
+                for slot in range(min(slots, steps)):
+                    plgpu.barrier_wait(consumed.at[slot])
                 plgpu.set_max_registers(even, action="increase")
 
             def run_pipeline(carry: Any) -> Any:
@@ -212,17 +249,21 @@ def emit_pipeline_warp_specialized(
                     )
 
                 _for_each_step(steps, slots, one)
+                # The last step's WGMMAs read x from its slot: release it once they are done.
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(consumed.at[(steps - 1) % slots])
                 return carry
 
             def compute() -> None:
                 plgpu.set_max_registers(compute_registers(memory_registers, wgs), action="increase")
-                compute_context(run_pipeline)
+                output_tiles.run(lambda tile, local: compute_context(run_pipeline, tile))
                 plgpu.set_max_registers(even, action="decrease")
 
             lax.cond(lax.axis_index(wg_axis) < wgs, compute, memory)
 
-        types = _stage_types(gmem, in_specs, slots)
-        types.append(plgpu.Barrier(num_arrivals=len(in_specs), num_barriers=slots))
+        specs = in_specs(0)  # the stage buffers' shapes and transforms: the same for every tile
+        types = _stage_types(gmem, specs, slots)
+        types.append(plgpu.Barrier(num_arrivals=len(specs), num_barriers=slots))
         types.append(plgpu.Barrier(num_arrivals=wgs, num_barriers=slots))
         pl.run_scoped(scoped, *types, collective_axes=wg_axis)
 

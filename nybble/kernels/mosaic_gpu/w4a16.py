@@ -185,11 +185,15 @@ def _with_producer(p: Problem, gmem: list[Any], scratch: dict[str, Any], out_gme
                 exact_weights_step(p, acc_ref, codes, x, s, o[0] if o else None, 0)
                 return acc_ref
 
-            constant = pipeline.constant_slots(c, p.group)
-            emit = (
-                pipeline.emit_pipeline_warp_specialized if constant else plgpu.emit_pipeline_warp_specialized
-            )
-            emit(exact_body, compute_context=compute_exact, **args)(*gmem)
+            if pipeline.constant_slots(c, p.group):  # this CTA's one tile, its specs already made
+                pipeline.emit_pipeline_warp_specialized(
+                    exact_body,
+                    compute_context=lambda run_pipeline, _: compute_exact(run_pipeline),
+                    output_tiles=pipeline.OutputTiles("mn"),
+                    **dict(args, in_specs=lambda _, specs=args["in_specs"]: specs),
+                )(*gmem)
+            else:
+                plgpu.emit_pipeline_warp_specialized(exact_body, compute_context=compute_exact, **args)(*gmem)
             return
 
         def compute(run_pipeline: Any) -> None:  # warpgroup 0 only

@@ -12,7 +12,12 @@ bf16); what changes is the CTA:
 Sharing one x tile between warpgroups halves the activation traffic per weight (the prefill cost), and
 while one warpgroup dequantizes the other's WGMMA keeps the tensor cores busy. The memory warpgroup never
 waits on dequantization, so TMA runs ahead by the whole pipeline depth. The pipeline's slots are
-constants in the code (pipeline.py) for groups of >= 64.
+constants in the code (pipeline.py).
+
+With ``persistent_ctas`` the grid is min(persistent_ctas, output tiles) CTAs, each looping over tiles cta,
+cta + CTAs, ... (pipeline.OutputTiles): the TMA warpgroup starts the next tile's copies as soon as the
+compute warpgroups release the last tile's slots, i.e. while they are still storing its y tile, and that
+store (SMEM to GMEM by TMA) is only waited for before the staging tile is written again.
 """
 
 from __future__ import annotations
@@ -47,6 +52,11 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array]) -> jax.Array:
         raise ValueError(f"the warp-specialized kernel runs slices=1, scales_on='weights' only, got {c}")
     num_wgs = c.compute_wgs
     acc_shape = (64 * c.tiles, c.wgmma_n)
+    tiles = p.m_tiles * p.n_tiles
+    # A persistent grid: min(persistent_ctas, tiles) CTAs loop over the output tiles (pipeline.OutputTiles).
+    persistent = c.persistent_ctas > 0
+    ctas = min(c.persistent_ctas, tiles) if persistent else tiles
+    output_tiles = pipeline.OutputTiles("mn", tiles if persistent else None)
 
     def kernel(*refs):
         codes_gmem, x_gmem, s_gmem, *rest = refs
@@ -54,14 +64,13 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array]) -> jax.Array:
         out_gmem = rest.pop(0)
         out_smem = rest.pop(0) if c.split_k == 1 else None
         reduce_scratch = rest
-        mi, ni = tile_indices(p, lax.axis_index("mn"))
         wg = lax.axis_index("wg")
         gmem = [codes_gmem, x_gmem, s_gmem] + ([o_gmem] if p.has_offsets else [])
 
-        def store(acc, part):
+        def store(acc, part, mi, ni):
             n_start = ni * p.config.cta_rows + wg * c.rows_per_wg
             if c.split_k == 1:
-                store_tiles(p, acc, {"out": out_smem.at[wg]}, out_gmem, mi, n_start)
+                store_tiles(p, acc, {"out": out_smem.at[wg]}, out_gmem, mi, n_start, overlap=persistent)
                 return
             for w in range(num_wgs):  # each warpgroup sums its own columns with its own slabs
 
@@ -70,12 +79,12 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array]) -> jax.Array:
                     smem = {"split_k": split_k.warpgroup_slabs(reduce_scratch, w, num_wgs)}
                     store_tiles(p, acc, smem, out_gmem, mi, n_start, partition=part)
 
-        def compute_context(run_pipeline, part):
+        def compute_context(run_pipeline, tile, part):
             # Runs in the compute warpgroups only: the accumulators live in their registers.
             @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(acc_shape, jnp.float32))
             def _(acc_ref):
                 run_pipeline(acc_ref)
-                store(acc_ref[...], part)  # the load waits for the last WGMMA
+                store(acc_ref[...], part, *tile_indices(p, tile))
 
         def body(_, codes, x, s, *rest):
             *o, acc_ref = rest
@@ -83,27 +92,27 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array]) -> jax.Array:
             exact_weights_step(p, acc_ref, mine, x, s, o[0] if o else None, wg * c.rows_per_wg)
             return acc_ref
 
-        # Constant SMEM slots where they pay (pipeline.constant_slots), else Pallas' pipeline.
-        emit = (
-            pipeline.emit_pipeline_warp_specialized
-            if pipeline.constant_slots(c, p.group)
-            else plgpu.emit_pipeline_warp_specialized
-        )
         # One K partition: this CTA's own (split_k.py: all of them, in turn, when interpreting).
         for part in split_k.partitions(c.split_k):
             k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
-            emit(
+            pipeline.emit_pipeline_warp_specialized(
                 body,
                 grid=(p.steps_per_split,),
                 memory_registers=_MEMORY_REGISTERS,
-                in_specs=operand_specs(p, mi, ni, k_first, delay_release=1),
+                in_specs=lambda tile, k_first=k_first: operand_specs(
+                    p, *tile_indices(p, tile), k_first, delay_release=1
+                ),
                 wg_axis="wg",
                 num_compute_wgs=num_wgs,
                 max_concurrent_steps=c.max_concurrent_steps,
                 compute_context=functools.partial(compute_context, part=part),
+                output_tiles=output_tiles,
             )(*gmem)
         if c.split_k > 1:  # every warpgroup joins the cluster's barriers; the compute ones sum
+            mi, ni = tile_indices(p, lax.axis_index("mn"))
             reduce_split_k(p, reduce_scratch, out_gmem, mi, ni, wg=wg, wgs=num_wgs)
+        if persistent:  # the last y tile's store (the others were waited for before the next)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     out_type = jax.ShapeDtypeStruct(p.out_shape, p.out_dtype)
     if c.split_k == 1:
@@ -114,7 +123,7 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array]) -> jax.Array:
     call = plgpu.kernel(
         kernel,
         out_type=out_type,
-        grid=(p.m_tiles * p.n_tiles, *launch["grid_extra"]),
+        grid=(ctas, *launch["grid_extra"]),
         grid_names=("mn", *launch["grid_names_extra"]),
         cluster=launch["cluster"],
         cluster_names=launch["cluster_names"],
