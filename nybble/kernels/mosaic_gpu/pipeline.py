@@ -17,7 +17,7 @@ When ``slots`` does not divide the steps, the last round's missing steps are ski
                         common.exact_weights_step), then release step s - 1's slot (consumed: one arrival
                         per compute warpgroup). The release is one step late because a step leaves its
                         last WGMMA in flight, reading x from the slot; the last step's slot is released
-                        once its WGMMAs are done.
+                        once its WGMMAs are done in a persistent CTA (in a CTA of one tile, never).
 
 A persistent CTA (:class:`OutputTiles` with a count) runs these K steps once per output tile it owns, each
 tile from slot 0 again: the TMA warpgroup goes on to the next tile's first steps as soon as their slots
@@ -206,6 +206,7 @@ def emit_pipeline_warp_specialized(
     """
     slots, wgs = max_concurrent_steps, num_compute_wgs
     steps = _steps(grid, slots)
+    persistent = output_tiles.count is not None
     # After the pipeline every warpgroup returns to an even share, the launch's own, so that the code
     # after it (the split-K reduction, run by all warpgroups) is compiled for that many registers, not for
     # the TMA warpgroup's few (ptxas spilled there: 16-64 bytes in the X-ray at tiles=1, split_k=4).
@@ -233,10 +234,12 @@ def emit_pipeline_warp_specialized(
                         _fetch(gmem, specs, bufs, produced, step, slot)
 
                 output_tiles.run(tile_copies)
-                # Take each slot's last release, which nobody waited for, so that no arrival is left
-                # pending on a barrier when the scope ends.
-                for slot in range(min(slots, steps)):
-                    plgpu.barrier_wait(consumed.at[slot])
+                # Take the releases nobody waited for, so that no arrival is left pending on a barrier when
+                # the scope ends: each slot's last one (a persistent CTA), or those of steps - slots ..
+                # steps - 2 (the last step's slot is never released in a CTA of one tile).
+                last = range(min(slots, steps)) if persistent else range(max(0, steps - slots), steps - 1)
+                for step in last:
+                    plgpu.barrier_wait(consumed.at[step % slots])
                 plgpu.set_max_registers(even, action="increase")
 
             def run_pipeline(carry: Any) -> Any:
@@ -249,9 +252,10 @@ def emit_pipeline_warp_specialized(
                     )
 
                 _for_each_step(steps, slots, one)
-                # The last step's WGMMAs read x from its slot: release it once they are done.
-                plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(consumed.at[(steps - 1) % slots])
+                if persistent:  # the next tile reuses the slots: release the last step's once its WGMMAs
+                    # (which read x from it) are done
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(consumed.at[(steps - 1) % slots])
                 return carry
 
             def compute() -> None:
