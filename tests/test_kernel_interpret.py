@@ -403,6 +403,31 @@ def test_persistent_grid_exact(ctas, steps, slots, symmetric):
     _check(x, qw, config, exact=True)
 
 
+@pytest.mark.no_kernel  # the kernel is refused mid-run: no race verdict
+def test_persistent_grid_without_the_release_wait_is_refused(monkeypatch):
+    """The interpreter checks every barrier's phases: a TMA warpgroup that copies a later tile's first steps
+    without waiting for the compute warpgroups to release those slots (told that every tile is its CTA's
+    first) leaves barrier phases unobserved (whichever warpgroup notices first: one awaiting a phase the
+    barrier has passed, or the TMA warpgroup at the barrier's deallocation), and is refused."""
+
+    def every_tile_first(self, fn):
+        @plgpu.nd_loop((self.count,), collective_axes=self.axis)
+        def _(info):
+            fn(info.index[0], 0)
+
+    monkeypatch.setattr(pipeline.OutputTiles, "run", every_tile_first)
+    jax.clear_caches()
+    config = TuningConfig(
+        tiles=1, tile_m=8, tile_k=64, max_concurrent_steps=2, compute_wgs=2, persistent_ctas=3
+    )
+    rng = np.random.default_rng(31)
+    qw = exact_weight(rng, 192, 256, 64, True)
+    x = activations(rng, 21, 192, exact=True)
+    with pytest.raises(Exception, match=r"phase \d+, but barrier"):
+        _check(x, qw, config, exact=True)
+    jax.clear_caches()
+
+
 @pytest.mark.no_kernel  # heuristics and refusals: no kernel runs
 def test_persistent_grid_where_tiles_outnumber_sms():
     """The heuristics put the warp-specialized kernel on a persistent grid of one CTA per SM exactly when
