@@ -440,6 +440,13 @@ def test_persistent_grid_where_tiles_outnumber_sms():
             assert config.persistent_ctas == (sms if persistent else 0), (m, n, k, sms, config)
     assert heuristic_config(2048, 4096, 4096, 128).persistent_ctas == 132  # 256 tiles
     assert heuristic_config(128, 4096, 4096, 128).persistent_ctas == 0  # split-K over 128 CTAs
+    # Llama-3-8B kv at M = 128: 8 output tiles; K split 8 ways (16-row slabs) keeps 64 SMs streaming, not 32.
+    kv = heuristic_config(128, 1024, 4096, 128)
+    assert (kv.compute_wgs, kv.split_k, kv.persistent_ctas) == (2, 8, 0)
+    halved = dataclasses.replace(kv, split_k=4)
+    assert modeled_time_us(kv, 128, 1024, 4096, 128, True, 132) < 0.7 * modeled_time_us(
+        halved, 128, 1024, 4096, 128, True, 132
+    )
     for bad in (dict(compute_wgs=1), dict(compute_wgs=2, split_k=2, tile_m=32)):
         with pytest.raises(ValueError, match="persistent_ctas=4 needs the warp-specialized kernel"):
             TuningConfig(tiles=1, persistent_ctas=4, **bad)
@@ -456,7 +463,7 @@ def test_partial_last_group_exact(group):
     _check(x, qw, None, exact=True)
 
 
-# Explicit configs: tiles 1..4, tile_k 64..256, pipelines of 2..5 slots, split-K 1..3, several M tiles
+# Explicit configs: tiles 1..4, tile_k 64..256, pipelines of 2..5 slots, split-K 1..8, several M tiles
 # walked in planar-snake order (21 rows; bands of 2 leave a partial last band).
 @pytest.mark.parametrize(
     "config",
@@ -469,6 +476,8 @@ def test_partial_last_group_exact(group):
             tiles=2, tile_m=4, tile_k=64, slices=2, max_concurrent_steps=2, scales_on="accumulators"
         ),
         TuningConfig(tiles=2, tile_m=16, tile_k=128, max_concurrent_steps=3, split_k=2, compute_wgs=2),
+        # 16-row slabs: the narrowest split the warp-specialized kernel takes (Llama-3-8B kv at M = 128).
+        TuningConfig(tiles=1, tile_m=128, tile_k=64, max_concurrent_steps=3, split_k=8, compute_wgs=2),
         TuningConfig(tiles=1, tile_m=8, tile_k=64, max_concurrent_steps=4, compute_wgs=2, grid_tile_m=2),
     ],
     ids=lambda c: (

@@ -28,7 +28,8 @@ Families from :func:`heuristic_config`:
     (X-ray, Llama-3-8B q/o at M = 2048: 2.66 instructions per weight against 2.44 for two A tiles and
     128-wide M, so 0.55x the instructions per FLOP).
 Prefill launches with more output tiles than SMs run on a persistent grid of one CTA per SM
-(``persistent_ctas``). Either family may split K over ``split_k`` CTAs (2, 4 or 8 where tile_m allows)
+(``persistent_ctas``). Either family may split K over ``split_k`` CTAs (2, 4 or 8 where tile_m allows;
+prefill's 128-row tiles down to 16-row slabs, e.g. Llama-3-8B kv at M = 128: 8 output tiles, 64 CTAs)
 when the output tiles alone leave SMs idle: those CTAs form one thread-block cluster and sum their f32
 partials through distributed SMEM (split_k.py), so a split-K matmul is one launch like any other.
 """
@@ -423,7 +424,7 @@ def _candidate_shapes(
 ) -> Iterable[dict[str, object]]:
     if not decode:
         wgs = 2 if warp_specialized and n_pad % 128 == 0 else 1
-        for tiles, tile_k, split_k in itertools.product((2, 1), (128, 64), (1, 2, 4)):
+        for tiles, tile_k, split_k in itertools.product((2, 1), (128, 64), (1, 2, 4, 8)):
             if split_k > 1 and wgs > 1 and 128 // split_k > MAX_WS_SLAB_ROWS:
                 continue
             yield dict(
