@@ -17,7 +17,10 @@ BASELINE_PATH = Path(__file__).resolve().parents[1] / "xray_baseline.json"
 IPW_TOLERANCE = 0.03
 
 COLUMN_HELP = {
-    "config": "TuningConfig: A tiles, tile_m, tile_k, K slices, slots, split-K, warpgroups, scales on acc/wt",
+    "config": (
+        "TuningConfig: A tiles, tile_m, tile_k, K slices, slots, split-K, warpgroups, scales on acc/wt, "
+        "P: a persistent grid of that many CTAs"
+    ),
     "regs": "registers per thread (ptxas)",
     "spill": "spill bytes, stores + loads (ptxas)",
     "smem": "SMEM per CTA, KiB (Mosaic's scratch allocation)",
