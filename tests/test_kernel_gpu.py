@@ -178,12 +178,12 @@ _FAMILIES = {
         TuningConfig(tiles=1, tile_m=32, tile_k=64, max_concurrent_steps=2, split_k=4, grid_tile_m=1),
         13, 768, 128,
     ),
-    # Decode, split-K 2, scales on the accumulators.
-    "split2-acc": (
+    # Decode, split-K 4, scales on the accumulators: each CTA of the cluster sums 8 rows of one A tile.
+    "split4-acc": (
         TuningConfig(
-            tiles=2, tile_m=16, tile_k=128, max_concurrent_steps=2, split_k=2, scales_on="accumulators"
+            tiles=2, tile_m=16, tile_k=128, max_concurrent_steps=2, split_k=4, scales_on="accumulators"
         ),
-        5, 768, 256,
+        5, 1536, 256,
     ),
     # Prefill: warp-specialized, two compute warpgroups, 5 steps through 2 slots.
     "ws": (

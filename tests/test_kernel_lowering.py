@@ -10,6 +10,7 @@ first, are not lowered twice), plus the error paths on a CPU.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 
 import jax
@@ -28,6 +29,8 @@ from nybble.kernels.mosaic_gpu.config import (
     heuristic_cases,
     heuristic_config,
     smem_bytes,
+    split_k_shares,
+    splits_k,
 )
 from nybble.packing import padded_weight_dims
 from nybble.quant import QuantizedWeight, quantize, relayout
@@ -93,9 +96,11 @@ def _fold_class(key) -> tuple[bool, bool] | None:
 # Symmetric kernels that fold the bias are lowered once per fold class: their asymmetric twins are lowered
 # (or compiled) at every config, the fold's code once in each setting it meets.
 _FOLD_CLASSES: dict[tuple[bool, bool], object] = {}
+# (One whose asymmetric twin is neither lowered nor compiled is lowered itself: the rest of its code.)
 for _key in list(_CASES):
     _class = _fold_class(_key)
-    if _class is not None and _FOLD_CLASSES.setdefault(_class, _key) != _key:
+    _twin_covered = (_key[0], _key[1], False) in set(_CASES) | _GATE_KEYS
+    if _class is not None and _FOLD_CLASSES.setdefault(_class, _key) != _key and _twin_covered:
         del _CASES[_key]
 
 
@@ -199,12 +204,34 @@ def test_split_k_is_one_launch():
         assert "stablehlo.reduce" not in text and "f32" not in calls[0].split("->")[-1]
 
 
-def test_split_k_slabs():
-    """Each CTA of the cluster sums and stores whole 8-row slabs of y: tile_m / split_k, a multiple of 8."""
-    assert [split_k.slab_rows(*a) for a in ((64, 8), (128, 4), (16, 1), (16, 2))] == [8, 32, 16, 8]
-    for tile_m, parts in ((8, 2), (32, 8), (128, 3), (64, 0)):
-        with pytest.raises(ValueError, match="multiple of 8"):
-            split_k.slab_rows(tile_m, parts)
+def test_split_k_shares():
+    """Each CTA of the cluster sums and stores whole 8-row slabs of y: tile_m / split_k rows of every A
+    tile, or, where that would be fewer than 8, 8 rows of fewer A tiles; every slab exactly once."""
+    rows = [split_k.slab_rows(*a) for a in ((64, 8), (128, 4), (16, 1), (16, 2), (16, 4, 2))]
+    assert rows == [8, 32, 16, 8, 8]
+    assert split_k_shares(128, 4, 2) == [(32, q, 0, 2) for q in range(4)]  # rows 32q.. of both A tiles
+    # tile_m = 16, 4 CTAs, 2 A tiles: CTA q stores rows 8 (q // 2).. of A tile q % 2.
+    assert split_k_shares(16, 4, 2) == [(8, 0, 0, 1), (8, 0, 1, 1), (8, 1, 0, 1), (8, 1, 1, 1)]
+    for tile_m, parts, tiles in itertools.product((8, 16, 32, 64, 128), (2, 4, 8), (1, 2, 4)):
+        if not splits_k(tile_m, parts, tiles):
+            assert tiles * tile_m // 8 < parts
+            continue
+        covered = [
+            (r * rows + i, t) for rows, r, t0, count in split_k_shares(tile_m, parts, tiles)
+            for t in range(t0, t0 + count) for i in range(rows)
+        ]  # fmt: skip
+        assert sorted(covered) == sorted(itertools.product(range(tile_m), range(tiles)))
+    for tile_m, parts, tiles, rule in (
+        (8, 2, 1, "8-row slabs"),
+        (16, 8, 2, "8-row slabs"),
+        (32, 3, 1, "power of two"),
+        (12, 2, 2, "multiple of 8"),
+    ):
+        with pytest.raises(ValueError, match=rule):
+            split_k_shares(tile_m, parts, tiles)
+    for bad in (dict(tile_m=8, split_k=2, tiles=1), dict(tile_m=16, split_k=8, tiles=2), dict(split_k=3)):
+        with pytest.raises(ValueError, match=r"8-row slabs|power of two"):
+            TuningConfig(**bad)
 
 
 @pytest.mark.parametrize("m", [128, 4096])
@@ -292,8 +319,8 @@ def test_injected_bugs_are_off_unless_asked():
         (dict(split_k=0), "split_k=0"),
         (dict(split_k=9), "split_k=9"),
         (dict(tile_m=16, slices=2, split_k=2), "K slices or split-K"),
-        (dict(tile_m=8, split_k=2), "multiple of 8 \\* split_k"),
-        (dict(tile_m=128, split_k=3), "multiple of 8 \\* split_k"),
+        (dict(tile_m=8, split_k=2, tiles=1), "8-row slabs"),
+        (dict(tile_m=128, split_k=3), "power of two"),
         (dict(tile_m=128, split_k=2, compute_wgs=2), "slabs of at most 32 rows"),
         (dict(scales_on="x"), "scales_on"),
     ],

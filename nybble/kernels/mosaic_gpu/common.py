@@ -336,6 +336,7 @@ def reduce_split_k(
         m=p.m,
         tile_m=c.tile_m,
         tiles=c.tiles,
+        split_k=c.split_k,
         row0=mi * c.tile_m,
         col0=ni * c.cta_rows,
         wg=wg,

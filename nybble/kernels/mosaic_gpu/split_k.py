@@ -3,14 +3,15 @@ cluster.
 
 Each CTA of the cluster computes the f32 partial of its 1 / split_k of K. The partials never reach HBM:
 
-    1. every warpgroup stores its f32 accumulator into ``split_k`` slabs in its own SMEM: slab r holds y rows
-       [r, r + 1) * tile_m / split_k of the tile (accumulator columns: the batch M is WGMMA's N), one slab
-       per 64-row A tile;
+    1. every warpgroup stores its f32 accumulator into slabs in its own SMEM: slab r of an A tile holds
+       its y rows [r, r + 1) * rows, rows = max(8, tile_m / split_k) (accumulator columns: the batch M is
+       WGMMA's N);
     2. cluster barrier (:func:`cluster_sync`: every thread of every CTA, release / acquire at cluster
        scope): every partial is in SMEM and visible to the peers;
-    3. CTA r reads slab r of every CTA of the cluster through distributed shared memory
+    3. CTA q reads its share of the slabs (``config.split_k_shares``: y rows r * rows + [0, rows) of a
+       run of A tiles) from every CTA of the cluster through distributed shared memory
        (``plgpu.cluster_ref``), adds them in cluster order (CTA 0 first, in f32), rounds once to y's dtype
-       and TMA-stores those y rows: the CTAs share the reduction, 1 / split_k of the tile each;
+       and TMA-stores them: the CTAs share the reduction, 1 / split_k of the tile each;
     4. cluster barrier again: no CTA exits (freeing its SMEM) while a peer still reads it.
 
 The kernels call :func:`store_partial` from their epilogue (step 1) and :func:`reduce` once after it, in
@@ -19,7 +20,8 @@ slabs (the f32 tile) are kernel scratch; the y staging slab is allocated after t
 SMEM its stage buffers held.
 
 So split-K costs one launch, like split_k = 1, and no f32 partials in HBM. Slabs are whole rows of 8
-(WGMMA's N granule; hence tile_m must be a multiple of 8 * split_k) and each is its own SMEM allocation,
+(WGMMA's N granule): where tile_m / split_k would be fewer, a CTA's share is 8 rows of fewer A tiles
+(tile_m = 16, split_k = 4, tiles = 2: one A tile's 8 rows each). Each slab is its own SMEM allocation,
 stored and read through the same transposed view as the usual epilogue's tile: jax 0.11.2 cannot lower a
 peer reference to a *slice* of an SMEM buffer (the slice's offset is lost in the type). A cluster holds at
 most 8 CTAs portably, hence ``MAX_SPLIT_K`` = 8.
@@ -48,20 +50,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nybble.kernels.mosaic_gpu import faults
+from nybble.kernels.mosaic_gpu.config import split_k_shares
 from nybble.kernels.mosaic_gpu.interpret import active_params
 
 L = plgpu.Layout
 AXIS = "split"  # the cluster axis: the CTA's K partition
 
 
-def slab_rows(tile_m: int, split_k: int) -> int:
-    """y rows of one CTA's share of the reduction: tile_m / split_k, a multiple of 8."""
-    if split_k < 1 or tile_m % (8 * split_k):
-        raise ValueError(
-            f"split-K in a cluster needs tile_m={tile_m} to be a multiple of 8 * split_k = 8 * {split_k} "
-            "(each CTA of the cluster sums and stores whole 8-row slabs of the y tile)"
-        )
-    return tile_m // split_k
+def slab_rows(tile_m: int, split_k: int, tiles: int = 1) -> int:
+    """y rows of one slab: tile_m / split_k, at least 8 (``config.split_k_shares`` names the rules)."""
+    return split_k_shares(tile_m, split_k, tiles)[0][0]
+
+
+def _row_slabs(tile_m: int, split_k: int, tiles: int) -> int:
+    """Slabs per A tile: tile_m / slab rows."""
+    return tile_m // slab_rows(tile_m, split_k, tiles)
 
 
 def interpreting() -> bool:
@@ -82,20 +85,16 @@ def partitions(split_k: int) -> list[int | None]:
 
 
 def scratch_types(tile_m: int, split_k: int, tiles: int, wgs: int = 1) -> list[Any]:
-    """The slabs of ``wgs`` warpgroups of ``tiles`` 64-row A tiles, f32, each its own allocation: split_k
-    per A tile (times split_k partitions when interpreting), warpgroup by warpgroup. (The y staging slab is
-    allocated by :func:`reduce`, in the SMEM the pipeline has released.)"""
-    rows = slab_rows(tile_m, split_k)
-    return [plgpu.SMEM((rows, 64), jnp.float32) for _ in range(wgs * _slabs_per_wg(split_k, tiles))]
+    """The slabs of ``wgs`` warpgroups of ``tiles`` 64-row A tiles, f32, each its own allocation: the row
+    slabs of every A tile (times split_k partitions when interpreting), warpgroup by warpgroup. (The y
+    staging slab is allocated by :func:`reduce`, in the SMEM the pipeline has released.)"""
+    rows = slab_rows(tile_m, split_k, tiles)
+    return [plgpu.SMEM((rows, 64), jnp.float32) for _ in range(scratch_count(tile_m, split_k, tiles, wgs))]
 
 
-def _slabs_per_wg(split_k: int, tiles: int) -> int:
-    return len(partitions(split_k)) * tiles * split_k
-
-
-def scratch_count(split_k: int, tiles: int, wgs: int = 1) -> int:
+def scratch_count(tile_m: int, split_k: int, tiles: int, wgs: int = 1) -> int:
     """Refs :func:`scratch_types` allocates."""
-    return wgs * _slabs_per_wg(split_k, tiles)
+    return wgs * len(partitions(split_k)) * tiles * _row_slabs(tile_m, split_k, tiles)
 
 
 def warpgroup_slabs(scratch: list[Any], wg: int, wgs: int = 1) -> list[Any]:
@@ -121,19 +120,19 @@ def cluster_sync() -> None:
             llvm.inline_asm(ir.Type.parse("!llvm.void"), [], ptx, "", has_side_effects=True)
 
 
-def _slab(slabs: list[Any], partition: int | None, t: int, r: int, split_k: int, tiles: int) -> Any:
+def _slab(slabs: list[Any], partition: int | None, t: int, r: int, row_slabs: int, tiles: int) -> Any:
     """Slab r of A tile t of ``partition`` (None: this CTA's own, the only one on the GPU)."""
-    base = 0 if partition is None else partition * tiles * split_k
-    return slabs[base + t * split_k + r]
+    base = 0 if partition is None else partition * tiles * row_slabs
+    return slabs[base + t * row_slabs + r]
 
 
-def peer_slab(slabs: list[Any], q: int, t: int, r: int, split_k: int, tiles: int) -> jax.Array:
+def peer_slab(slabs: list[Any], q: int, t: int, r: int, row_slabs: int, tiles: int) -> jax.Array:
     """The (64, rows) f32 accumulator slab r of A tile t of cluster CTA ``q``: read through distributed SMEM
     on the GPU; when interpreting, partition q's own copy."""
     if interpreting():
-        slab = _slab(slabs, q, t, r, split_k, tiles)
+        slab = _slab(slabs, q, t, r, row_slabs, tiles)
         return plgpu.load(slab.T, layout=L.WGMMA_TRANSPOSED)
-    slab = _slab(slabs, None, t, r, split_k, tiles)
+    slab = _slab(slabs, None, t, r, row_slabs, tiles)
     # No layout named: the sum's store fixes it (common._row_values says why that lowers faster).
     return plgpu.load(plgpu.cluster_ref(slab, {AXIS: q}).T)
 
@@ -142,12 +141,12 @@ def store_partial(accs: list[Any], slabs: list[Any], partition: int | None) -> N
     """Step 1: the warpgroup's f32 accumulators (one (64, tile_m) per A tile) into its slabs."""
     tiles, (_, tile_m) = len(accs), accs[0].shape
     rows = slabs[0].shape[0]
-    split_k = tile_m // rows
+    row_slabs = tile_m // rows
     with jax.named_scope("split_k_store"):
         for t, acc in enumerate(accs):
-            for r in range(split_k):
+            for r in range(row_slabs):
                 part = acc[:, r * rows : (r + 1) * rows]
-                slab = _slab(slabs, partition, t, r, split_k, tiles)
+                slab = _slab(slabs, partition, t, r, row_slabs, tiles)
                 slab.T[...] = plgpu.layout_cast(part, L.WGMMA_TRANSPOSED)
 
 
@@ -158,6 +157,7 @@ def reduce(
     m: int,
     tile_m: int,
     tiles: int,
+    split_k: int,
     row0: Any,
     col0: Any,
     wg: Any = None,
@@ -171,16 +171,18 @@ def reduce(
     ``col0 + w * 64 * tiles + [0, 64 * tiles)`` of ``out_gmem`` (M, n); rows at or past ``m`` are not
     stored.
     """
-    rows = slabs[0].shape[0]
+    shares = split_k_shares(tile_m, split_k, tiles)
+    rows, _, _, share_tiles = shares[0]
 
     def scoped(y_stage: Any) -> None:
         cluster_sync()
         for w in range(wgs):
             mine = functools.partial(
-                _sum_slabs,
+                _sum_shares,
                 warpgroup_slabs(slabs, w, wgs),
                 y_stage.at[w],
                 out_gmem,
+                shares,
                 m=m,
                 tile_m=tile_m,
                 tiles=tiles,
@@ -194,34 +196,44 @@ def reduce(
         cluster_sync()
 
     with jax.named_scope("split_k_reduce"):
-        y_type = plgpu.SMEM((wgs, rows, 64 * tiles), out_gmem.dtype)
+        y_type = plgpu.SMEM((wgs, rows, 64 * share_tiles), out_gmem.dtype)
         pl.run_scoped(scoped, y_type, **({} if wg is None else {"collective_axes": "wg"}))
 
 
-def _sum_slabs(
-    slabs: list[Any], y_stage: Any, out_gmem: Any, *, m: int, tile_m: int, tiles: int, row0: Any, col0: Any
+def _sum_shares(
+    slabs: list[Any],
+    y_stage: Any,
+    out_gmem: Any,
+    shares: list[tuple[int, int, int, int]],
+    *,
+    m: int,
+    tile_m: int,
+    tiles: int,
+    row0: Any,
+    col0: Any,
 ) -> None:
-    """Step 3: this CTA's slab of y rows (every CTA's in turn when interpreting)."""
+    """Step 3: this CTA's share of the y tile (every CTA's in turn when interpreting)."""
+    split_k = len(shares)
     rows = y_stage.shape[0]
-    split_k = tile_m // rows
+    row_slabs = tile_m // rows
 
-    def sum_slab(r: int) -> None:
+    def sum_share(r: int, t0: int, count: int) -> None:
         summed = split_k - 1 if faults.injected() == "split-k-partial-sum" else split_k  # faults.py
-        for t in range(tiles):
-            total = peer_slab(slabs, 0, t, r, split_k, tiles)
+        for t in range(t0, t0 + count):
+            total = peer_slab(slabs, 0, t, r, row_slabs, tiles)
             for q in range(1, summed):
-                total = total + peer_slab(slabs, q, t, r, split_k, tiles)
-            y_stage.at[:, pl.ds(t * 64, 64)].T[...] = plgpu.layout_cast(
+                total = total + peer_slab(slabs, q, t, r, row_slabs, tiles)
+            y_stage.at[:, pl.ds((t - t0) * 64, 64)].T[...] = plgpu.layout_cast(
                 total.astype(y_stage.dtype), L.WGMMA_TRANSPOSED
             )
         plgpu.commit_smem()
         y0 = row0 + r * rows
-        plgpu.copy_smem_to_gmem(y_stage, out_gmem.at[pl.ds(y0, rows), pl.ds(col0, 64 * tiles)])
+        plgpu.copy_smem_to_gmem(y_stage, out_gmem.at[pl.ds(y0, rows), pl.ds(col0 + t0 * 64, 64 * count)])
         plgpu.wait_smem_to_gmem(0)
 
     me = None if interpreting() else lax.axis_index(AXIS)
-    for r in range(split_k):
+    for q, (_, r, t0, count) in enumerate(shares):
         mine = row0 + r * rows < m
         if me is not None:
-            mine = mine & (me == r)
-        pl.when(mine)(lambda r=r: sum_slab(r))
+            mine = mine & (me == q)
+        pl.when(mine)(lambda r=r, t0=t0, count=count: sum_share(r, t0, count))

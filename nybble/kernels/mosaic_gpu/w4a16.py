@@ -235,7 +235,7 @@ def _scratch_layout(p: Problem) -> list[tuple[str, int | None]]:
     if c.scales_on == "accumulators":
         layout.append(("const", None))
     if c.split_k > 1:
-        layout.append(("split_k", split_k.scratch_count(c.split_k, c.tiles)))
+        layout.append(("split_k", split_k.scratch_count(c.tile_m, c.split_k, c.tiles)))
     return layout
 
 
