@@ -201,7 +201,7 @@ class TuningConfig:
             raise ValueError(f"scales_on='accumulators' needs groups of a multiple of 64, got {group}")
 
 
-def split_k_shares(tile_m: int, split_k: int, tiles: int) -> list[tuple[int, int, int]]:
+def split_k_shares(tile_m: int, split_k: int, tiles: int) -> list[tuple[int, int, int, int]]:
     """How the ``split_k`` CTAs of a cluster share the reduction of one output tile (split_k.py): CTA q
     sums and stores (rows, row slab, first A tile, A tiles) ``shares[q]``, whole 8-row slabs of y.
 
@@ -471,9 +471,9 @@ def _fewer_instructions_nearly_as_fast(
     (0.13 us, 2.0%) is all that separates two A tiles on four CTAs per output tile (X-ray: 1.82 instructions
     per weight) from one A tile with two K slices (2.17), over 6.6 us of streaming; at gate-up (2.0%) two A
     tiles on two CTAs (1.78) from one A tile (2.06); the estimate of instructions undercounts the one-A-tile
-    kernels by ~0.1 there, so the tie allows 3%. Accumulator-route
-    tiles stay within 32 f32 accumulator columns a thread (tiles * WGMMA N <= 32: four A tiles at N = 16
-    spill 32 bytes in the X-ray)."""
+    kernels by ~0.1 there, so the tie allows 3%. Accumulator-route tiles stay within tiles * WGMMA N <= 32
+    (four A tiles at N = 16 split 8 ways spill 32 bytes in the X-ray; split 4 ways they do not, and two A
+    tiles at N = 32 split 8 ways do not either: a finer rule needs more such data)."""
     (_, _, hidden, neg_ipw, *_), _ = best
     found = best
     for t, rank, config in scored:
