@@ -474,15 +474,17 @@ def _fewer_instructions_nearly_as_fast(
     kernels by ~0.1 there, so the tie allows 3%. Accumulator-route tiles stay within tiles * WGMMA N <= 32
     (four A tiles at N = 16 split 8 ways spill 32 bytes in the X-ray; split 4 ways they do not, and two A
     tiles at N = 32 split 8 ways do not either: a finer rule needs more such data)."""
-    (_, _, hidden, neg_ipw, *_), _ = best
+    # Ranks are (issue, tensor, hidden, -instructions per weight, tiles, tile_k, steps): heuristic_config.
+    (_, _, best_hidden, best_neg_ipw, *_), _ = best
     found = best
     for t, rank, config in scored:
+        _, _, hidden, neg_ipw, *_ = rank
         fits = config.scales_on == "accumulators" and config.tiles * config.wgmma_n <= 32
         if (
             fits
             and t <= fastest * (1 + DECODE_TIE)
-            and rank[2] >= hidden
-            and -rank[3] <= -neg_ipw - DECODE_IPW_GAIN
+            and hidden >= best_hidden
+            and neg_ipw >= best_neg_ipw + DECODE_IPW_GAIN
             and rank > found[0]
         ):
             found = (rank, config)
