@@ -31,6 +31,7 @@ from nybble.kernels.mosaic_gpu.config import (
     smem_bytes,
     split_k_shares,
     splits_k,
+    wgmma_k,
 )
 from nybble.packing import padded_weight_dims
 from nybble.quant import QuantizedWeight, quantize, relayout
@@ -259,15 +260,17 @@ def test_over_budget_config_fails_to_lower():
 
 
 def test_smem_bytes_by_hand():
-    """Stage buffers x slots + the ones tile + the epilogue, counted by hand for one config of each family;
-    the budget's edge found by adding a slot."""
+    """Stage buffers x slots + the constant tile + the epilogue, counted by hand for one config of each
+    family; the budget's edge found by adding a slot."""
     decode = TuningConfig(
         tiles=2, tile_m=1, tile_k=256, slices=8, max_concurrent_steps=2, scales_on="accumulators"
     )
     # codes 2 A tiles x 64 x 256 / 2 B + x 8 x 256 x 2 B + scale and offset rows 8 slices x 2 rows x 16
-    # CTA rows x 2 B x 2, two slots; the ones tile 64 x 64 x 2 B; the slice sum's f32 accumulators
-    # 2 x 64 x 8 x 4 B and the y tile 1 x 16 x 2 B.
-    assert smem_bytes(decode, group=128, has_offsets=True) == (16384 + 4096 + 1024) * 2 + 8192 + 4096 + 32
+    # CTA rows x 2 B x 2, two slots; the ones tile 64 x 128 x 2 B (one WGMMA call's K: a group of 128);
+    # the slice sum's f32 accumulators 2 x 64 x 8 x 4 B and the y tile 1 x 16 x 2 B.
+    assert smem_bytes(decode, group=128, has_offsets=True) == (16384 + 4096 + 1024) * 2 + 16384 + 4096 + 32
+    # Groups of 64: the ones tile is one chunk wide, 64 x 64 x 2 B.
+    assert smem_bytes(decode, group=64, has_offsets=True) == (16384 + 4096 + 2048) * 2 + 8192 + 4096 + 32
     prefill = TuningConfig(tiles=2, tile_m=128, tile_k=128, max_concurrent_steps=3, compute_wgs=2)
     # A CTA covers 256 rows of N: codes 4 A tiles x 64 x 128 / 2 B + x 128 x 128 x 2 B + 4 scale rows
     # (g32) x 256 x 4 B (f32 scales), 3 slots; the bf16 y tile 128 x 256 x 2 B. 225,280 B + 1 KiB slack
@@ -281,6 +284,19 @@ def test_smem_bytes_by_hand():
     # codes 64 x 256 / 2 B + x 64 x 256 x 2 B + 2 scale rows x 64 x 2 B, two slots; the f32 partial in
     # 8 slabs, 64 x 64 x 4 B; the bf16 y slab (8 x 64 x 2 B) reuses the slots' SMEM (split_k.py).
     assert smem_bytes(split, group=128, has_offsets=False) == (8192 + 32768 + 256) * 2 + 16384
+
+
+def test_wgmma_call_widths():
+    """One WGMMA call covers two 64-wide chunks where that pays in the X-ray (config.wgmma_k): never past a
+    step, nor past a group on the accumulator route; one chunk in the warp-specialized kernel and for exact
+    weights against a WGMMA N over 64."""
+    acc = TuningConfig(tiles=1, tile_m=16, tile_k=256, slices=2, scales_on="accumulators")
+    assert [wgmma_k(acc, g) for g in (64, 128, 256, 4096)] == [64, 128, 128, 128]
+    assert wgmma_k(dataclasses.replace(acc, tile_k=64), 128) == 64
+    exact = TuningConfig(tiles=1, tile_m=64, tile_k=256)
+    assert [wgmma_k(exact, g) for g in (16, 32, 128)] == [128, 128, 128]  # groups within a call: fine
+    assert wgmma_k(dataclasses.replace(exact, tile_m=128), 128) == 64
+    assert wgmma_k(TuningConfig(tiles=1, tile_m=128, tile_k=128, compute_wgs=2), 128) == 64
 
 
 def test_injected_bugs_are_off_unless_asked():

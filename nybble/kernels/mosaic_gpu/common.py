@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nybble.kernels.mosaic_gpu import faults, split_k
-from nybble.kernels.mosaic_gpu.config import CHUNK_K, TuningConfig, scale_rows_per_step
+from nybble.kernels.mosaic_gpu.config import CHUNK_K, TuningConfig, scale_rows_per_step, wgmma_k
 from nybble.kernels.mosaic_gpu.config import folds_bias as config_folds_bias
 from nybble.kernels.mosaic_gpu.fragments import BIAS, dequantize_chunk, slot_rows, sum_slices
 
@@ -214,6 +214,11 @@ def _tiles_chunk(p: Problem, codes: Any, k0: int, *, exact: bool, scale: Any = N
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
 
+def _wide_operand(chunks: list[Any]) -> Any:
+    """The A operand of one WGMMA call (``config.wgmma_k``): its 64-wide chunks side by side along K."""
+    return chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks, axis=1)
+
+
 def exact_weights_step(
     p: Problem, acc_ref: Any, codes: Any, x: Any, scales: Any, offsets: Any, row0: Any
 ) -> None:
@@ -234,11 +239,17 @@ def exact_weights_step(
             parts.append(w)
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
-    for k0 in range(0, p.config.tile_k, CHUNK_K):
+    width = wgmma_k(p.config, p.group)
+    for k1 in range(0, p.config.tile_k, width):
         with jax.named_scope("dequant"):
-            w = _tiles_chunk(p, codes, k0, exact=True, scale=lambda t, q, k0=k0: scale(t, q, k0))
+            w = _wide_operand(
+                [
+                    _tiles_chunk(p, codes, k0, exact=True, scale=lambda t, q, k0=k0: scale(t, q, k0))
+                    for k0 in range(k1, k1 + width, CHUNK_K)
+                ]
+            )
         with jax.named_scope("wgmma"):
-            plgpu.wgmma(acc_ref, w, x.at[:, pl.ds(k0, CHUNK_K)].T)
+            plgpu.wgmma(acc_ref, w, x.at[:, pl.ds(k1, width)].T)
             plgpu.wgmma_wait(1)
     # Orders this step's SMEM reads before the slots are refilled by TMA (the async proxy).
     plgpu.commit_smem()
@@ -268,6 +279,7 @@ def scaled_accumulators_step(
     """
     c = p.config
     span = min(c.tile_k, p.group)  # K of one accumulator: a group, or the step when groups span steps
+    width = wgmma_k(c, p.group)  # K of one WGMMA call, and of the constant tile
     bias = float(BIAS[jnp.dtype(p.dtype).name])
     rows = 64 * c.tiles
     shape = (rows, c.wgmma_n)
@@ -276,11 +288,13 @@ def scaled_accumulators_step(
         g = g0 // p.group if p.group < c.tile_k else 0
 
         def chunks(acc, xs, g0=g0):
-            for k0 in range(g0, g0 + span, CHUNK_K):
-                xk = x.at[:, pl.ds(k0, CHUNK_K)].T
+            for k1 in range(g0, g0 + span, width):
+                xk = x.at[:, pl.ds(k1, width)].T
                 plgpu.wgmma(acc if fold else xs, const, xk)
                 with jax.named_scope("dequant"):
-                    a = _tiles_chunk(p, codes, k0, exact=False)
+                    a = _wide_operand(
+                        [_tiles_chunk(p, codes, k0, exact=False) for k0 in range(k1, k1 + width, CHUNK_K)]
+                    )
                 plgpu.wgmma(acc, a, xk)
                 plgpu.wgmma_wait(1)
 

@@ -60,6 +60,10 @@ TILES_CHOICES = (1, 2, 4)
 TILE_K_CHOICES = (64, 128, 256)
 SLICES_CHOICES = (1, 2, 4, 8)
 CHUNK_K = 64  # one dequantization chunk: 64 x 64 codes, 8 bands x 64 words
+# K of one WGMMA call: two chunks are dequantized, then multiplied by one call, so Mosaic derives the x
+# tile's SMEM descriptor once for 8 HGMMAs instead of once for 4 (X-ray, Llama-3-8B q/o at M = 16: 269 ->
+# 253 instructions a step; gate-up at M = 8, four A tiles: 756 -> 736, 254 registers, no spill).
+WGMMA_K = 128
 MAX_SPLIT_K = 8  # the split_k CTAs of one output tile form a cluster: 8 is the portable maximum
 # y rows one CTA of a warp-specialized split-K cluster sums (tile_m / split_k): 64 spill 32 bytes (X-ray).
 MAX_WS_SLAB_ROWS = 32
@@ -252,10 +256,23 @@ def scale_rows_per_step(config: TuningConfig, group: int) -> int:
     return max(1, config.tile_k // group)
 
 
+def wgmma_k(config: TuningConfig, group: int) -> int:
+    """K one WGMMA call covers: :data:`WGMMA_K`, or the step's K, or on the accumulator route a group's
+    (each group has its own accumulator), where that is less. Calls stay one chunk wide where the wider
+    A operand costs ptxas more than it saves (X-ray, instructions per weight): in the warp-specialized
+    kernel, 168 registers a thread (Llama-3-70B gate-up at M = 128, two A tiles: 2.58 -> 2.72), and for
+    exact weights against a 128-wide accumulator (SmolLM2-135M down at M = 2048: 3.46 -> 3.60)."""
+    if config.compute_wgs > 1 or (config.scales_on == "weights" and config.wgmma_n > 64):
+        return CHUNK_K
+    span = config.tile_k if config.scales_on == "weights" else min(config.tile_k, group)
+    return min(WGMMA_K, span)
+
+
 def smem_bytes(
     config: TuningConfig, *, group: int, has_offsets: bool, act_bytes: int = 2, scale_bytes: int = 2
 ) -> int:
-    """SMEM one CTA allocates: the pipeline's stage buffers, the ones tile, the epilogue's staging."""
+    """SMEM one CTA allocates: the pipeline's stage buffers, the constant tile (64 x :func:`wgmma_k`),
+    the epilogue's staging."""
     rows = scale_rows_per_step(config, group)
     a_tiles = config.tiles * config.compute_wgs
     per_stage = (
@@ -263,7 +280,7 @@ def smem_bytes(
         + config.wgmma_n * config.tile_k * act_bytes  # activations
         + config.slices * rows * config.cta_rows * scale_bytes * (2 if has_offsets else 1)
     )
-    ones = 64 * CHUNK_K * 2 if config.scales_on == "accumulators" else 0
+    ones = 64 * wgmma_k(config, group) * act_bytes if config.scales_on == "accumulators" else 0
     if config.slices > 1:  # f32 accumulators staged for the slice sum, and the y tile
         epilogue = a_tiles * 64 * config.wgmma_n * 4 + config.tile_m * config.cta_rows * act_bytes
     elif config.split_k > 1:

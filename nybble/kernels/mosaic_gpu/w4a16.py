@@ -15,9 +15,11 @@ SM's register file, one CTA per SM. Without, the compute warpgroup refills each 
         TMA  codes (tiles, 8, tile_k) words  (wgmma_int4: each lane's fragment in one 8-byte word pair)
         TMA  x     (S * tile_m, tile_k)       (x viewed as (M * S, K / S); rows past M * S zero-filled)
         TMA  scale / offset rows               (per slice)
-        for each 64-wide K chunk and A tile:   LDS.64, 3 SHF + 4 LOP3 per 8 weights, WGMMA
+        for each 64-wide K chunk and A tile:   LDS.64, 3 SHF + 4 LOP3 per 8 weights
+        for each WGMMA K (config.wgmma_k: two chunks, one group at most): one WGMMA call, so the x
+            tile's descriptor is derived once for 8 HGMMAs
             scales_on="accumulators": 136 + q straight into a per-group f32 accumulator; one more WGMMA
-                per chunk with a constant A tile: -136 (symmetric, one A tile: the bias folded into acc,
+                call with a constant A tile: -136 (symmetric, one A tile: the bias folded into acc,
                 per group y += s acc) or ones (the group's sum of x: y += s (acc - 136 sum x) + o sum x)
             scales_on="weights": q exact (one more bf16x2 subtract), w = q * s (+ o) in bf16
     epilogue: accumulators -> SMEM -> (S > 1: sum of the slices; split-K: sum of the cluster's
@@ -48,7 +50,7 @@ from nybble.kernels.mosaic_gpu.common import (
     store_tiles,
     tile_indices,
 )
-from nybble.kernels.mosaic_gpu.config import CHUNK_K
+from nybble.kernels.mosaic_gpu.config import CHUNK_K, wgmma_k
 from nybble.kernels.mosaic_gpu.interpret import active_params
 
 # Registers per thread the producer warpgroup keeps (it only issues copies); the compute one takes the rest.
@@ -84,7 +86,7 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array]) -> jax.Array:
             return
         if deferred:
             const = scratch["const"]
-            const[...] = plgpu.layout_cast(jnp.full((64, CHUNK_K), constant_value(p), p.dtype), L.WGMMA)
+            const[...] = plgpu.layout_cast(jnp.full(_const_shape(p), constant_value(p), p.dtype), L.WGMMA)
             plgpu.commit_smem()
         # One K partition: this CTA's own (split_k.py: all of them, in turn, when interpreting).
         for part in split_k.partitions(c.split_k):
@@ -197,7 +199,7 @@ def _with_producer(p: Problem, gmem: list[Any], scratch: dict[str, Any], out_gme
             return
 
         def compute(run_pipeline: Any) -> None:  # warpgroup 0 only
-            const[...] = plgpu.layout_cast(jnp.full((64, CHUNK_K), constant_value(p), p.dtype), L.WGMMA)
+            const[...] = plgpu.layout_cast(jnp.full(_const_shape(p), constant_value(p), p.dtype), L.WGMMA)
             plgpu.commit_smem()
             store(run_pipeline(plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), L.WGMMA)))
 
@@ -214,13 +216,18 @@ def _with_producer(p: Problem, gmem: list[Any], scratch: dict[str, Any], out_gme
         reduce_split_k(p, scratch["split_k"], out_gmem, mi, ni, wg=lax.axis_index("wg"), wgs=1)
 
 
+def _const_shape(p: Problem) -> tuple[int, int]:
+    """The accumulator route's constant A tile: 64 rows, one WGMMA call's K."""
+    return (64, wgmma_k(p.config, p.group))
+
+
 def _scratch_types(p: Problem) -> list:
     c = p.config
     types = [plgpu.SMEM((c.tile_m, c.rows_per_wg), p.out_dtype)] if c.split_k == 1 else []
     if c.slices > 1:
         types.append(plgpu.SMEM((c.tiles, 64, c.wgmma_n), jnp.float32))
     if c.scales_on == "accumulators":
-        types.append(plgpu.SMEM((64, CHUNK_K), p.dtype, transforms=_smem_swizzle(p.dtype)))
+        types.append(plgpu.SMEM(_const_shape(p), p.dtype, transforms=_smem_swizzle(p.dtype)))
     if c.split_k > 1:
         types += split_k.scratch_types(c.tile_m, c.split_k, c.tiles)
     return types
