@@ -323,7 +323,7 @@ def estimated_instructions_per_weight(
     each step costs ~100 instructions of barriers, descriptors and TMA, and ~2 per HGMMA; with a producer
     warpgroup issuing the TMA, or when nothing ``refills`` a slot (every step has its own and all copies go
     out before the first), ~56 and ~1.1 per HGMMA, ~18 more with offsets on the accumulator route, for WGMMA
-    calls two chunks wide (:func:`wgmma_k`; ~6.6 more per call of one chunk); in the warp-specialized
+    calls two chunks wide (:func:`wgmma_k`; ~8 more per call of one chunk); in the warp-specialized
     kernel, whose pipeline has constant slots (pipeline.py), ~15 and ~2.5 per HGMMA. Against the X-ray of
     the 82 decode picks of the Llama-3 shapes and two squares at M = 1-64 (g128, both routes), the estimate
     is off by 0.06 instructions per weight (rms), 0.14 at most (it was 0.32 and 0.85 before this fit).
@@ -334,9 +334,10 @@ def estimated_instructions_per_weight(
     if c.compute_wgs > 1:
         per_step = 15 + 2.5 * hgmmas
     elif c.producer or not refills:
-        # Fitted to the X-ray of the accumulator route's decode picks (70 cases, M <= 64, two calls saved a
-        # step in all): ~56 a step and ~1.1 an HGMMA, ~18 more with offsets; ~6.6 a WGMMA call saved.
-        per_step = 69 + 1.1 * hgmmas - 6.6 * (c.tile_k // CHUNK_K - c.tile_k // wgmma_k(c, group))
+        # Fitted to the X-ray of the accumulator route's decode picks (70 cases, M <= 64, all with two
+        # calls saved a step): ~56 a step and ~1.1 an HGMMA, ~18 more with offsets; a call saved by
+        # two-chunk calls is ~8 (measured apart: Llama-3-8B q/o at M = 16, 269 -> 253 a step).
+        per_step = 72 + 1.1 * hgmmas - 8 * (c.tile_k // CHUNK_K - c.tile_k // wgmma_k(c, group))
         per_step += 18 if has_offsets and c.scales_on == "accumulators" else 0
     else:
         per_step = 100 + 2 * hgmmas
