@@ -296,7 +296,8 @@ def scaled_accumulators_step(
                         [_tiles_chunk(p, codes, k0, exact=False) for k0 in range(k1, k1 + width, CHUNK_K)]
                     )
                 plgpu.wgmma(acc, a, xk)
-                plgpu.wgmma_wait(1)
+                if k1 + width < g0 + span:  # the group's last call is awaited by reading its accumulators
+                    plgpu.wgmma_wait(1)
 
         s = jnp.concatenate([_row_values(p, scales, g, t, 0, jnp.float32) for t in range(c.tiles)])
         if fold:
@@ -312,7 +313,8 @@ def scaled_accumulators_step(
 
         def group(acc, xs):
             chunks(acc, xs)
-            return acc[...], xs[...]
+            # One wait for both: every WGMMA of the group is done once the first read returns.
+            return plgpu.wgmma_accumulator_load(acc), plgpu.wgmma_accumulator_load(xs, wait_n=None)
 
         acc, xsum = pl.run_scoped(
             group, plgpu.ACC(shape, jnp.float32), plgpu.ACC((64, c.wgmma_n), jnp.float32)
