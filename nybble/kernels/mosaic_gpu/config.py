@@ -20,7 +20,8 @@ Families from :func:`heuristic_config`:
     loses the copies' ~60 instructions a step (X-ray, Llama-3-8B down at M = 16: 2.66 -> 2.17
     instructions per weight) and TMA runs the whole pipeline ahead; the CTA then holds the SM's register
     file, one per SM. Where every step has a slot, all copies go out up front and no producer is needed;
-    small CTAs may then run two per SM;
+    small CTAs may then run two per SM. On the accumulator route with groups of >= 128 a step may be
+    512 deep (``WIDE_STEP_K``), which halves the step's fixed cost per weight;
   * prefill (M > 64): warp-specialized, a TMA warpgroup feeding two compute warpgroups that share each x
     tile, 128- or 256-wide WGMMA N. Where the model's times tie (the tensor cores bound every candidate),
     the one issuing least wins: from M ~ 1024 (and at M = 256 of the widest N) that is
@@ -57,7 +58,11 @@ SMEM_PER_SM_BYTES = 233472
 _SMEM_SLACK_BYTES = 1024
 TILE_M_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TILES_CHOICES = (1, 2, 4)
-TILE_K_CHOICES = (64, 128, 256)
+TILE_K_CHOICES = (64, 128, 256, 512)
+# 512-deep steps halve a decode step's fixed cost per weight (barrier wait, slot bookkeeping, the end-of-step
+# fence; X-ray, Llama-3-8B down at M = 32: 2.03 -> 1.90 instructions per weight) on the accumulator route
+# of the one-warpgroup kernel, the only one they are compiled and interpreted for.
+WIDE_STEP_K = 512
 SLICES_CHOICES = (1, 2, 4, 8)
 CHUNK_K = 64  # one dequantization chunk: 64 x 64 codes, 8 bands x 64 words
 # K of one WGMMA call: two chunks are dequantized, then multiplied by one call, so Mosaic derives the x
@@ -139,6 +144,12 @@ class TuningConfig:
             raise ValueError(
                 "TuningConfig: producer=True is the one-warpgroup kernel's (compute_wgs=1), got "
                 f"compute_wgs={self.compute_wgs} (compute_wgs=2 has a producer already)"
+            )
+        if self.tile_k == WIDE_STEP_K and (self.scales_on != "accumulators" or self.compute_wgs > 1):
+            raise ValueError(
+                f"TuningConfig: tile_k={WIDE_STEP_K} runs on the accumulator route of the one-warpgroup "
+                f"kernel (scales_on='accumulators', compute_wgs=1), got scales_on={self.scales_on!r}, "
+                f"compute_wgs={self.compute_wgs}: use tile_k <= 256"
             )
         if self.persistent_ctas < 0:
             raise ValueError(f"TuningConfig: persistent_ctas={self.persistent_ctas} must be >= 0 (0: off)")
@@ -334,11 +345,11 @@ def estimated_instructions_per_weight(
     if c.compute_wgs > 1:
         per_step = 15 + 2.5 * hgmmas
     elif c.producer or not refills:
-        # Fitted to the X-ray of the accumulator route's decode picks (70 cases, M <= 64, all with two
-        # calls saved a step): ~56 a step and ~1.1 an HGMMA, ~18 more with offsets; a call saved by
-        # two-chunk calls is ~8 (measured apart: Llama-3-8B q/o at M = 16, 269 -> 253 a step).
-        per_step = 72 + 1.1 * hgmmas - 8 * (c.tile_k // CHUNK_K - c.tile_k // wgmma_k(c, group))
-        per_step += 18 if has_offsets and c.scales_on == "accumulators" else 0
+        # Fitted to the X-ray of the accumulator route's decode picks (70 cases, M <= 64, two WGMMA calls a
+        # step): ~40 a step, ~8 a call (its descriptor; measured apart, Llama-3-8B q/o at M = 16: 269 ->
+        # 253 a step for two calls fewer), ~9 more a call with offsets, ~1.1 an HGMMA.
+        calls = c.tile_k // wgmma_k(c, group)
+        per_step = 40 + (17 if has_offsets and c.scales_on == "accumulators" else 8) * calls + 1.1 * hgmmas
     else:
         per_step = 100 + 2 * hgmmas
     ipw = 0.875 + 0.125 + per_step / per_thread_step
@@ -469,7 +480,7 @@ def heuristic_config(
             # M tile halves it per FLOP), then to less tensor-core time (no WGMMA columns wasted on padding).
             issue = 0.0 if decode else -round(times["issue"], 2)
             tensor = 0.0 if decode else -round(times["tensor"], 2)
-            rank = (hidden, -round(ipw, 1), config.tiles, config.tile_k, steps)
+            rank = (hidden, -round(ipw, 1), config.tiles, config.tile_k, steps, -ipw)
             scored.append((t, (issue, tensor, *rank), config))
     if not scored:
         raise ValueError(
@@ -501,11 +512,12 @@ def _fewer_instructions_nearly_as_fast(
     kernels by ~0.1 there, so the tie allows 3%. Accumulator-route tiles stay within tiles * WGMMA N <= 32
     (four A tiles at N = 16 split 8 ways spill 32 bytes in the X-ray; split 4 ways they do not, and two A
     tiles at N = 32 split 8 ways do not either: a finer rule needs more such data)."""
-    # Ranks are (issue, tensor, hidden, -instructions per weight, tiles, tile_k, steps): heuristic_config.
-    (_, _, best_hidden, best_neg_ipw, *_), _ = best
+    # Ranks are (issue, tensor, hidden, -instructions per weight to 0.1, tiles, tile_k, steps, -instructions
+    # per weight): heuristic_config. The gain is measured on the unrounded estimates.
+    (_, _, best_hidden, *_, best_neg_ipw), _ = best
     found = best
     for t, rank, config in scored:
-        _, _, hidden, neg_ipw, *_ = rank
+        _, _, hidden, *_, neg_ipw = rank
         fits = config.scales_on == "accumulators" and config.tiles * config.wgmma_n <= 32
         if (
             fits
@@ -557,6 +569,12 @@ def _candidate_shapes(
             continue
         wgmma_n = slices * t_m
         scales_on = "accumulators" if group % CHUNK_K == 0 and wgmma_n <= 32 else "weights"
+        if tile_k == WIDE_STEP_K and (
+            scales_on != "accumulators" or group < 2 * CHUNK_K or tiles > 2 or slices > 4
+        ):
+            # At most 4 groups a step. Four A tiles spill (X-ray: 24-72 bytes at M = 1 and 8), and with
+            # 8 K slices a step of 512 issues more than two of 256 (Llama-3-8B q/o at M = 1: 1.61 -> 1.63).
+            continue
         shape = dict(
             tiles=tiles, tile_m=t_m, tile_k=tile_k, slices=slices, split_k=split_k, scales_on=scales_on
         )
