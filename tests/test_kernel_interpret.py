@@ -701,10 +701,10 @@ def _distinct_heuristic_configs() -> list[tuple[TuningConfig, int | None, bool]]
 
 
 # Interpret mode checks the numbers of every config the heuristics can choose, on the smallest problem
-# with that config's structure: two CTA columns of N, two K steps per split, M filling the WGMMA's N
-# (two M tiles, the last one partial, without K slices); a persistent grid on 3 CTAs. (Production shapes
-# would take minutes each in interpret mode; their lowering is checked in test_kernel_lowering.py and their
-# SASS in test_xray.py.)
+# with that config's structure: one CTA column of N (several columns: the other tests here), two K steps
+# per split, M filling the WGMMA's N (two M tiles, the last one partial, without K slices); a persistent
+# grid runs 4 output tiles on 3 CTAs. (Production shapes would take minutes each in interpret mode; their
+# lowering is checked in test_kernel_lowering.py and their SASS in test_xray.py.)
 @pytest.mark.parametrize(
     "config, group, symmetric",
     _distinct_heuristic_configs(),
@@ -721,7 +721,7 @@ def test_every_heuristic_config_in_interpret_mode(config, group, symmetric):
     k = config.k_span() * config.split_k * 2
     if group is not None and group > k:
         k = group * config.split_k
-    n = config.cta_rows * 2
+    n = config.cta_rows * (2 if config.persistent_ctas else 1)
     m = config.tile_m if config.slices > 1 else 2 * config.tile_m - 3
     rng = np.random.default_rng(k + n + m)
     qw = random_weight(rng, k, n, group, symmetric)

@@ -222,6 +222,12 @@ def dequantize(qw: QuantizedWeight, dtype: Any = jnp.float32, *, padded: bool = 
     """
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"dequantize expects a QuantizedWeight, got {type(qw).__name__}")
+    return _dequantize(qw, dtype=np.dtype(dtype), padded=padded)
+
+
+# One XLA program per weight structure and dtype (eagerly, not a compile per jnp operation).
+@functools.partial(jax.jit, static_argnames=("dtype", "padded"))
+def _dequantize(qw: QuantizedWeight, *, dtype: np.dtype, padded: bool) -> jax.Array:
     w = scale_codes(qw.logical_codes(), qw).astype(dtype)
     if padded:
         return w

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -71,6 +72,24 @@ def quantize(
     check_weight(w)
     check_group_size(group_size)
     check_scale_dtype(scale_dtype)
+    return _quantize(
+        w,
+        group_size=group_size,
+        symmetric=symmetric,
+        scale_dtype=scale_dtype,
+        layout=layout,
+        clip_search=clip_search,
+    )
+
+
+# One XLA program per (shape, dtype, settings), not one per jnp operation: called eagerly, ``quantize``
+# compiles once per weight shape instead of some thirty times (and runs as one fused program).
+@functools.partial(
+    jax.jit, static_argnames=("group_size", "symmetric", "scale_dtype", "layout", "clip_search")
+)
+def _quantize(
+    w: Any, *, group_size: int | None, symmetric: bool, scale_dtype: Any, layout: str, clip_search: bool
+) -> QuantizedWeight:
     k, n = w.shape
     k_pad, n_pad = padded_weight_dims(k, n)
     g, ng = group_rows(k_pad, group_size), num_groups(k_pad, group_size)
