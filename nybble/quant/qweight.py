@@ -242,7 +242,13 @@ def relayout(qw: QuantizedWeight, layout: str) -> QuantizedWeight:
     target = get_layout(layout)
     if layout == qw.layout:
         return qw
-    return dataclasses.replace(qw, codes=target.pack(qw.logical_codes()), layout=layout)
+    return dataclasses.replace(qw, codes=_repacked_codes(qw, target.name), layout=layout)
+
+
+@functools.partial(jax.jit, static_argnames="layout")
+def _repacked_codes(qw: QuantizedWeight, layout: str) -> jax.Array:
+    """``qw``'s codes unpacked and packed into ``layout``: one XLA program per weight structure."""
+    return get_layout(layout).pack(qw.logical_codes())
 
 
 def scale_codes(codes: jax.Array, qw: QuantizedWeight, *, k_axis: int = 0) -> jax.Array:
