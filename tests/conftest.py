@@ -9,8 +9,8 @@ import shutil
 # many small programs (each kernel's interpret-mode simulation, the models' steps) then compile faster than
 # they run slower, about 15% off the whole suite on two cores. It changes no result the tests check: the
 # same HLO runs, and the X-ray's CUDA compiles (ptxas, Mosaic GPU) are not affected (their reports are the
-# same with and without it). Set before jax is imported; the test's subprocesses inherit it. On a machine
-# with an NVIDIA GPU, XLA's flags are left as they are.
+# same with and without it). Set before jax starts a backend; the processes the tests start inherit it. On
+# a machine with an NVIDIA GPU, XLA's flags are left as they are.
 _FAST_COMPILE = "--xla_backend_optimization_level=0"
 if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not in os.environ.get(
     "XLA_FLAGS", ""
