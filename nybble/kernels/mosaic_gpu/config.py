@@ -34,9 +34,10 @@ that many 8-row slabs of y, :func:`split_k_shares`; prefill's 128-row tiles down
 Llama-3-8B kv at M = 128: 8 output tiles, 64 CTAs; decode's 16-row tiles over 4 CTAs, 8 rows of one A
 tile each) when the output tiles alone leave SMs idle: those CTAs form one thread-block cluster and sum
 their f32 partials through distributed SMEM (split_k.py), so a split-K matmul is one launch like any
-other. Decode takes a config up to 3% slower in the model where it issues >= 0.15 fewer instructions per
-weight (Llama-3-8B down at M = 16: two A tiles on 4 CTAs per output tile, 1.82 instructions per weight in
-the X-ray, against one A tile and two K slices, 2.17; gate-up: two A tiles on 2 CTAs, 1.78 against 2.06).
+other. Decode takes a config up to 3% slower in the model where it issues >= 0.10 fewer instructions per
+weight (Llama-3-8B down at M = 16: two A tiles on 4 CTAs per output tile, 1.68 instructions per weight in
+the X-ray, against one A tile on 2 CTAs, 1.83). The model's tensor-core time counts the accumulator route's
+constant-tile WGMMAs, (tiles + 1) / tiles the weights' own: one A tile at WGMMA N = 32 is tensor-bound.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ MAX_WS_SLAB_ROWS = 32
 # A decode config this much slower in the model than the fastest is still taken where it issues at least
 # DECODE_IPW_GAIN fewer instructions per weight (heuristic_config).
 DECODE_TIE = 0.03
-DECODE_IPW_GAIN = 0.15
+DECODE_IPW_GAIN = 0.10
 ScalesOn = Literal["accumulators", "weights"]
 
 
@@ -356,7 +357,8 @@ def estimated_instructions_per_weight(
     if c.scales_on == "weights":  # a subtract and a multiply per pair; an offset rides in an HFMA2
         ipw += 1.0 + (0.03 if has_offsets else 0.0)
     elif folds_bias(c, has_offsets):  # one FFMA per accumulator element and group
-        ipw += (c.wgmma_n + 4) / min(group, c.tile_k)
+        # (~6 more a group with a producer: X-ray of the 512-deep picks, 0.06-0.12 over the estimate without)
+        ipw += (c.wgmma_n + (14 if c.producer else 8)) / min(group, c.tile_k)
     else:
         ipw += (2 * c.wgmma_n + 8) / min(group, c.tile_k)
     return ipw
@@ -384,7 +386,9 @@ def modeled_times_us(
     ipw = estimated_instructions_per_weight(config, group, has_offsets, refills=refills(config, k_pad))
     busiest = weights / 32 * ipw / ctas * math.ceil(ctas / num_sms)  # warp-instructions on one SM
     t_issue = busiest / (4 * 1.98e9)
-    t_tensor = 2.0 * m_tiles * config.wgmma_n * n_pad * k_pad / 989e12
+    # The accumulator route runs one more WGMMA a chunk, the constant A tile's, shared by the A tiles.
+    hgmma_share = (config.tiles + 1) / config.tiles if config.scales_on == "accumulators" else 1.0
+    t_tensor = 2.0 * m_tiles * config.wgmma_n * n_pad * k_pad * hgmma_share / 989e12
     launch = 2e-6 * (x_rows(m, config) != m)
     extra = t_reduce + launch
     return {"hbm": t_hbm * 1e6, "issue": t_issue * 1e6, "tensor": t_tensor * 1e6, "extra": extra * 1e6}
@@ -505,20 +509,19 @@ def _fewer_instructions_nearly_as_fast(
     """A decode config within DECODE_TIE of the fastest modeled time, hiding latency as well, that issues
     at least DECODE_IPW_GAIN fewer instructions per weight (estimated) than ``best``, if there is one.
 
-    The model does not resolve a few percent: at Llama-3-8B down, M = 16, a split-K cluster's reduction
-    (0.13 us, 2.0%) is all that separates two A tiles on four CTAs per output tile (X-ray: 1.82 instructions
-    per weight) from one A tile with two K slices (2.17), over 6.6 us of streaming; at gate-up (2.0%) two A
-    tiles on two CTAs (1.78) from one A tile (2.06); the estimate of instructions undercounts the one-A-tile
-    kernels by ~0.1 there, so the tie allows 3%. Accumulator-route tiles stay within tiles * WGMMA N <= 32
-    (four A tiles at N = 16 split 8 ways spill 32 bytes in the X-ray; split 4 ways they do not, and two A
-    tiles at N = 32 split 8 ways do not either: a finer rule needs more such data)."""
+    The model does not resolve a few percent: at Llama-3-8B down, M = 16, the split-K clusters' reductions
+    (0.13 against 0.06 us, 1.0%) are all that separate two A tiles on four CTAs per output tile (X-ray: 1.68
+    instructions per weight) from one A tile on two (1.83), over 6.6 us of streaming; at Llama-3-8B q/o,
+    M = 32, two A tiles on 4 CTAs (1.91) are 2.7% slower in the model than exact weights with two K slices
+    (2.42), so the tie allows 3%. Accumulator-route tiles stay within tiles * WGMMA N <= 64 (64 accumulator
+    columns split 8 ways spill, and the candidates leave them out: :func:`_candidate_shapes`)."""
     # Ranks are (issue, tensor, hidden, -instructions per weight to 0.1, tiles, tile_k, steps, -instructions
     # per weight): heuristic_config. The gain is measured on the unrounded estimates.
     (_, _, best_hidden, *_, best_neg_ipw), _ = best
     found = best
     for t, rank, config in scored:
         _, _, hidden, *_, neg_ipw = rank
-        fits = config.scales_on == "accumulators" and config.tiles * config.wgmma_n <= 32
+        fits = config.scales_on == "accumulators" and config.tiles * config.wgmma_n <= 64
         if (
             fits
             and t <= fastest * (1 + DECODE_TIE)
@@ -569,6 +572,11 @@ def _candidate_shapes(
             continue
         wgmma_n = slices * t_m
         scales_on = "accumulators" if group % CHUNK_K == 0 and wgmma_n <= 32 else "weights"
+        if scales_on == "accumulators" and split_k == MAX_SPLIT_K and tiles * wgmma_n >= 64:
+            # Accumulators of 64 columns and more, split 8 ways, spill in the split-K epilogue (X-ray,
+            # Llama-3-8B down at M = 32, two A tiles: 16-48 bytes; q/o: 24 bytes, or 2.19 instructions
+            # per weight against 1.92 split 4 ways).
+            continue
         if tile_k == WIDE_STEP_K and (
             scales_on != "accumulators" or group < 2 * CHUNK_K or tiles > 2 or slices > 4
         ):
