@@ -256,6 +256,20 @@ def test_tensor_time_counts_the_constant_tile(tiles):
     assert times["tensor"] > times["hbm"]
 
 
+@pytest.mark.no_kernel
+def test_accumulator_route_stays_within_64_columns():
+    """The accumulator route keeps two f32 accumulators of tiles * WGMMA N columns: 128 spilled 816-856
+    bytes in the X-ray (Llama-3-70B gate-up at M = 12, four A tiles at N = 32), 64 split 8 ways 16-48.
+    No decode pick at any M has them."""
+    for m in range(1, 65):
+        for k, n in ((8192, 28672), (4096, 14336), (14336, 4096), (4096, 1024)):
+            for has_offsets in (False, True):
+                c = heuristic_config(m, n, k, 128, 132, has_offsets=has_offsets)
+                if c.scales_on == "accumulators":
+                    columns = c.tiles * c.wgmma_n
+                    assert columns < 64 or (columns == 64 and c.split_k < 8), (m, k, n, c)
+
+
 # Every group size, symmetric and asymmetric, both scale routes, K slices: exact.
 # (M, config, K): K = 2048 gives the 8-slice config two steps; the others have 4-16 steps over 1024.
 _EXACT_CONFIGS = {

@@ -572,10 +572,13 @@ def _candidate_shapes(
             continue
         wgmma_n = slices * t_m
         scales_on = "accumulators" if group % CHUNK_K == 0 and wgmma_n <= 32 else "weights"
-        if scales_on == "accumulators" and split_k == MAX_SPLIT_K and tiles * wgmma_n >= 64:
-            # Accumulators of 64 columns and more, split 8 ways, spill in the split-K epilogue (X-ray,
-            # Llama-3-8B down at M = 32, two A tiles: 16-48 bytes; q/o: 24 bytes, or 2.19 instructions
-            # per weight against 1.92 split 4 ways).
+        if scales_on == "accumulators" and (
+            tiles * wgmma_n > 64 or (split_k == MAX_SPLIT_K and tiles * wgmma_n == 64)
+        ):
+            # The route keeps two f32 accumulators of tiles * WGMMA N columns (a group's and the total):
+            # 128 columns spill (X-ray, Llama-3-70B gate-up at M = 12, four A tiles at N = 32: 816-856
+            # bytes), and 64 split 8 ways spill in the split-K epilogue (Llama-3-8B down at M = 32, two A
+            # tiles: 16-48 bytes; q/o: 24 bytes, or 2.19 instructions per weight against 1.92 split 4 ways).
             continue
         if tile_k == WIDE_STEP_K and (
             scales_on != "accumulators" or group < 2 * CHUNK_K or tiles > 2 or slices > 4
