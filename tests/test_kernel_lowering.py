@@ -31,6 +31,7 @@ from nybble.kernels.mosaic_gpu.config import (
     smem_bytes,
     split_k_shares,
     splits_k,
+    stores_any_rows,
     wgmma_k,
 )
 from nybble.packing import padded_weight_dims
@@ -233,6 +234,25 @@ def test_split_k_shares():
     for bad in (dict(tile_m=8, split_k=2, tiles=1), dict(tile_m=16, split_k=8, tiles=2), dict(split_k=3)):
         with pytest.raises(ValueError, match=r"8-row slabs|power of two"):
             TuningConfig(**bad)
+
+
+@pytest.mark.parametrize("m", [9, 13, 100])
+def test_ragged_m_stores_y_rows_directly(m):
+    """M that does not fill 8-row tiles: x gets zero rows (a pad), but the kernel stores y's M rows itself
+    (staging.y_staging: one-row SMEM tiles), so no slice follows the kernel. K-sliced tiles keep the
+    slice (their y tile is laid out by Mosaic)."""
+    qw = _abstract_weight(4096, 14336, 128, True)
+    config = mg.plan(m, qw, num_sms=NUM_SMS).config
+    assert stores_any_rows(config), config
+    text = _lower(m, qw).as_text()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert len(calls) == 1 and f"tensor<{m}x14336xbf16>" in calls[0].split("->")[-1], calls
+    assert "stablehlo.pad" in text and "stablehlo.slice" not in text
+    sliced = TuningConfig(
+        tiles=1, tile_m=16, tile_k=256, slices=2, max_concurrent_steps=4, scales_on="accumulators"
+    )
+    assert not stores_any_rows(sliced)
+    assert "stablehlo.slice" in _lower(9, qw, config=sliced).as_text()
 
 
 @pytest.mark.parametrize("m", [128, 4096])

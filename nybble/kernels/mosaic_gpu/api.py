@@ -16,7 +16,13 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from nybble.kernels.mosaic_gpu.common import Problem
-from nybble.kernels.mosaic_gpu.config import DEFAULT_NUM_SMS, TuningConfig, heuristic_config, x_rows
+from nybble.kernels.mosaic_gpu.config import (
+    DEFAULT_NUM_SMS,
+    TuningConfig,
+    heuristic_config,
+    stores_any_rows,
+    x_rows,
+)
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.kernels.mosaic_gpu.kernel import w4a16
 from nybble.quant.qweight import QuantizedWeight
@@ -112,8 +118,10 @@ def plan(
     # of bf16, and refuses a GMEM dimension that is not a multiple of it (N = 7392: "dimension 1 must have
     # size smaller or a multiple of its tiling 64"), whatever the row stride.
     n_out = n if n % 64 == 0 else n_pad
-    config.check_problem(max(m, 1), n_pad, k_pad, qw.group)
-    return Problem(max(m, 1), n_out, n_pad, k_pad, qw.group, jnp.bfloat16, qw.offsets is not None, config)
+    m = max(m, 1)
+    config.check_problem(m, n_pad, k_pad, qw.group)
+    has_offsets = qw.offsets is not None
+    return Problem(m, n_out, n_pad, k_pad, qw.group, jnp.bfloat16, has_offsets, config, x_rows(m, config))
 
 
 def _forward(x2d: jax.Array, qw: QuantizedWeight, config: TuningConfig | None, num_sms: int) -> jax.Array:
@@ -125,15 +133,19 @@ def _forward(x2d: jax.Array, qw: QuantizedWeight, config: TuningConfig | None, n
     p = plan(m, qw, num_sms=num_sms, config=config)
     if not is_interpret_active():
         x2d = _requires_gpu_p.bind(x2d)
-    m_x = x_rows(m, p.config)
+    m_x = p.x_view_rows
     if k != k_pad or m_x != m:
         # Zero columns meet zero codes; only when K is not a multiple of 64 (no real model's is not). Zero
-        # rows: when M rows (times the K slices) would not fill whole 8-row SMEM tiles of x.
+        # rows: when M rows (times the K slices) would not fill whole 8-row SMEM tiles of x (Mosaic applies
+        # the tiling to the whole GMEM array: config.x_rows). y keeps M rows: its TMA stores clip the rest.
         x2d = jnp.pad(x2d, ((0, m_x - m), (0, k_pad - k)))
     # Scales and offsets go in as stored (bf16/f16/f32): the kernel converts them itself.
     # Split-K partials are summed in f32 inside the launch (split_k.py) and rounded once.
-    y = w4a16(x2d, qw.codes, qw.scales, qw.offsets, n=p.n, group=qw.group, config=p.config)
-    return y if (p.n, m_x) == (n, m) else y[:m, :n]
+    # y rows: M where one TMA store reaches any number of rows (config.stores_any_rows), else x's rows,
+    # sliced (a copy).
+    m_y = m if stores_any_rows(p.config) else m_x
+    y = w4a16(x2d, qw.codes, qw.scales, qw.offsets, n=p.n, group=qw.group, config=p.config, m=m_y)
+    return y if (p.n, m_y) == (n, m) else y[:m, :n]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

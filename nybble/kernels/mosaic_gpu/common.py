@@ -5,8 +5,9 @@ Operands, as the wrapper hands them over (all views by reshape, no copies):
   * codes: ``wgmma_int4`` words (N_pad / 8, K_pad) viewed as (N_pad / W, 8, K_pad / S), W = 64 / S: one
     64-row A tile is 8 slots of 8 rows, slot = band * S + slice (fragments.py); a step's block is
     (A tiles, 8, tile_k) words, 32 * tile_k bytes per A tile;
-  * x: (M, K) viewed as (M * S, K / S): B row m * S + j is x[m] over slice j; a block of WGMMA's N rows,
-    rows past M * S zero-filled by TMA;
+  * x: (M', K) viewed as (M' * S, K / S): B row m * S + j is x[m] over slice j; a block of WGMMA's N rows,
+    rows past M' * S zero-filled by TMA (M' >= M: the wrapper's zero rows where M * S would not fill whole
+    8-row SMEM tiles, config.x_rows);
   * scales (offsets): (num_groups, N_pad) viewed as (S, num_groups / S, N_pad), or (1, 1, N_pad) for one
     group per column; a step reads one row (group >= tile_k) or tile_k / group rows per slice;
   * y: (M, N); TMA stores clip the rows and columns past M and N. Under split-K the CTAs of one output
@@ -36,7 +37,7 @@ L = plgpu.Layout
 class Problem:
     """Static facts about one problem and config, derived once and shared by the kernel bodies."""
 
-    m: int  # rows of x
+    m: int  # rows of y (the batch)
     n: int  # columns of y as stored (N, or N_pad when N's row stride would not suit TMA)
     n_pad: int
     k_pad: int
@@ -44,6 +45,13 @@ class Problem:
     dtype: Any  # activations and WGMMA operands
     has_offsets: bool
     config: TuningConfig
+    # Rows of x as handed over: m, or more zero rows (config.x_rows); y keeps m (TMA stores clip the rest).
+    x_rows: int | None = None
+
+    @property
+    def x_view_rows(self) -> int:
+        """Rows of x the kernel's TMA reads: ``x_rows``, or m."""
+        return self.m if self.x_rows is None else self.x_rows
 
     @property
     def out_dtype(self) -> Any:
@@ -116,7 +124,7 @@ def operand_views(p: Problem, x: jax.Array, codes: jax.Array, scales: Any, offse
     s = c.slices
     views = [
         codes.reshape(p.n_pad // (64 // s), 8, p.slice_k),
-        x.reshape(p.m * s, p.slice_k),
+        x.reshape(p.x_view_rows * s, p.slice_k),
     ]
     for a in (scales, offsets) if p.has_offsets else (scales,):
         views.append(a.reshape(1, 1, p.n_pad) if p.per_column else a.reshape(s, -1, p.n_pad))

@@ -389,7 +389,9 @@ def modeled_times_us(
     # The accumulator route runs one more WGMMA a chunk, the constant A tile's, shared by the A tiles.
     hgmma_share = (config.tiles + 1) / config.tiles if config.scales_on == "accumulators" else 1.0
     t_tensor = 2.0 * m_tiles * config.wgmma_n * n_pad * k_pad * hgmma_share / 989e12
-    launch = 2e-6 * (x_rows(m, config) != m)
+    # The wrapper's zero rows of x are a launch; where the kernel cannot store y's M rows itself, the slice
+    # of y is another (:func:`stores_any_rows`).
+    launch = 2e-6 * (x_rows(m, config) != m) * (1 if stores_any_rows(config) else 2)
     extra = t_reduce + launch
     return {"hbm": t_hbm * 1e6, "issue": t_issue * 1e6, "tensor": t_tensor * 1e6, "extra": extra * 1e6}
 
@@ -404,6 +406,14 @@ def modeled_time_us(
 
 def _combined(times: dict[str, float]) -> float:
     return max(times["hbm"], times["issue"], times["tensor"]) + times["extra"]
+
+
+def stores_any_rows(config: TuningConfig) -> bool:
+    """Whether ``config``'s kernel stages y so that one TMA store reaches a y of any number of rows
+    (``staging.y_staging``): one or two A tiles without K slices. With four, Mosaic's layout inference finds
+    no layout for the 256-column tile's stores; K slices sum into their tile in layouts of their own. Those
+    keep Mosaic's own staging, whose 8-row tiles need y rows that fill them (the wrapper's zero rows)."""
+    return config.slices == 1 and config.tiles <= 2
 
 
 def refills(config: TuningConfig, k_pad: int) -> bool:

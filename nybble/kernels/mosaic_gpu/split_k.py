@@ -52,6 +52,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from nybble.kernels.mosaic_gpu import faults
 from nybble.kernels.mosaic_gpu.config import split_k_shares
 from nybble.kernels.mosaic_gpu.interpret import active_params
+from nybble.kernels.mosaic_gpu.staging import y_staging
 
 L = plgpu.Layout
 AXIS = "split"  # the cluster axis: the CTA's K partition
@@ -196,7 +197,8 @@ def reduce(
         cluster_sync()
 
     with jax.named_scope("split_k_reduce"):
-        y_type = plgpu.SMEM((wgs, rows, 64 * share_tiles), out_gmem.dtype)
+        # Split-K runs without K slices: config.stores_any_rows is one or two A tiles.
+        y_type = y_staging((wgs, rows, 64 * share_tiles), out_gmem.dtype, any_rows=tiles <= 2)
         pl.run_scoped(scoped, y_type, **({} if wg is None else {"collective_axes": "wg"}))
 
 

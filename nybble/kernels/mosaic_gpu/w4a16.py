@@ -50,8 +50,9 @@ from nybble.kernels.mosaic_gpu.common import (
     store_tiles,
     tile_indices,
 )
-from nybble.kernels.mosaic_gpu.config import CHUNK_K, wgmma_k
+from nybble.kernels.mosaic_gpu.config import CHUNK_K, stores_any_rows, wgmma_k
 from nybble.kernels.mosaic_gpu.interpret import active_params
+from nybble.kernels.mosaic_gpu.staging import y_staging
 
 # Registers per thread the producer warpgroup keeps (it only issues copies); the compute one takes the rest.
 _PRODUCER_REGISTERS = 40
@@ -223,7 +224,9 @@ def _const_shape(p: Problem) -> tuple[int, int]:
 
 def _scratch_types(p: Problem) -> list:
     c = p.config
-    types = [plgpu.SMEM((c.tile_m, c.rows_per_wg), p.out_dtype)] if c.split_k == 1 else []
+    types = []
+    if c.split_k == 1:
+        types.append(y_staging((c.tile_m, c.rows_per_wg), p.out_dtype, any_rows=stores_any_rows(c)))
     if c.slices > 1:
         types.append(plgpu.SMEM((c.tiles, 64, c.wgmma_n), jnp.float32))
     if c.scales_on == "accumulators":

@@ -39,7 +39,9 @@ from nybble.kernels.mosaic_gpu.common import (
     store_tiles,
     tile_indices,
 )
+from nybble.kernels.mosaic_gpu.config import stores_any_rows
 from nybble.kernels.mosaic_gpu.interpret import active_params
+from nybble.kernels.mosaic_gpu.staging import y_staging
 
 # Registers per thread left to the TMA warpgroup (it only issues copies); the rest go to compute.
 _MEMORY_REGISTERS = 40
@@ -116,7 +118,7 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array]) -> jax.Array:
 
     out_type = jax.ShapeDtypeStruct(p.out_shape, p.out_dtype)
     if c.split_k == 1:
-        scratch = [plgpu.SMEM((num_wgs, c.tile_m, c.rows_per_wg), p.out_dtype)]
+        scratch = [y_staging((num_wgs, c.tile_m, c.rows_per_wg), p.out_dtype, any_rows=stores_any_rows(c))]
     else:
         scratch = split_k.scratch_types(c.tile_m, c.split_k, c.tiles, wgs=num_wgs)
     launch = split_k.launch_args(c.split_k)
