@@ -133,7 +133,7 @@ def _forward(x2d: jax.Array, qw: QuantizedWeight, config: TuningConfig | None, n
     p = plan(m, qw, num_sms=num_sms, config=config)
     if not is_interpret_active():
         x2d = _requires_gpu_p.bind(x2d)
-    m_x = p.x_view_rows
+    m_x = p.x_rows
     if k != k_pad or m_x != m:
         # Zero columns meet zero codes; only when K is not a multiple of 64 (no real model's is not). Zero
         # rows: when M rows (times the K slices) would not fill whole 8-row SMEM tiles of x (Mosaic applies

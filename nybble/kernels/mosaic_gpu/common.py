@@ -26,7 +26,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nybble.kernels.mosaic_gpu import faults, split_k
-from nybble.kernels.mosaic_gpu.config import CHUNK_K, TuningConfig, scale_rows_per_step, wgmma_k
+from nybble.kernels.mosaic_gpu.config import (
+    CHUNK_K,
+    TuningConfig,
+    scale_rows_per_step,
+    stores_any_rows,
+    wgmma_k,
+)
 from nybble.kernels.mosaic_gpu.config import folds_bias as config_folds_bias
 from nybble.kernels.mosaic_gpu.fragments import BIAS, dequantize_chunk, slot_rows, sum_slices
 
@@ -46,12 +52,7 @@ class Problem:
     has_offsets: bool
     config: TuningConfig
     # Rows of x as handed over: m, or more zero rows (config.x_rows); y keeps m (TMA stores clip the rest).
-    x_rows: int | None = None
-
-    @property
-    def x_view_rows(self) -> int:
-        """Rows of x the kernel's TMA reads: ``x_rows``, or m."""
-        return self.m if self.x_rows is None else self.x_rows
+    x_rows: int
 
     @property
     def out_dtype(self) -> Any:
@@ -124,7 +125,7 @@ def operand_views(p: Problem, x: jax.Array, codes: jax.Array, scales: Any, offse
     s = c.slices
     views = [
         codes.reshape(p.n_pad // (64 // s), 8, p.slice_k),
-        x.reshape(p.x_view_rows * s, p.slice_k),
+        x.reshape(p.x_rows * s, p.slice_k),
     ]
     for a in (scales, offsets) if p.has_offsets else (scales,):
         views.append(a.reshape(1, 1, p.n_pad) if p.per_column else a.reshape(s, -1, p.n_pad))
@@ -361,6 +362,7 @@ def reduce_split_k(
         tile_m=c.tile_m,
         tiles=c.tiles,
         split_k=c.split_k,
+        any_rows=stores_any_rows(c),
         row0=mi * c.tile_m,
         col0=ni * c.cta_rows,
         wg=wg,

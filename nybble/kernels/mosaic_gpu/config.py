@@ -531,7 +531,7 @@ def _fewer_instructions_nearly_as_fast(
     found = best
     for t, rank, config in scored:
         _, _, hidden, *_, neg_ipw = rank
-        fits = config.scales_on == "accumulators" and config.tiles * config.wgmma_n <= 64
+        fits = config.scales_on == "accumulators"  # (within tiles * WGMMA N <= 64: _candidate_shapes)
         if (
             fits
             and t <= fastest * (1 + DECODE_TIE)

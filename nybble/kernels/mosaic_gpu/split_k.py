@@ -159,6 +159,7 @@ def reduce(
     tile_m: int,
     tiles: int,
     split_k: int,
+    any_rows: bool,
     row0: Any,
     col0: Any,
     wg: Any = None,
@@ -170,7 +171,8 @@ def reduce(
 
     ``slabs``: :func:`scratch_types`' refs. Warpgroup w's tile is y rows ``row0 + [0, tile_m)``, columns
     ``col0 + w * 64 * tiles + [0, 64 * tiles)`` of ``out_gmem`` (M, n); rows at or past ``m`` are not
-    stored.
+    stored. ``any_rows``: ``config.stores_any_rows`` (y staged for a y of any number of rows,
+    ``staging.y_staging``).
     """
     shares = split_k_shares(tile_m, split_k, tiles)
     rows, _, _, share_tiles = shares[0]
@@ -197,8 +199,7 @@ def reduce(
         cluster_sync()
 
     with jax.named_scope("split_k_reduce"):
-        # Split-K runs without K slices: config.stores_any_rows is one or two A tiles.
-        y_type = y_staging((wgs, rows, 64 * share_tiles), out_gmem.dtype, any_rows=tiles <= 2)
+        y_type = y_staging((wgs, rows, 64 * share_tiles), out_gmem.dtype, any_rows=any_rows)
         pl.run_scoped(scoped, y_type, **({} if wg is None else {"collective_axes": "wg"}))
 
 
