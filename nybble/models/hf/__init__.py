@@ -1,0 +1,1 @@
+"""Hugging Face checkpoint directories: config.json mapping (``config``), tensor names (``names``)."""
