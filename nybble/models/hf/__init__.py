@@ -1,1 +1,1 @@
-"""Hugging Face checkpoint directories: config.json mapping (``config``), tensor names (``names``)."""
+"""Hugging Face checkpoint directories: files (``files``), config and names (``config``, ``names``)."""
