@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
+from nybble.models.hf.files import local_dir
 from nybble.models.llama import LlamaConfig, RopeScaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -49,39 +48,14 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "pretraining_tp": (None, 1),
 }
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
 class ConfigError(ValueError):
     """config.json asks for something nybble's decoder does not implement (or is malformed)."""
 
 
-def check_local_dir(path: str | os.PathLike[str]) -> Path:
-    """``path`` as a ``Path`` if it is an existing local directory; otherwise a ``ValueError`` that says why,
-    and for a hub id or URL, to download it first (nybble assumes no network access)."""
-    text = os.fspath(path)
-    if re.match(r"^[a-z][a-z0-9+.-]*://", text):
-        raise ValueError(
-            f"{text!r} is a URL; nybble reads local checkpoint directories only and downloads nothing. "
-            "Download it first (e.g. `huggingface-cli download <repo id> --local-dir DIR`) and pass DIR."
-        )
-    p = Path(text).expanduser()
-    if not p.exists():
-        if _HUB_ID.match(text):
-            raise ValueError(
-                f"{text!r} is not a local directory; it looks like a Hugging Face Hub id. nybble "
-                f"downloads nothing: download it first (`huggingface-cli download {text} --local-dir DIR`) "
-                "and pass DIR."
-            )
-        raise FileNotFoundError(f"checkpoint directory {text!r} does not exist")
-    if not p.is_dir():
-        raise ValueError(f"{text!r} is a file; pass the checkpoint directory that holds config.json")
-    return p
-
-
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The parsed config.json of the local checkpoint directory ``path``."""
-    d = check_local_dir(path)
+    """The parsed config.json of the local checkpoint directory ``path`` (a hub id or URL: an error saying
+    to download it first)."""
+    d = local_dir(path, "read_config")
     f = d / "config.json"
     if not f.is_file():
         raise FileNotFoundError(
@@ -309,7 +283,6 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "SUPPORTED_ROPE_TYPES",
     "ConfigError",
-    "check_local_dir",
     "decoder_config_from_hf",
     "read_config",
 ]
