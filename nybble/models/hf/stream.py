@@ -11,7 +11,6 @@ The directory is written to a temporary path and renamed on success.
 
 from __future__ import annotations
 
-import re
 import resource
 import sys
 import time
@@ -22,45 +21,39 @@ from typing import Any
 
 import numpy as np
 
+from nybble.models.hf.config import decoder_config_from_hf
 from nybble.models.hf.files import CheckpointDir, CheckpointError, ShardedWriter
+from nybble.models.hf.names import expected_shapes, hf_linear_modules, is_ignored, to_nybble
 
 FORMATS = ("compressed-tensors", "gptq", "nybble")
-# The HF module names of the linear layers of the Llama family (used until names.py says otherwise).
-LINEAR_SUFFIXES = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
-_LAYER_LINEAR = re.compile(r"^model\.layers\.\d+\.(" + "|".join(map(re.escape, LINEAR_SUFFIXES)) + r")$")
 
 
-def linear_modules(config: dict[str, Any], names: list[str]) -> list[str]:
-    """HF module names of the linear layers to quantize, in checkpoint order (``lm_head`` stays float).
+def linear_modules(config: dict[str, Any], ckpt: CheckpointDir) -> list[str]:
+    """HF module names of the linear layers to quantize (``lm_head`` stays float), in checkpoint order.
 
-    Uses ``nybble.models.hf.names.hf_linear_modules(config)`` when that mapping is installed, so the one
-    mapping of HF names decides; otherwise the Llama-family rule ``model.layers.{i}.{self_attn,mlp}.*_proj``.
+    ``names.hf_linear_modules`` of config.json's decoder decides (the one mapping of HF names); every
+    float tensor's shape is checked against config.json first (``names.expected_shapes``), so a config
+    from another model is refused before any work.
     """
-    present = {n[: -len(".weight")] for n in names if n.endswith(".weight")}
-    try:
-        from nybble.models.hf.names import hf_linear_modules  # type: ignore[import-not-found]
-    except ImportError:
-        chosen = [m for m in present if _LAYER_LINEAR.match(m)]
-    else:
-        from nybble.models.hf.config import decoder_config_from_hf  # type: ignore[import-not-found]
-
-        wanted = set(hf_linear_modules(decoder_config_from_hf(config)))
-        missing = sorted(wanted - present)
-        if missing:
+    cfg = decoder_config_from_hf(config)
+    expected = expected_shapes(cfg)
+    for name, shape in expected.items():
+        if name not in ckpt:
+            if name == "lm_head.weight":
+                continue  # some checkpoints tie the head without saying so; from_pretrained decides
             raise CheckpointError(
-                f"config.json describes linear layer(s) the checkpoint has no weight for: {missing[:5]} "
-                f"({len(missing)} in all); the weights and config.json come from different models"
+                f"{ckpt.path}: no tensor {name!r}, which config.json's model "
+                f"({config.get('model_type')!r}, {cfg.num_layers} layers) has; the weights and config.json "
+                f"come from different models"
             )
-        chosen = [m for m in present if m in wanted and m != "lm_head"]
-    order = {n: i for i, n in enumerate(names)}
+        if tuple(ckpt.shape(name)) != tuple(shape):
+            raise CheckpointError(
+                f"{ckpt.path}: tensor {name!r} has shape {list(ckpt.shape(name))}, but config.json implies "
+                f"{list(shape)} (hidden_size, intermediate_size, heads, head_dim, vocab_size); the config "
+                f"and the weights come from different models"
+            )
+    chosen = [m for m in hf_linear_modules(cfg) if m != "lm_head" and f"{m}.weight" in ckpt]
+    order = {n: i for i, n in enumerate(ckpt.names())}
     return sorted(chosen, key=lambda m: order[m + ".weight"])
 
 
@@ -109,7 +102,8 @@ def peak_rss_bytes() -> int:
     return int(r) if sys.platform == "darwin" else int(r) * 1024
 
 
-def _writer(format: str, symmetric: bool, group_size: int | None) -> Any:
+def writer_for_format(format: str, *, symmetric: bool, group_size: int | None) -> Any:
+    """The HF format writer (``nybble.quant.formats.hf_scheme.writer_for``) for ``format``."""
     if format not in FORMATS:
         raise ValueError(f"unknown output format {format!r}; choose one of {FORMATS}")
     from nybble.quant.formats.hf_scheme import writer_for  # type: ignore[import-not-found]
@@ -157,9 +151,9 @@ def quantize_directory(
             f"{ckpt.path}: already quantized (config.json has a quantization_config, quant_method "
             f"{method!r}); quantize the float checkpoint it came from"
         )
-    writer = _writer(format, symmetric, group_size)
-    names = ckpt.names()
-    linears = linear_modules(config, names)
+    writer = writer_for_format(format, symmetric=symmetric, group_size=group_size)
+    names = [n for n in ckpt.names() if not is_ignored(n)]  # e.g. old checkpoints' rotary buffers
+    linears = linear_modules(config, ckpt)
     linear_weights = {m + ".weight": m for m in linears}
     ckpt.require_float(list(linear_weights), "a float checkpoint being quantized")
     if quantize_fn is None:
@@ -188,7 +182,7 @@ def quantize_directory(
                 report.bytes_written += array.nbytes
             else:
                 _check_linear(name, array)
-                qw = quantize_fn(_torch_to_kernel(array), module)
+                qw = quantize_fn(np.asarray(to_nybble("kernel", array), np.float32), module)
                 del array  # the float weight is no longer needed: keep the peak at one tensor
                 for key, value in writer.write_linear(module, qw).items():
                     value = np.asarray(value)
@@ -218,15 +212,6 @@ def _check_linear(name: str, array: np.ndarray) -> None:
         raise CheckpointError(
             f"tensor {name!r}: a linear weight must be 2-D (out, in), got shape {list(array.shape)}"
         )
-
-
-def _torch_to_kernel(array: np.ndarray) -> np.ndarray:
-    """torch's (out, in) linear weight as nybble's (K, N) = (in, out) float32 kernel."""
-    try:
-        from nybble.models.hf.names import torch_to_kernel  # type: ignore[import-not-found]
-    except ImportError:
-        return np.ascontiguousarray(array.T, dtype=np.float32)
-    return np.asarray(torch_to_kernel(array), dtype=np.float32)
 
 
 def _rtn(format: str, config: dict[str, Any], group_size: int | None, symmetric: bool) -> Callable[..., Any]:
