@@ -63,7 +63,9 @@ def hf_config_for(cfg: LlamaConfig, dtype: Any = "bfloat16") -> dict[str, Any]:
             "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_max_position_embeddings,
         }
-    max_pos = 8192 if scaling is None else int(scaling["factor"] * scaling["original_max_position_embeddings"])
+    max_pos = (
+        8192 if scaling is None else int(scaling["factor"] * scaling["original_max_position_embeddings"])
+    )
     out: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[model_type]],
         "model_type": model_type,
@@ -161,10 +163,13 @@ def save_pretrained(
     """
     fmt = "float" if format is None else format
     if fmt not in SAVE_FORMATS:
-        raise ValueError(f"save_pretrained: unknown format {format!r}; choose one of {SAVE_FORMATS} (or None)")
+        raise ValueError(
+            f"save_pretrained: unknown format {format!r}; choose one of {SAVE_FORMATS} (or None)"
+        )
     if not isinstance(model, Llama):
         raise TypeError(
-            f"save_pretrained writes nybble's Llama-family model (nybble.models.Llama), got {type(model).__name__}"
+            "save_pretrained writes nybble's Llama-family model (nybble.models.Llama), got "
+            f"{type(model).__name__}"
         )
     modules = dict(_modules(model))
     quantized = [p for p, m in modules.items() if isinstance(m, QLinear)]
