@@ -158,8 +158,8 @@ def load_all_then_quantize(model_dir: str, out_dir: str, fmt: str) -> None:
     ckpt = CheckpointDir(model_dir)
     tensors = {n: ckpt.get(n) for n in ckpt.names()}  # the whole model in memory, as the anchors do
     linears = set(linear_modules(ckpt.config, ckpt))
-    writer = writer_for_format(fmt, symmetric=True, group_size=128)
     scale = scale_dtype_for(fmt, ckpt.config)
+    writer = writer_for_format(fmt, scale_dtype=scale)
     out: dict[str, Any] = {}
     for name, a in tensors.items():
         module = name[: -len(".weight")]

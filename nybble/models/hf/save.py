@@ -188,8 +188,7 @@ def save_pretrained(
     if fmt != "float":
         from nybble.models.hf.stream import writer_for_format
 
-        first = modules[quantized[0]].weight
-        writer = writer_for_format(fmt, symmetric=first.symmetric, group_size=first.group_size)
+        writer = writer_for_format(fmt)  # scales as each weight holds them (GPTQ: float16, exact or refused)
     config = _base_config(model, source, dtype)
     float_linears: list[str] = []
     with ShardedWriter(path, max_shard_bytes=max_shard_size, overwrite=overwrite) as out:

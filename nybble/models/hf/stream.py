@@ -102,13 +102,19 @@ def peak_rss_bytes() -> int:
     return int(r) if sys.platform == "darwin" else int(r) * 1024
 
 
-def writer_for_format(format: str, *, symmetric: bool, group_size: int | None) -> Any:
-    """The HF format writer (``nybble.quant.formats.hf_scheme.writer_for``) for ``format``."""
+def writer_for_format(format: str, *, scale_dtype: Any = None) -> Any:
+    """The HF format writer (``nybble.quant.formats.hf_scheme.writer_for``) for ``format``.
+
+    ``scale_dtype``: what compressed-tensors and GPTQ store scales as (None: each weight's own dtype for
+    compressed-tensors, float16 for GPTQ); nybble stores the weight's scales as they are.
+    """
     if format not in FORMATS:
         raise ValueError(f"unknown output format {format!r}; choose one of {FORMATS}")
-    from nybble.quant.formats.hf_scheme import writer_for  # type: ignore[import-not-found]
+    from nybble.quant.formats.hf_scheme import writer_for
 
-    return writer_for(format, symmetric=symmetric, group_size=group_size)
+    if format == "nybble" or scale_dtype is None:
+        return writer_for(format)
+    return writer_for(format, scale_dtype=scale_dtype)
 
 
 def quantize_directory(
@@ -151,7 +157,7 @@ def quantize_directory(
             f"{ckpt.path}: already quantized (config.json has a quantization_config, quant_method "
             f"{method!r}); quantize the float checkpoint it came from"
         )
-    writer = writer_for_format(format, symmetric=symmetric, group_size=group_size)
+    writer = writer_for_format(format, scale_dtype=scale_dtype_for(format, config))
     names = [n for n in ckpt.names() if not is_ignored(n)]  # e.g. old checkpoints' rotary buffers
     linears = linear_modules(config, ckpt)
     linear_weights = {m + ".weight": m for m in linears}
