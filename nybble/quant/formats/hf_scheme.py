@@ -706,8 +706,8 @@ def integer_zeros(name: str, s: np.ndarray, o: np.ndarray | None) -> np.ndarray:
         g, c = (int(i) for i in np.argwhere(~ok)[0])
         zf = 8.0 - o64[g, c] / safe[g, c] if s64[g, c] else float("nan")
         raise ValueError(
-            f"{name}: offset {o64[g, c]!r} at (group, n) = ({g}, {c}) is not (8 - z) * scale for an "
-            f"integer zero point z in 0..15 (scale {s64[g, c]!r}, z would be {zf!r}): this format stores "
+            f"{name}: offset {float(o64[g, c])!r} at (group, n) = ({g}, {c}) is not (8 - z) * scale for an "
+            f"integer zero point z in 0..15 (scale {float(s64[g, c])!r}, z would be {float(zf)!r}): this format stores "
             "integer zero points. Quantize with zero_point='integer' (or symmetric), or write format='nybble'"
         )
     return z.astype(np.int64)
