@@ -75,11 +75,22 @@ def test_the_float_directory_is_sharded_and_loads(float_dir):
     assert all(ckpt.dtype(n) == ml_dtypes.bfloat16 for n in ckpt.names())
 
 
-@pytest.mark.parametrize(("fmt", "scale_dtype"), [("compressed-tensors", "bfloat16"), ("gptq", "float16")])
-def test_streamed_quantize_equals_nybble_quantize_bit_for_bit(float_dir, tmp_path, capsys, fmt, scale_dtype):
+@pytest.mark.parametrize(
+    ("fmt", "scale_dtype", "symmetric"),
+    [
+        ("compressed-tensors", "bfloat16", True),
+        ("compressed-tensors", "bfloat16", False),
+        ("gptq", "float16", True),
+        ("gptq", "float16", False),
+    ],
+)
+def test_streamed_quantize_equals_nybble_quantize_bit_for_bit(
+    float_dir, tmp_path, capsys, fmt, scale_dtype, symmetric
+):
     out = tmp_path / "int4"
     argv = ["quantize", "--model", str(float_dir), "--format", fmt, "--group-size", "32"]
     argv += ["--output", str(out), "--max-shard-size", "12KB", "--no-progress"]
+    argv += ["--symmetric"] if symmetric else ["--asymmetric"]
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert "linear layers quantized" in captured.err and "GB/s" in captured.err
@@ -88,20 +99,26 @@ def test_streamed_quantize_equals_nybble_quantize_bit_for_bit(float_dir, tmp_pat
     assert (out / "generation_config.json").is_file()
     qc = got.config["quantization_config"]
     assert qc["quant_method"] == fmt and got.config["model_type"] == "llama"
+    assert (
+        qc["config_groups"]["group_0"]["weights"]["symmetric"] if fmt != "gptq" else qc["sym"]
+    ) is symmetric
     scheme = scheme_from_config(qc)
     linears = _linears(src)
     assert len(linears) == 7 * CFG.num_layers  # lm_head stays float
     assert not scheme.is_quantized("lm_head")
     for module in linears:
         w = src.get(f"{module}.weight")  # torch (out, in) bf16
+        options = {} if symmetric else {"symmetric": False, "zero_point": "integer"}
         ref = nybble.quantize(
-            np.asarray(w, np.float32).T, group_size=32, scale_dtype=getattr(jnp, scale_dtype)
+            np.asarray(w, np.float32).T, group_size=32, scale_dtype=getattr(jnp, scale_dtype), **options
         )
         qw = scheme.read_linear(module, got.get, in_features=w.shape[1], out_features=w.shape[0])
         assert qw.shape == ref.shape == (w.shape[1], w.shape[0])
         assert np.array_equal(np.asarray(qw.logical_codes()), np.asarray(ref.logical_codes())), module
         assert np.asarray(qw.scales).dtype == np.asarray(ref.scales).dtype
         assert np.asarray(qw.scales).tobytes() == np.asarray(ref.scales).tobytes(), module
+        if not symmetric:
+            assert np.asarray(qw.offsets).tobytes() == np.asarray(ref.offsets).tobytes(), module
         assert f"{module}.weight" not in got
     passed = [n for n in src.names() if n[: -len(".weight")] not in linears]
     assert "lm_head.weight" in passed and "model.embed_tokens.weight" in passed
@@ -210,15 +227,22 @@ def test_save_pretrained_round_trips_float_and_quantized(tmp_path):
     assert np.array_equal(np.asarray(from_pretrained(tmp_path / "f32", dtype=jnp.float32)(ids)), model(ids))
     with pytest.raises(ValueError, match="has none; quantize it first"):
         save_pretrained(model, tmp_path / "x", format="compressed-tensors")
+    asym = nnx.clone(model)
     quantize(model, group_size=32, progress=False)
+    quantize(asym, group_size=32, symmetric=False, progress=False)  # float offsets: nybble's format only
     with pytest.raises(ValueError, match="int4 layers"):
         save_pretrained(model, tmp_path / "x")
-    for fmt in ("compressed-tensors", "gptq", "nybble"):
-        save_pretrained(model, tmp_path / fmt, format=fmt)
+    with pytest.raises(ValueError, match="integer zero point"):
+        save_pretrained(asym, tmp_path / "x", format="compressed-tensors")
+    for fmt, m in (("compressed-tensors", model), ("gptq", model), ("nybble", asym)):
+        save_pretrained(m, tmp_path / fmt, format=fmt)
         back = from_pretrained(tmp_path / fmt, dtype=jnp.float32)
         assert back.layers[0].mlp.up_proj.weight.shape == (64, 128)
-        np.testing.assert_allclose(np.asarray(back(ids)), np.asarray(model(ids)), rtol=0, atol=1e-5)
-    assert not (tmp_path / "x").exists()
+        assert back.layers[0].mlp.up_proj.weight.symmetric is (m is model)
+        np.testing.assert_allclose(np.asarray(back(ids)), np.asarray(m(ids)), rtol=0, atol=1e-5)
+    assert (
+        not (tmp_path / "x").exists() and sorted(p.name for p in tmp_path.iterdir() if p.name[0] == ".") == []
+    )
 
 
 @pytest.mark.parametrize(
