@@ -128,8 +128,6 @@ def test_streamed_quantize_equals_nybble_quantize_bit_for_bit(
     for f in got.shard_files:
         tensors, _ = read_header(f)
         assert len(tensors) == 1 or sum(t.nbytes for t in tensors.values()) <= 12_000
-    model = from_pretrained(out, dtype=jnp.float32)
-    assert np.isfinite(np.asarray(model(jnp.arange(6)[None]))).all()
 
 
 def test_streamed_nybble_format_keeps_float_offsets(float_dir, tmp_path):
