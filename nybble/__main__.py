@@ -376,6 +376,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         )
     if is_checkpoint_dir(args.model) and args.method == "rtn":
         return _quantize_dir_streamed(args)
+    if is_checkpoint_dir(args.model) and args.method in ("gptq", "autoround", "autoround-fast"):
+        return _quantize_dir_blockwise(args)
     model, tokenizer = _load(args)
     if args.format is not None or is_checkpoint_dir(args.model):
         from nybble.models import save_pretrained
@@ -397,6 +399,42 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     model = _quantize(model, tokenizer, args)
     path = save_model(args.output, model)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+def _quantize_dir_blockwise(args: argparse.Namespace) -> int:
+    """``nybble quantize --model DIR --method gptq|autoround``: decoder block by decoder block."""
+    from pathlib import Path
+
+    import jax.numpy as jnp
+
+    from nybble.models import eval_text, load_tokenizer
+    from nybble.models.hf.blockwise import quantize_directory_calibrated
+
+    if not (Path(args.model) / "tokenizer.json").is_file():
+        raise FileNotFoundError(
+            f"--method {args.method} calibrates on text, which needs the model's tokenizer: {args.model} "
+            "has no tokenizer.json (copy it there from where the model came from)"
+        )
+    tokenizer = load_tokenizer(args.model)
+    options: dict[str, Any] = {"config": "fast"} if args.method == "autoround-fast" else {}
+    report = quantize_directory_calibrated(
+        args.model,
+        args.output,
+        calibration=tokenizer.encode(eval_text("calib")).ids[: args.calib_tokens],
+        method="autoround" if args.method.startswith("autoround") else "gptq",
+        format=args.format or "compressed-tensors",
+        group_size=args.group_size,
+        symmetric=not args.asymmetric,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        seq_len=CALIB_WINDOW,
+        dtype=getattr(jnp, DTYPES[args.dtype]),
+        **options,
+    )
+    print(report.summary(), file=sys.stderr)
+    print(f"wrote {report.output} ({', '.join(report.files)})")
     return 0
 
 

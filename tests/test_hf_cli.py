@@ -266,3 +266,31 @@ def test_save_pretrained_round_trips_float_and_quantized(tmp_path):
 )
 def test_hf_config_for_inverts_decoder_config_from_hf(cfg):
     assert decoder_config_from_hf(hf_config_for(cfg)) == cfg
+
+
+def test_blockwise_gptq_equals_gptq_of_the_loaded_model(float_dir, tmp_path):
+    """GPTQ block by block from the files gives the codes and scales of GPTQ on the whole loaded model."""
+    from nybble.models.hf.blockwise import quantize_directory_calibrated
+
+    ids = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 16))
+    report = quantize_directory_calibrated(
+        float_dir, tmp_path / "gptq", calibration=ids, method="gptq", group_size=32, progress=False
+    )
+    assert len(report.quantized) == 14
+    model = from_pretrained(float_dir, dtype=jnp.float32)
+    quantize(model, method="gptq", calibration=ids, group_size=32, progress=False)
+    got = CheckpointDir(tmp_path / "gptq")
+    scheme = scheme_from_config(got.config["quantization_config"])
+    for i in range(CFG.num_layers):
+        for hf, mine in (
+            ("self_attn.k_proj", model.layers[i].attn.k_proj),
+            ("mlp.down_proj", model.layers[i].mlp.down_proj),
+        ):
+            ref = mine.weight
+            k, n = ref.shape
+            qw = scheme.read_linear(f"model.layers.{i}.{hf}", got.get, in_features=k, out_features=n)
+            assert np.array_equal(np.asarray(qw.logical_codes()), np.asarray(ref.logical_codes())), (i, hf)
+            assert np.asarray(qw.scales).tobytes() == np.asarray(ref.scales).tobytes(), (i, hf)
+    src = CheckpointDir(float_dir)
+    for name in ("model.norm.weight", "lm_head.weight", "model.layers.1.post_attention_layernorm.weight"):
+        assert got.get(name).tobytes() == src.get(name).tobytes()
