@@ -294,3 +294,17 @@ def test_blockwise_gptq_equals_gptq_of_the_loaded_model(float_dir, tmp_path):
     src = CheckpointDir(float_dir)
     for name in ("model.norm.weight", "lm_head.weight", "model.layers.1.post_attention_layernorm.weight"):
         assert got.get(name).tobytes() == src.get(name).tobytes()
+
+
+def test_the_benchmark_checkpoints_are_the_llamas_they_claim():
+    """bench.checkpoints' synthetic directories: the tensors names.py expects, at ~0.5B and ~2B."""
+    from bench.checkpoints import SIZES, llama_config, tensor_shapes
+    from nybble.models.hf.names import expected_shapes
+
+    counts = {}
+    for size, layers in SIZES.items():
+        config = llama_config(layers)
+        shapes = dict(tensor_shapes(config))
+        assert shapes == expected_shapes(decoder_config_from_hf(config))
+        counts[size] = sum(int(np.prod(s)) for s in shapes.values())
+    assert 0.45e9 < counts["0.5B"] < 0.55e9 and 1.9e9 < counts["2B"] < 2.1e9
