@@ -142,6 +142,18 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         )
     if rope_type == "default":
         return theta, None
+    # As transformers: a top-level original_max_position_embeddings, else max_position_embeddings, stands in.
+    top_original = config.get("original_max_position_embeddings")
+    inner = merged.get("original_max_position_embeddings")
+    if top_original is not None and inner is not None and top_original != inner:
+        raise ConfigError(
+            f"config.json: original_max_position_embeddings = {top_original!r} disagrees with "
+            f"{where['original_max_position_embeddings']}.original_max_position_embeddings = {inner!r}"
+        )
+    if inner is None:
+        merged["original_max_position_embeddings"] = (
+            top_original if top_original is not None else config.get("max_position_embeddings")
+        )
     need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [k for k in need if merged.get(k) is None]
     if missing:
