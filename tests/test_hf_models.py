@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from nybble import models
 from nybble.models.hf import names
-from nybble.models.hf.config import ConfigError, decoder_config_from_hf, read_config
+from nybble.models.hf.config import ConfigError, decoder_config_from_hf, hf_config_for, read_config
 from nybble.models.hf.files import CheckpointError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -304,3 +304,24 @@ def test_names_round_trip(loaded, name):
         names.to_nybble("kernel", w).shape == (3, 2)
         and names.to_hf("kernel", names.to_nybble("kernel", w)).tolist() == w.tolist()
     )
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_hf_config_for_inverts_the_mapping(loaded, name):
+    cfg = loaded[name].config
+    written = hf_config_for(cfg)
+    assert written["model_type"] == read_config(FIXTURES / name)["model_type"]
+    assert decoder_config_from_hf(written) == cfg
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_float_tensors_written_as_transformers_wrote_them(loaded, name):
+    """names.float_hf_tensors of the loaded model gives back transformers' own tensors, bit for bit."""
+    from nybble.models.hf.files import CheckpointDir
+
+    ckpt = CheckpointDir(FIXTURES / name)
+    written = dict(names.float_hf_tensors(loaded[name]))
+    assert set(written) == set(ckpt.names())
+    for hf_name, array in written.items():
+        want = ckpt.get(hf_name).astype(np.float32)  # bf16 -> f32 is exact
+        assert array.shape == want.shape and np.array_equal(array, want), hf_name

@@ -32,9 +32,9 @@ Checkpoints (what each covers):
                             by a small ``max_shard_size`` (index + 3 shards)
 ``llama32_rope_parameters`` Llama 3.2: tied embeddings, llama3 scaling in transformers 5's
                             ``rope_parameters`` spelling, explicit ``head_dim`` 32 != 64 / 4
-``mistral``                 sliding_window 6 < the prompt (the window changes the logits)
+``mistral``                 sliding_window 6 < the prompt (the window changes the logits), bf16
 ``qwen2``                   q/k/v biases, bf16
-``qwen3``                   q_norm / k_norm over head_dim 32 != hidden / heads, tied embeddings
+``qwen3``                   q_norm / k_norm over head_dim 32 != hidden / heads, tied embeddings, bf16
 ==========================  ===================================================================
 
 And ``tests/fixtures/hf/smollm2_135m/`` (the 535 MB float directory is not committed): SmolLM2-135M
@@ -97,7 +97,7 @@ CHECKPOINTS = {
         None,
         "v4",
     ),
-    "llama3": ("LlamaConfig", dict(rope_parameters=LLAMA3_ROPE), torch.bfloat16, "40KB", "v4"),
+    "llama3": ("LlamaConfig", dict(rope_parameters=LLAMA3_ROPE), torch.bfloat16, "80KB", "v4"),
     "llama32_rope_parameters": (
         "LlamaConfig",
         dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True, head_dim=32),
@@ -108,7 +108,7 @@ CHECKPOINTS = {
     "mistral": (
         "MistralConfig",
         dict(sliding_window=6, rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
-        torch.float32,
+        torch.bfloat16,
         None,
         "v5",
     ),
@@ -126,7 +126,7 @@ CHECKPOINTS = {
             tie_word_embeddings=True,
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
         ),
-        torch.float32,
+        torch.bfloat16,
         None,
         "v5",
     ),
@@ -201,7 +201,8 @@ def make_checkpoint(name: str, tokenizer: PreTrainedTokenizerFast, seed: int) ->
     logits = logits_of(d, x)
     with torch.no_grad():  # the reloaded directory is the model that was saved
         same = model.float()(x).logits.numpy()
-    assert rel(logits, same) < 1e-5, (name, rel(logits, same))
+    # (bf16: the in-memory model's rotary buffer went through bf16 too; the reloaded one recomputes it)
+    assert rel(logits, same) < (1e-5 if dtype == torch.float32 else 1e-3), (name, rel(logits, same))
     # The switch this fixture covers must change the numbers, or the fixture tests nothing.
     if "sliding_window" in extra:
         delta = rel(logits_of(d, x, sliding_window=None), logits)

@@ -48,6 +48,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "pretraining_tp": (None, 1),
 }
 
+
 class ConfigError(ValueError):
     """config.json asks for something nybble's decoder does not implement (or is malformed)."""
 
@@ -142,6 +143,18 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         )
     if rope_type == "default":
         return theta, None
+    # As transformers: a top-level original_max_position_embeddings, else max_position_embeddings, stands in.
+    top_original = config.get("original_max_position_embeddings")
+    inner = merged.get("original_max_position_embeddings")
+    if top_original is not None and inner is not None and top_original != inner:
+        raise ConfigError(
+            f"config.json: original_max_position_embeddings = {top_original!r} disagrees with "
+            f"{where['original_max_position_embeddings']}.original_max_position_embeddings = {inner!r}"
+        )
+    if inner is None:
+        merged["original_max_position_embeddings"] = (
+            top_original if top_original is not None else config.get("max_position_embeddings")
+        )
     need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [k for k in need if merged.get(k) is None]
     if missing:
@@ -278,11 +291,88 @@ def decoder_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
     )
 
 
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def model_type_for(cfg: LlamaConfig) -> str:
+    """The ``model_type`` whose architecture is ``cfg``'s (``ConfigError`` if no one of the four is)."""
+    if cfg.qkv_bias and cfg.qk_norm:
+        raise ConfigError("no Hugging Face architecture has both q/k/v biases (qwen2) and q/k norms (qwen3)")
+    if cfg.sliding_window is not None and (cfg.qkv_bias or cfg.qk_norm):
+        raise ConfigError("a sliding window goes with model_type mistral, which has no biases or q/k norms")
+    if cfg.qk_norm:
+        return "qwen3"
+    if cfg.qkv_bias:
+        return "qwen2"
+    if cfg.sliding_window is not None:
+        return "mistral"
+    return "llama"
+
+
+def hf_config_for(
+    cfg: LlamaConfig, *, model_type: str | None = None, dtype: str = "bfloat16", **extra: Any
+) -> dict[str, Any]:
+    """A config.json dict for ``cfg`` that transformers (4 and 5) and vLLM read as the same model.
+
+    The inverse of :func:`decoder_config_from_hf` (``decoder_config_from_hf(hf_config_for(c)) == c``).
+    RoPE in the transformers 4 spelling (``rope_theta`` + ``rope_scaling``), which transformers 5 reads too.
+    ``extra`` keys (``max_position_embeddings``, ``bos_token_id``, ...) are added as given.
+    """
+    model_type = model_type or model_type_for(cfg)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"model_type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}")
+    scaling = cfg.rope_scaling
+    out: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None
+        if scaling is None
+        else {
+            "rope_type": "llama3",
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        },
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": dtype,  # transformers 4's key; 5 reads it and writes "dtype"
+    }
+    if model_type in ("llama", "qwen3"):
+        out.update(attention_bias=False)
+    if model_type == "llama":
+        out.update(mlp_bias=False)
+    if model_type == "mistral":
+        out["sliding_window"] = cfg.sliding_window
+    if model_type in ("qwen2", "qwen3"):
+        out.update(use_sliding_window=False, sliding_window=None)
+    out.update(extra)
+    if decoder_config_from_hf(out) != cfg:
+        raise ConfigError(f"config for {model_type} does not describe {cfg} (extra keys {sorted(extra)})")
+    return out
+
+
 __all__ = [
     "SUPPORTED_ACTIVATIONS",
     "SUPPORTED_MODEL_TYPES",
     "SUPPORTED_ROPE_TYPES",
     "ConfigError",
     "decoder_config_from_hf",
+    "hf_config_for",
+    "model_type_for",
     "read_config",
 ]

@@ -22,6 +22,8 @@ Hugging Face                                             nybble (module path, pa
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -144,6 +146,27 @@ def to_hf(param_name: str, array: np.ndarray) -> np.ndarray:
     return array
 
 
+def float_hf_tensors(model: Any, *, skip_modules: Collection[str] = ()) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, array in torch layout) for every float parameter of a ``Llama``, one at a time, in the
+    model's order; parameters of the nybble module paths in ``skip_modules`` (e.g. the ``QLinear`` layers a
+    quantized-format writer handles) are left out. Raises ``TypeError`` for a ``QLinear`` not skipped."""
+    from flax import nnx
+
+    from nybble.models.layers import QuantizedParam
+
+    for key_path, var in nnx.to_flat_state(nnx.state(model)):
+        module_path = ".".join(str(k) for k in key_path[:-1])
+        if module_path in skip_modules:
+            continue
+        if isinstance(var, QuantizedParam):
+            raise TypeError(
+                f"{module_path} is quantized (QLinear); pass it in skip_modules and write it "
+                "with the quantized format's writer"
+            )
+        param = str(key_path[-1])
+        yield hf_name_for(module_path, param), to_hf(param, np.asarray(var.get_value()))
+
+
 def hf_linear_modules(cfg: LlamaConfig) -> list[str]:
     """HF module names of every linear layer of ``cfg``'s decoder, in order (``lm_head`` last, if untied)."""
     names = [f"model.layers.{i}.{s}" for i in range(cfg.num_layers) for s in LINEAR_MODULE_SUFFIXES]
@@ -185,6 +208,7 @@ __all__ = [
     "IGNORED_TENSOR_PATTERNS",
     "LINEAR_MODULE_SUFFIXES",
     "expected_shapes",
+    "float_hf_tensors",
     "hf_linear_modules",
     "hf_module_for",
     "hf_name_for",

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -139,9 +139,30 @@ class HFScheme:
         """Whether this linear is stored quantized (else it is a float ``.weight``)."""
         raise NotImplementedError
 
-    def tensor_names(self, module_name: str) -> list[str]:
-        """Every tensor this linear's quantized form may use (optional ones such as ``g_idx`` included)."""
+    def tensor_names(self, module_name: str, available: Container[str] | None = None) -> list[str]:
+        """The tensors this linear's quantized form is stored as (all must be present).
+
+        A format's optional tensors (:meth:`optional_tensor_names`, e.g. a GPTQ ``g_idx`` that only some
+        exporters write) are included when ``available`` (the checkpoint's tensor names) holds them, or,
+        without ``available``, when the format's usual writer always writes them.
+        """
+        names = self._required(module_name)
+        for name in self.optional_tensor_names(module_name):
+            if name not in names and (name in available if available is not None else self._usual(name)):
+                names.append(name)
+        return names
+
+    def optional_tensor_names(self, module_name: str) -> list[str]:
+        """Tensors this linear may also have (read when present): the rest of the checkpoint's tensors
+        under this module are not the format's."""
+        return []
+
+    def _required(self, module_name: str) -> list[str]:
         raise NotImplementedError
+
+    def _usual(self, name: str) -> bool:
+        """Whether an optional tensor is written by the format's usual exporter (assumed when unknown)."""
+        return False
 
     def read_linear(
         self, module_name: str, get: Getter, *, in_features: int, out_features: int
@@ -317,15 +338,17 @@ class CompressedTensorsScheme(HFScheme):
     def is_quantized(self, module_name: str) -> bool:
         return self.group_for(module_name) is not None
 
-    def tensor_names(self, module_name: str) -> list[str]:
+    def _required(self, module_name: str) -> list[str]:
         g = self._group(module_name)
-        names = [f"{module_name}.weight_packed", f"{module_name}.weight_scale"]
-        names += [f"{module_name}.weight_shape"]
+        names = [f"{module_name}.{t}" for t in ("weight_packed", "weight_scale", "weight_shape")]
         if not g.symmetric:
             names.append(f"{module_name}.weight_zero_point")
-        if g.actorder == "group":
+        if g.actorder == "group":  # compressed-tensors < 0.20 wrote the group of every input column
             names.append(f"{module_name}.weight_g_idx")
         return names
+
+    def optional_tensor_names(self, module_name: str) -> list[str]:
+        return [f"{module_name}.weight_g_idx"]
 
     def _group(self, module_name: str) -> _CTGroup:
         g = self.group_for(module_name)
@@ -434,6 +457,8 @@ class GPTQScheme(HFScheme):
             None if not blocks else [m for sub in blocks for m in ([sub] if isinstance(sub, str) else sub)]
         )
         self.not_convert = list(config.get("modules_to_not_convert") or [])
+        # AutoGPTQ, optimum and GPTQModel always save g_idx; auto-round's GPTQ packers only with act-order.
+        self.writes_g_idx = True
 
     def is_quantized(self, module_name: str) -> bool:
         if module_name == "lm_head" or module_name.endswith(".lm_head"):
@@ -444,8 +469,15 @@ class GPTQScheme(HFScheme):
             return any(module_name.endswith("." + m) for m in self.in_block)
         return True
 
-    def tensor_names(self, module_name: str) -> list[str]:
-        return [f"{module_name}.{t}" for t in ("qweight", "qzeros", "scales", "g_idx")]
+    def _required(self, module_name: str) -> list[str]:
+        names = [f"{module_name}.{t}" for t in ("qweight", "qzeros", "scales")]
+        return names + ([f"{module_name}.g_idx"] if self.desc_act else [])
+
+    def optional_tensor_names(self, module_name: str) -> list[str]:
+        return [f"{module_name}.g_idx"]
+
+    def _usual(self, name: str) -> bool:
+        return self.writes_g_idx
 
     def read_linear_with_perm(
         self, module_name: str, get: Getter, *, in_features: int, out_features: int
@@ -483,7 +515,7 @@ class AWQScheme(HFScheme):
             return False
         return not any(m in module_name.split(".") or module_name.endswith(m) for m in self.not_convert)
 
-    def tensor_names(self, module_name: str) -> list[str]:
+    def _required(self, module_name: str) -> list[str]:
         return [f"{module_name}.{t}" for t in ("qweight", "qzeros", "scales")]
 
     def read_linear_with_perm(
@@ -515,8 +547,10 @@ class AutoRoundScheme(HFScheme):
         inner = {**config, "checkpoint_format": "gptq"}
         if fmt in ("auto_round:auto_gptq", "auto_round:gptq", "auto_gptq"):
             self.inner: HFScheme = GPTQScheme(inner, zero_convention="v1")
+            self.inner.writes_g_idx = False  # auto_round_extension's qlinear_torch_zp has no g_idx
         elif fmt in ("auto_round", "auto_round:gptqmodel", "auto_round:auto_round"):
             self.inner = GPTQScheme(inner, zero_convention="v2")
+            self.inner.writes_g_idx = fmt == "auto_round:gptqmodel"  # qlinear_torch(g_idx=True)
         elif fmt in ("auto_round:auto_awq", "auto_round:awq", "auto_awq"):
             self.inner = AWQScheme(config, check_version=False)
         else:
@@ -538,8 +572,11 @@ class AutoRoundScheme(HFScheme):
             return any(module_name.startswith(b.rstrip(".") + ".") for b in self.blocks)
         return True
 
-    def tensor_names(self, module_name: str) -> list[str]:
-        return self.inner.tensor_names(module_name)
+    def tensor_names(self, module_name: str, available: Container[str] | None = None) -> list[str]:
+        return self.inner.tensor_names(module_name, available)
+
+    def optional_tensor_names(self, module_name: str) -> list[str]:
+        return self.inner.optional_tensor_names(module_name)
 
     def read_linear_with_perm(
         self, module_name: str, get: Getter, *, in_features: int, out_features: int
@@ -570,12 +607,14 @@ class NybbleScheme(HFScheme):
         self.layout = config.get("layout", DEFAULT_LAYOUT)
         get_layout(self.layout)
         self.ignore = list(config.get("ignore") or [])
+        self.asymmetric = set(config.get("asymmetric") or [])
 
     def is_quantized(self, module_name: str) -> bool:
         return module_name not in self.ignore
 
-    def tensor_names(self, module_name: str) -> list[str]:
-        return [f"{module_name}.{t}" for t in ("codes", "scales", "offsets", "quant_shape")]
+    def _required(self, module_name: str) -> list[str]:
+        names = [f"{module_name}.{t}" for t in ("codes", "scales", "quant_shape")]
+        return names + ([f"{module_name}.offsets"] if module_name in self.asymmetric else [])
 
     def read_linear_with_perm(
         self, module_name: str, get: Getter, *, in_features: int, out_features: int
@@ -590,7 +629,7 @@ class NybbleScheme(HFScheme):
         rows = (num_groups(k_pad, group_size), n_pad)
         scales = _get(get, f"{p}.scales")
         check_shape(scales, f"{p}.scales", rows, "(num_groups, N_pad)")
-        offsets = _get_optional(get, f"{p}.offsets")
+        offsets = _get(get, f"{p}.offsets") if p in self.asymmetric else None
         if offsets is not None:
             check_shape(offsets, f"{p}.offsets", rows, "(num_groups, N_pad)")
         codes = _get(get, f"{p}.codes")
@@ -707,8 +746,9 @@ def integer_zeros(name: str, s: np.ndarray, o: np.ndarray | None) -> np.ndarray:
         zf = 8.0 - o64[g, c] / safe[g, c] if s64[g, c] else float("nan")
         raise ValueError(
             f"{name}: offset {float(o64[g, c])!r} at (group, n) = ({g}, {c}) is not (8 - z) * scale for an "
-            f"integer zero point z in 0..15 (scale {float(s64[g, c])!r}, z would be {float(zf)!r}): this format stores "
-            "integer zero points. Quantize with zero_point='integer' (or symmetric), or write format='nybble'"
+            f"integer zero point z in 0..15 (scale {float(s64[g, c])!r}, z would be {float(zf)!r}): this "
+            "format stores integer zero points. Quantize with zero_point='integer' (or symmetric), or "
+            "write format='nybble'"
         )
     return z.astype(np.int64)
 
@@ -749,17 +789,16 @@ class CompressedTensorsWriter(HFWriter):
                 "targets": ["Linear"] if len(kinds) == 1 else sorted(names),
                 "weights": {
                     "num_bits": 4, "type": "int", "symmetric": sym,
-                    "strategy": "channel" if g is None else "group", "group_size": g,
-                    "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {},
-                    "block_structure": None,
+                    "strategy": "channel" if g is None else "group", "group_size": g, "dynamic": False,
                 },
                 "input_activations": None, "output_activations": None, "format": "pack-quantized",
             }  # fmt: skip
+        # The keys compressed-tensors 0.20's ModelCompressor.update_config writes.
         config = {
             "quant_method": "compressed-tensors", "format": "pack-quantized",
             "quantization_status": "compressed", "config_groups": groups, "ignore": list(ignore),
             "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {},
-            "global_compression_ratio": None,
+            "global_compression_ratio": None, "moe_sparsity_config": None,
         }  # fmt: skip
         if self.version:
             config["version"] = self.version
@@ -852,7 +891,11 @@ class NybbleWriter(HFWriter):
         return out
 
     def quantization_config(self, ignore: Sequence[str]) -> dict:
-        return {"quant_method": "nybble", "bits": 4, "layout": self.layout, "ignore": list(ignore)}
+        asym = sorted(name for name, (sym, _) in self.layers.items() if not sym)
+        return {
+            "quant_method": "nybble", "bits": 4, "layout": self.layout, "ignore": list(ignore),
+            "asymmetric": asym,
+        }  # fmt: skip
 
 
 def writer_for(format: str, **options: Any) -> HFWriter:
