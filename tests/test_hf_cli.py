@@ -23,9 +23,8 @@ from nybble.__main__ import main
 from nybble.models import from_pretrained, quantize, save_pretrained
 from nybble.models.hf.config import decoder_config_from_hf
 from nybble.models.hf.files import INDEX_NAME, CheckpointDir, read_header
-from nybble.models.hf.save import hf_config_for
 from nybble.models.hf.stream import quantize_directory
-from nybble.models.llama import Llama, LlamaConfig, RopeScaling
+from nybble.models.llama import Llama, LlamaConfig
 from nybble.quant.formats.hf_scheme import scheme_from_config
 
 CFG = LlamaConfig(
@@ -241,31 +240,6 @@ def test_save_pretrained_round_trips_float_and_quantized(tmp_path):
     assert (
         not (tmp_path / "x").exists() and sorted(p.name for p in tmp_path.iterdir() if p.name[0] == ".") == []
     )
-
-
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        CFG,
-        LlamaConfig(64, 64, 128, 2, 4, 2, tie_embeddings=True, qkv_bias=True),  # qwen2
-        LlamaConfig(64, 64, 128, 2, 4, 2, head_dim=32, qk_norm=True),  # qwen3
-        LlamaConfig(64, 64, 128, 2, 4, 2, sliding_window=4096),  # mistral
-        LlamaConfig(
-            64,
-            64,
-            128,
-            2,
-            4,
-            2,
-            rope_theta=5e5,
-            rope_scaling=RopeScaling(
-                factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
-            ),
-        ),
-    ],
-)
-def test_hf_config_for_inverts_decoder_config_from_hf(cfg):
-    assert decoder_config_from_hf(hf_config_for(cfg)) == cfg
 
 
 def test_blockwise_gptq_equals_gptq_of_the_loaded_model(float_dir, tmp_path):

@@ -20,79 +20,16 @@ import jax
 import numpy as np
 from flax import nnx
 
-from nybble.models.hf.config import decoder_config_from_hf
+from nybble.models.hf.config import decoder_config_from_hf, hf_config_for
 from nybble.models.hf.files import CONFIG_NAME, ShardedWriter
-from nybble.models.hf.names import hf_module_for, hf_name_for, to_hf
+from nybble.models.hf.names import float_hf_tensors, hf_module_for
 from nybble.models.layers import QLinear
-from nybble.models.llama import Llama, LlamaConfig
+from nybble.models.llama import Llama
 from nybble.quant.qweight import QuantizedWeight
 from nybble.sharding import ShardedWeight
 
 SAVE_FORMATS = ("float", "compressed-tensors", "gptq", "nybble")
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 _DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
-
-
-def hf_config_for(cfg: LlamaConfig, dtype: Any = "bfloat16") -> dict[str, Any]:
-    """A transformers config.json (as a dict) for ``cfg``: the inverse of ``decoder_config_from_hf``.
-
-    The ``model_type`` is the plainest family that has ``cfg``'s switches: qwen3 for q/k norms, qwen2 for
-    q/k/v biases, mistral for a sliding window, else llama. RoPE is written in the transformers 4 spelling
-    (``rope_theta`` + ``rope_scaling``), which transformers 4 and 5 and vLLM all read.
-    """
-    if cfg.qk_norm:
-        model_type = "qwen3"
-    elif cfg.qkv_bias:
-        model_type = "qwen2"
-    elif cfg.sliding_window is not None:
-        model_type = "mistral"
-    else:
-        model_type = "llama"
-    scaling = None
-    if cfg.rope_scaling is not None:
-        s = cfg.rope_scaling
-        scaling = {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings,
-        }
-    max_pos = (
-        8192 if scaling is None else int(scaling["factor"] * scaling["original_max_position_embeddings"])
-    )
-    out: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[model_type]],
-        "model_type": model_type,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": max_pos,
-        "rms_norm_eps": cfg.rms_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": scaling,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "torch_dtype": _dtype_name(dtype),
-    }
-    if model_type == "llama":
-        out.update(attention_bias=False, mlp_bias=False)
-    if model_type == "mistral":
-        out["sliding_window"] = cfg.sliding_window
-    if model_type in ("qwen2", "qwen3"):
-        out.update(use_sliding_window=False, sliding_window=None)
-    if model_type == "qwen3":
-        out["attention_bias"] = False
-    return out
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -116,7 +53,10 @@ def _base_config(model: Llama, source: str | os.PathLike[str] | None, dtype: Any
         base["torch_dtype"] = _dtype_name(dtype)
         base.pop("dtype", None)
         return base
-    return hf_config_for(model.config, dtype)
+    cfg = model.config
+    scaling = cfg.rope_scaling  # transformers wants a context length; llama3 scaling implies one
+    max_pos = 8192 if scaling is None else int(scaling.factor * scaling.original_max_position_embeddings)
+    return hf_config_for(cfg, dtype=_dtype_name(dtype), max_position_embeddings=max_pos)
 
 
 def _modules(model: nnx.Module) -> Iterator[tuple[str, Any]]:
@@ -190,27 +130,21 @@ def save_pretrained(
 
         writer = writer_for_format(fmt)  # scales as each weight holds them (GPTQ: float16, exact or refused)
     config = _base_config(model, source, dtype)
-    float_linears: list[str] = []
+    float_linears = [hf_module_for(p) for p, m in modules.items() if isinstance(m, nnx.Linear)]
     with ShardedWriter(path, max_shard_bytes=max_shard_size, overwrite=overwrite) as out:
-        for module_path, module in modules.items():
-            if isinstance(module, QLinear):
-                hf_module = hf_module_for(module_path)
-                qw = module.weight
-                if isinstance(qw, ShardedWeight):
-                    qw = qw.gather()
-                assert isinstance(qw, QuantizedWeight)
-                for key, value in writer.write_linear(hf_module, qw).items():
-                    out.add(key, np.asarray(value))
-                if module.bias is not None:
-                    out.add(f"{hf_module}.bias", _host(module.bias[...]).astype(dtype))
-                continue
-            for param, var in vars(module).items():
-                if not isinstance(var, nnx.Variable) or isinstance(var.get_value(), QuantizedWeight):
-                    continue
-                name = hf_name_for(module_path, param)
-                out.add(name, to_hf(param, _host(var[...]).astype(dtype)))
-            if isinstance(module, nnx.Linear):
-                float_linears.append(hf_module_for(module_path))
+        for name, array in float_hf_tensors(model, skip_modules=quantized):
+            out.add(name, array.astype(dtype))
+        for module_path in quantized:
+            module = modules[module_path]
+            hf_module = hf_module_for(module_path)
+            qw = module.weight
+            if isinstance(qw, ShardedWeight):
+                qw = qw.gather()
+            assert isinstance(qw, QuantizedWeight)
+            for key, value in writer.write_linear(hf_module, qw).items():
+                out.add(key, np.asarray(value))
+            if module.bias is not None:
+                out.add(f"{hf_module}.bias", _host(module.bias[...]).astype(dtype))
         if writer is not None:
             config["quantization_config"] = writer.quantization_config(ignore=sorted(float_linears))
         out.write_config(config)
@@ -219,4 +153,4 @@ def save_pretrained(
     return Path(path)
 
 
-__all__ = ["SAVE_FORMATS", "hf_config_for", "save_pretrained"]
+__all__ = ["SAVE_FORMATS", "save_pretrained"]
