@@ -231,8 +231,8 @@ def test_save_pretrained_round_trips_float_and_quantized(tmp_path):
         save_pretrained(model, tmp_path / "x")
     with pytest.raises(ValueError, match="integer zero point"):
         save_pretrained(asym, tmp_path / "x", format="compressed-tensors")
-    for fmt, m in (("compressed-tensors", model), ("gptq", model), ("nybble", asym)):
-        save_pretrained(m, tmp_path / fmt, format=fmt)
+    for fmt, m in (("compressed-tensors", model), ("gptq", model), ("nybble", model), ("nybble-asym", asym)):
+        save_pretrained(m, tmp_path / fmt, format=fmt.removesuffix("-asym"))
         back = from_pretrained(tmp_path / fmt, dtype=jnp.float32)
         assert back.layers[0].mlp.up_proj.weight.shape == (64, 128)
         assert back.layers[0].mlp.up_proj.weight.symmetric is (m is model)
@@ -282,3 +282,18 @@ def test_the_benchmark_checkpoints_are_the_llamas_they_claim():
         assert shapes == expected_shapes(decoder_config_from_hf(config))
         counts[size] = sum(int(np.prod(s)) for s in shapes.values())
     assert 0.45e9 < counts["0.5B"] < 0.55e9 and 1.9e9 < counts["2B"] < 2.1e9
+
+
+def test_a_named_model_quantized_to_a_directory(tmp_path, capsys):
+    """`--model tiny-random --format compressed-tensors --asymmetric`: integer zeros, read back exactly."""
+    from nybble.models.zoo import tiny_random
+
+    out = tmp_path / "ct"
+    argv = ["quantize", "--model", "tiny-random", "--format", "compressed-tensors", "--asymmetric"]
+    assert main([*argv, "--group-size", "64", "--output", str(out), "--no-progress"]) == 0
+    ref, _ = tiny_random()
+    quantize(ref, group_size=64, symmetric=False, zero_point="integer", progress=False)
+    back = from_pretrained(out, dtype=jnp.float32)
+    ids = jnp.arange(12)[None]
+    np.testing.assert_allclose(np.asarray(back(ids)), np.asarray(ref(ids)), rtol=0, atol=1e-5)
+    assert back.layers[1].mlp.down_proj.weight.symmetric is False
