@@ -160,7 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="quantize a model and save it",
         description="Quantize every dense (nnx.Linear) layer of a model to int4 (round to nearest, or GPTQ), "
         "and write the model state to one safetensors file (nybble format, checksummed). "
-        "Embeddings, norms and a tied LM head stay in float.",
+        "Embeddings, norms and a tied LM head stay in float. With --model DIR (a Hugging Face checkpoint "
+        "directory) or --format, write a Hugging Face directory instead (compressed-tensors, gptq or "
+        "nybble format, sharded, tokenizer files copied); --method rtn on a directory streams it one "
+        "tensor at a time, gptq/autoround go decoder block by decoder block, so memory does not grow "
+        "with the model.",
     )
     _model_args(q)
     q.add_argument(
