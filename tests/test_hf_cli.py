@@ -297,3 +297,22 @@ def test_a_named_model_quantized_to_a_directory(tmp_path, capsys):
     ids = jnp.arange(12)[None]
     np.testing.assert_allclose(np.asarray(back(ids)), np.asarray(ref(ids)), rtol=0, atol=1e-5)
     assert back.layers[1].mlp.down_proj.weight.symmetric is False
+
+
+def test_blockwise_autoround_equals_autoround_of_the_loaded_model(float_dir, tmp_path):
+    """AutoRound block by block gives what AutoRound of the loaded model gives with target='own' (the
+    float block on the quantized inputs: the hidden states a block-by-block pass has)."""
+    from nybble.models.hf.blockwise import quantize_directory_calibrated
+
+    ids = np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 16))
+    options = dict(method="autoround", group_size=32, steps=4, chunk=4)
+    quantize_directory_calibrated(float_dir, tmp_path / "ar", calibration=ids, progress=False, **options)
+    model = from_pretrained(float_dir, dtype=jnp.float32)
+    quantize(model, calibration=ids, target="own", progress=False, **options)
+    got = CheckpointDir(tmp_path / "ar")
+    scheme = scheme_from_config(got.config["quantization_config"])
+    for i in range(CFG.num_layers):
+        ref = model.layers[i].mlp.up_proj.weight
+        qw = scheme.read_linear(f"model.layers.{i}.mlp.up_proj", got.get, in_features=64, out_features=128)
+        assert np.array_equal(np.asarray(qw.logical_codes()), np.asarray(ref.logical_codes())), i
+        assert np.asarray(qw.scales).tobytes() == np.asarray(ref.scales).tobytes(), i

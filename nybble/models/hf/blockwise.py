@@ -17,6 +17,7 @@ quantized inputs (``target="own"``), since the float model's hidden states are n
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -116,8 +117,22 @@ def quantize_directory_calibrated(
         method=method, group_size=group_size, symmetric=symmetric, scale_dtype=scale_dtype, progress=False
     )
     if not symmetric and format in ("compressed-tensors", "gptq"):
+        if method == "autoround":
+            raise ValueError(
+                f"asymmetric AutoRound for format {format!r} needs integer zero points, which "
+                "nybble.models.quantize(method='autoround') does not take yet: use --symmetric, "
+                "--format nybble (float offsets) or --method gptq"
+            )
         options["zero_point"] = "integer"  # these formats store w = (q - z) s with an integer z
     options.update(method_options)
+    autoround_config = None
+    if method == "autoround":
+        from nybble.quant.autoround import AutoRoundConfig, resolve_config
+
+        fields = {f.name for f in dataclasses.fields(AutoRoundConfig)}
+        overrides = {k: options.pop(k) for k in list(options) if k in fields}
+        autoround_config = resolve_config(options.pop("config", "default"), **overrides)
+        options.setdefault("target", "own")  # the float model's hidden states are not carried along
     report = StreamReport(output=Path(out_dir))
     t0 = time.perf_counter()
     written: set[str] = set()
@@ -149,6 +164,8 @@ def quantize_directory_calibrated(
             def forward(m: _Shell, _ids: Any, x: Any = x) -> Any:
                 return m.layers[0](x, positions)  # the block's inputs, not the token ids
 
+            if autoround_config is not None:  # block i draws from seed + i, as in the whole-model pass
+                options["config"] = dataclasses.replace(autoround_config, seed=autoround_config.seed + i)
             quantize(shell, calibration=ids, forward=forward, **options)
             block = shell.layers[0]
             x = jax.block_until_ready(block(x, positions))  # the quantized block's output
