@@ -316,3 +316,29 @@ def test_blockwise_autoround_equals_autoround_of_the_loaded_model(float_dir, tmp
         qw = scheme.read_linear(f"model.layers.{i}.mlp.up_proj", got.get, in_features=64, out_features=128)
         assert np.array_equal(np.asarray(qw.logical_codes()), np.asarray(ref.logical_codes())), i
         assert np.asarray(qw.scales).tobytes() == np.asarray(ref.scales).tobytes(), i
+
+
+def test_cli_gptq_on_a_directory_goes_block_by_block(float_dir, tmp_path, capsys, monkeypatch):
+    from nybble.models.hf import blockwise
+
+    seen = {}
+    real = blockwise.quantize_directory_calibrated
+
+    def spy(*args, **kw):
+        seen.update(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(blockwise, "quantize_directory_calibrated", spy)
+    out = tmp_path / "g"
+    argv = ["quantize", "--model", str(float_dir), "--method", "gptq", "--calib-tokens", "256"]
+    assert main([*argv, "--format", "gptq", "--group-size", "32", "--output", str(out), "--no-progress"]) == 0
+    assert seen["method"] == "gptq" and len(seen["calibration"]) == 256
+    got = CheckpointDir(out)
+    assert got.config["quantization_config"]["quant_method"] == "gptq"
+    assert sum(n.endswith(".qweight") for n in got.names()) == 14 and "lm_head.weight" in got
+    (tmp_path / "notok").mkdir()
+    for f in float_dir.iterdir():
+        if f.name != "tokenizer.json":
+            (tmp_path / "notok" / f.name).write_bytes(f.read_bytes())
+    assert main([*argv, "--model", str(tmp_path / "notok"), "--output", str(tmp_path / "x")]) == 2
+    assert "needs the model's tokenizer" in capsys.readouterr().err
