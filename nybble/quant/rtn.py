@@ -170,8 +170,9 @@ def group_params(
     parameters whose codes give the smallest squared error (clipping a few outliers for a finer step).
 
     ``zero_point="integer"`` (asymmetric): the range is widened to include 0, ``z = round(-min / s)`` is an
-    integer in 1..15 (a group without negative values: z = 1, step max / 14) and the offsets ``(8 - z) * s`` are returned in float32 (exact; ``scale_dtype`` could
-    not hold them: up to 12 significant bits for bfloat16 scales).
+    integer in 1..15 (a group without negative values: z = 1, step max / 14) and the offsets
+    ``(8 - z) * s`` are returned in float32 (exact; ``scale_dtype`` could not hold them: up to 12
+    significant bits for bfloat16 scales).
     """
     integer = zero_point == "integer" and not symmetric
     if not clip_search:
