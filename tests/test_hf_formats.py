@@ -328,6 +328,24 @@ def test_integer_zero_points_rtn_gptq_autoround():
     assert (rtn <= s * 0.5 + 1e-6).mean() > 0.99  # round to nearest: within half a step but for clipped ends
 
 
+def test_refit_keeps_integer_zero_points():
+    from nybble.quant import hessian_from_inputs, refit_group_params
+
+    rng = np.random.default_rng(8)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    x = rng.standard_normal((48, 64)).astype(np.float32)
+    qw = nybble.quantize(w, group_size=32, symmetric=False, zero_point="integer")
+    h = hessian_from_inputs(x)
+    new = refit_group_params(qw, w, h, zero_point="integer")
+    s0, o0 = np.asarray(qw.scales, np.float64)[:, :32], np.asarray(qw.offsets, np.float64)[:, :32]
+    s1, o1 = np.asarray(new.scales, np.float64)[:, :32], np.asarray(new.offsets, np.float64)[:, :32]
+    np.testing.assert_array_equal(8 - o1 / s1, 8 - o0 / s0)  # the same integer zeros
+    assert not np.array_equal(s1, s0)
+    loss = [float(np.sum((x @ (deq(q) - w)) ** 2)) for q in (qw, new)]
+    assert loss[1] < loss[0]
+    writer_for("compressed-tensors").write_linear("l", new)  # still exportable
+
+
 def test_integer_zero_of_a_nonnegative_group_fits_gptq_v1():
     """A group without negative values would take z = 0, which GPTQ v1 (stored z - 1) cannot hold: nybble
     gives it z = 1 and a step of max / 14 instead, still covering [0, max]."""
