@@ -234,6 +234,33 @@ def test_gptq_v1_writer_matches_auto_round_packer():
         np.testing.assert_array_equal(out[f"{case}.g_idx"], np.arange(k) // (qw.group_size or k))
 
 
+@pytest.mark.parametrize("name", ["autoround_sym_g32", "autoround_asym_g32"])
+def test_autoround_export_directory(name):
+    """A directory AutoRound itself quantized and saved (format="auto_round"): every linear reads to the
+    weight auto-round's own packing class dequantizes (float16, bit for bit), exact in float32."""
+    d = os.path.join(FIXTURES, name)
+    with open(os.path.join(d, "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    assert qc["quant_method"] == "auto-round"
+    tensors = load_safetensors(os.path.join(d, "model.safetensors"))
+    ref = dict(np.load(os.path.join(d, "autoround_weights.npz")))
+    scheme = scheme_from_config(qc)
+    assert not scheme.is_quantized("lm_head")
+    layers = sorted({t.rsplit(".", 1)[0] for t in tensors if t.endswith(".qweight")})
+    assert len(layers) == 14
+    negative = False
+    for m in layers:
+        assert scheme.is_quantized(m)
+        assert sorted(scheme.tensor_names(m)) == sorted(t for t in tensors if t.startswith(m + "."))
+        lib = ref[f"{m}.lib_weight"]  # (K, N) float16
+        qw = scheme.read_linear(m, tensors.__getitem__, in_features=lib.shape[0], out_features=lib.shape[1])
+        np.testing.assert_array_equal(np.asarray(nybble.dequantize(qw, jnp.float16)), lib)
+        negative |= bool((np.asarray(qw.scales, np.float32) < 0).any())
+        assert qw.symmetric == qc["sym"]
+    if qc["sym"]:
+        assert negative  # AutoRound's symmetric scales carry the sign of the group's extreme
+
+
 @pytest.mark.parametrize("case", sorted(AWQ[1]))
 def test_awq_read_bit_exact(case):
     tensors, configs, ref = AWQ

@@ -558,7 +558,9 @@ class AutoRoundScheme(HFScheme):
         self.packing_format = fmt
         self.extra = dict(config.get("extra_config") or {})
         blocks = config.get("block_name_to_quantize")
-        self.blocks = None if not blocks else ([blocks] if isinstance(blocks, str) else list(blocks))
+        if isinstance(blocks, str):  # AutoRound writes "model.layers" or "a.layers,b.layers"
+            blocks = [b.strip() for b in blocks.split(",") if b.strip()]
+        self.blocks = None if not blocks else [b if isinstance(b, str) else b[0] for b in blocks]
 
     def is_quantized(self, module_name: str) -> bool:
         extra = self.extra.get(module_name, {})
