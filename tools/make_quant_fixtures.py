@@ -25,6 +25,12 @@ Who produced what (the point of the fixtures: nybble is checked against the writ
   ``g_idx`` set on the packed module, which its forward honours).
 * ``awq_linears.*``: AWQ GEMM tensors from auto-round's ``WQLinear_GEMM.from_linear`` (interleaved
   nibble order), reference from its ``dequantize_gemm``.
+* ``autoround_sym_g32/``, ``autoround_asym_g32/``: a tiny random Llama quantized and saved by AutoRound
+  itself (``AutoRound(iters=0)``, its RTN mode, ``quantize_and_save(format="auto_round")``: symmetric
+  becomes ``packing_format: auto_round:auto_gptq``, asymmetric ``auto_round:auto_awq``), with
+  ``autoround_weights.npz``: every linear dequantized by the class auto-round's exporter packs with
+  (``dynamic_import_quant_linear_for_packing``; its forward on an identity matrix) or its AWQ
+  ``dequantize_gemm``.
 * ``ct_tiny_sym_g128/``, ``ct_tiny_asym_g32/``: a tiny random Llama (2 layers, hidden 128) saved by
   transformers and compressed by compressed-tensors' ``ModelCompressor`` (``compress_model`` +
   ``update_config``, what llm-compressor does), with ``logits.npy``: transformers' float32 logits of
@@ -326,6 +332,55 @@ def ct_tiny(out, name, *, sym, group_size):
     np.savez_compressed(os.path.join(d, "transformers_weights.npz"), **ref)
 
 
+def autoround_dir(out, name, *, sym):
+    """A tiny Llama quantized and saved by AutoRound itself (iters=0: its RTN mode, no calibration data)
+    in its own format (``format="auto_round"``), plus the library's dequantized weight of every linear."""
+    from auto_round import AutoRound
+    from auto_round.export.export_to_autoround.export import dynamic_import_quant_linear_for_packing
+    from auto_round.export.export_to_awq.utils import dequantize_gemm
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(SEED + 3)
+    cfg = LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    vocab = {f"w{i}": i for i in range(256)}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="w0", bos_token="w1", eos_token="w2")
+    tmp = os.path.join(out, f".{name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    ar = AutoRound(model, tokenizer=tok, bits=4, group_size=32, sym=sym, iters=0, disable_opt_rtn=True)
+    ar.quantize_and_save(tmp, format="auto_round")
+    (sub,) = os.listdir(tmp)  # AutoRound writes into OUT/w4g32/
+    d = os.path.join(out, name)
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.move(os.path.join(tmp, sub), d)
+    shutil.rmtree(tmp)
+    with open(os.path.join(d, "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    ref = {}
+    for prefix in sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight")):
+        qweight, qzeros, scales = (tensors[f"{prefix}.{t}"] for t in ("qweight", "qzeros", "scales"))
+        g = qc["group_size"]
+        if "awq" in qc["packing_format"]:
+            w = dequantize_gemm(qweight, qzeros, scales, 4, g)  # (K, N)
+        else:
+            cls = dynamic_import_quant_linear_for_packing(qc["packing_format"], 4, g, qc["sym"])
+            k, n = qweight.shape[0] * 8, qweight.shape[1]
+            ql = cls(4, g, k, n, False)
+            ql.qweight, ql.qzeros, ql.scales = qweight, qzeros, scales
+            with torch.no_grad():
+                w = ql(torch.eye(k, dtype=torch.float16))  # its own forward: I @ W
+        ref[f"{prefix}.lib_weight"] = w.half().numpy()  # computed in float16: stored exactly
+    np.savez_compressed(os.path.join(d, "autoround_weights.npz"), **ref)
+
+
 def main():
     out = os.path.abspath(OUT)
     os.makedirs(out, exist_ok=True)
@@ -334,6 +389,8 @@ def main():
     awq_linears(out)
     ct_tiny(out, "ct_tiny_sym_g128", sym=True, group_size=128)
     ct_tiny(out, "ct_tiny_asym_g32", sym=False, group_size=32)
+    autoround_dir(out, "autoround_sym_g32", sym=True)
+    autoround_dir(out, "autoround_asym_g32", sym=False)
     versions = {
         p: version(p) for p in ("torch", "transformers", "compressed-tensors", "auto-round", "safetensors")
     }
