@@ -165,3 +165,41 @@ def test_unsupported_quantization_config(tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="bits"):
         models.from_pretrained(d)
+
+
+QUANT_FIXTURES = Path(__file__).parent / "fixtures" / "quant"
+
+
+@pytest.mark.parametrize("name", ["ct_tiny_sym_g128", "ct_tiny_asym_g32"])
+def test_compressed_tensors_directory_vs_transformers(name):
+    """llm-compressor's W4A16 directories (packed by compressed-tensors' ModelCompressor, hf-quant's
+    fixtures) against transformers' logits after loading them with CompressedTensorsConfig(dequantize=True).
+
+    transformers dequantizes into the checkpoint dtype (bf16), nybble keeps the exact ``(q - z) * s``: so
+    the int4 model is within bf16's rounding of transformers' logits, and the same model with its weights
+    rounded to bf16 as transformers rounds them is within 1e-3.
+    """
+    from flax import nnx
+
+    d = QUANT_FIXTURES / name
+    ids = jnp.asarray(np.load(d / "prompt.npy")).reshape(1, -1)
+    want = np.load(d / "logits.npy")
+    model = models.from_pretrained(d, dtype=jnp.float32)
+    quantized = [(p, m) for p, m in nnx.iter_modules(model) if isinstance(m, QLinear)]
+    assert len(quantized) == 7 * model.config.num_layers  # lm_head is in the ignore list
+    got = np.asarray(model(ids))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    ref_w = np.load(d / "transformers_weights.npz")
+    for p, m in quantized:
+        hf = names.hf_module_for(".".join(str(k) for k in p)) + ".weight"
+        w = np.asarray(nybble.dequantize(m.weight, jnp.bfloat16).astype(jnp.float32))
+        if hf in ref_w:  # bit-exact against transformers' own dequantization
+            np.testing.assert_array_equal(w, ref_w[hf].T, err_msg=hf)
+        lin = nnx.Linear(*w.shape, use_bias=False, rngs=nnx.Rngs(0))
+        lin.kernel.set_value(jnp.asarray(w))
+        parent = model
+        for k in p[:-1]:
+            parent = parent[k] if isinstance(k, int) else getattr(parent, k)
+        setattr(parent, p[-1], lin)
+    rounded = np.asarray(model(ids))
+    assert np.linalg.norm(rounded - want) / np.linalg.norm(want) < 1e-3
