@@ -125,6 +125,14 @@ def test_gptq_directory_loads_into_qlinear(tmp_path, desc_act, sym, fmt):
     np.testing.assert_allclose(np.asarray(step[:, 0]), got[:, 8], atol=1e-4 * np.abs(got).max())
 
 
+def test_act_order_layers_are_not_written_back(tmp_path):
+    d, _ = _gptq_dir(tmp_path, desc_act=True, sym=True, fmt="gptq")
+    model = models.from_pretrained(d, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.[qkvo]_proj multiplies permuted inputs"):
+        models.save_pretrained(model, tmp_path / "out", format="gptq")
+    assert not (tmp_path / "out").exists()
+
+
 def test_quantized_directory_bf16_and_quantize_nothing_twice(tmp_path):
     d, _ = _gptq_dir(tmp_path, desc_act=False, sym=True, fmt="gptq_v2")
     model = models.from_pretrained(d)  # bf16
