@@ -48,6 +48,11 @@ def _scheme(config: dict[str, Any]) -> Any:
     return scheme_from_config(qc)
 
 
+def _getter(ckpt: CheckpointDir) -> Any:
+    """``get(name)`` for the scheme's readers: the tensor, or None when absent (optional tensors)."""
+    return lambda name: ckpt.get(name) if name in ckpt else None
+
+
 def _module_at(model: nnx.Module, path: str) -> tuple[Any, str | int, Any]:
     """(parent, key, module) at dotted ``path`` (``layers.0.attn.q_proj``)."""
     parent: Any = None
@@ -93,15 +98,16 @@ def _load_quantized(
         path = module_path_for_module(hf_module)
         assert path is not None
         parent, key, linear = _module_at(model, path)
-        names = list(scheme.tensor_names(hf_module))
+        names = list(scheme.tensor_names(hf_module, available=ckpt))
         missing = [n for n in names if n not in ckpt]
         if missing:
             raise CheckpointError(
                 f"{ckpt.path}: quantized layer {hf_module!r} lacks {missing} (its quantization_config "
                 f"names this layer as quantized; expected tensors {names})"
             )
-        qw = scheme.read_linear(
-            hf_module, ckpt.get, in_features=linear.in_features, out_features=linear.out_features
+        # perm: activation order with groups scattered over K (see QLinear.input_perm)
+        qw, perm = scheme.read_linear_with_perm(
+            hf_module, _getter(ckpt), in_features=linear.in_features, out_features=linear.out_features
         )
         if tuple(qw.shape) != (linear.in_features, linear.out_features):
             raise CheckpointError(
@@ -116,7 +122,7 @@ def _load_quantized(
             used.add(bias_name)
         expected.pop(f"{hf_module}.weight", None)
         used.update(names)
-        _set_module(parent, key, QLinear(qw, bias))
+        _set_module(parent, key, QLinear(qw, bias, input_perm=perm))
         quantized.add(path)
     return used, quantized
 

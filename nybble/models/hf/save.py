@@ -137,6 +137,11 @@ def save_pretrained(
         for module_path in quantized:
             module = modules[module_path]
             hf_module = hf_module_for(module_path)
+            if getattr(module, "input_perm", None) is not None:  # (hf-models) act-order layer as read
+                raise ValueError(
+                    f"save_pretrained: {module_path} multiplies permuted inputs (an activation-order layer "
+                    "read from a checkpoint, QLinear.input_perm); writing it back is not supported"
+                )
             qw = module.weight
             if isinstance(qw, ShardedWeight):
                 qw = qw.gather()
