@@ -117,12 +117,6 @@ def quantize_directory_calibrated(
         method=method, group_size=group_size, symmetric=symmetric, scale_dtype=scale_dtype, progress=False
     )
     if not symmetric and format in ("compressed-tensors", "gptq"):
-        if method == "autoround":
-            raise ValueError(
-                f"asymmetric AutoRound for format {format!r} needs integer zero points, which "
-                "nybble.models.quantize(method='autoround') does not take yet: use --symmetric, "
-                "--format nybble (float offsets) or --method gptq"
-            )
         options["zero_point"] = "integer"  # these formats store w = (q - z) s with an integer z
     options.update(method_options)
     autoround_config = None
