@@ -311,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown size(s) {unknown}; choose from {list(SIZES)}")
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     out = Path(args.out or f"bench/results/checkpoints-{date}")
+    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     work = Path(tempfile.mkdtemp(prefix="nybble-ckpt-bench-", dir=args.workdir))
     try:
         free = shutil.disk_usage(work).free
@@ -326,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": date,
         "format": args.format,
         "machine": machine(),
+        # 1/5/15-minute load averages at the start and the end: how busy the shared machine was
+        "loadavg": {"start": load_start, "end": os.getloadavg() if hasattr(os, "getloadavg") else None},
         "sizes": results,
         "verdict": verdict(results),
     }
