@@ -103,7 +103,7 @@ def local_dir(path: str | os.PathLike[str], what: str = "nybble") -> Path:
     kind = _hub_like(text)
     if kind is not None and not p.exists():
         raise CheckpointError(
-            f"{what}: {text!r} looks like a {kind}, not a local directory; nybble reads local "
+            f"{what}: there is no local directory {text!r}, and it looks like a {kind}; nybble reads local "
             f"checkpoint directories only (no network access): download it first, e.g. "
             f"`huggingface-cli download {text if kind != 'URL' else 'ORG/NAME'} --local-dir DIR` "
             f"(or `git clone`), then pass DIR"
