@@ -34,7 +34,10 @@ Who produced what (the point of the fixtures: nybble is checked against the writ
 * ``ct_tiny_sym_g128/``, ``ct_tiny_asym_g32/``: a tiny random Llama (2 layers, hidden 128) saved by
   transformers and compressed by compressed-tensors' ``ModelCompressor`` (``compress_model`` +
   ``update_config``, what llm-compressor does), with ``logits.npy``: transformers' float32 logits of
-  ``prompt.npy`` after loading the directory with ``CompressedTensorsConfig(dequantize=True)``.
+  ``prompt.npy`` after loading the directory with ``CompressedTensorsConfig(dequantize=True)`` (which
+  rounds each dequantized weight to the bfloat16 scale dtype), and ``logits_exact.npy``: the same model
+  with the exact float32 weights ``(q - z) * s`` (compressed-tensors' unpacking), what nybble's float32
+  dequantization gives.
 """
 
 from __future__ import annotations
@@ -330,6 +333,25 @@ def ct_tiny(out, name, *, sym, group_size):
         for key in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight")
     }
     np.savez_compressed(os.path.join(d, "transformers_weights.npz"), **ref)
+    # transformers dequantizes (q - z) * s in the scale dtype (bfloat16: one rounding of each product);
+    # the same model with the exact float32 products (q - z) * s, from compressed-tensors' own unpacking,
+    # is logits_exact.npy: what a float32 evaluation of the exact quantized weights gives.
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file
+
+    packed = load_file(os.path.join(d, "model.safetensors"))
+    with torch.no_grad():
+        for mod_name, mod in loaded.named_modules():
+            if f"{mod_name}.weight_packed" not in packed:
+                continue
+            n, k = (int(v) for v in packed[f"{mod_name}.weight_shape"])
+            q = unpack_from_int32(packed[f"{mod_name}.weight_packed"], 4, torch.Size((n, k))).float()
+            s = packed[f"{mod_name}.weight_scale"].float()
+            zp = packed.get(f"{mod_name}.weight_zero_point")
+            z = torch.zeros_like(s) if zp is None else unpack_from_int32(zp, 4, s.shape, packed_dim=0).float()
+            g = k // s.shape[1]
+            mod.weight.copy_((q - z.repeat_interleave(g, 1)) * s.repeat_interleave(g, 1))
+        np.save(os.path.join(d, "logits_exact.npy"), loaded(prompt).logits.float().numpy())
 
 
 def autoround_dir(out, name, *, sym):
