@@ -310,6 +310,34 @@ def test_write_read_round_trip(fmt):
         )
 
 
+def test_gptq_config_float_layers():
+    """Float in-block linears become modules_in_block_to_quantize (the same in every block), read back."""
+    qw = nybble.quantize(
+        np.random.default_rng(9).standard_normal((64, 64)), group_size=32, scale_dtype=jnp.float16
+    )
+    w = writer_for("gptq")
+    for i in range(2):
+        for m in ("self_attn.q_proj", "mlp.up_proj"):
+            w.write_linear(f"model.layers.{i}.{m}", qw)
+    ignore = ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    cfg = w.quantization_config(ignore)
+    assert (
+        cfg["modules_in_block_to_quantize"] == [["mlp.up_proj", "self_attn.q_proj"]]
+        and cfg["lm_head"] is False
+    )
+    s = scheme_from_config(cfg)
+    assert s.is_quantized("model.layers.1.self_attn.q_proj") and not s.is_quantized(
+        "model.layers.1.mlp.down_proj"
+    )
+    assert not s.is_quantized("lm_head")
+    with pytest.raises(
+        ValueError, match=r"model.layers.0.mlp.up_proj: quantized, while mlp.up_proj of another"
+    ):
+        w.quantization_config(["model.layers.1.mlp.up_proj"])
+    with pytest.raises(ValueError, match=r"model.embed_proj: a GPTQ config can leave in float only"):
+        w.quantization_config(["model.embed_proj"])
+
+
 def test_nybble_format_keeps_float_offsets():
     qw = nybble.quantize(np.random.default_rng(2).standard_normal((128, 64)), group_size=64, symmetric=False)
     w = writer_for("nybble")

@@ -884,13 +884,49 @@ class GPTQWriter(HFWriter):
         config = {
             "quant_method": "gptq", "bits": 4, "group_size": -1 if g is None else g, "desc_act": False,
             "sym": sym, "checkpoint_format": "gptq", "static_groups": False, "true_sequential": True,
-            "damp_percent": 0.01,
+            "damp_percent": 0.01, "lm_head": any(_is_lm_head(m) for m in self.layers),
         }  # fmt: skip
-        if ignore:
-            config["modules_to_not_convert"] = [m for m in ignore if m != "lm_head"] or None
-            if config["modules_to_not_convert"] is None:
-                del config["modules_to_not_convert"]
+        in_block = _in_block_modules(self.layers, [m for m in ignore if not _is_lm_head(m)])
+        if in_block is not None:
+            config["modules_in_block_to_quantize"] = [in_block]
         return config
+
+
+def _is_lm_head(name: str) -> bool:
+    return name == "lm_head" or name.endswith(".lm_head")
+
+
+_BLOCK = re.compile(r"^(.*\.layers\.\d+)\.(.+)$")
+
+
+def _in_block_modules(written: Container[str], ignored: Sequence[str]) -> list[str] | None:
+    """GPTQ's ``modules_in_block_to_quantize`` (in-block names, the same in every block) for float linears
+    inside the blocks; None when there are none. A config cannot leave one block's layer in float and
+    quantize it in another: that is refused, naming the layer."""
+    if not ignored:
+        return None
+    float_names = set()
+    for m in ignored:
+        match = _BLOCK.match(m)
+        if match is None:
+            raise ValueError(
+                f"{m}: a GPTQ config can leave in float only lm_head or in-block linears "
+                "(model.layers.N.<name>); write format='compressed-tensors' (its ignore list names any layer)"
+            )
+        float_names.add(match.group(2))
+    quantized = set()
+    for m in written:  # type: ignore[attr-defined]
+        match = _BLOCK.match(m)
+        if match is None:
+            continue
+        if match.group(2) in float_names:
+            raise ValueError(
+                f"{m}: quantized, while {match.group(2)} of another block is left in float; a GPTQ config "
+                "names in-block layers for every block alike (modules_in_block_to_quantize): write "
+                "format='compressed-tensors'"
+            )
+        quantized.add(match.group(2))
+    return sorted(quantized)
 
 
 class NybbleWriter(HFWriter):
