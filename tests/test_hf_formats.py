@@ -499,6 +499,7 @@ def test_ct_actorder_group_g_idx():
         ({"quant_method": "auto-round", "bits": 4, "packing_format": "auto_round:fp8"}, r"packing_format"),
         ({"quant_method": "auto-round", "bits": 4, "data_type": "nv_fp"}, r"data_type='nv_fp'"),
         ({"quant_method": "fp8"}, r"quant_method='fp8'"),
+        ({"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*down_proj": {}}}, r"dynamic=.*per-module"),
     ],
 )
 def test_unsupported_configs(config, match):
@@ -625,6 +626,15 @@ def test_writers_refuse_inexact():
         wr.write_linear("b", nybble.quantize(w, group_size=64, scale_dtype=jnp.float16))
     with pytest.raises(ValueError, match=r"odd: GPTQ packs .* \(in, out\) = \(128, 60\)"):
         writer_for("gptq").write_linear("odd", nybble.quantize(w[:, :60], scale_dtype=jnp.float16))
+    stacked = nybble.QuantizedWeight.from_codes(
+        np.zeros((64, 64), np.int8), np.ones((1, 64), np.float16), shape=(64, 64), group_size=None
+    )
+    stacked = type(stacked)(
+        codes=jnp.stack([stacked.codes] * 2), scales=jnp.stack([stacked.scales] * 2), offsets=None,
+        shape=(64, 64), group_size=None, symmetric=True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"experts: a stacked weight"):
+        writer_for("compressed-tensors").write_linear("experts", stacked)
     with pytest.raises(ValueError, match=r"format='awq': nybble writes"):
         writer_for("awq")
 

@@ -30,7 +30,18 @@ their scale dtype. Asymmetric layers keep their scales' dtype and store the offs
 scales both ``q * s`` and ``(8 - z) * s`` are exact in float32, so ``nybble.dequantize(qw, float32)`` is
 exactly the library's ``(q - z) * s`` (and the cast to the checkpoint dtype rounds that one exact value as
 the library does). Every dequantization path (``nybble.dequantize``, the XLA matmul, the Mosaic kernel)
-reads scales and offsets each in its own dtype.
+reads scales and offsets each in its own dtype, so the mixed pair needs no kernel rule (checked in GPU
+interpret mode). Float32 scales: symmetric is exact too; asymmetric rounds twice (``q * s``, then
+``+ offset``) where the library rounds once, within one float32 ulp.
+
+Which tensors: :meth:`HFScheme.tensor_names` lists what a linear must have; tensors some exporters add
+(a GPTQ ``g_idx``) are :meth:`HFScheme.optional_tensor_names`, included when ``available=`` (the
+checkpoint's names) holds them.
+
+Writers (:func:`writer_for`) refuse, naming the layer, what the format cannot hold exactly: float zero
+points (quantize with ``zero_point="integer"``), scales the format's dtype cannot represent, GPTQ's zero 0
+(v1 stores ``z - 1``), mixed group sizes or per-layer float exceptions a GPTQ config cannot state.
+compressed-tensors output is byte-identical to its own compressor's for the same codes and scales.
 
 Activation order (GPTQ ``desc_act``, compressed-tensors ``actorder: group``): row k of K uses group
 ``g_idx[k]``. Where runs of G' >= 16 consecutive rows share a group (G' a power of two), the weight is
@@ -447,6 +458,8 @@ class GPTQScheme(HFScheme):
                 raise _unsupported(f"gptq checkpoint_format={fmt!r}")
             zero_convention = "v1" if fmt == "gptq" else "v2"
         self.zero_convention = zero_convention
+        if config.get("dynamic"):  # GPTQModel's per-module overrides ({"-:regex": {}, "+:regex": {...}})
+            raise _unsupported(f"gptq dynamic={json.dumps(config['dynamic'])} (per-module overrides)")
         self.group_size = _group_size(config.get("group_size", 128), "group_size")
         self.sym = bool(config.get("sym", True))
         self.desc_act = bool(config.get("desc_act", False))
@@ -724,8 +737,15 @@ class HFWriter:
         return out
 
 
-def _logical(qw: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _logical(qw: QuantizedWeight, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Signed codes (K, N) int8, scales and offsets (groups, N) float32 (offsets None when symmetric)."""
+    if not isinstance(qw, QuantizedWeight):
+        raise TypeError(f"{name}: expected a nybble QuantizedWeight, got {type(qw).__name__}")
+    if qw.scales.ndim != 2:
+        raise ValueError(
+            f"{name}: a stacked weight (scales {tuple(qw.scales.shape)}, e.g. MoE experts) is one linear "
+            "per leading index: write each as its own module"
+        )
     k, n = qw.shape
     q = np.asarray(qw.logical_codes())[:k, :n]
     s = np.asarray(qw.scales.astype(jnp.float32))[:, :n]
@@ -767,7 +787,7 @@ class CompressedTensorsWriter(HFWriter):
 
     def write_linear(self, module_name: str, qw: QuantizedWeight) -> dict[str, np.ndarray]:
         k, n = qw.shape
-        q, s, o = _logical(qw)
+        q, s, o = _logical(qw, module_name)
         groups = 1 if qw.group_size is None else -(-k // qw.group_size)
         s, o = s[:groups], None if o is None else o[:groups]
         z = integer_zeros(module_name, s, o)
@@ -858,7 +878,7 @@ class GPTQWriter(HFWriter):
                     f"{p}: group_size {g_new} (K={k}) differs from the {g_old} of {name} (K={k_old}); a GPTQ "
                     "config has one group_size (format='compressed-tensors' has config groups)"
                 )
-        q, s, o = _logical(qw)
+        q, s, o = _logical(qw, module_name)
         groups = 1 if qw.group_size is None else -(-k // qw.group_size)
         s, o = s[:groups], None if o is None else o[:groups]
         z = integer_zeros(p, s, o)
