@@ -442,8 +442,12 @@ def test_mixed_scale_offset_dtypes_run_everywhere():
 
 
 def test_zero_point_value_checked():
+    w = np.random.default_rng(10).standard_normal((64, 64)).astype(np.float32)
     with pytest.raises(ValueError, match=r"zero_point must be one of \('float', 'integer'\), got 'int'"):
-        nybble.quantize(np.ones((64, 64), np.float32), symmetric=False, zero_point="int")
+        nybble.quantize(w, symmetric=False, zero_point="int")
+    start = nybble.quantize(w, group_size=32, symmetric=False)  # float zero points
+    with pytest.raises(ValueError, match=r"start weight for .* has float zero points"):
+        autoround(w, w[:16], group_size=32, symmetric=False, zero_point="integer", start=start)
 
 
 # ----------------------------------------------------------------------------------- act-order regrouping
