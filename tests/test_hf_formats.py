@@ -310,6 +310,34 @@ def test_write_read_round_trip(fmt):
         )
 
 
+def test_gptq_config_float_layers():
+    """Float in-block linears become modules_in_block_to_quantize (the same in every block), read back."""
+    qw = nybble.quantize(
+        np.random.default_rng(9).standard_normal((64, 64)), group_size=32, scale_dtype=jnp.float16
+    )
+    w = writer_for("gptq")
+    for i in range(2):
+        for m in ("self_attn.q_proj", "mlp.up_proj"):
+            w.write_linear(f"model.layers.{i}.{m}", qw)
+    ignore = ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    cfg = w.quantization_config(ignore)
+    assert (
+        cfg["modules_in_block_to_quantize"] == [["mlp.up_proj", "self_attn.q_proj"]]
+        and cfg["lm_head"] is False
+    )
+    s = scheme_from_config(cfg)
+    assert s.is_quantized("model.layers.1.self_attn.q_proj") and not s.is_quantized(
+        "model.layers.1.mlp.down_proj"
+    )
+    assert not s.is_quantized("lm_head")
+    with pytest.raises(
+        ValueError, match=r"model.layers.0.mlp.up_proj: quantized, while mlp.up_proj of another"
+    ):
+        w.quantization_config(["model.layers.1.mlp.up_proj"])
+    with pytest.raises(ValueError, match=r"model.embed_proj: a GPTQ config can leave in float only"):
+        w.quantization_config(["model.embed_proj"])
+
+
 def test_nybble_format_keeps_float_offsets():
     qw = nybble.quantize(np.random.default_rng(2).standard_normal((128, 64)), group_size=64, symmetric=False)
     w = writer_for("nybble")
@@ -414,8 +442,12 @@ def test_mixed_scale_offset_dtypes_run_everywhere():
 
 
 def test_zero_point_value_checked():
+    w = np.random.default_rng(10).standard_normal((64, 64)).astype(np.float32)
     with pytest.raises(ValueError, match=r"zero_point must be one of \('float', 'integer'\), got 'int'"):
-        nybble.quantize(np.ones((64, 64), np.float32), symmetric=False, zero_point="int")
+        nybble.quantize(w, symmetric=False, zero_point="int")
+    start = nybble.quantize(w, group_size=32, symmetric=False)  # float zero points
+    with pytest.raises(ValueError, match=r"start weight for .* has float zero points"):
+        autoround(w, w[:16], group_size=32, symmetric=False, zero_point="integer", start=start)
 
 
 # ----------------------------------------------------------------------------------- act-order regrouping
@@ -471,6 +503,7 @@ def test_ct_actorder_group_g_idx():
         ({"quant_method": "auto-round", "bits": 4, "packing_format": "auto_round:fp8"}, r"packing_format"),
         ({"quant_method": "auto-round", "bits": 4, "data_type": "nv_fp"}, r"data_type='nv_fp'"),
         ({"quant_method": "fp8"}, r"quant_method='fp8'"),
+        ({"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*down_proj": {}}}, r"dynamic=.*per-module"),
     ],
 )
 def test_unsupported_configs(config, match):
@@ -597,6 +630,15 @@ def test_writers_refuse_inexact():
         wr.write_linear("b", nybble.quantize(w, group_size=64, scale_dtype=jnp.float16))
     with pytest.raises(ValueError, match=r"odd: GPTQ packs .* \(in, out\) = \(128, 60\)"):
         writer_for("gptq").write_linear("odd", nybble.quantize(w[:, :60], scale_dtype=jnp.float16))
+    stacked = nybble.QuantizedWeight.from_codes(
+        np.zeros((64, 64), np.int8), np.ones((1, 64), np.float16), shape=(64, 64), group_size=None
+    )
+    stacked = type(stacked)(
+        codes=jnp.stack([stacked.codes] * 2), scales=jnp.stack([stacked.scales] * 2), offsets=None,
+        shape=(64, 64), group_size=None, symmetric=True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"experts: a stacked weight"):
+        writer_for("compressed-tensors").write_linear("experts", stacked)
     with pytest.raises(ValueError, match=r"format='awq': nybble writes"):
         writer_for("awq")
 

@@ -4,8 +4,9 @@ Run by hand, once, in the torch virtual environment (never by the tests, which r
 
     /work/hfenv/bin/python tools/make_quant_fixtures.py [OUT_DIR]
 
-Needs torch, compressed-tensors, transformers and auto-round (``pip install compressed-tensors
-transformers auto-round``; auto-round with ``--no-deps`` plus ``py-cpuinfo datasets`` is enough). The
+Needs torch, compressed-tensors, transformers, auto-round and AutoAWQ (``pip install compressed-tensors
+transformers``, ``pip install --no-deps auto-round autoawq`` plus ``py-cpuinfo datasets``: all of it pure
+Python on a CPU). GPTQModel and AutoGPTQ need a CUDA build, so auto-round's GPTQ packers stand in. The
 versions used are recorded in ``OUT_DIR/versions.json``. Everything is seeded: a rerun writes the same
 tensors.
 
@@ -23,8 +24,9 @@ Who produced what (the point of the fixtures: nybble is checked against the writ
   the zero stored as is (GPTQ v2)). The reference dequantized weight is the same class's own forward
   pass on an identity matrix (``x = I`` gives ``I @ W = W`` exactly), act-order cases included (their
   ``g_idx`` set on the packed module, which its forward honours).
-* ``awq_linears.*``: AWQ GEMM tensors from auto-round's ``WQLinear_GEMM.from_linear`` (interleaved
-  nibble order), reference from its ``dequantize_gemm``.
+* ``awq_linears.*``: AWQ GEMM tensors from AutoAWQ's own ``WQLinear_GEMM.from_linear`` (interleaved
+  nibble order; auto-round's copy is checked to write the same bytes), reference from AutoAWQ's
+  ``awq.utils.packing_utils.dequantize_gemm``.
 * ``autoround_sym_g32/``, ``autoround_asym_g32/``: a tiny random Llama quantized and saved by AutoRound
   itself (``AutoRound(iters=0)``, its RTN mode, ``quantize_and_save(format="auto_round")``: symmetric
   becomes ``packing_format: auto_round:auto_gptq``, asymmetric ``auto_round:auto_awq``), with
@@ -34,7 +36,10 @@ Who produced what (the point of the fixtures: nybble is checked against the writ
 * ``ct_tiny_sym_g128/``, ``ct_tiny_asym_g32/``: a tiny random Llama (2 layers, hidden 128) saved by
   transformers and compressed by compressed-tensors' ``ModelCompressor`` (``compress_model`` +
   ``update_config``, what llm-compressor does), with ``logits.npy``: transformers' float32 logits of
-  ``prompt.npy`` after loading the directory with ``CompressedTensorsConfig(dequantize=True)``.
+  ``prompt.npy`` after loading the directory with ``CompressedTensorsConfig(dequantize=True)`` (which
+  rounds each dequantized weight to the bfloat16 scale dtype), and ``logits_exact.npy``: the same model
+  with the exact float32 weights ``(q - z) * s`` (compressed-tensors' unpacking), what nybble's float32
+  dequantization gives.
 """
 
 from __future__ import annotations
@@ -216,11 +221,15 @@ def gptq_linears(out):
     np.savez_compressed(os.path.join(out, "gptq_linears_ref.npz"), **ref)
 
 
-AWQ_CASES = {"g32": (128, 64, 32), "g64": (128, 48, 64)}
+AWQ_CASES = {"g32": (128, 64, 32), "g64": (128, 96, 64)}  # AutoAWQ packs N % 32 == 0 only
 
 
 def awq_linears(out):
-    from auto_round.export.export_to_awq.utils import WQLinear_GEMM, dequantize_gemm
+    # AutoAWQ's own packer and unpacking (pip install --no-deps autoawq: pure torch on a CPU); auto-round's
+    # copy of them must write the same bytes.
+    from auto_round.export.export_to_awq.utils import WQLinear_GEMM as ARWQLinear_GEMM
+    from awq.modules.linear.gemm import WQLinear_GEMM
+    from awq.utils.packing_utils import dequantize_gemm
 
     rng = np.random.default_rng(SEED + 2)
     tensors, configs, ref = {}, {}, {}
@@ -234,8 +243,10 @@ def awq_linears(out):
             w = (torch.from_numpy(u).float() - expand(z.t(), k).float()) * expand(s.t(), k).float()
             lin.weight.copy_(w)
         wq = WQLinear_GEMM.from_linear(lin, 4, g, scales=s.clone(), zeros=z.clone())
+        other = ARWQLinear_GEMM.from_linear(lin, 4, g, scales=s.clone(), zeros=z.clone())
         for key in ("qweight", "qzeros", "scales"):
             tensors[f"{name}.{key}"] = getattr(wq, key).contiguous()
+            assert torch.equal(getattr(wq, key), getattr(other, key)), (name, key)
         lib_w = dequantize_gemm(wq.qweight, wq.qzeros, wq.scales, 4, g)  # (K, N) float16
         ref[f"{name}.u"] = u.T.astype(np.int8)
         ref[f"{name}.z"], ref[f"{name}.s"] = z.numpy(), s.float().numpy()
@@ -244,7 +255,7 @@ def awq_linears(out):
             "in_features": k, "out_features": n,
             "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": g, "zero_point": True,
                                     "version": "gemm"},
-            "packer": "auto_round.export.export_to_awq.utils.WQLinear_GEMM",
+            "packer": "awq.modules.linear.gemm.WQLinear_GEMM (AutoAWQ; auto-round's copy writes the same)",
         }  # fmt: skip
     save_file(tensors, os.path.join(out, "awq_linears.safetensors"))
     with open(os.path.join(out, "awq_linears.json"), "w") as f:
@@ -330,6 +341,25 @@ def ct_tiny(out, name, *, sym, group_size):
         for key in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight")
     }
     np.savez_compressed(os.path.join(d, "transformers_weights.npz"), **ref)
+    # transformers dequantizes (q - z) * s in the scale dtype (bfloat16: one rounding of each product);
+    # the same model with the exact float32 products (q - z) * s, from compressed-tensors' own unpacking,
+    # is logits_exact.npy: what a float32 evaluation of the exact quantized weights gives.
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file
+
+    packed = load_file(os.path.join(d, "model.safetensors"))
+    with torch.no_grad():
+        for mod_name, mod in loaded.named_modules():
+            if f"{mod_name}.weight_packed" not in packed:
+                continue
+            n, k = (int(v) for v in packed[f"{mod_name}.weight_shape"])
+            q = unpack_from_int32(packed[f"{mod_name}.weight_packed"], 4, torch.Size((n, k))).float()
+            s = packed[f"{mod_name}.weight_scale"].float()
+            zp = packed.get(f"{mod_name}.weight_zero_point")
+            z = torch.zeros_like(s) if zp is None else unpack_from_int32(zp, 4, s.shape, packed_dim=0).float()
+            g = k // s.shape[1]
+            mod.weight.copy_((q - z.repeat_interleave(g, 1)) * s.repeat_interleave(g, 1))
+        np.save(os.path.join(d, "logits_exact.npy"), loaded(prompt).logits.float().numpy())
 
 
 def autoround_dir(out, name, *, sym):
@@ -391,9 +421,8 @@ def main():
     ct_tiny(out, "ct_tiny_asym_g32", sym=False, group_size=32)
     autoround_dir(out, "autoround_sym_g32", sym=True)
     autoround_dir(out, "autoround_asym_g32", sym=False)
-    versions = {
-        p: version(p) for p in ("torch", "transformers", "compressed-tensors", "auto-round", "safetensors")
-    }
+    libs = ("torch", "transformers", "compressed-tensors", "auto-round", "autoawq", "safetensors")
+    versions = {p: version(p) for p in libs}
     with open(os.path.join(out, "versions.json"), "w") as f:
         json.dump(versions, f, indent=1, sort_keys=True)
     print("wrote", out, versions)

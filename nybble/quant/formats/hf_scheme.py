@@ -30,7 +30,18 @@ their scale dtype. Asymmetric layers keep their scales' dtype and store the offs
 scales both ``q * s`` and ``(8 - z) * s`` are exact in float32, so ``nybble.dequantize(qw, float32)`` is
 exactly the library's ``(q - z) * s`` (and the cast to the checkpoint dtype rounds that one exact value as
 the library does). Every dequantization path (``nybble.dequantize``, the XLA matmul, the Mosaic kernel)
-reads scales and offsets each in its own dtype.
+reads scales and offsets each in its own dtype, so the mixed pair needs no kernel rule (checked in GPU
+interpret mode). Float32 scales: symmetric is exact too; asymmetric rounds twice (``q * s``, then
+``+ offset``) where the library rounds once, within one float32 ulp.
+
+Which tensors: :meth:`HFScheme.tensor_names` lists what a linear must have; tensors some exporters add
+(a GPTQ ``g_idx``) are :meth:`HFScheme.optional_tensor_names`, included when ``available=`` (the
+checkpoint's names) holds them.
+
+Writers (:func:`writer_for`) refuse, naming the layer, what the format cannot hold exactly: float zero
+points (quantize with ``zero_point="integer"``), scales the format's dtype cannot represent, GPTQ's zero 0
+(v1 stores ``z - 1``), mixed group sizes or per-layer float exceptions a GPTQ config cannot state.
+compressed-tensors output is byte-identical to its own compressor's for the same codes and scales.
 
 Activation order (GPTQ ``desc_act``, compressed-tensors ``actorder: group``): row k of K uses group
 ``g_idx[k]``. Where runs of G' >= 16 consecutive rows share a group (G' a power of two), the weight is
@@ -447,6 +458,8 @@ class GPTQScheme(HFScheme):
                 raise _unsupported(f"gptq checkpoint_format={fmt!r}")
             zero_convention = "v1" if fmt == "gptq" else "v2"
         self.zero_convention = zero_convention
+        if config.get("dynamic"):  # GPTQModel's per-module overrides ({"-:regex": {}, "+:regex": {...}})
+            raise _unsupported(f"gptq dynamic={json.dumps(config['dynamic'])} (per-module overrides)")
         self.group_size = _group_size(config.get("group_size", 128), "group_size")
         self.sym = bool(config.get("sym", True))
         self.desc_act = bool(config.get("desc_act", False))
@@ -724,8 +737,15 @@ class HFWriter:
         return out
 
 
-def _logical(qw: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _logical(qw: QuantizedWeight, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Signed codes (K, N) int8, scales and offsets (groups, N) float32 (offsets None when symmetric)."""
+    if not isinstance(qw, QuantizedWeight):
+        raise TypeError(f"{name}: expected a nybble QuantizedWeight, got {type(qw).__name__}")
+    if qw.scales.ndim != 2:
+        raise ValueError(
+            f"{name}: a stacked weight (scales {tuple(qw.scales.shape)}, e.g. MoE experts) is one linear "
+            "per leading index: write each as its own module"
+        )
     k, n = qw.shape
     q = np.asarray(qw.logical_codes())[:k, :n]
     s = np.asarray(qw.scales.astype(jnp.float32))[:, :n]
@@ -767,7 +787,7 @@ class CompressedTensorsWriter(HFWriter):
 
     def write_linear(self, module_name: str, qw: QuantizedWeight) -> dict[str, np.ndarray]:
         k, n = qw.shape
-        q, s, o = _logical(qw)
+        q, s, o = _logical(qw, module_name)
         groups = 1 if qw.group_size is None else -(-k // qw.group_size)
         s, o = s[:groups], None if o is None else o[:groups]
         z = integer_zeros(module_name, s, o)
@@ -858,7 +878,7 @@ class GPTQWriter(HFWriter):
                     f"{p}: group_size {g_new} (K={k}) differs from the {g_old} of {name} (K={k_old}); a GPTQ "
                     "config has one group_size (format='compressed-tensors' has config groups)"
                 )
-        q, s, o = _logical(qw)
+        q, s, o = _logical(qw, module_name)
         groups = 1 if qw.group_size is None else -(-k // qw.group_size)
         s, o = s[:groups], None if o is None else o[:groups]
         z = integer_zeros(p, s, o)
@@ -884,13 +904,49 @@ class GPTQWriter(HFWriter):
         config = {
             "quant_method": "gptq", "bits": 4, "group_size": -1 if g is None else g, "desc_act": False,
             "sym": sym, "checkpoint_format": "gptq", "static_groups": False, "true_sequential": True,
-            "damp_percent": 0.01,
+            "damp_percent": 0.01, "lm_head": any(_is_lm_head(m) for m in self.layers),
         }  # fmt: skip
-        if ignore:
-            config["modules_to_not_convert"] = [m for m in ignore if m != "lm_head"] or None
-            if config["modules_to_not_convert"] is None:
-                del config["modules_to_not_convert"]
+        in_block = _in_block_modules(self.layers, [m for m in ignore if not _is_lm_head(m)])
+        if in_block is not None:
+            config["modules_in_block_to_quantize"] = [in_block]
         return config
+
+
+def _is_lm_head(name: str) -> bool:
+    return name == "lm_head" or name.endswith(".lm_head")
+
+
+_BLOCK = re.compile(r"^(.*\.layers\.\d+)\.(.+)$")
+
+
+def _in_block_modules(written: Container[str], ignored: Sequence[str]) -> list[str] | None:
+    """GPTQ's ``modules_in_block_to_quantize`` (in-block names, the same in every block) for float linears
+    inside the blocks; None when there are none. A config cannot leave one block's layer in float and
+    quantize it in another: that is refused, naming the layer."""
+    if not ignored:
+        return None
+    float_names = set()
+    for m in ignored:
+        match = _BLOCK.match(m)
+        if match is None:
+            raise ValueError(
+                f"{m}: a GPTQ config can leave in float only lm_head or in-block linears "
+                "(model.layers.N.<name>); write format='compressed-tensors' (its ignore list names any layer)"
+            )
+        float_names.add(match.group(2))
+    quantized = set()
+    for m in written:  # type: ignore[attr-defined]
+        match = _BLOCK.match(m)
+        if match is None:
+            continue
+        if match.group(2) in float_names:
+            raise ValueError(
+                f"{m}: quantized, while {match.group(2)} of another block is left in float; a GPTQ config "
+                "names in-block layers for every block alike (modules_in_block_to_quantize): write "
+                "format='compressed-tensors'"
+            )
+        quantized.add(match.group(2))
+    return sorted(quantized)
 
 
 class NybbleWriter(HFWriter):
