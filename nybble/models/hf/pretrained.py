@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from nybble.extras import require
@@ -182,6 +185,11 @@ def from_pretrained(
         _check_shape(ckpt, name, shape)
     ckpt.require_float(list(expected), "a float weight of this checkpoint")
 
+    place = None
+    if mesh is not None:  # each float tensor goes straight to its shards, placed as shard() places it
+        from nybble.models.sharding import checkpoint_placement
+
+        place = checkpoint_placement(model, mesh, axis=axis, rules=rules)
     graphdef, state = nnx.split(model)
     for key_path, var in nnx.to_flat_state(state):
         module_path = ".".join(str(k) for k in key_path[:-1])
@@ -192,13 +200,17 @@ def from_pretrained(
         value = ckpt.get(name)
         if param == "kernel":
             value = value.T  # torch (out, in) -> (in, out); see nybble.models.hf.names.to_nybble
-        var.set_value(jnp.asarray(value, dtype))
+        if place is None:
+            var.set_value(jnp.asarray(value, dtype))
+        else:
+            leaf = SimpleNamespace(path=tuple(key_path), kind="float", shape=tuple(value.shape))
+            var.set_value(jax.device_put(np.ascontiguousarray(value.astype(jnp.dtype(dtype))), place(leaf)))
         del value  # one tensor at a time
     model = nnx.merge(graphdef, state)
     if mesh is not None:
         from nybble.models.sharding import shard
 
-        shard(model, mesh, axis=axis, rules=rules)
+        shard(model, mesh, axis=axis, rules=rules)  # the QLinear layers; float arrays are in place already
     return model
 
 
