@@ -159,5 +159,5 @@ def test_rules_exclude_experts_and_shared():
 def test_bad_config():
     with pytest.raises(ValueError, match="top_k = 5 must be in"):
         MoEConfig(hidden_size=8, intermediate_size=8, num_experts=4, top_k=5)
-    with pytest.raises(TypeError, match="stacked nybble.QuantizedWeight"):
+    with pytest.raises(TypeError, match=r"stacked nybble\.QuantizedWeight"):
         QExperts(jnp.zeros((4, 8, 8)))

@@ -1,4 +1,4 @@
-"""A mixture-of-experts SwiGLU block in Flax NNX (Mixtral, Qwen3-MoE, Qwen2-MoE/DeepSeek-style shared experts).
+"""A mixture-of-experts SwiGLU block in Flax NNX: Mixtral, Qwen3-MoE, shared experts (Qwen2-MoE, DeepSeek).
 
     moe = MoE(MoEConfig(hidden_size=64, intermediate_size=32, num_experts=4, top_k=2), rngs=nnx.Rngs(0))
     y = moe(x)                                     # x (..., hidden) -> (..., hidden)
@@ -12,8 +12,8 @@ experts), kept in float by ``DEFAULT_RULES``), ``experts.{gate,up,down}_proj`` (
 The forward pass, dropless and with static shapes under ``jit``: the router's logits in float32, softmax over
 the experts, the top k per token (renormalized to sum 1 when ``norm_topk_prob``: Mixtral always, Qwen3-MoE per
 its config), the T * k (token, expert) pairs sorted by expert (a stable sort, so each expert's rows keep token
-order), ``ragged_matmul`` (int4) or ``lax.ragged_dot`` (float) for gate/up and for down, then the rows put back
-in token order and summed with their router weights. Shared experts are added to every token, scaled by
+order), ``ragged_matmul`` (int4) or ``lax.ragged_dot`` (float) for gate/up and for down, then the rows put
+back in token order and summed with their router weights. Shared experts are added to every token, scaled by
 ``sigmoid(shared_expert_gate(x))`` when that gate exists (Qwen2-MoE).
 """
 
@@ -143,7 +143,7 @@ class QExperts(nnx.Module):
         implementation: Implementation | None = None,
         **options: Any,
     ) -> QExperts:
-        """Quantizes an :class:`Experts` stack round-to-nearest, each expert on its own (or wraps ``qweight``)."""
+        """An :class:`Experts` stack rounded to nearest, each expert on its own (or wraps ``qweight``)."""
         if qweight is None:
             qweight = quantize(
                 experts.kernel[...],
