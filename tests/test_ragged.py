@@ -235,3 +235,17 @@ def test_forced_kernel_outside_interpret_says_why():
     if jax.default_backend() == "cpu":
         with pytest.raises(NotImplementedError, match="cannot run"):
             jax.block_until_ready(nybble.ragged_matmul(x, qw, gs, implementation="mosaic_gpu"))
+
+
+def test_gptq_of_a_stack_is_per_expert():
+    rng = np.random.default_rng(13)
+    w = rng.normal(size=(2, 64, 64)).astype(np.float32)
+    inputs = [rng.normal(size=(40, 64)).astype(np.float32) for _ in range(2)]
+    stacked = nybble.quant.gptq(w, inputs=inputs, group_size=32)
+    assert num_experts(stacked) == 2
+    for e in range(2):
+        one = nybble.quant.gptq(w[e], inputs=inputs[e], group_size=32)
+        for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(unstack_weight(stacked, e)), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match=r"one Hessian per expert, \(E, K, K\)"):
+        nybble.quant.gptq(w, np.eye(64, dtype=np.float32), group_size=32)
