@@ -1,4 +1,4 @@
-"""The grouped (mixture-of-experts) W4A16 kernel: ``ragged_dot(x, dequantize(qw), group_sizes)`` in one launch.
+"""The grouped (mixture-of-experts) W4A16 kernel: ``ragged_dot(x, dequantize(qw), group_sizes)``, one launch.
 
 x (rows, K) is sorted by expert: its first ``group_sizes[0]`` rows go to expert 0, the next
 ``group_sizes[1]`` to expert 1, ...; the rows past the sum are zero in y, as in ``jax.lax.ragged_dot``. The
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -75,16 +76,22 @@ class GroupedWork:
         sizes, codes, x, scales, *offsets = ins
         lin = lax.axis_index("mn")
         t, ni = lin // p.n_tiles, lin % p.n_tiles
-        e, first_tile, first_row, size, tiles_end = _find_tile(sizes, t, self.experts, self.rows, c.tile_m)
-        j = t - first_tile
-        start = first_row + j * c.tile_m
-        count = jnp.minimum(size - j * c.tile_m, c.tile_m)
-        # x rows [window, window + tile_m) (in the x view: times the slices); where x has fewer rows than
-        # the tile, the dense kernel's one block from row 0, zero-filled by TMA.
+        align = x_alignment(p)
+        e, first_tile, first_row, size, tiles_end = _find_tile(
+            sizes, t, self.experts, self.rows, c.tile_m, align
+        )
+        # The group's tiles start at its first row rounded down to the alignment, tile_m rows apart; this
+        # one stores the group's rows in it.
+        tile_start = first_row - (first_row & (align - 1)) + (t - first_tile) * c.tile_m
+        start = jnp.maximum(first_row, tile_start)
+        count = jnp.minimum(first_row + size, tile_start + c.tile_m) - start
+        # x rows [window, window + tile_m) (in the x view: times the slices), clamped to x's end; where x
+        # has fewer rows than the tile, the dense kernel's one block from row 0, zero-filled by TMA.
         s = c.slices
         if p.x_rows >= c.tile_m:
-            window = jnp.minimum(start, p.x_rows - c.tile_m)
-            x = x.at[pl.ds(window * s, c.tile_m * s)]
+            window = jnp.minimum(tile_start, p.x_rows - c.tile_m)
+            # A multiple of 8 rows of the x view (SMEM tiles of 8 rows; Mosaic cannot prove it itself).
+            x = x.at[pl.ds(pl.multiple_of(window * s, 8), c.tile_m * s)]
         else:
             window = jnp.int32(0)
         active = t < tiles_end
@@ -95,11 +102,21 @@ class GroupedWork:
         return CtaTile(jnp.int32(0), ni, gmem, rows, compute=active & ~tail, zeros=active & tail)
 
 
-def _find_tile(sizes: Any, t: Any, experts: int, rows: int, tile_m: int) -> tuple[Any, ...]:
+def x_alignment(p: Problem) -> int:
+    """Rows of x at which an M tile's window may start: where the x view's row (times the slices) is a
+    multiple of 8, as Mosaic slices GMEM by whole 8-row SMEM tiles; 1 where x is read as one block."""
+    c = p.config
+    if p.x_rows < c.tile_m:
+        return 1
+    return 8 // math.gcd(c.slices, 8)
+
+
+def _find_tile(sizes: Any, t: Any, experts: int, rows: int, tile_m: int, align: int) -> tuple[Any, ...]:
     """(group, its first M tile, its first row, its rows, M tiles of all groups) for M tile ``t``: the last
     group whose first tile is at or before t (one that has rows: an empty group's successor starts at the
-    same tile). Group ``experts`` is the rows past the sum. Scalar code, unrolled over the experts (each
-    size one load; ~10 instructions an expert, once per CTA before its first copy)."""
+    same tile). A group of g rows from row r takes ceil((r % align + g) / tile_m) tiles (none if empty).
+    Group ``experts`` is the rows past the sum. Scalar code, unrolled over the experts (each size one load;
+    ~12 instructions an expert, once per CTA before its first copy)."""
     shift = tile_m.bit_length() - 1  # tile_m is a power of two
     zero = jnp.int32(0)
     tiles_end, rows_end = zero, zero
@@ -111,7 +128,9 @@ def _find_tile(sizes: Any, t: Any, experts: int, rows: int, tile_m: int) -> tupl
         first_tile = jnp.where(mine, tiles_end, first_tile)
         first_row = jnp.where(mine, rows_end, first_row)
         size = jnp.where(mine, g, size)
-        tiles_end = tiles_end + lax.shift_right_logical(g + (tile_m - 1), jnp.int32(shift))
+        lead = (rows_end & (align - 1)) if align > 1 else zero
+        tiles = lax.shift_right_logical(lead + g + (tile_m - 1), jnp.int32(shift))
+        tiles_end = tiles_end + (jnp.where(g > 0, tiles, zero) if align > 1 else tiles)
         rows_end = rows_end + g
     return e_sel, first_tile, first_row, size, tiles_end
 
@@ -121,9 +140,14 @@ def _views(p: Problem, experts: int, x: jax.Array, qw: QuantizedWeight) -> list[
     8, K_pad / S), x (rows' * S, K_pad / S), scales [offsets] (E, S, groups / S, N_pad) or (E, 1, 1, N_pad)
     per column. Reshapes, no copies."""
     s = p.config.slices
-    views = [qw.codes.reshape(experts, p.n_pad // (64 // s), 8, p.slice_k), x.reshape(p.x_rows * s, p.slice_k)]
+    views = [
+        qw.codes.reshape(experts, p.n_pad // (64 // s), 8, p.slice_k),
+        x.reshape(p.x_rows * s, p.slice_k),
+    ]
     for a in (qw.scales, qw.offsets) if p.has_offsets else (qw.scales,):
-        views.append(a.reshape(experts, 1, 1, p.n_pad) if p.per_column else a.reshape(experts, s, -1, p.n_pad))
+        views.append(
+            a.reshape(experts, 1, 1, p.n_pad) if p.per_column else a.reshape(experts, s, -1, p.n_pad)
+        )
     return views
 
 
@@ -201,12 +225,25 @@ def grouped_plan(
             scale_bytes=np.dtype(qw.scales.dtype).itemsize,
         )
     if not grouped_allows(config):
-        raise ValueError(f"grouped_matmul: the grouped kernel runs without split-K or a persistent grid: {config}")
+        raise ValueError(
+            f"grouped_matmul: the grouped kernel runs without split-K or a persistent grid: {config}"
+        )
     config.check_problem(min(rows, config.tile_m), n_pad, k_pad, qw.group)
     n = qw.shape[1]
     n_out = n if n % 64 == 0 else n_pad  # as api.plan: a y of N columns where TMA can store it
-    p = Problem(rows, n_out, n_pad, k_pad, qw.group, jnp.bfloat16, qw.offsets is not None, config, x_rows(rows, config))
-    return p, GroupedWork(experts, rows, max_m_tiles(rows, experts, config.tile_m))
+    p = Problem(
+        rows,
+        n_out,
+        n_pad,
+        k_pad,
+        qw.group,
+        jnp.bfloat16,
+        qw.offsets is not None,
+        config,
+        x_rows(rows, config),
+    )
+    align = x_alignment(p)
+    return p, GroupedWork(experts, rows, max_m_tiles(rows, experts, config.tile_m, align))
 
 
 def grouped_matmul(

@@ -16,6 +16,7 @@ over a count of tiles known only on the device).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable
 
@@ -39,12 +40,15 @@ def grouped_allows(config: TuningConfig) -> bool:
     return config.split_k == 1 and config.persistent_ctas == 0
 
 
-def max_m_tiles(rows: int, experts: int, tile_m: int) -> int:
+def max_m_tiles(rows: int, experts: int, tile_m: int, align: int = 1) -> int:
     """An upper bound on the M tiles of any grouping of ``rows`` rows into ``experts`` groups plus the rows
-    past their sum (zeroed by the kernel, a group of their own): sum over groups of ceil(g / tile_m) <=
-    floor(rows / tile_m) + (groups with a partial tile, at most one per group and one per row)."""
-    groups = experts + 1
-    return min(rows // tile_m + min(groups, rows), groups * -(-rows // tile_m))
+    past their sum (zeroed by the kernel, a group of their own), when a group of g rows from row r takes
+    ceil((r % align + g) / tile_m) tiles (grouped.py): each group with rows at most floor((g + align - 1)
+    / tile_m) + 1, and at most one group per row has rows."""
+    if tile_m == 1:
+        return rows
+    busy = min(experts + 1, rows)
+    return min((rows + busy * (align - 1)) // tile_m + busy, (experts + 1) * -(-(rows + align - 1) // tile_m))
 
 
 def grouped_heuristic_config(
@@ -63,7 +67,7 @@ def grouped_heuristic_config(
     among the configs :func:`grouped_allows`."""
     if rows < 1 or experts < 1:
         raise ValueError(f"grouped_heuristic_config: bad problem rows={rows}, experts={experts}")
-    return heuristic_config(
+    config = heuristic_config(
         planned_rows(rows, experts),
         n_pad,
         k_pad,
@@ -74,6 +78,8 @@ def grouped_heuristic_config(
         experts=active_experts(rows, experts),
         allow=grouped_allows,
     )
+    # The dense heuristic puts a warp-specialized pick on a persistent grid where tiles outnumber SMs.
+    return dataclasses.replace(config, persistent_ctas=0)
 
 
 def grouped_heuristic_cases(
@@ -97,4 +103,3 @@ def grouped_heuristic_cases(
         structure = group_structure(group_rows(k_pad, group_size), config)
         cases.setdefault((config, structure, symmetric), (rows, experts, k, n, group_size, symmetric))
     return cases
-
