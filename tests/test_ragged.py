@@ -124,7 +124,8 @@ def test_interpret_mode_runs_on_cpu():
     sizes = [0, 5, 0, 6]
     x = _sparse_x(16, 128, dtype=jnp.bfloat16, seed=7)
     with nybble.kernels.interpret():
-        y = nybble.ragged_matmul(x, qw, jnp.asarray(sizes, jnp.int32))
+        assert available_ragged_implementations(x, qw, jnp.asarray(sizes, jnp.int32))["mosaic_gpu"] is None
+        y = nybble.ragged_matmul(x, qw, jnp.asarray(sizes, jnp.int32))  # the grouped kernel, interpreted
     np.testing.assert_array_equal(np.asarray(y, np.float64), _reference(x, qw, sizes))
 
 
@@ -233,8 +234,12 @@ def test_forced_kernel_outside_interpret_says_why():
     reasons = available_ragged_implementations(x, qw, gs)
     assert reasons["xla"] is None and reasons["mosaic_gpu"]
     if jax.default_backend() == "cpu":
-        with pytest.raises(NotImplementedError, match="cannot run"):
+        with pytest.raises(NotImplementedError, match="Hopper GPU"):
             jax.block_until_ready(nybble.ragged_matmul(x, qw, gs, implementation="mosaic_gpu"))
+    # A layout the grouped kernel does not read: refused by its argument rules, with the reason.
+    nk = _small_int_stack(2, 64, 64, layout="nk_int4", seed=12)
+    with pytest.raises(NotImplementedError, match=r"cannot run: .*layout 'nk_int4'"):
+        nybble.ragged_matmul(x, nk, gs, implementation="mosaic_gpu")
 
 
 def test_gptq_of_a_stack_is_per_expert():

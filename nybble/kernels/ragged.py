@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from nybble.kernels.api import IMPLEMENTATIONS, SUPPORTED_X_DTYPES, Implementation, _mosaic_gpu_not_here
-from nybble.kernels.xla_ragged import xla_ragged_matmul
+from nybble.kernels.xla_ragged import group_bounds, xla_ragged_matmul
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.stacked import check_stacked
 
@@ -137,11 +137,13 @@ def ragged_matmul(
         return xla_ragged_matmul(x, qw, group_sizes)
     if unsupported is not None:
         raise NotImplementedError(f"{WHAT}(implementation='mosaic_gpu') cannot run: {unsupported}")
-    # The one call site of the grouped Hopper kernel (nybble.kernels.mosaic_gpu.grouped, helper moe-kernel).
+    # The one call site of the grouped Hopper kernel (nybble.kernels.mosaic_gpu.grouped). Sizes clamped
+    # as the XLA path clamps them (a no-op on checked values; traced ones are not checked).
     from nybble.kernels.mosaic_gpu.api import is_interpret_active
     from nybble.kernels.mosaic_gpu.grouped import grouped_matmul
 
-    return grouped_matmul(x, qw, group_sizes, interpret=is_interpret_active())
+    _, sizes = group_bounds(group_sizes, x.shape[0])
+    return grouped_matmul(x, qw, sizes, interpret=is_interpret_active())
 
 
 def available_ragged_implementations(x: Any, qw: Any, group_sizes: Any) -> dict[str, str | None]:
