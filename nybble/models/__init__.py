@@ -17,6 +17,7 @@ except ModuleNotFoundError:
 from nybble.models import smollm2  # `models.smollm2.load()` works after `from nybble import models`
 from nybble.models.adapter import quantize, quantize_params
 from nybble.models.evaluate import generate, negative_log_likelihood, perplexity
+from nybble.models.hf.pretrained import from_pretrained, load_tokenizer
 from nybble.models.layers import QDense, QLinear, QuantizedParam, dense
 from nybble.models.llama import KVCache, Llama, LlamaConfig
 from nybble.models.plan import LayerReport, QuantizationReport, plan_quantization
@@ -42,8 +43,10 @@ __all__ = [
     "ShardRule",
     "dense",
     "eval_text",
+    "from_pretrained",
     "generate",
     "load_model",
+    "load_tokenizer",
     "negative_log_likelihood",
     "perplexity",
     "plan_quantization",

@@ -30,6 +30,17 @@ def read_config(reader: GGUFFile) -> LlamaConfig:
     if arch != "llama":
         raise ValueError(f"expected a llama-architecture GGUF, got {arch!r}")
     names = {t.name for t in reader.tensors}
+    # Numbers-changing RoPE variants are refused, as for config.json (nybble.models.hf.config): llama.cpp
+    # stores Llama 3.1's scaled frequencies as a rope_freqs tensor, other variants as rope.scaling fields.
+    scaling = reader.fields.get("llama.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"GGUF file {reader.path}: llama.rope.scaling.type = {scaling!r} is not supported")
+    if "rope_freqs.weight" in names:
+        raise ValueError(
+            f"GGUF file {reader.path} has a rope_freqs.weight tensor (Llama 3.1 rope scaling as llama.cpp "
+            "stores it), which nybble's GGUF reader does not apply; load the Hugging Face directory instead "
+            "(nybble.models.from_pretrained reads rope_scaling from config.json)"
+        )
     hidden = int(_field(reader, "llama.embedding_length"))
     heads = int(_field(reader, "llama.attention.head_count"))
     return LlamaConfig(

@@ -1,9 +1,14 @@
 """A small Llama in Flax NNX: RMSNorm, rotary embeddings, grouped-query causal attention, SwiGLU MLP.
 
 Module paths (what ``QuantRule`` patterns see): ``embed``, ``layers.{i}.attn.{q,k,v,o}_proj``,
-``layers.{i}.mlp.{gate,up,down}_proj``, ``layers.{i}.{input,post}_norm``, ``norm``, ``lm_head`` (absent
-when the LM head is tied to the embedding). Rotary embeddings use the Hugging Face ("rotate half")
-convention; GGUF checkpoints are un-permuted on load (``nybble.models.gguf``).
+``layers.{i}.attn.{q,k}_norm`` (with ``qk_norm``), ``layers.{i}.mlp.{gate,up,down}_proj``,
+``layers.{i}.{input,post}_norm``, ``norm``, ``lm_head`` (absent when the LM head is tied to the embedding).
+Rotary embeddings use the Hugging Face ("rotate half") convention; GGUF checkpoints are un-permuted on load
+(``nybble.models.gguf``).
+
+One decoder for the Llama family: the switches of :class:`LlamaConfig` cover what Llama 2/3/3.1/3.2,
+Mistral, Qwen2 and Qwen3 differ by (q/k/v biases, q/k RMSNorm over head_dim, head_dim, Llama 3 rope
+scaling, a sliding attention window, the tied LM head). ``nybble.models.hf.config`` maps config.json to it.
 
 KV-cache decoding: ``cache = model.init_cache(batch, max_len)``, then
 ``logits, cache = model.prefill(ids, cache)`` and ``logits, cache = model.decode_step(next_ids, cache, pos)``
@@ -15,16 +20,51 @@ a batch sits at the same position.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama 3.1's rotary frequency scaling (config.json ``rope_type: "llama3"``).
+
+    Wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are divided by
+    ``factor``, shorter than ``... / high_freq_factor`` kept, and those between interpolated smoothly.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"rope scaling: high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
+                f"({self.low_freq_factor})"
+            )
+        if self.factor <= 0 or self.original_max_position_embeddings <= 0:
+            raise ValueError(
+                f"rope scaling: factor ({self.factor}) and original_max_position_embeddings "
+                f"({self.original_max_position_embeddings}) must be positive"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """Llama hyperparameters."""
+    """Llama-family hyperparameters.
+
+    The switches after ``tie_embeddings`` default to plain Llama: ``qkv_bias`` (biases on q/k/v_proj,
+    Qwen2), ``qk_norm`` (RMSNorm over head_dim on queries and keys before the rotary embedding, Qwen3),
+    ``rope_scaling`` (Llama 3.1's frequency scaling, or None), ``sliding_window`` (each query sees at most
+    this many positions, itself included, Mistral; None: all).
+    """
 
     vocab_size: int
     hidden_size: int
@@ -36,10 +76,18 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-5
     tie_embeddings: bool = True
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window ({self.sliding_window}) must be positive or None")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -79,11 +127,43 @@ class RMSNorm(nnx.Module):
         return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding, "rotate half" convention; x: (batch, length, heads, head_dim)."""
+@functools.lru_cache(maxsize=64)
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """The (head_dim / 2,) float32 inverse frequencies, computed once per configuration (in float64).
+
+    With ``scaling``, Llama 3.1's rule (transformers' ``_compute_llama3_parameters``).
+    """
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is not None:
+        old = scaling.original_max_position_embeddings
+        low_wavelen = old / scaling.low_freq_factor
+        high_wavelen = old / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        span = scaling.high_freq_factor - scaling.low_freq_factor
+        smooth = (old / wavelen - scaling.low_freq_factor) / span
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    out = inv_freq.astype(np.float32)
+    out.setflags(write=False)  # shared by the cache
+    return out
+
+
+def rope(
+    x: jax.Array, positions: jax.Array, theta: float = 10000.0, *, inv_freq: np.ndarray | None = None
+) -> jax.Array:
+    """Rotary position embedding, "rotate half" convention; x: (batch, length, heads, head_dim).
+
+    ``inv_freq`` (head_dim / 2,) overrides the plain frequencies of ``theta`` (see
+    :func:`rope_frequencies`).
+    """
     half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) * 2 / x.shape[-1]))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (batch, length, half)
+    if inv_freq is None:
+        inv_freq = rope_frequencies(x.shape[-1], float(theta))
+    if inv_freq.shape != (half,):
+        raise ValueError(f"rope: inv_freq shape {inv_freq.shape} != ({half},) for head_dim {x.shape[-1]}")
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # (batch, length, half)
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
     xf = x.astype(jnp.float32)
@@ -92,8 +172,18 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _linear(din: int, dout: int, rngs: nnx.Rngs, dtype: Any) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=False, param_dtype=dtype, dtype=dtype, rngs=rngs)
+def _linear(din: int, dout: int, rngs: nnx.Rngs, dtype: Any, *, bias: bool = False) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=bias, param_dtype=dtype, dtype=dtype, rngs=rngs)
+
+
+def _window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
+    """(t, s) True where query position ``q_pos[i]`` may see key position ``k_pos[j]``: causal, and
+    within ``window`` positions (itself included) when given."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    mask = diff >= 0
+    if window is not None:
+        mask = mask & (diff < window)
+    return mask
 
 
 class Attention(nnx.Module):
@@ -104,17 +194,25 @@ class Attention(nnx.Module):
         assert hd is not None
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
         self.rope_theta = cfg.rope_theta
-        self.q_proj = _linear(cfg.hidden_size, cfg.num_heads * hd, rngs, dtype)
-        self.k_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * hd, rngs, dtype)
-        self.v_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * hd, rngs, dtype)
+        self.rope_scaling = cfg.rope_scaling
+        self.sliding_window = cfg.sliding_window
+        self.q_proj = _linear(cfg.hidden_size, cfg.num_heads * hd, rngs, dtype, bias=cfg.qkv_bias)
+        self.k_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * hd, rngs, dtype, bias=cfg.qkv_bias)
+        self.v_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * hd, rngs, dtype, bias=cfg.qkv_bias)
         self.o_proj = _linear(cfg.num_heads * hd, cfg.hidden_size, rngs, dtype)
+        # Qwen3: RMSNorm over each head's head_dim features, before the rotary embedding.
+        self.q_norm = RMSNorm(hd, eps=cfg.rms_eps, param_dtype=dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, eps=cfg.rms_eps, param_dtype=dtype) if cfg.qk_norm else None
 
     def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = rope_frequencies(self.head_dim, float(self.rope_theta), self.rope_scaling)
+        return rope(q, positions, inv_freq=inv_freq), rope(k, positions, inv_freq=inv_freq), v
 
     def _attend(self, x: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
         """Softmax attention of q (b, t, heads, d) over k, v (b, s, kv_heads, d); mask (t, s) is True where
@@ -132,7 +230,8 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         t = x.shape[1]
         q, k, v = self._qkv(x, positions)
-        return self._attend(x, q, k, v, jnp.tril(jnp.ones((t, t), bool)))
+        pos = jnp.arange(t)
+        return self._attend(x, q, k, v, _window_mask(pos, pos, self.sliding_window))
 
     def cached(
         self, x: jax.Array, position: jax.Array | int, k_cache: jax.Array, v_cache: jax.Array
@@ -150,7 +249,7 @@ class Attention(nnx.Module):
         start = (jnp.int32(0), position, jnp.int32(0), jnp.int32(0))
         k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
         v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
-        mask = jnp.arange(k_cache.shape[1])[None, :] <= positions[0][:, None]  # (t, max_len)
+        mask = _window_mask(positions[0], jnp.arange(k_cache.shape[1]), self.sliding_window)  # (t, max_len)
         out = self._attend(x, q, k_cache.astype(k.dtype), v_cache.astype(v.dtype), mask)
         return out, k_cache, v_cache
 
@@ -286,4 +385,15 @@ class Llama(nnx.Module):
         return self.logits(hidden), cache
 
 
-__all__ = ["MLP", "Attention", "Block", "KVCache", "Llama", "LlamaConfig", "RMSNorm", "rope"]
+__all__ = [
+    "MLP",
+    "Attention",
+    "Block",
+    "KVCache",
+    "Llama",
+    "LlamaConfig",
+    "RMSNorm",
+    "RopeScaling",
+    "rope",
+    "rope_frequencies",
+]

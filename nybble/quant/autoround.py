@@ -48,7 +48,13 @@ from nybble.packing import (
     padded_weight_dims,
 )
 from nybble.quant.qweight import QuantizedWeight, dequantize
-from nybble.quant.rtn import check_scale_dtype, check_weight, group_params
+from nybble.quant.rtn import (
+    check_scale_dtype,
+    check_weight,
+    check_zero_point,
+    group_params,
+    integer_zero_factor,
+)
 
 __all__ = [
     "PRESETS",
@@ -145,10 +151,15 @@ PRESETS: dict[str, AutoRoundConfig] = {
 
 @dataclasses.dataclass(frozen=True)
 class WeightSpec:
-    """One (K, N) leaf to quantize: its group size (None: per column) and symmetry."""
+    """One (K, N) leaf to quantize: its group size (None: per column), symmetry and zero-point kind.
+
+    ``zero_point="integer"`` (asymmetric): each group keeps the integer zero z of its start (``w = (u - z)
+    * s``, as compressed-tensors / GPTQ / AWQ store it) and learns its scale only; offsets stay
+    ``(8 - z) * s`` in float32 (exact), so the result exports to those formats."""
 
     group_size: int | None = 128
     symmetric: bool = True
+    zero_point: str = "float"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,13 +188,15 @@ class _Shape:
     ng: int
     symmetric: bool
     group_size: int | None
+    integer: bool = False  # asymmetric with integer zero points: b = (8 - z) * s, z fixed
 
     @classmethod
     def of(cls, shape: tuple[int, int], spec: WeightSpec) -> _Shape:
         k, n = shape
         k_pad, n_pad = padded_weight_dims(k, n)
         g, ng = group_rows(k_pad, spec.group_size), num_groups(k_pad, spec.group_size)
-        return cls(k, n, k_pad, n_pad, g, ng, spec.symmetric, spec.group_size)
+        integer = spec.zero_point == "integer" and not spec.symmetric
+        return cls(k, n, k_pad, n_pad, g, ng, spec.symmetric, spec.group_size, integer)
 
 
 def _start(
@@ -194,16 +207,20 @@ def _start(
     wg = pad_to(w.astype(jnp.float32), (rows, shp.n_pad)).reshape(shp.ng, shp.g, shp.n_pad)
     valid = (jnp.arange(rows) < shp.k).reshape(shp.ng, shp.g, 1)
     if start is None:
-        scales, offsets = group_params(wg, valid, shp.symmetric, scale_dtype)
+        zero_point = "integer" if shp.integer else "float"
+        scales, offsets = group_params(wg, valid, shp.symmetric, scale_dtype, zero_point=zero_point)
         v0 = jnp.zeros_like(wg)
     else:
         scales, offsets = start.scales, start.offsets
     s0 = scales.astype(jnp.float32)[:, None, :]
     b0 = jnp.zeros_like(s0) if offsets is None else offsets.astype(jnp.float32)[:, None, :]
+    extra = {}
+    if shp.integer:  # 8 - z per group: the zero stays, the offset follows the learned scale
+        extra["zf"] = integer_zero_factor(scales, offsets)[:, None, :]
     if start is not None:  # the offsets that reproduce the given codes: round(z + v0) = q
         q = pad_to(start.logical_codes().astype(jnp.float32), (rows, shp.n_pad)).reshape(wg.shape)
         v0 = jnp.where(s0 == 0, 0.0, q - (wg - b0) / jnp.where(s0 == 0, 1.0, s0))
-    return dict(w=wg, valid=valid, s0=s0, b0=b0, v0=v0)
+    return dict(w=wg, valid=valid, s0=s0, b0=b0, v0=v0, **extra)
 
 
 def _ste(x: jax.Array, exact: jax.Array) -> jax.Array:
@@ -224,6 +241,8 @@ def _fake_quant(
     s = _ste(s, s.astype(scale_dtype).astype(jnp.float32))
     if shp.symmetric:
         b = jnp.zeros_like(s)
+    elif shp.integer:
+        b = fixed["zf"] * s  # exact in float32 for the stored (rounded) s: no rounding to the scale dtype
     else:
         b = b0 + s0 * jnp.clip(theta["c"], -OFFSET_RANGE, OFFSET_RANGE)
         b = _ste(b, b.astype(scale_dtype).astype(jnp.float32))
@@ -241,7 +260,7 @@ def _fake_quant(
 
 def _theta0(fixed: dict[str, jax.Array], shp: _Shape) -> dict[str, jax.Array]:
     theta = dict(v=jnp.zeros_like(fixed["w"]), a=jnp.zeros_like(fixed["s0"]))
-    if not shp.symmetric:
+    if not shp.symmetric and not shp.integer:
         theta["c"] = jnp.zeros_like(fixed["s0"])
     return theta
 
@@ -255,7 +274,7 @@ def _freeze(
 ) -> QuantizedWeight:
     _, q, s, b = _fake_quant(fixed, theta, shp, scale_dtype)
     codes = q.reshape(shp.ng * shp.g, shp.n_pad)[: shp.k_pad].astype(jnp.int8)
-    offsets = None if shp.symmetric else b[:, 0].astype(scale_dtype)
+    offsets = None if shp.symmetric else b[:, 0].astype(jnp.float32 if shp.integer else scale_dtype)
     return QuantizedWeight.from_codes(
         codes,
         s[:, 0].astype(scale_dtype),
@@ -537,6 +556,7 @@ def autoround_block(
         w = leaves[i]
         check_weight(w, f"autoround ({path})")
         check_group_size(spec.group_size)
+        check_zero_point(spec.zero_point, f"autoround ({path})")
         shp = _Shape.of(tuple(w.shape), spec)
         qw = start.get(path)
         if qw is not None and (
@@ -547,6 +567,13 @@ def autoround_block(
                 f"{'sym' if qw.symmetric else 'asym'}; the leaf needs {tuple(w.shape)} g{spec.group_size} "
                 f"{'sym' if spec.symmetric else 'asym'}"
             )
+        if qw is not None and shp.integer:
+            zf = integer_zero_factor(qw.scales, qw.offsets)
+            if not bool(jnp.all(zf * qw.scales.astype(jnp.float32) == qw.offsets.astype(jnp.float32))):
+                raise ValueError(
+                    f"autoround: start weight for {path} has float zero points; zero_point='integer' needs "
+                    "offsets (8 - z) * s with integer z (quantize the start with zero_point='integer')"
+                )
         index.append(i)
         shapes.append(shp)
         fixed.append(_start(jnp.asarray(w), shp, qw, sdt))
@@ -618,12 +645,13 @@ def autoround(
     start: QuantizedWeight | None = None,
     scale_dtype: Any = jnp.bfloat16,
     layout: str = DEFAULT_LAYOUT,
+    zero_point: str = "float",
 ) -> QuantizedWeight:
     """Learned rounding of one weight (K, N) for ``y = x @ w`` on calibration inputs ``x`` (n, K).
 
     Mini-batches are drawn over the n rows of ``inputs`` (``config.batch_size`` rows a step, so raise it
     for a layer: e.g. ``AutoRoundConfig(batch_size=128)``). Never worse than ``start`` (default: round to
-    nearest) on ``|x @ w - x @ w_hat|^2`` over all of ``inputs``.
+    nearest) on ``|x @ w - x @ w_hat|^2`` over all of ``inputs``. ``zero_point``: see :class:`WeightSpec`.
     """
     check_weight(w, "autoround")
     x = jnp.asarray(inputs, jnp.float32)
@@ -635,7 +663,7 @@ def autoround(
     res = autoround_block(
         _matmul,
         w,
-        {"": WeightSpec(group_size, symmetric)},
+        {"": WeightSpec(group_size, symmetric, zero_point)},
         [x],
         _matmul(w, x),
         config=config,

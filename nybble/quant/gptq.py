@@ -54,7 +54,14 @@ from nybble.packing import (
 from nybble.quant.lapack_threads import one_blas_thread, ready
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.refit import damped_hessian, least_squares_params
-from nybble.quant.rtn import check_scale_dtype, check_weight, group_params, round_to_codes
+from nybble.quant.rtn import (
+    check_scale_dtype,
+    check_weight,
+    check_zero_point,
+    group_params,
+    integer_zero_factor,
+    round_to_codes,
+)
 
 __all__ = ["HessianAccumulator", "gptq", "hessian_from_inputs"]
 
@@ -121,6 +128,7 @@ def gptq(
     layout: str = DEFAULT_LAYOUT,
     clip_search: bool = False,
     refit_scales: bool = True,
+    zero_point: str = "float",
 ) -> QuantizedWeight:
     """GPTQ-quantizes a float weight (K, N) = (in_features, out_features) to a ``QuantizedWeight``.
 
@@ -143,6 +151,9 @@ def gptq(
       refit_scales: once the codes are chosen, re-solve every group's scale (and offset) by least squares
         on the layer's output error (``nybble.quant.refit``): never worse on the calibration data, and
         clearly better on SmolLM2-135M (README). ``False`` gives the paper's algorithm exactly.
+      zero_point: "float" or "integer" (asymmetric groups with an integer zero point, as the reference
+        GPTQ and every GPTQ checkpoint: see ``nybble.quantize``). With "integer" the refit keeps each
+        group's zero and re-solves its scale only (offsets stay ``(8 - z) * s``, float32, exact).
 
     Inputs with a zero Hessian diagonal ("dead" inputs, never non-zero in the calibration data) get
     weight 0 before quantization, as in the reference implementation. Runs under ``jax.jit`` (the
@@ -167,6 +178,8 @@ def gptq(
     check_weight(w, "gptq")
     check_group_size(group_size)
     check_scale_dtype(scale_dtype, "gptq")
+    check_zero_point(zero_point, "gptq")
+    integer = zero_point == "integer" and not symmetric
     if (hessian is None) == (inputs is None):
         raise ValueError("gptq: pass exactly one of hessian= (K, K) or inputs= (..., K)")
     k, n = w.shape
@@ -205,6 +218,7 @@ def gptq(
                 static_groups=static_groups or group_size is None,
                 scale_dtype=np.dtype(scale_dtype),
                 clip_search=bool(clip_search),
+                zero_point="integer" if integer else "float",
             )
         )
         if not isinstance(ok, jax.core.Tracer) and not bool(ok):
@@ -214,10 +228,21 @@ def gptq(
             )
         if refit_scales:  # dead inputs hold weight 0 and code 0, as in the core
             target = jnp.where((jnp.diag(h) == 0)[:, None], 0.0, jnp.asarray(w, jnp.float32))
-            scales, offsets = ready(least_squares_params(
-                codes, target, damped_hessian(h, float(damp)), scales, offsets,
-                group_size=group_size, symmetric=symmetric, scale_dtype=np.dtype(scale_dtype),
-            ))  # fmt: skip
+            if integer:
+                # w = (q + 8 - z) * s: a scale-only fit of the codes shifted by each group's fixed zero.
+                zf = integer_zero_factor(scales, offsets)
+                g_rows = group_rows(k_pad, group_size)
+                shifted = (codes + jnp.repeat(zf, g_rows, axis=0)[:k_pad]).astype(jnp.int8)
+                scales, _ = ready(least_squares_params(
+                    shifted, target, damped_hessian(h, float(damp)), scales, None,
+                    group_size=group_size, symmetric=True, scale_dtype=np.dtype(scale_dtype),
+                ))  # fmt: skip
+                offsets = zf * scales.astype(jnp.float32)
+            else:
+                scales, offsets = ready(least_squares_params(
+                    codes, target, damped_hessian(h, float(damp)), scales, offsets,
+                    group_size=group_size, symmetric=symmetric, scale_dtype=np.dtype(scale_dtype),
+                ))  # fmt: skip
     return QuantizedWeight.from_codes(
         codes, scales, offsets, shape=(k, n), group_size=group_size, layout=layout
     )
@@ -227,11 +252,11 @@ def gptq(
     jax.jit,
     static_argnames=(
         "k", "k_pad", "n_pad", "k_loop", "group_size", "symmetric", "damp", "block", "act_order",
-        "static_groups", "scale_dtype", "clip_search",
+        "static_groups", "scale_dtype", "clip_search", "zero_point",
     ),
 )  # fmt: skip
 def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, group_size, symmetric, damp, block, act_order,
-               static_groups, scale_dtype, clip_search):  # fmt: skip
+               static_groups, scale_dtype, clip_search, zero_point="float"):  # fmt: skip
     """Returns (codes int8 (K_pad, N_pad) in natural row order, scales, offsets or None, ok).
 
     ``ok`` is False when a Cholesky factorization failed (non-finite factor).
@@ -250,7 +275,9 @@ def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, group_size, symmetric, damp, bl
     if static_groups:  # parameters from the original weights, natural order: row k keeps group k // G
         wg = pad_to(w, (groups_loop * g, n_pad)).reshape(groups_loop, g, n_pad)
         vg = (jnp.arange(groups_loop * g) < k).reshape(groups_loop, g, 1)
-        st_scales, st_offsets = group_params(wg, vg, symmetric, scale_dtype, clip_search=clip_search)
+        st_scales, st_offsets = group_params(
+            wg, vg, symmetric, scale_dtype, clip_search=clip_search, zero_point=zero_point
+        )
         st_s = st_scales.astype(jnp.float32)
         st_b = jnp.zeros_like(st_s) if st_offsets is None else st_offsets.astype(jnp.float32)
 
@@ -281,8 +308,9 @@ def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, group_size, symmetric, damp, bl
             for start in range(0, block, g):  # a dynamic group: parameters from the updated rows
                 valid = jax.lax.dynamic_slice_in_dim(real, k0 + start, g)[:, None]
                 sc, of = group_params(
-                    blk[0][start : start + g], valid, symmetric, scale_dtype, clip_search=clip_search
-                )
+                    blk[0][start : start + g], valid, symmetric, scale_dtype,
+                    clip_search=clip_search, zero_point=zero_point,
+                )  # fmt: skip
                 j = (k0 + start) // g
                 dyn_s = dyn_s.at[j].set(sc)
                 s_rows = jnp.broadcast_to(sc.astype(jnp.float32), (block, n_pad))
@@ -301,7 +329,9 @@ def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, group_size, symmetric, damp, bl
         return w, codes, dyn_s, dyn_b
 
     no_params = jnp.zeros((groups_loop, n_pad), scale_dtype)
-    carry = (w, jnp.zeros((k_loop, n_pad), jnp.float32), no_params, no_params)
+    # Integer zero points keep their offsets in float32 (exact), so the carry does too.
+    no_offsets = jnp.zeros((groups_loop, n_pad), jnp.float32 if zero_point == "integer" else scale_dtype)
+    carry = (w, jnp.zeros((k_loop, n_pad), jnp.float32), no_params, no_offsets)
     _, codes, dyn_scales, dyn_offsets = jax.lax.fori_loop(0, k_loop // block, quantize_block, carry)
 
     codes = jnp.zeros_like(codes).at[perm].set(codes)  # back to natural row order

@@ -52,6 +52,7 @@ def quantize(
     scale_dtype: Any = jnp.bfloat16,
     layout: str = DEFAULT_LAYOUT,
     clip_search: bool = False,
+    zero_point: str = "float",
 ) -> QuantizedWeight:
     """Quantizes a float weight of shape (K, N) = (in_features, out_features) to int4, round to nearest.
 
@@ -67,6 +68,11 @@ def quantize(
       layout: the memory layout of the codes (see ``nybble.packing.LAYOUTS``).
       clip_search: per group, try shrinking the range (``CLIP_GRID``) and keep the scale with the least
         squared error; clips outliers for a finer step, so the half-step bound below no longer holds.
+      zero_point: asymmetric groups only. "float" (default): the offset maps code -8 to the group
+        minimum. "integer": unsigned codes u in 0..15 with an integer zero z per group, ``w = (u - z) * s``,
+        as compressed-tensors, GPTQ and AWQ store them (the range is widened to include 0, as GPTQ's
+        quantizer does, so z = round(-min / s) lies in 0..15). Stored as ``q = u - 8`` and offsets
+        ``(8 - z) * s`` kept in float32, where they are exact (see ``ZERO_POINTS``).
 
     Without ``clip_search``, every element dequantizes to within half a quantization step of its input
     (for asymmetric groups, plus the rounding of the stored offset to ``scale_dtype``). An all-zero group
@@ -85,6 +91,7 @@ def quantize(
     check_weight(w)
     check_group_size(group_size)
     check_scale_dtype(scale_dtype)
+    check_zero_point(zero_point)
     return _quantize(
         w,
         group_size=group_size,
@@ -92,16 +99,25 @@ def quantize(
         scale_dtype=scale_dtype,
         layout=layout,
         clip_search=clip_search,
+        zero_point=zero_point,
     )
 
 
 # One XLA program per (shape, dtype, settings), not one per jnp operation: called eagerly, ``quantize``
 # compiles once per weight shape instead of some thirty times (and runs as one fused program).
 @functools.partial(
-    jax.jit, static_argnames=("group_size", "symmetric", "scale_dtype", "layout", "clip_search")
+    jax.jit,
+    static_argnames=("group_size", "symmetric", "scale_dtype", "layout", "clip_search", "zero_point"),
 )
 def _quantize(
-    w: Any, *, group_size: int | None, symmetric: bool, scale_dtype: Any, layout: str, clip_search: bool
+    w: Any,
+    *,
+    group_size: int | None,
+    symmetric: bool,
+    scale_dtype: Any,
+    layout: str,
+    clip_search: bool,
+    zero_point: str = "float",
 ) -> QuantizedWeight:
     k, n = w.shape
     k_pad, n_pad = padded_weight_dims(k, n)
@@ -110,7 +126,9 @@ def _quantize(
     wf = pad_to(jnp.asarray(w, jnp.float32), (ng * g, n_pad)).reshape(ng, g, n_pad)
     # Padded rows take no part in the statistics and get code 0.
     valid = (jnp.arange(ng * g) < k).reshape(ng, g, 1)
-    scales, offsets = group_params(wf, valid, symmetric, scale_dtype, clip_search=clip_search)
+    scales, offsets = group_params(
+        wf, valid, symmetric, scale_dtype, clip_search=clip_search, zero_point=zero_point
+    )
     b = 0.0 if offsets is None else offsets.astype(jnp.float32)[:, None, :]
     q, _ = round_to_codes(wf, scales.astype(jnp.float32)[:, None, :], b)
     q = jnp.where(valid, q, 0).astype(jnp.int8).reshape(ng * g, n_pad)[:k_pad]
@@ -123,12 +141,35 @@ def check_scale_dtype(scale_dtype: Any, what: str = "quantize") -> None:
         raise ValueError(f"{what}: scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype}")
 
 
+# How asymmetric groups store their zero: "float" (offset = group minimum + 8 s, nybble's default) or
+# "integer" (w = (u - z) * s with an integer z in 0..15: what compressed-tensors, GPTQ and AWQ store).
+ZERO_POINTS = ("float", "integer")
+
+
+def check_zero_point(zero_point: str, what: str = "quantize") -> None:
+    """Raises unless ``zero_point`` is one of ``ZERO_POINTS``."""
+    if zero_point not in ZERO_POINTS:
+        raise ValueError(f"{what}: zero_point must be one of {ZERO_POINTS}, got {zero_point!r}")
+
+
+def integer_zero_factor(scales: jax.Array, offsets: jax.Array) -> jax.Array:
+    """``8 - z`` (float32) of integer-zero parameters (``offsets == (8 - z) * scales``); 0 where s = 0."""
+    s = scales.astype(jnp.float32)
+    return jnp.where(s == 0, 0.0, jnp.round(offsets.astype(jnp.float32) / jnp.where(s == 0, 1.0, s)))
+
+
 # Shrink factors of the group range tried by the clipping search (1.0: no clipping).
 CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 
 
 def group_params(
-    wg: jax.Array, valid: jax.Array, symmetric: bool, scale_dtype: Any, *, clip_search: bool = False
+    wg: jax.Array,
+    valid: jax.Array,
+    symmetric: bool,
+    scale_dtype: Any,
+    *,
+    clip_search: bool = False,
+    zero_point: str = "float",
 ) -> tuple[jax.Array, jax.Array | None]:
     """Scales and offsets (None when symmetric) of weight groups ``wg`` (..., G, N) in float32.
 
@@ -139,12 +180,17 @@ def group_params(
 
     ``clip_search``: per group and column, shrink the range by each factor of ``CLIP_GRID`` and keep the
     parameters whose codes give the smallest squared error (clipping a few outliers for a finer step).
+
+    ``zero_point="integer"`` (asymmetric): the range is widened to include 0, ``z = round(-min / s)`` is an
+    integer in 0..15 and the offsets ``(8 - z) * s`` are returned in float32 (exact; ``scale_dtype`` could
+    not hold them: up to 12 significant bits for bfloat16 scales).
     """
+    integer = zero_point == "integer" and not symmetric
     if not clip_search:
-        return _range_params(wg, valid, symmetric, scale_dtype, 1.0)
+        return _range_params(wg, valid, symmetric, scale_dtype, 1.0, integer)
     best = None
     for shrink in CLIP_GRID:
-        scales, offsets = _range_params(wg, valid, symmetric, scale_dtype, shrink)
+        scales, offsets = _range_params(wg, valid, symmetric, scale_dtype, shrink, integer)
         b = 0.0 if offsets is None else offsets.astype(jnp.float32)[..., None, :]
         _, deq = round_to_codes(wg, scales.astype(jnp.float32)[..., None, :], b)
         err = jnp.sum(jnp.where(valid, (deq - wg) ** 2, 0.0), axis=-2)
@@ -161,7 +207,7 @@ def group_params(
 
 
 def _range_params(
-    wg: jax.Array, valid: jax.Array, symmetric: bool, scale_dtype: Any, shrink: float
+    wg: jax.Array, valid: jax.Array, symmetric: bool, scale_dtype: Any, shrink: float, integer: bool = False
 ) -> tuple[jax.Array, jax.Array | None]:
     """``group_params`` for the group range [min, max] scaled by ``shrink``."""
     if symmetric:
@@ -173,6 +219,13 @@ def _range_params(
     has = jnp.any(valid, axis=-2)
     wmin = shrink * jnp.where(has, jnp.min(jnp.where(valid, wg, jnp.inf), axis=-2), 0.0)
     wmax = shrink * jnp.where(has, jnp.max(jnp.where(valid, wg, -jnp.inf), axis=-2), 0.0)
+    if integer:
+        # GPTQ's quantizer: the range includes 0, so the zero round(-min / s) is a code in 0..15.
+        wmin, wmax = jnp.minimum(wmin, 0.0), jnp.maximum(wmax, 0.0)
+        scales = ((wmax - wmin) / 15).astype(scale_dtype)
+        s = scales.astype(jnp.float32)
+        z = jnp.clip(jnp.round(-wmin / jnp.where(s == 0, 1.0, s)), 0, 15)
+        return scales, jnp.where(s == 0, 0.0, (8.0 - z) * s)  # float32: exact
     scales = ((wmax - wmin) / 15).astype(scale_dtype)
     short = scales.astype(jnp.float32) * 15 < (wmax - wmin)
     scales = jnp.where(short, jnp.nextafter(scales, jnp.asarray(jnp.inf, scales.dtype)), scales)

@@ -138,6 +138,7 @@ def build_weight(
     *,
     symmetric: bool | None,
     scale_dtype: Any = None,
+    offset_dtype: Any = None,
     name: str = "weight",
 ) -> QuantizedWeight:
     """Unsigned codes ``u`` (K, N), zeros (groups, N) ints and scales (groups, N) -> ``QuantizedWeight``.
@@ -153,6 +154,9 @@ def build_weight(
       float32 (|u - z| <= 15, 11-bit mantissa), so again the final cast is the source's one rounding.
 
     ``scale_dtype`` overrides the stored dtype (e.g. bfloat16 to save memory); that is no longer exact.
+    ``offset_dtype`` (asymmetric only, e.g. float32): keep the scales in their source dtype and store only
+    the offsets in ``offset_dtype``; still exact for 16-bit source scales (``q * s`` and ``(8 - z) * s``
+    are both exact in float32), two bytes a group cheaper, and the scales keep the checkpoint's dtype.
     ``symmetric=None`` decides from the zeros; True with a zero other than 8 raises.
     """
     k, n = u.shape
@@ -174,7 +178,10 @@ def build_weight(
         stored = np.dtype(scale_dtype) if scale_dtype is not None else np.dtype(np.float32)
         s64 = scales.astype(np.float64)
         off = (8.0 - zeros.astype(np.float64)) * s64  # exact in float64, and in float32 (see above)
-        s, offsets = s64.astype(stored), off.astype(stored)
+        if offset_dtype is not None and scale_dtype is None:
+            s, offsets = scales, off.astype(np.dtype(offset_dtype))
+        else:
+            s, offsets = s64.astype(stored), off.astype(stored)
     return QuantizedWeight.from_codes(q, s, offsets, shape=(k, n), group_size=group_size)
 
 
@@ -183,3 +190,28 @@ def natural_group_index(k: int, group_size: int | None) -> np.ndarray:
     if group_size is None:
         return np.zeros(k, np.int64)
     return np.arange(k) // group_size
+
+
+def regroup_natural(
+    g_idx: np.ndarray, k: int, group_size: int | None
+) -> tuple[int | None, np.ndarray] | None:
+    """An exact natural-order regrouping of an activation-order ``g_idx``, or None if there is none.
+
+    Row k of K uses the parameters of group ``g_idx[k]``. When every run of G' consecutive rows (G' a
+    power of two >= MIN_GROUP_SIZE, at most the checkpoint's own group) shares one ``g_idx`` value, the
+    same weight is a plain natural-order weight at group size G' whose parameter row j is source row
+    ``g_idx[j * G']``: returns ``(G', rows)`` for the largest such G'. None when rows are scattered finer
+    than MIN_GROUP_SIZE (the usual GPTQ ``desc_act`` checkpoint): those need an input permutation.
+    """
+    g_idx = np.asarray(g_idx).astype(np.int64)
+    if np.all(g_idx == natural_group_index(k, group_size)):
+        return group_size, np.arange(-(-k // (group_size or k)))
+    g = MIN_GROUP_SIZE
+    while g * 2 <= min(k, group_size or k):
+        g *= 2
+    while g >= MIN_GROUP_SIZE:
+        first = g_idx[(np.arange(k) // g) * g]
+        if np.array_equal(first, g_idx):
+            return g, g_idx[::g].copy()
+        g //= 2
+    return None

@@ -1,0 +1,1 @@
+"""Hugging Face checkpoint directories: files (``files``), config and names (``config``, ``names``)."""
