@@ -1,4 +1,4 @@
-"""Writes tests/fixtures/moe/: tiny random Mixtral and Qwen3-MoE checkpoints and transformers' logits for them.
+"""Writes tests/fixtures/moe/: tiny random Mixtral and Qwen3-MoE checkpoints and transformers' logits.
 
 The independent reference of ``tests/test_moe_pretrained.py``. Run by hand in the torch environment of
 tools/make_hf_fixtures.py (torch CPU, transformers 5.x, tokenizers), never nybble's own::
@@ -9,9 +9,9 @@ It does not import nybble. Re-running rewrites the fixtures (seeded). For each `
 (2 layers, hidden 64, 4 experts, top-2, vocab 320; norms and router random and large enough that routing is
 decided by clear margins): what ``save_pretrained`` writes (config.json, model.safetensors,
 generation_config.json, tokenizer files), ``prompt_ids.npy`` (int32 (16,)) and ``transformers_logits.npy``
-(float32 (1, 16, vocab), the directory reloaded in float32 with eager attention). ``MANIFEST.json`` records the
-library versions and the tensor names each checkpoint holds (transformers 5 writes the experts per expert,
-as on the Hub, though it holds them fused in memory).
+(float32 (1, 16, vocab), the directory reloaded in float32 with eager attention). ``MANIFEST.json`` records
+the library versions and the tensor names each checkpoint holds (transformers 5 writes the experts per
+expert, as on the Hub, though it holds them fused in memory).
 
 ==============  =================================================================================
 ``mixtral``     ``block_sparse_moe`` router + experts w1/w3/w2 in both layers, top-2 renormalized
@@ -34,7 +34,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_hf_fixtures import PROMPT, PROMPT_LEN, TINY, build_tokenizer, logits_of, randomize, rel  # noqa: E402
+from make_hf_fixtures import PROMPT, PROMPT_LEN, TINY, build_tokenizer, logits_of, randomize, rel
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "fixtures" / "moe"
@@ -43,7 +43,13 @@ ROPE = dict(rope_type="default", rope_theta=1000000.0)
 CHECKPOINTS = {
     "mixtral": (
         "MixtralConfig",
-        dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=None, rope_parameters=ROPE),
+        dict(
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            rope_parameters=ROPE,
+        ),
     ),
     "qwen3_moe": (
         "Qwen3MoeConfig",
@@ -98,7 +104,8 @@ def make_checkpoint(name: str, tokenizer, seed: int) -> list[str]:
     with safe_open(d / "model.safetensors", "np") as f:
         names = sorted(f.keys())
     size = sum(p.stat().st_size for p in d.iterdir())
-    print(f"{name}: {size / 1e3:.0f} KB, {len(names)} tensors, e.g. {[n for n in names if 'expert' in n][:3]}")
+    experts = [n for n in names if "expert" in n][:3]
+    print(f"{name}: {size / 1e3:.0f} KB, {len(names)} tensors, e.g. {experts}")
     return names
 
 
