@@ -13,11 +13,14 @@ generation_config.json, tokenizer files), ``prompt_ids.npy`` (int32 (16,)) and `
 the library versions and the tensor names each checkpoint holds (transformers 5 writes the experts per
 expert, as on the Hub, though it holds them fused in memory).
 
-==============  =================================================================================
-``mixtral``     ``block_sparse_moe`` router + experts w1/w3/w2 in both layers, top-2 renormalized
-``qwen3_moe``   ``mlp_only_layers: [0]`` (layer 0 a dense SwiGLU of intermediate 96), layer 1 MoE with
-                ``moe_intermediate_size`` 32, ``norm_topk_prob: false``, q/k norms, head_dim 32
-==============  =================================================================================
+=================  ==============================================================================
+``mixtral``        ``block_sparse_moe`` router + experts w1/w3/w2 in both layers, top-2 renormalized
+``mixtral_fused``  the ``mixtral`` model's ``state_dict()`` as transformers 5 holds it in memory
+                   (experts fused: ``mlp.experts.gate_up_proj`` (E, 2I, H), ``mlp.experts.down_proj``;
+                   router ``mlp.gate``), with config.json only (its logits are ``mixtral``'s)
+``qwen3_moe``      ``mlp_only_layers: [0]`` (layer 0 a dense SwiGLU of intermediate 96), layer 1 MoE with
+                   ``moe_intermediate_size`` 32, ``norm_topk_prob: false``, q/k norms, head_dim 32
+=================  ==============================================================================
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 import torch
 import transformers
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -101,6 +105,14 @@ def make_checkpoint(name: str, tokenizer, seed: int) -> list[str]:
     assert moved > 1e-3, (name, "routing did not change the logits", moved)
     np.save(d / "prompt_ids.npy", np.asarray(ids, np.int32))
     np.save(d / "transformers_logits.npy", logits.astype(np.float32))
+    if name == "mixtral":  # the same model under transformers 5's fused in-memory names
+        fused = OUT / "mixtral_fused"
+        shutil.rmtree(fused, ignore_errors=True)
+        fused.mkdir()
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        assert any(k.endswith("mlp.experts.gate_up_proj") for k in state), sorted(state)[:8]
+        save_file(state, fused / "model.safetensors", metadata={"format": "pt"})
+        shutil.copy(d / "config.json", fused / "config.json")
     with safe_open(d / "model.safetensors", "np") as f:
         names = sorted(f.keys())
     size = sum(p.stat().st_size for p in d.iterdir())
