@@ -94,3 +94,19 @@ def test_missing_expert_is_named(tmp_path):
         from_pretrained(d, dtype=jnp.float32)
     manifest = json.loads((FIXTURES / "MANIFEST.json").read_text())
     assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in manifest["tensors"]["mixtral"]
+
+
+def test_compressed_tensors_experts_load_as_stacked_int4():
+    # Experts packed by compressed-tensors itself (W4A16 pack-quantized, sym g32), the rest float: each
+    # stack becomes one QExperts read straight from the packed tensors; logits as transformers' with the
+    # library's own dequantization of the experts.
+    d = FIXTURES / "qwen3_moe_ct_experts"
+    model = from_pretrained(d, dtype=jnp.float32)
+    moe = model.layers[1].mlp
+    for stack in (moe.experts.gate_proj, moe.experts.up_proj, moe.experts.down_proj):
+        assert isinstance(stack, QExperts) and num_experts(stack.weight) == 4
+        assert stack.weight.symmetric and stack.weight.dtype == np.dtype(jnp.bfloat16)
+    assert moe.experts.gate_proj.weight.group_size == 32  # down_proj's K = 32 is one group: per column
+    assert isinstance(moe.router, type(model.lm_head)) and type(model.layers[0].mlp).__name__ == "MLP"
+    ids = np.load(d / "prompt_ids.npy")
+    assert _rel(model(ids[None]), np.load(d / "transformers_logits.npy")) < 1e-4

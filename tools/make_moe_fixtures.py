@@ -20,6 +20,9 @@ expert, as on the Hub, though it holds them fused in memory).
                    router ``mlp.gate``), with config.json only (its logits are ``mixtral``'s)
 ``qwen3_moe``      ``mlp_only_layers: [0]`` (layer 0 a dense SwiGLU of intermediate 96), layer 1 MoE with
                    ``moe_intermediate_size`` 32, ``norm_topk_prob: false``, q/k norms, head_dim 32
+``qwen3_moe_ct_    ``qwen3_moe`` with its experts in compressed-tensors W4A16 (pack-quantized, sym g32)
+experts``          packed by compressed-tensors expert by expert; logits: transformers' model with the
+                   library's own dequantization of those experts (see ``make_ct_experts``)
 =================  ==============================================================================
 """
 
@@ -121,10 +124,88 @@ def make_checkpoint(name: str, tokenizer, seed: int) -> list[str]:
     return names
 
 
+CT_GROUP = 32
+
+
+@torch.no_grad()
+def make_ct_experts(tokenizer) -> None:
+    """``qwen3_moe`` with its experts in compressed-tensors W4A16 (pack-quantized, symmetric g32), packed by
+    compressed-tensors' own ``PackedQuantizationCompressor`` expert by expert, everything else float.
+
+    Reference logits: transformers' float32 model whose expert weights are the library's own unpacking of
+    the codes times the stored scales in float32 (so nybble must read exactly the codes and scales the
+    library wrote); checked against the library's ``decompress`` (which rounds to bf16).
+    """
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        QuantizationStatus,
+    )
+    from safetensors.torch import load_file
+
+    src, d = OUT / "qwen3_moe", OUT / "qwen3_moe_ct_experts"
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(src, d, ignore=shutil.ignore_patterns("*.npy"))
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=CT_GROUP)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    tensors = load_file(src / "model.safetensors")
+    out, dequantized = {}, {}
+    for name, w in tensors.items():
+        if ".mlp.experts." not in name:
+            out[name] = w
+            continue
+        module = name.removesuffix(".weight")
+        n, k = w.shape
+        wg = w.float().reshape(n, k // CT_GROUP, CT_GROUP)
+        s = (wg.abs().amax(-1) / 7.5).to(torch.bfloat16)  # min-max, as llm-compressor's RTN observer
+        packed = PackedQuantizationCompressor.compress({"weight": w.float(), "weight_scale": s}, scheme)
+        for key, t in packed.items():
+            out[f"{module}.{key}"] = t.contiguous()
+        # The library's own unpacking of the codes times the scales, in float32 (its decompress rounds
+        # the product to the scale dtype; nybble, like vLLM's kernels, keeps it in float32).
+        codes = unpack_from_int32(packed["weight_packed"], 4, torch.Size((n, k))).float()
+        exact = codes * packed["weight_scale"].float().repeat_interleave(CT_GROUP, dim=1)
+        back = PackedQuantizationCompressor.decompress(dict(packed), scheme)["weight"].float()
+        assert torch.allclose(exact, back, rtol=2**-8, atol=0), name
+        dequantized[name] = exact
+    save_file(out, d / "model.safetensors", metadata={"format": "pt"})
+    qcfg = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        ignore=["lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:model\\.layers\\.0\\.mlp\\..*"],
+        quantization_status=QuantizationStatus.COMPRESSED,
+        format="pack-quantized",
+    )
+    ModelCompressor(quantization_config=qcfg).update_config(str(d))
+    # transformers' float model with the library's dequantized experts: the reference.
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager").eval()
+    state = dict(model.state_dict())
+    e = model.config.num_experts
+    for key in [k for k in state if k.endswith("mlp.experts.gate_up_proj")]:
+        prefix = key.removesuffix("gate_up_proj")
+        gate = [dequantized[f"{prefix}{i}.gate_proj.weight"] for i in range(e)]
+        up = [dequantized[f"{prefix}{i}.up_proj.weight"] for i in range(e)]
+        state[key] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up, strict=True)])
+        down = [dequantized[f"{prefix}{i}.down_proj.weight"] for i in range(e)]
+        state[f"{prefix}down_proj"] = torch.stack(down)
+    model.load_state_dict(state)
+    ids = np.load(src / "prompt_ids.npy")
+    logits = model(torch.tensor(ids[None].astype(np.int64))).logits.numpy()
+    assert rel(logits, np.load(src / "transformers_logits.npy")) > 1e-4  # int4 experts change the numbers
+    np.save(d / "prompt_ids.npy", ids)
+    np.save(d / "transformers_logits.npy", logits.astype(np.float32))
+    config = json.loads((d / "config.json").read_text())
+    print(f"qwen3_moe_ct_experts: {config['quantization_config']['format']}, {len(out)} tensors")
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     names = {name: make_checkpoint(name, tokenizer, seed) for seed, name in enumerate(CHECKPOINTS)}
+    make_ct_experts(tokenizer)
     manifest = {
         "generator": "tools/make_moe_fixtures.py",
         "transformers": transformers.__version__,

@@ -121,7 +121,9 @@ def quantize(
     )
     stacks = expert_stacks(model)  # MoE expert stacks (nybble.models.moe): quantized per expert, stacked
     unmatched = warn_unmatched(
-        check_rules(rules), [pl.path for pl in planned] + [s[0] for s in stacks], "nnx.Linear or expert stack"
+        check_rules(rules),
+        [pl.path for pl in planned] + [s[0] for s in stacks],
+        "nnx.Linear layer or expert stack" if stacks else "nnx.Linear layer",
     )
     report = QuantizationReport(unmatched_rules=unmatched, method=method)
     quantize_expert_stacks(
