@@ -10,7 +10,7 @@ import nybble
 from nybble import models
 from nybble.kernels.ragged import available_ragged_implementations
 from nybble.models.moe import Experts, MoE, MoEConfig, QExperts, route, sort_by_expert
-from nybble.quant.stacked import num_experts
+from nybble.quant.stacked import num_experts, unstack_weight
 
 
 def _np_route(logits, k, norm):
@@ -175,3 +175,35 @@ def test_bad_config():
         MoEConfig(hidden_size=8, intermediate_size=8, num_experts=4, top_k=5)
     with pytest.raises(TypeError, match=r"stacked nybble\.QuantizedWeight"):
         QExperts(jnp.zeros((4, 8, 8)))
+
+
+def test_gptq_quantizes_each_expert_on_its_routed_tokens():
+    cfg = MoEConfig(hidden_size=64, intermediate_size=64, num_experts=5, top_k=1)
+    moe = MoE(cfg, rngs=nnx.Rngs(9))
+    x = jnp.abs(jax.random.normal(jax.random.key(10), (24, 64), jnp.float32)) + 0.1  # positive rows
+    # A router that never picks expert 4 (x > 0 and its column -100): unrouted, round to nearest.
+    moe.router.kernel[...] = moe.router.kernel[...].at[:, 4].set(-100.0)
+    w_gate = np.asarray(moe.experts.gate_proj.kernel[...])
+    _, experts = moe.routing(x)
+    models.quantize(
+        moe,
+        method="gptq",
+        calibration=np.zeros((1, 4), np.int32),
+        forward=lambda m, _: m(x),
+        group_size=32,
+        act_order=False,
+        progress=False,
+    )
+    assert isinstance(moe.experts.down_proj, QExperts)
+    gate = moe.experts.gate_proj.weight
+    routed = [int((np.asarray(experts)[:, 0] == e).sum()) for e in range(5)]
+    assert routed[4] == 0 and sum(r > 0 for r in routed) >= 2, routed
+    for e in range(5):
+        rows = np.asarray(x)[np.asarray(experts)[:, 0] == e]
+        if len(rows) == 0:
+            want = nybble.quantize(w_gate[e], group_size=32)
+        else:
+            want = nybble.quant.gptq(w_gate[e], inputs=rows, group_size=32, act_order=False)
+        got = unstack_weight(gate, e)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

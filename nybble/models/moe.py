@@ -277,12 +277,59 @@ def quantize_expert_stacks(
         report.add(path, shape, d, array_nbytes(module.kernel), new.weight)
 
 
+class ExpertCapture:
+    """Stands in for one float :class:`Experts` during a GPTQ calibration pass (``nybble.models.calibrate``).
+
+    On its first call (eager: the rows and group sizes are concrete) each expert is GPTQ-quantized on the
+    rows routed to it (its own Hessian); an expert no calibration token reached is rounded to nearest.
+    The stack becomes a :class:`QExperts` in the model, which computes this call's output.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        parent: Any,
+        attr: str,
+        experts: Experts,
+        decision: Any,
+        scale_dtype: Any,
+        gptq_options: dict[str, Any],
+    ) -> None:
+        self.path, self.parent, self.attr, self.experts = path, parent, attr, experts
+        self.decision, self.scale_dtype, self.gptq_options = decision, scale_dtype, gptq_options
+        self.result: QExperts | None = None
+        self.unrouted: list[int] = []
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        if self.result is None:
+            from nybble.quant.gptq import gptq
+            from nybble.quant.stacked import stack_weights
+
+            d, w = self.decision, self.experts.kernel[...]
+            sizes = np.asarray(group_sizes)
+            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+            weights = []
+            for e, (start, size) in enumerate(zip(starts, sizes, strict=True)):
+                options = dict(group_size=d.group_size, symmetric=d.symmetric, scale_dtype=self.scale_dtype)
+                if size == 0:
+                    self.unrouted.append(e)
+                    weights.append(quantize(w[e], **options))
+                    continue
+                weights.append(
+                    gptq(w[e], inputs=x[int(start) : int(start + size)], **options, **self.gptq_options)
+                )
+            self.result = QExperts(stack_weights(weights))
+            setattr(self.parent, self.attr, self.result)
+        return self.result(x, group_sizes)
+
+
 def num_weights(experts: Experts | QExperts) -> int:
     """Weights of the whole stack (experts * in * out): what a rule's ``min_size`` compares."""
     return int(np.prod((experts.num_experts, experts.in_features, experts.out_features)))
 
 
 __all__ = [
+    "ExpertCapture",
     "ExpertMLP",
     "Experts",
     "MoE",
