@@ -207,3 +207,17 @@ def test_gptq_quantizes_each_expert_on_its_routed_tokens():
         got = unstack_weight(gate, e)
         for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_save_and_load_a_quantized_block(tmp_path):
+    moe = MoE(CONFIGS["mixtral"], rngs=nnx.Rngs(11))
+    models.quantize(moe, group_size=32, progress=False)
+    x = jax.random.normal(jax.random.key(12), (5, 64), jnp.float32)
+    path = models.save_model(tmp_path / "moe", moe)
+    back = models.load_model(path, MoE(CONFIGS["mixtral"], rngs=nnx.Rngs(13)))
+    assert isinstance(back.experts.up_proj, QExperts)
+    for a, b in zip(
+        jax.tree.leaves(back.experts.up_proj.weight), jax.tree.leaves(moe.experts.up_proj.weight), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(back(x)), np.asarray(moe(x)))

@@ -356,7 +356,7 @@ def checkpoint_placement(
         *module_path, attr = leaf.path
         path = _path(module_path)
         module = layers.get(path)
-        if module is None:
+        if module is None or isinstance(module, QExperts | Experts):  # expert stacks: whole, then shard()
             return NamedSharding(mesh, PartitionSpec())
         kind = "QLinear" if leaf.kind == "quantized" else _kind(module)
         return leaf_placement(kind, str(attr), decide(path, rules), mesh, axis, path=path, shape=leaf.shape)
