@@ -220,9 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         import jax
 
+        from bench.xray.__main__ import _commit
+
         result = {
             "schema": report.SCHEMA,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "commit": _commit(),
             "versions": {"jax": jax.__version__},
             "gpu": dict(vars(gpu)),
             "ceilings": vars(ceilings),

@@ -130,6 +130,30 @@ class RowWindow:
     count: Any
     max_rows: int
 
+    def read(self) -> RowWindow:
+        """The window's values (a stashed window loads them here: :class:`StashedRows`)."""
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class StashedRows(RowWindow):
+    """A :class:`RowWindow` kept in SMEM (``ref[index] = (offset, start, count)``, int32) from the CTA's
+    start to its epilogue: registers live across the K loop are what a warpgroup at its register limit
+    spills (X-ray of the grouped kernel, a producer's compute warpgroup: 16-80 bytes)."""
+
+    ref: Any = None
+    index: Any = 0
+
+    @classmethod
+    def stash(cls, ref: Any, index: Any, offset: Any, start: Any, count: Any, max_rows: int) -> StashedRows:
+        for j, v in enumerate((offset, start, count)):
+            ref[index, j] = v
+        return cls(None, None, None, max_rows, ref, index)
+
+    def read(self) -> RowWindow:
+        r, i = self.ref, self.index
+        return RowWindow(r[i, 0], r[i, 1], r[i, 2], self.max_rows)
+
 
 @dataclasses.dataclass(frozen=True)
 class CtaTile:
@@ -162,6 +186,11 @@ class DenseWork:
         mi, ni = tile_indices(p, lax.axis_index("mn"))
         return CtaTile(mi, ni, list(ins))
 
+    def run(self, p: Problem, ins: Any, body: Any, wg: Any = None, wgs: int = 1) -> None:
+        """``body(tile)`` with this CTA's :meth:`tile` (``wg``, ``wgs``: the calling warpgroup and the CTA's
+        warpgroups, for work that keeps per-warpgroup state)."""
+        body(self.tile(p, ins))
+
 
 def run_tile(tile: CtaTile, compute: Any, zeros: Any) -> None:
     """``compute()`` where ``tile.compute``, ``zeros()`` where ``tile.zeros`` (Python bools decide now)."""
@@ -176,6 +205,7 @@ def store_rows(src: Any, out_gmem: Any, cols: Any, rows: RowWindow) -> None:
     """TMA stores of SMEM rows ``rows.offset + [0, rows.count)`` of ``src`` into y rows ``rows.start + ..``,
     columns ``cols``: a TMA's shape is static, so one store per set bit of the count, largest first (the
     ladder of jax's ragged_dot_mgpu.py): at most log2(max_rows) + 1 stores, the others skipped."""
+    rows = rows.read()
     offset, remaining = rows.offset, rows.max_rows
     while remaining > 0:
         size = 1 << (remaining.bit_length() - 1)

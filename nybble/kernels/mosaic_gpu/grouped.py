@@ -40,9 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nybble.kernels.mosaic_gpu.api import SUPPORTED_LAYOUTS, SUPPORTED_X_DTYPES, _requires_gpu_p
-from nybble.kernels.mosaic_gpu.common import CtaTile, Problem, RowWindow
+from nybble.kernels.mosaic_gpu.common import CtaTile, Problem, RowWindow, StashedRows
 from nybble.kernels.mosaic_gpu.config import DEFAULT_NUM_SMS, TuningConfig, x_rows
 from nybble.kernels.mosaic_gpu.grouped_config import (
     grouped_allows,
@@ -71,7 +72,17 @@ class GroupedWork:
     def ctas(self, p: Problem) -> int:
         return self.m_tiles * p.n_tiles
 
-    def tile(self, p: Problem, ins: Any) -> CtaTile:
+    def run(self, p: Problem, ins: Any, body: Any, wg: Any = None, wgs: int = 1) -> None:
+        """``body(tile)`` with this CTA's tile, its y rows kept in SMEM (one slot per warpgroup: each
+        writes and reads its own) until the epilogue (``common.StashedRows``)."""
+
+        def scoped(stash: Any) -> None:
+            body(self.tile(p, ins, stash=stash, wg=0 if wg is None else wg))
+
+        collective = {} if wg is None else {"collective_axes": "wg"}
+        pl.run_scoped(scoped, plgpu.SMEM((wgs, 3), jnp.int32), **collective)
+
+    def tile(self, p: Problem, ins: Any, stash: Any = None, wg: Any = 0) -> CtaTile:
         c = p.config
         sizes, codes, x, scales, *offsets = ins
         lin = lax.axis_index("mn")
@@ -98,7 +109,11 @@ class GroupedWork:
         tail = e == self.experts  # rows past the groups' sum: zeros
         own = jnp.minimum(e, self.experts - 1)  # a valid view for the tail's CTAs, which read nothing
         gmem = [codes.at[own], x, scales.at[own]] + [o.at[own] for o in offsets]
-        rows = RowWindow(offset=start - window, start=start, count=count, max_rows=min(c.tile_m, self.rows))
+        max_rows = min(c.tile_m, self.rows)
+        if stash is None:
+            rows = RowWindow(start - window, start, count, max_rows)
+        else:
+            rows = StashedRows.stash(stash, wg, start - window, start, count, max_rows)
         return CtaTile(jnp.int32(0), ni, gmem, rows, compute=active & ~tail, zeros=active & tail)
 
 

@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Iterable
 
 from nybble.kernels.device import DEFAULT_NUM_SMS
-from nybble.kernels.mosaic_gpu.config import TuningConfig, group_structure, heuristic_config
+from nybble.kernels.mosaic_gpu.config import WIDE_STEP_K, TuningConfig, group_structure, heuristic_config
 from nybble.packing.groups import group_rows
 
 
@@ -36,8 +36,17 @@ def planned_rows(rows: int, experts: int) -> int:
 
 
 def grouped_allows(config: TuningConfig) -> bool:
-    """Whether the grouped kernel runs ``config``: no split-K and no persistent grid (module docstring)."""
-    return config.split_k == 1 and config.persistent_ctas == 0
+    """Whether the grouped kernel runs ``config``: no split-K and no persistent grid (module docstring);
+    and not 512-deep steps of 64 accumulator columns (tiles x WGMMA N) with a producer warpgroup, whose
+    compute warpgroup sits at 255 registers and spills the grouped CTA's state (X-ray, Qwen3 gate/up at
+    T = 512, 4096: two A tiles at N = 32, 12 bytes with the y rows in SMEM, 80 bytes without)."""
+    wide = (
+        config.producer
+        and config.tile_k == WIDE_STEP_K
+        and config.scales_on == "accumulators"
+        and config.tiles * config.wgmma_n >= 64
+    )
+    return config.split_k == 1 and config.persistent_ctas == 0 and not wide
 
 
 def max_m_tiles(rows: int, experts: int, tile_m: int, align: int = 1) -> int:

@@ -84,12 +84,18 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array], work: Any = None) -> 
                 scratch[name], rest = rest[0], rest[1:]
             else:  # the split-K reduction's refs
                 scratch[name], rest = rest[:n_refs], rest[n_refs:]
-        tile = work.tile(p, ins)
-        run_tile(
-            tile,
-            lambda: _compute(p, tile, scratch, out_gmem),
-            lambda: _store_zeros(p, tile, scratch, out_gmem),
-        )
+
+        def body(tile: CtaTile) -> None:
+            run_tile(
+                tile,
+                lambda: _compute(p, tile, scratch, out_gmem),
+                lambda: _store_zeros(p, tile, scratch, out_gmem),
+            )
+
+        if c.producer:
+            work.run(p, ins, body, wg=lax.axis_index("wg"), wgs=2)
+        else:
+            work.run(p, ins, body)
 
     out_type = jax.ShapeDtypeStruct(p.out_shape, p.out_dtype)
     launch = split_k.launch_args(c.split_k)

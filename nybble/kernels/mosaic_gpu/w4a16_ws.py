@@ -77,70 +77,77 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array], work: Any = No
         out_smem = rest.pop(0) if c.split_k == 1 else None
         reduce_scratch = rest
         wg = lax.axis_index("wg")
-        # The dense kernel's tiles come from the persistent loop (or the CTA index); another work's from it.
-        mine = None if dense else work.tile(p, ins)
-        gmem = list(ins) if dense else mine.gmem
-        rows = None if dense else mine.rows
 
-        def store(acc, part, mi, ni):
-            n_start = ni * p.config.cta_rows + wg * c.rows_per_wg
-            if c.split_k == 1:
-                smem = {"out": out_smem.at[wg]}
-                store_tiles(p, acc, smem, out_gmem, mi, n_start, overlap=persistent, rows=rows)
-                return
-            for w in range(num_wgs):  # each warpgroup sums its own columns with its own slabs
+        def run(mine):
+            """The CTA's work: the dense kernel's tiles from the persistent loop (or the CTA index), another
+            work's from ``mine``."""
+            gmem = list(ins) if dense else mine.gmem
+            rows = None if dense else mine.rows
 
-                @pl.when(wg == w)
-                def _(w=w):
-                    smem = {"split_k": split_k.warpgroup_slabs(reduce_scratch, w, num_wgs)}
-                    store_tiles(p, acc, smem, out_gmem, mi, n_start, partition=part)
+            def store(acc, part, mi, ni):
+                n_start = ni * p.config.cta_rows + wg * c.rows_per_wg
+                if c.split_k == 1:
+                    smem = {"out": out_smem.at[wg]}
+                    store_tiles(p, acc, smem, out_gmem, mi, n_start, overlap=persistent, rows=rows)
+                    return
+                for w in range(num_wgs):  # each warpgroup sums its own columns with its own slabs
 
-        def compute_context(run_pipeline, tile, part):
-            # Runs in the compute warpgroups only: the accumulators live in their registers.
-            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(acc_shape, jnp.float32))
-            def _(acc_ref):
-                run_pipeline(acc_ref)
-                store(acc_ref[...], part, *(tile_indices(p, tile) if dense else (mine.mi, mine.ni)))
+                    @pl.when(wg == w)
+                    def _(w=w):
+                        smem = {"split_k": split_k.warpgroup_slabs(reduce_scratch, w, num_wgs)}
+                        store_tiles(p, acc, smem, out_gmem, mi, n_start, partition=part)
 
-        def body(_, codes, x, s, *rest):
-            *o, acc_ref = rest
-            own = codes.at[pl.ds(wg * c.tiles, c.tiles)]  # this warpgroup's A tiles
-            exact_weights_step(p, acc_ref, own, x, s, o[0] if o else None, wg * c.rows_per_wg)
-            return acc_ref
+            def compute_context(run_pipeline, tile, part):
+                # Runs in the compute warpgroups only: the accumulators live in their registers.
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(acc_shape, jnp.float32))
+                def _(acc_ref):
+                    run_pipeline(acc_ref)
+                    store(acc_ref[...], part, *(tile_indices(p, tile) if dense else (mine.mi, mine.ni)))
 
-        def specs(tile, k_first):
-            mi, ni = tile_indices(p, tile) if dense else (mine.mi, mine.ni)
-            return operand_specs(p, mi, ni, k_first, delay_release=1)
+            def body(_, codes, x, s, *rest):
+                *o, acc_ref = rest
+                own = codes.at[pl.ds(wg * c.tiles, c.tiles)]  # this warpgroup's A tiles
+                exact_weights_step(p, acc_ref, own, x, s, o[0] if o else None, wg * c.rows_per_wg)
+                return acc_ref
 
-        def compute():
-            # One K partition: this CTA's own (split_k.py: all of them, in turn, when interpreting).
-            for part in split_k.partitions(c.split_k):
-                k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
-                pipeline.emit_pipeline_warp_specialized(
-                    body,
-                    grid=(p.steps_per_split,),
-                    memory_registers=_MEMORY_REGISTERS,
-                    in_specs=functools.partial(specs, k_first=k_first),
-                    wg_axis="wg",
-                    num_compute_wgs=num_wgs,
-                    max_concurrent_steps=c.max_concurrent_steps,
-                    compute_context=functools.partial(compute_context, part=part),
-                    output_tiles=output_tiles,
-                )(*gmem)
+            def specs(tile, k_first):
+                mi, ni = tile_indices(p, tile) if dense else (mine.mi, mine.ni)
+                return operand_specs(p, mi, ni, k_first, delay_release=1)
 
-        def zeros():  # each compute warpgroup its own columns, no weight read
-            zero = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
-            pl.when(wg < num_wgs)(lambda: store(zero, None, mine.mi, mine.ni))
+            def compute():
+                # One K partition: this CTA's own (split_k.py: all of them, in turn, when interpreting).
+                for part in split_k.partitions(c.split_k):
+                    k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
+                    pipeline.emit_pipeline_warp_specialized(
+                        body,
+                        grid=(p.steps_per_split,),
+                        memory_registers=_MEMORY_REGISTERS,
+                        in_specs=functools.partial(specs, k_first=k_first),
+                        wg_axis="wg",
+                        num_compute_wgs=num_wgs,
+                        max_concurrent_steps=c.max_concurrent_steps,
+                        compute_context=functools.partial(compute_context, part=part),
+                        output_tiles=output_tiles,
+                    )(*gmem)
+
+            def zeros():  # each compute warpgroup its own columns, no weight read
+                zero = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
+                pl.when(wg < num_wgs)(lambda: store(zero, None, mine.mi, mine.ni))
+
+            if dense:
+                compute()
+            else:
+                run_tile(mine, compute, zeros)
+            if c.split_k > 1:  # every warpgroup joins the cluster's barriers; the compute ones sum
+                mi, ni = tile_indices(p, lax.axis_index("mn"))
+                reduce_split_k(p, reduce_scratch, out_gmem, mi, ni, wg=wg, wgs=num_wgs)
+            if persistent:  # the last y tile's store (the others were waited for before the next)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         if dense:
-            compute()
+            run(None)
         else:
-            run_tile(mine, compute, zeros)
-        if c.split_k > 1:  # every warpgroup joins the cluster's barriers; the compute ones sum
-            mi, ni = tile_indices(p, lax.axis_index("mn"))
-            reduce_split_k(p, reduce_scratch, out_gmem, mi, ni, wg=wg, wgs=num_wgs)
-        if persistent:  # the last y tile's store (the others were waited for before the next)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            work.run(p, ins, run, wg=wg, wgs=num_wgs + 1)
 
     out_type = jax.ShapeDtypeStruct(p.out_shape, p.out_dtype)
     if c.split_k == 1:
