@@ -12,7 +12,7 @@ PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.14; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
 	&& { echo $$p; break; }; done)
 
-.PHONY: install bench bench-full test lint gpu-check quickstart xray clean
+.PHONY: install bench bench-full bench-checkpoints test lint gpu-check quickstart xray clean
 
 # With an NVIDIA GPU (`nvidia-smi -L` lists one) jax's CUDA plugin comes too: the cuda13 extra when the
 # driver supports CUDA 13 (`nvidia-smi` says "CUDA Version: 13.x" or later), else cuda12. Override with
@@ -39,6 +39,10 @@ bench: $(STAMP)
 
 bench-full: $(STAMP)
 	$(PY) -m bench --full
+
+# Streamed `nybble quantize --model DIR` vs load-everything: peak RSS and GB/s at ~0.5B and ~2B (bench/checkpoints.py)
+bench-checkpoints: $(STAMP)
+	$(PY) -m bench.checkpoints
 
 xray: $(STAMP)
 	$(PY) -m bench.xray

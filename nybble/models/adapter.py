@@ -29,7 +29,7 @@ from nybble.quant.rtn import quantize as quantize_weight
 
 METHODS = ("rtn", "gptq", "autoround")
 # Options of nybble.quantize that method="rtn" passes through.
-RTN_OPTIONS = frozenset({"clip_search"})
+RTN_OPTIONS = frozenset({"clip_search", "zero_point"})
 
 
 @overload

@@ -47,6 +47,7 @@ from nybble.models.tune import float_logits, tune_group_params
 from nybble.quant.autoround import AutoRoundConfig, WeightSpec, autoround_block, block_loss, resolve_config
 from nybble.quant.gptq import gptq, hessian_from_inputs
 from nybble.quant.refit import refit_group_params
+from nybble.quant.rtn import check_zero_point
 
 __all__ = ["autoround_params", "find_blocks", "quantize_autoround"]
 
@@ -128,6 +129,7 @@ def quantize_autoround(
     start: str = "rtn",
     target: str = "float",
     refit_scales: bool = False,
+    zero_point: str = "float",
     forward: Callable[[nnx.Module, jax.Array], Any] | None = None,
     progress: bool = True,
     verbose: bool = False,
@@ -151,12 +153,15 @@ def quantize_autoround(
         block's output on the (quantized model's) inputs it receives.
       refit_scales: after learning, re-solve each layer's scales by least squares on the inputs it sees in
         the quantized block (``nybble.quant.refit``), kept only if the block's calibration loss drops.
+      zero_point: "integer" gives asymmetric layers integer zero points (``w = (u - z) * s``, what
+        compressed-tensors and GPTQ store; see ``nybble.quantize``), kept through learning and refits.
       forward, progress, verbose, return_report: as ``quantize_gptq``.
     """
     if calibration is None:
         raise ValueError(
             "quantize_autoround: method='autoround' needs calibration= token ids (e.g. the calib split)"
         )
+    check_zero_point(zero_point, "quantize_autoround")
     if start not in STARTS:
         raise ValueError(f"quantize_autoround: start must be one of {STARTS}, got {start!r}")
     if target not in TARGETS:
@@ -190,9 +195,9 @@ def quantize_autoround(
         for pl in block.layers:
             rel = pl.path[len(block.path) + 1 :]
             leaf = next(n for n in names if n.startswith(rel + ".kernel"))
-            weights[leaf] = WeightSpec(pl.decision.group_size, pl.decision.symmetric)
+            weights[leaf] = WeightSpec(pl.decision.group_size, pl.decision.symmetric, zero_point)
             by_leaf[leaf] = pl
-        starts = _gptq_start(block, args, by_leaf, scale_dtype) if start == "gptq" else None
+        starts = _gptq_start(block, args, by_leaf, scale_dtype, zero_point) if start == "gptq" else None
         done = index * config.steps
 
         def callback(steps: int, loss: float) -> None:
@@ -213,7 +218,7 @@ def quantize_autoround(
         )
         chosen_weights, loss = dict(res.weights), res.loss
         if refit_scales:
-            refit = _refit_in_block(block, args, by_leaf, chosen_weights)
+            refit = _refit_in_block(block, args, by_leaf, chosen_weights, zero_point)
             refit_loss = block_loss(apply, state, refit, list(args), goal, loss=config.loss)
             if refit_loss < loss:
                 chosen_weights, loss = refit, refit_loss
@@ -273,8 +278,9 @@ def _batched(fn: Callable[..., Any], state: Any, inputs: tuple[Any, ...], batch:
 
 
 def _refit_in_block(
-    block: _Block, args: tuple[Any, ...], by_leaf: dict[str, PlannedLayer], weights: dict
-) -> dict:
+    block: _Block, args: tuple[Any, ...], by_leaf: dict[str, PlannedLayer], weights: dict,
+    zero_point: str = "float",
+) -> dict:  # fmt: skip
     """``weights`` with least-squares scales, each layer's Hessian taken inside the quantized block."""
     path_leaf = {pl.path: leaf for leaf, pl in by_leaf.items()}
     found: dict[str, Any] = {}
@@ -283,7 +289,9 @@ def _refit_in_block(
 
     def refit_layer(pl: PlannedLayer, x: jax.Array) -> QLinear:
         leaf = path_leaf[pl.path]
-        found[leaf] = refit_group_params(weights[leaf], pl.linear.kernel[...], hessian_from_inputs(x))
+        found[leaf] = refit_group_params(
+            weights[leaf], pl.linear.kernel[...], hessian_from_inputs(x), zero_point=zero_point
+        )
         return QLinear.from_linear(pl.linear, qweight=found[leaf])
 
     try:
@@ -295,8 +303,9 @@ def _refit_in_block(
 
 
 def _gptq_start(
-    block: _Block, args: tuple[Any, ...], by_leaf: dict[str, PlannedLayer], scale_dtype: Any
-) -> dict:
+    block: _Block, args: tuple[Any, ...], by_leaf: dict[str, PlannedLayer], scale_dtype: Any,
+    zero_point: str = "float",
+) -> dict:  # fmt: skip
     """GPTQ codes for the block's Linear layers, each calibrated on its inputs inside the block."""
     found: dict[str, Any] = {}
 
@@ -309,6 +318,7 @@ def _gptq_start(
             symmetric=d.symmetric,
             scale_dtype=scale_dtype,
             act_order=True,
+            zero_point=zero_point,
         )
         found[pl.path] = qw
         return QLinear.from_linear(pl.linear, qweight=qw)

@@ -153,7 +153,8 @@ def quantize_gptq(
     """
     if calibration is None:
         raise ValueError("quantize_gptq: method='gptq' needs calibration= token ids (e.g. the calib split)")
-    bad = set(gptq_kwargs) - {"damp", "block_size", "static_groups", "clip_search", "refit_scales"}
+    allowed = {"damp", "block_size", "static_groups", "clip_search", "refit_scales", "zero_point"}
+    bad = set(gptq_kwargs) - allowed
     if bad:
         raise TypeError(f"quantize_gptq: unexpected keyword argument(s) {sorted(bad)}")
     ids = calibration_batches(calibration, seq_len)

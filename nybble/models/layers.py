@@ -19,6 +19,10 @@ class QuantizedParam(nnx.Variable):
     """Non-trainable NNX state holding a ``QuantizedWeight`` (not an ``nnx.Param``: optimizers skip it)."""
 
 
+class InputPermutation(nnx.Variable):
+    """Non-trainable NNX state: the int32 (in_features,) input permutation of an activation-order layer."""
+
+
 class QLinear(nnx.Module):
     """An int4 ``nnx.Linear``: ``y = x @ dequantize(qweight) + bias`` through :func:`nybble.matmul`.
 
@@ -26,6 +30,9 @@ class QLinear(nnx.Module):
       qweight: ``QuantizedParam`` holding the (in_features, out_features) ``QuantizedWeight`` (or a
         ``nybble.sharding.ShardedWeight``, placed by ``nybble.models.shard``).
       bias: ``nnx.Param`` of shape (out_features,), or None.
+      input_perm: ``InputPermutation`` (in_features,) int32, or None: with it, ``y = x[..., perm] @ W``.
+        Activation-order checkpoints (GPTQ ``desc_act``) whose groups are scattered over the input rows
+        are stored with their rows sorted by group, which is exact only with the inputs permuted alike.
       implementation: passed to ``nybble.matmul`` (None: the best available here).
     """
 
@@ -34,6 +41,7 @@ class QLinear(nnx.Module):
         qweight: QuantizedWeight | ShardedWeight,
         bias: jax.Array | None = None,
         *,
+        input_perm: Any = None,
         implementation: Implementation | None = None,
     ) -> None:
         if not isinstance(qweight, QuantizedWeight | ShardedWeight):
@@ -43,6 +51,15 @@ class QLinear(nnx.Module):
             raise ValueError(f"QLinear: bias shape {tuple(bias.shape)} != ({self.out_features},)")
         self.qweight = QuantizedParam(qweight)
         self.bias = nnx.Param(bias) if bias is not None else None
+        if input_perm is not None:
+            input_perm = jnp.asarray(input_perm, jnp.int32)
+            if tuple(input_perm.shape) != (self.in_features,):
+                raise ValueError(
+                    f"QLinear: input_perm shape {tuple(input_perm.shape)} != ({self.in_features},)"
+                )
+            self.input_perm: InputPermutation | None = InputPermutation(input_perm)
+        else:
+            self.input_perm = None
         self.implementation = implementation
 
     @classmethod
@@ -73,6 +90,8 @@ class QLinear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x`` of shape (..., in_features) in bf16/f16/f32 -> (..., out_features) in ``x.dtype``."""
+        if self.input_perm is not None:
+            x = jnp.take(x, self.input_perm[...], axis=-1)
         y = matmul(x, self.qweight.get_value(), implementation=self.implementation)
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
@@ -124,4 +143,4 @@ class QDense(linen.Module):
         return y
 
 
-__all__ = ["QDense", "QLinear", "QuantizedParam", "dense"]
+__all__ = ["InputPermutation", "QDense", "QLinear", "QuantizedParam", "dense"]

@@ -53,13 +53,12 @@ from nybble.packing import (
 )
 from nybble.quant.lapack_threads import one_blas_thread, ready
 from nybble.quant.qweight import QuantizedWeight
-from nybble.quant.refit import damped_hessian, least_squares_params
+from nybble.quant.refit import damped_hessian, integer_zero_scales, least_squares_params
 from nybble.quant.rtn import (
     check_scale_dtype,
     check_weight,
     check_zero_point,
     group_params,
-    integer_zero_factor,
     round_to_codes,
 )
 
@@ -228,16 +227,11 @@ def gptq(
             )
         if refit_scales:  # dead inputs hold weight 0 and code 0, as in the core
             target = jnp.where((jnp.diag(h) == 0)[:, None], 0.0, jnp.asarray(w, jnp.float32))
-            if integer:
-                # w = (q + 8 - z) * s: a scale-only fit of the codes shifted by each group's fixed zero.
-                zf = integer_zero_factor(scales, offsets)
-                g_rows = group_rows(k_pad, group_size)
-                shifted = (codes + jnp.repeat(zf, g_rows, axis=0)[:k_pad]).astype(jnp.int8)
-                scales, _ = ready(least_squares_params(
-                    shifted, target, damped_hessian(h, float(damp)), scales, None,
-                    group_size=group_size, symmetric=True, scale_dtype=np.dtype(scale_dtype),
+            if integer:  # the zeros stay, the scales are re-solved (nybble.quant.refit)
+                scales, offsets = ready(integer_zero_scales(
+                    codes, target, damped_hessian(h, float(damp)), scales, offsets,
+                    group_size=group_size, scale_dtype=np.dtype(scale_dtype),
                 ))  # fmt: skip
-                offsets = zf * scales.astype(jnp.float32)
             else:
                 scales, offsets = ready(least_squares_params(
                     codes, target, damped_hessian(h, float(damp)), scales, offsets,

@@ -30,8 +30,9 @@ import numpy as np
 from nybble.packing import group_rows, pad_to
 from nybble.quant.lapack_threads import one_blas_thread, ready
 from nybble.quant.qweight import QuantizedWeight
+from nybble.quant.rtn import integer_zero_factor
 
-__all__ = ["damped_hessian", "least_squares_params", "refit_group_params"]
+__all__ = ["damped_hessian", "integer_zero_scales", "least_squares_params", "refit_group_params"]
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -109,8 +110,28 @@ def least_squares_params(
     return sol[:ng], None if symmetric else sol[ng:]
 
 
+def integer_zero_scales(
+    codes: jax.Array, w: jax.Array, h: jax.Array, scales: jax.Array, offsets: jax.Array, *,
+    group_size: int | None, scale_dtype: Any,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """:func:`least_squares_params` keeping each group's integer zero z (``offsets == (8 - z) * s``).
+
+    ``w = q * s + (8 - z) * s = (q + 8 - z) * s`` is linear in s alone: a scale-only (symmetric) fit of
+    the codes shifted by each group's ``8 - z``. Returns the new scales (``scale_dtype``) and offsets
+    ``(8 - z) * s`` in float32 (exact), so the weight keeps its integer zero points.
+    """
+    zf = integer_zero_factor(scales, offsets)
+    k_pad = codes.shape[0]
+    shifted = codes.astype(jnp.float32) + jnp.repeat(zf, group_rows(k_pad, group_size), axis=0)[:k_pad]
+    new, _ = least_squares_params(
+        shifted.astype(jnp.int8), w, h, scales, None,
+        group_size=group_size, symmetric=True, scale_dtype=scale_dtype,
+    )  # fmt: skip
+    return new, zf * new.astype(jnp.float32)
+
+
 def refit_group_params(
-    qweight: QuantizedWeight, w: Any, hessian: Any, *, damp: float = 0.01
+    qweight: QuantizedWeight, w: Any, hessian: Any, *, damp: float = 0.01, zero_point: str = "float"
 ) -> QuantizedWeight:
     """``qweight`` with the same codes and its scales/offsets re-solved by least squares (module doc).
 
@@ -120,6 +141,8 @@ def refit_group_params(
       hessian: (K, K) ``2 X^T X / n`` of the layer's calibration inputs (see
         ``nybble.quant.hessian_from_inputs``).
       damp: dampening, a fraction of the mean Hessian diagonal added to the diagonal (as GPTQ's).
+      zero_point: "integer" keeps an asymmetric weight's integer zero points and re-solves its scales
+        only (:func:`integer_zero_scales`); "float" re-solves scales and offsets freely.
 
     The result has the scale dtype, group size and layout of ``qweight``; on the calibration inputs its
     output error is never larger than ``qweight``'s beyond the scale dtype's rounding.
@@ -132,6 +155,15 @@ def refit_group_params(
     if not damp >= 0:
         raise ValueError(f"refit_group_params: damp must be >= 0, got {damp}")
     h = damped_hessian(jnp.asarray(hessian, jnp.float32), float(damp))
+    if zero_point == "integer" and not qweight.symmetric:
+        with one_blas_thread():
+            scales, offsets = ready(
+                integer_zero_scales(
+                    qweight.logical_codes(), jnp.asarray(w, jnp.float32), h, qweight.scales, qweight.offsets,
+                    group_size=qweight.group_size, scale_dtype=qweight.dtype,
+                )
+            )  # fmt: skip
+        return dataclasses.replace(qweight, scales=scales, offsets=offsets)
     with one_blas_thread():  # the batched solve runs in LAPACK on the CPU: nybble.quant.lapack_threads
         scales, offsets = ready(
             least_squares_params(

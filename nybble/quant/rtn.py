@@ -71,7 +71,8 @@ def quantize(
       zero_point: asymmetric groups only. "float" (default): the offset maps code -8 to the group
         minimum. "integer": unsigned codes u in 0..15 with an integer zero z per group, ``w = (u - z) * s``,
         as compressed-tensors, GPTQ and AWQ store them (the range is widened to include 0, as GPTQ's
-        quantizer does, so z = round(-min / s) lies in 0..15). Stored as ``q = u - 8`` and offsets
+        quantizer does, so z = round(-min / s) is a code; it is kept in 1..15, which GPTQ v1's stored
+        ``z - 1`` can hold). Stored as ``q = u - 8`` and offsets
         ``(8 - z) * s`` kept in float32, where they are exact (see ``ZERO_POINTS``).
 
     Without ``clip_search``, every element dequantizes to within half a quantization step of its input
@@ -142,7 +143,7 @@ def check_scale_dtype(scale_dtype: Any, what: str = "quantize") -> None:
 
 
 # How asymmetric groups store their zero: "float" (offset = group minimum + 8 s, nybble's default) or
-# "integer" (w = (u - z) * s with an integer z in 0..15: what compressed-tensors, GPTQ and AWQ store).
+# "integer" (w = (u - z) * s with an integer z in 1..15: what compressed-tensors, GPTQ and AWQ store).
 ZERO_POINTS = ("float", "integer")
 
 
@@ -182,8 +183,9 @@ def group_params(
     parameters whose codes give the smallest squared error (clipping a few outliers for a finer step).
 
     ``zero_point="integer"`` (asymmetric): the range is widened to include 0, ``z = round(-min / s)`` is an
-    integer in 0..15 and the offsets ``(8 - z) * s`` are returned in float32 (exact; ``scale_dtype`` could
-    not hold them: up to 12 significant bits for bfloat16 scales).
+    integer in 1..15 (a group without negative values: z = 1, step max / 14) and the offsets
+    ``(8 - z) * s`` are returned in float32 (exact; ``scale_dtype`` could not hold them: up to 12
+    significant bits for bfloat16 scales).
     """
     integer = zero_point == "integer" and not symmetric
     if not clip_search:
@@ -220,11 +222,18 @@ def _range_params(
     wmin = shrink * jnp.where(has, jnp.min(jnp.where(valid, wg, jnp.inf), axis=-2), 0.0)
     wmax = shrink * jnp.where(has, jnp.max(jnp.where(valid, wg, -jnp.inf), axis=-2), 0.0)
     if integer:
-        # GPTQ's quantizer: the range includes 0, so the zero round(-min / s) is a code in 0..15.
+        # GPTQ's quantizer: the range includes 0, so the zero round(-min / s) is a code. It is kept in
+        # 1..15 (GPTQ v1 checkpoints store z - 1 in 4 bits, so z = 0 cannot be written): a group with no
+        # negative values takes z = 1 and a step of max / 14 (codes 1..15 cover [0, max]).
         wmin, wmax = jnp.minimum(wmin, 0.0), jnp.maximum(wmax, 0.0)
         scales = ((wmax - wmin) / 15).astype(scale_dtype)
         s = scales.astype(jnp.float32)
-        z = jnp.clip(jnp.round(-wmin / jnp.where(s == 0, 1.0, s)), 0, 15)
+        low = -wmin < 0.5 * s  # would round to z = 0
+        scales = jnp.where(low, (wmax / 14).astype(scale_dtype), scales)
+        short = low & (scales.astype(jnp.float32) * 14 < wmax)
+        scales = jnp.where(short, jnp.nextafter(scales, jnp.asarray(jnp.inf, scales.dtype)), scales)
+        s = scales.astype(jnp.float32)
+        z = jnp.clip(jnp.round(-wmin / jnp.where(s == 0, 1.0, s)), 1, 15)
         return scales, jnp.where(s == 0, 0.0, (8.0 - z) * s)  # float32: exact
     scales = ((wmax - wmin) / 15).astype(scale_dtype)
     short = scales.astype(jnp.float32) * 15 < (wmax - wmin)

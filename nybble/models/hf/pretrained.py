@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -53,6 +55,11 @@ def _scheme(config: dict[str, Any]) -> Any:
             f"quantized checkpoints need nybble.quant.formats.hf_scheme ({e})"
         ) from None
     return scheme_from_config(qc)
+
+
+def _getter(ckpt: CheckpointDir) -> Any:
+    """``get(name)`` for the scheme's readers: the tensor, or None when absent (optional tensors)."""
+    return lambda name: ckpt.get(name) if name in ckpt else None
 
 
 def _module_at(model: nnx.Module, path: str) -> tuple[Any, str | int, Any]:
@@ -100,15 +107,16 @@ def _load_quantized(
         path = module_path_for_module(hf_module)
         assert path is not None
         parent, key, linear = _module_at(model, path)
-        names = list(scheme.tensor_names(hf_module))
+        names = list(scheme.tensor_names(hf_module, available=ckpt))
         missing = [n for n in names if n not in ckpt]
         if missing:
             raise CheckpointError(
                 f"{ckpt.path}: quantized layer {hf_module!r} lacks {missing} (its quantization_config "
                 f"names this layer as quantized; expected tensors {names})"
             )
-        qw = scheme.read_linear(
-            hf_module, ckpt.get, in_features=linear.in_features, out_features=linear.out_features
+        # perm: activation order with groups scattered over K (see QLinear.input_perm)
+        qw, perm = scheme.read_linear_with_perm(
+            hf_module, _getter(ckpt), in_features=linear.in_features, out_features=linear.out_features
         )
         if tuple(qw.shape) != (linear.in_features, linear.out_features):
             raise CheckpointError(
@@ -123,7 +131,7 @@ def _load_quantized(
             used.add(bias_name)
         expected.pop(f"{hf_module}.weight", None)
         used.update(names)
-        _set_module(parent, key, QLinear(qw, bias))
+        _set_module(parent, key, QLinear(qw, bias, input_perm=perm))
         quantized.add(path)
     _load_quantized_experts(model, ckpt, cfg, scheme, expected, used, quantized)
     return used, quantized
@@ -286,6 +294,11 @@ def from_pretrained(
         _check_shape(ckpt, name, shape)
     ckpt.require_float(list(expected), "a float weight of this checkpoint")
 
+    place = None
+    if mesh is not None:  # each float tensor goes straight to its shards, placed as shard() places it
+        from nybble.models.sharding import checkpoint_placement
+
+        place = checkpoint_placement(model, mesh, axis=axis, rules=rules)
     graphdef, state = nnx.split(model)
     for key_path, var in nnx.to_flat_state(state):
         module_path = ".".join(str(k) for k in key_path[:-1])
@@ -298,13 +311,17 @@ def from_pretrained(
             value = ckpt.get(name)
             if param == "kernel":
                 value = value.T  # torch (out, in) -> (in, out); see nybble.models.hf.names.to_nybble
-        var.set_value(jnp.asarray(value, dtype))
+        if place is None:
+            var.set_value(jnp.asarray(value, dtype))
+        else:
+            leaf = SimpleNamespace(path=tuple(key_path), kind="float", shape=tuple(value.shape))
+            var.set_value(jax.device_put(np.ascontiguousarray(value.astype(jnp.dtype(dtype))), place(leaf)))
         del value  # one tensor at a time
     model = nnx.merge(graphdef, state)
     if mesh is not None:
         from nybble.models.sharding import shard
 
-        shard(model, mesh, axis=axis, rules=rules)
+        shard(model, mesh, axis=axis, rules=rules)  # the QLinear layers; float arrays are in place already
     return model
 
 

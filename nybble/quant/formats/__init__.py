@@ -1,8 +1,11 @@
-"""Checkpoint formats nybble reads and writes: GPTQ, AWQ, qwix in; torch tinygemm out. All exact."""
+"""Checkpoint formats nybble reads and writes: GPTQ, AWQ, qwix, Hugging Face directories' quantized linears
+(compressed-tensors, GPTQ, AWQ, AutoRound, nybble: ``hf_scheme``) in; torch tinygemm, compressed-tensors, GPTQ
+out. All exact."""
 
 from nybble.quant.formats.awq_format import from_awq
 from nybble.quant.formats.foreign_checkpoint import load_awq_checkpoint, load_gptq_checkpoint
 from nybble.quant.formats.gptq_format import from_gptq, from_gptq_act_order
+from nybble.quant.formats.hf_scheme import HFScheme, HFWriter, scheme_from_config, writer_for
 from nybble.quant.formats.qwix import from_qwix
 from nybble.quant.formats.torch_int4pack import (
     TorchCodes,
@@ -12,6 +15,8 @@ from nybble.quant.formats.torch_int4pack import (
 )
 
 __all__ = [
+    "HFScheme",
+    "HFWriter",
     "TorchCodes",
     "TorchInt4Pack",
     "from_awq",
@@ -20,6 +25,8 @@ __all__ = [
     "from_qwix",
     "load_awq_checkpoint",
     "load_gptq_checkpoint",
+    "scheme_from_config",
     "to_torch_int4pack",
     "to_torch_uint8_codes",
+    "writer_for",
 ]

@@ -694,6 +694,7 @@ class HFWriter:
     def __init__(self, *, scale_dtype: Any = None) -> None:
         self.scale_dtype = None if scale_dtype is None else np.dtype(scale_dtype)
         self.layers: dict[str, tuple[bool, int | None]] = {}  # name -> (symmetric, group_size)
+        self.in_features: dict[str, int] = {}
 
     def write_linear(self, module_name: str, qw: QuantizedWeight) -> dict[str, np.ndarray]:
         """The tensors (name -> numpy array) of this linear; raises naming the layer if the format cannot
@@ -777,11 +778,30 @@ class CompressedTensorsWriter(HFWriter):
         if not qw.symmetric:
             out[f"{p}.weight_zero_point"] = pack_int32(z.T, axis=0)  # stored z_signed + 8 = unsigned z
         self.layers[p] = (bool(qw.symmetric), qw.group_size)
+        self.in_features[p] = k
+        return out
+
+    def _described_as(self) -> dict[str, tuple[bool, int | None]]:
+        """Each layer's (symmetric, group size) as the config states it: a one-group layer (K <= G, which
+        nybble reads as per column) joins the most common group size G >= K of its kind, since a group of
+        G >= K rows is one scale row either way (identical tensors)."""
+        counts: dict[tuple[bool, int], int] = {}
+        for sym, g in self.layers.values():
+            if g is not None:
+                counts[(sym, g)] = counts.get((sym, g), 0) + 1
+        out = {}
+        for name, (sym, g) in self.layers.items():
+            if g is None:
+                fits = [
+                    (c, gg) for (ss, gg), c in counts.items() if ss == sym and gg >= self.in_features[name]
+                ]
+                g = max(fits)[1] if fits else None
+            out[name] = (sym, g)
         return out
 
     def quantization_config(self, ignore: Sequence[str]) -> dict:
         kinds: dict[tuple[bool, int | None], list[str]] = {}
-        for name, kind in self.layers.items():
+        for name, kind in self._described_as().items():
             kinds.setdefault(kind, []).append(name)
         groups = {}
         for i, ((sym, g), names) in enumerate(sorted(kinds.items(), key=lambda kv: -len(kv[1]))):
@@ -823,12 +843,19 @@ class GPTQWriter(HFWriter):
                 f"{p}: GPTQ packs 8 codes per int32 along in_features and zeros along out_features; "
                 f"(in, out) = ({k}, {n}) must both be multiples of 8 (write format='compressed-tensors')"
             )
-        first = next(iter(self.layers.values()), None)
-        if first is not None and first[1] != qw.group_size:
-            raise ValueError(
-                f"{p}: group_size {qw.group_size} differs from the {first[1]} of the layers written before; "
-                "a GPTQ config has one group_size (format='compressed-tensors' has config groups)"
+        # One group size for the model; a one-group layer (K <= G) fits any G >= K.
+        g_new = qw.group_size
+        for name, (_, g_old) in self.layers.items():
+            k_old = self.in_features[name]
+            clash = (g_new is not None and g_old is not None and g_new != g_old) or (
+                (g_new is None and g_old is not None and k > g_old)
+                or (g_old is None and g_new is not None and k_old > g_new)
             )
+            if clash:
+                raise ValueError(
+                    f"{p}: group_size {g_new} (K={k}) differs from the {g_old} of {name} (K={k_old}); a GPTQ "
+                    "config has one group_size (format='compressed-tensors' has config groups)"
+                )
         q, s, o = _logical(qw)
         groups = 1 if qw.group_size is None else -(-k // qw.group_size)
         s, o = s[:groups], None if o is None else o[:groups]
@@ -840,6 +867,7 @@ class GPTQWriter(HFWriter):
                 "the 4-bit field (vLLM's kernels would read zero 16); write format='compressed-tensors'"
             )
         self.layers[p] = (bool(qw.symmetric), qw.group_size)
+        self.in_features[p] = k
         return {
             f"{p}.qweight": pack_int32(q.astype(np.int16) + 8, axis=0),
             f"{p}.qzeros": pack_int32(z - 1, axis=1),
@@ -848,9 +876,9 @@ class GPTQWriter(HFWriter):
         }
 
     def quantization_config(self, ignore: Sequence[str]) -> dict:
-        kinds = set(self.layers.values())
-        g = next(iter(kinds))[1] if kinds else 128
-        sym = all(sym for sym, _ in kinds)
+        sizes = {g for _, g in self.layers.values() if g is not None}
+        g = sizes.pop() if sizes else None
+        sym = all(sym for sym, _ in self.layers.values())
         config = {
             "quant_method": "gptq", "bits": 4, "group_size": -1 if g is None else g, "desc_act": False,
             "sym": sym, "checkpoint_format": "gptq", "static_groups": False, "true_sequential": True,
