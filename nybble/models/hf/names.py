@@ -181,7 +181,29 @@ def float_hf_tensors(model: Any, *, skip_modules: Collection[str] = ()) -> Itera
                 "with the quantized format's writer"
             )
         param = str(key_path[-1])
+        moe = moe_path(module_path)
+        if moe is not None and param == "kernel":  # MoE: the router, or a float stack expert by expert
+            layer, what = moe
+            model_type = moe_model_type(model.config)
+            value = np.asarray(var.get_value())
+            if what == "router":
+                yield moe_router_names(layer, model_type)[0], np.ascontiguousarray(value.T)
+                continue
+            for e, module in enumerate(hf_expert_modules(layer, what, value.shape[0], model_type)):
+                yield f"{module}.weight", np.ascontiguousarray(value[e].T)
+            continue
         yield hf_name_for(module_path, param), to_hf(param, np.asarray(var.get_value()))
+
+
+def hf_modules_of(cfg: LlamaConfig, module_path: str) -> list[str]:
+    """HF module names a nybble module stands for: one, or each expert of an MoE expert stack."""
+    moe = moe_path(module_path)
+    if moe is None:
+        return [hf_module_for(module_path)]
+    layer, what = moe
+    if what == "router":
+        return [moe_router_names(layer, moe_model_type(cfg))[0].removesuffix(".weight")]
+    return hf_expert_modules(layer, what, cfg.moe.num_experts, moe_model_type(cfg))
 
 
 # Per MoE model_type: the HF module of a layer's MoE block, and each nybble expert stack's HF linear name.
@@ -291,6 +313,7 @@ __all__ = [
     "hf_expert_modules",
     "hf_linear_modules",
     "hf_module_for",
+    "hf_modules_of",
     "hf_name_for",
     "is_ignored",
     "module_path_for",
