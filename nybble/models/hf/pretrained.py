@@ -245,17 +245,19 @@ def from_pretrained(
     *,
     axis: str = "model",
     rules: Any = None,
+    expert_axis: str | None = None,
 ) -> Llama:
     """A Llama-family model from a local Hugging Face checkpoint directory.
 
     ``path`` holds config.json and ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` with
-    ``model.safetensors.index.json``); ``model_type`` llama, mistral, qwen2 or qwen3 (see
+    ``model.safetensors.index.json``); ``model_type`` llama, mistral, qwen2, qwen3, mixtral or qwen3_moe (see
     :func:`nybble.models.hf.config.decoder_config_from_hf`). Float weights are cast to ``dtype``; with a
     ``quantization_config`` the quantized linears become ``QLinear`` layers (compressed-tensors, GPTQ, AWQ,
     AutoRound: see ``nybble.quant.formats.hf_scheme``) and the rest is float in ``dtype``.
     ``model(token_ids)`` returns float32 logits (batch, length, vocab); ``init_cache`` / ``prefill`` /
     ``decode_step`` work as on any ``Llama``. With ``mesh``, the model is placed by
-    ``nybble.models.shard(model, mesh, axis=axis, rules=rules)``.
+    ``nybble.models.shard(model, mesh, axis=axis, rules=rules, expert_axis=expert_axis)`` (MoE expert
+    stacks: whole on every device as read, then split over ``expert_axis`` and ``axis``).
 
     A hub id or URL is refused (download it first); a directory whose tensors do not fit config.json
     (missing, extra, mis-shaped, non-float where float is expected) raises ``CheckpointError`` naming the
@@ -321,7 +323,8 @@ def from_pretrained(
     if mesh is not None:
         from nybble.models.sharding import shard
 
-        shard(model, mesh, axis=axis, rules=rules)  # the QLinear layers; float arrays are in place already
+        # the QLinear layers and expert stacks; other float arrays are in place already
+        shard(model, mesh, axis=axis, rules=rules, expert_axis=expert_axis)
     return model
 
 
