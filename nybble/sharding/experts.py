@@ -308,13 +308,16 @@ def sharded_ragged_matmul(
         return jax.lax.psum(y, sum_axes) if sum_axes else y
 
     # check_vma=False: the per-device op's loops start from fresh zeros that then take device-varying
-    # rows; the psum above makes the result replicated where out_specs says so.
-    y = jax.shard_map(
-        per_device,
-        mesh=p.mesh,
-        in_specs=(x_spec, PartitionSpec(), *specs),
-        out_specs=out_spec,
-        check_vma=False,
+    # rows; the psum above makes the result replicated where out_specs says so. Jitted: called eagerly,
+    # shard_map would run op by op, and one such per-op compile crashed XLA's CPU backend (jax 0.11.2).
+    y = jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=p.mesh,
+            in_specs=(x_spec, PartitionSpec(), *specs),
+            out_specs=out_spec,
+            check_vma=False,
+        )
     )(x, group_sizes, *arrays)
     return y
 
