@@ -137,3 +137,24 @@ def test_save_pretrained_round_trip(tmp_path, fmt):
         qc = json.loads((out / "config.json").read_text())["quantization_config"]
         assert "model.layers.1.mlp.gate" in qc["ignore"]
     del names
+
+
+def test_streamed_quantize_of_an_moe_directory(tmp_path):
+    # The streaming quantizer (nybble quantize --model DIR) takes every expert's linear, keeps the router
+    # float; from_pretrained reads the experts back as stacks equal to nybble.quantize of each expert.
+    from nybble.models.hf.stream import quantize_directory
+
+    d = FIXTURES / "qwen3_moe"
+    out = tmp_path / "int4"
+    quantize_directory(d, out, group_size=32, progress=False)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "model.layers.1.mlp.gate" in qc["ignore"]
+    model = from_pretrained(out, dtype=jnp.float32)
+    float_model = from_pretrained(d, dtype=jnp.float32)
+    stack = model.layers[1].mlp.experts.up_proj
+    assert isinstance(stack, QExperts)
+    w = float_model.layers[1].mlp.experts.up_proj.kernel[...]
+    np.testing.assert_array_equal(
+        np.asarray(nybble.dequantize(stack.weight)),
+        np.asarray(nybble.dequantize(nybble.quantize(w, group_size=32, scale_dtype=stack.weight.dtype))),
+    )

@@ -239,6 +239,12 @@ def fused_expert_names(layer: int) -> tuple[str, str]:
     return f"model.layers.{layer}.mlp.experts.gate_up_proj", f"model.layers.{layer}.mlp.experts.down_proj"
 
 
+def is_router_module(hf_module: str) -> bool:
+    """Whether an HF module name is an MoE router (``...block_sparse_moe.gate``, ``...mlp.gate``)."""
+    m = _HF_LAYER.match(hf_module)
+    return bool(m) and m.group(2) in _ROUTER_MODULES
+
+
 def moe_path(module_path: str) -> tuple[int, str] | None:
     """(layer, "router" or the stack name) of a nybble MoE module path, or None."""
     m = _MOE_PATH.match(module_path)
@@ -250,7 +256,8 @@ def moe_path(module_path: str) -> tuple[int, str] | None:
 def hf_linear_modules(cfg: LlamaConfig) -> list[str]:
     """HF module names of every linear layer of ``cfg``'s decoder, in order (``lm_head`` last, if untied).
 
-    An MoE layer lists its router instead of the dense MLP (the experts: :func:`hf_expert_modules`)."""
+    An MoE layer lists its router (:func:`is_router_module`) and every expert's linears, expert by expert
+    (:func:`hf_expert_modules`), instead of the dense MLP."""
     names = []
     for i in range(cfg.num_layers):
         for s in LINEAR_MODULE_SUFFIXES:
@@ -258,7 +265,10 @@ def hf_linear_modules(cfg: LlamaConfig) -> list[str]:
                 continue
             names.append(f"model.layers.{i}.{s}")
         if cfg.is_moe_layer(i):
-            names.append(moe_router_names(i, moe_model_type(cfg))[0].removesuffix(".weight"))
+            model_type = moe_model_type(cfg)
+            names.append(moe_router_names(i, model_type)[0].removesuffix(".weight"))
+            for stack in EXPERT_STACKS:
+                names.extend(hf_expert_modules(i, stack, cfg.moe.num_experts, model_type))
     if not cfg.tie_embeddings:
         names.append("lm_head")
     return names
@@ -316,6 +326,7 @@ __all__ = [
     "hf_modules_of",
     "hf_name_for",
     "is_ignored",
+    "is_router_module",
     "module_path_for",
     "module_path_for_module",
     "moe_model_type",
