@@ -26,6 +26,7 @@ from nybble.kernels.mosaic_gpu.grouped_config import (
     grouped_heuristic_cases,
     grouped_heuristic_config,
     max_m_tiles,
+    planned_rows,
 )
 from nybble.kernels.mosaic_gpu.interpret import interpret
 from nybble.kernels.reference import reference_dequantize
@@ -247,7 +248,12 @@ def test_decode_picks_slices_and_no_split_k():
     for _, _, rows, e, k, n in problems(MOE_SHAPES, TOKENS):
         c = grouped_heuristic_config(rows, e, n, k, 128)
         assert c.split_k == 1 and c.persistent_ctas == 0
-        assert (c.compute_wgs == 2) == (rows / min(e, rows) > 64) or c.compute_wgs == 1
+        # The dense families by rows per active expert: decode (one warpgroup, the accumulator route at
+        # g128) up to 64, exact weights beyond (warp-specialized where N_pad is a multiple of 128).
+        if planned_rows(rows, e) <= 64:
+            assert c.compute_wgs == 1 and c.scales_on == "accumulators"
+        else:
+            assert c.scales_on == "weights" and (c.compute_wgs == 2) == (n % 128 == 0)
 
 
 def test_refusals():
