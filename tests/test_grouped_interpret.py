@@ -34,7 +34,7 @@ from tests.kernel_checks import activations, exact_weight
 # Configs of each family, as the heuristics pick them at the MoE shapes (K slices at decode, a producer
 # warpgroup, plain one-warpgroup tiles, the warp-specialized prefill kernel).
 DECODE_SLICES = TuningConfig(
-    tiles=1, tile_m=2, tile_k=64, slices=4, scales_on="accumulators", max_concurrent_steps=2
+    tiles=1, tile_m=2, tile_k=128, slices=4, scales_on="accumulators", max_concurrent_steps=2
 )
 DECODE_PRODUCER = TuningConfig(
     tiles=2, tile_m=8, tile_k=128, scales_on="accumulators", producer=True, max_concurrent_steps=2
