@@ -49,6 +49,8 @@ _SLOW_FILES = {
     "test_cli.py": 65,
     "test_autoround_model.py": 50,
     "test_kernel_gpu.py": 45,
+    "test_grouped_lowering.py": 60,
+    "test_grouped_configs.py": 55,
 }
 
 

@@ -21,6 +21,13 @@ epilogue) over work items computed on the device from ``group_sizes``:
         a tile of rows past the sum stores zeros without reading a weight; t past the last tile does
         nothing. Experts without rows own no tile: their weights are never read.
 
+What it costs besides the dense CTA's work (X-ray, bench/xray/moe_cases.py; not timed): every CTA scans
+the group sizes, ~12 scalar instructions an expert (E = 128: ~1.5k instructions a thread, once); the grid
+is the worst case's M tiles, so the CTAs past the real tiles scan and exit (at decode with WGMMA N = 8
+the bound is exact for one row per expert; at Qwen3-30B-A3B down, 8 tokens: 568 CTAs of which 512 work
+when the rows spread evenly). A parallel scan (the warpgroup's lanes over the experts) or a persistent
+grid reading a tile table would remove both; neither is done yet.
+
 An expert's rows are padded to the M tile only inside the kernel (TMA zero-fills x past its end; the rows
 of the next expert in a tile's window are multiplied and never stored). The wrapper pads x only where the
 dense kernel does (K not a multiple of 64; rows that would not fill whole 8-row SMEM tiles of the x view:
@@ -283,6 +290,10 @@ def grouped_matmul(
 
     Returns:
       (rows, N) in x's dtype; rows past the sum of group_sizes are zero. Forward only (no gradient).
+
+    group_sizes' values are checked where concrete (none negative, sum at most rows); under jit they are
+    not: a sum past the rows computes the rows there are (TMA clips the rest), a negative size is not
+    defined.
     """
     if (reason := grouped_is_supported(x, qw, group_sizes)) is not None:
         raise NotImplementedError(f"grouped_matmul cannot run these arguments: {reason}")

@@ -53,10 +53,15 @@ def max_m_tiles(rows: int, experts: int, tile_m: int, align: int = 1) -> int:
     """An upper bound on the M tiles of any grouping of ``rows`` rows into ``experts`` groups plus the rows
     past their sum (zeroed by the kernel, a group of their own), when a group of g rows from row r takes
     ceil((r % align + g) / tile_m) tiles (grouped.py): each group with rows at most floor((g + align - 1)
-    / tile_m) + 1, and at most one group per row has rows."""
+    / tile_m) + 1, and at most one group per row has rows; exact where tiles start on multiples of tile_m
+    (align = tile_m: every decode config whose WGMMA N is 8)."""
     if tile_m == 1:
         return rows
     busy = min(experts + 1, rows)
+    if align == tile_m:
+        # Tiles on a grid of tile_m rows: the groups partition the rows, so the tiles they take are the
+        # grid's ceil(rows / tile_m) plus one per boundary between groups inside a tile.
+        return -(-rows // tile_m) + busy - 1
     return min((rows + busy * (align - 1)) // tile_m + busy, (experts + 1) * -(-(rows + align - 1) // tile_m))
 
 
