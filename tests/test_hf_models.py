@@ -350,3 +350,14 @@ def test_mesh_of_four_devices_places_tensors_as_read():
         assert r["rel"] < 1e-3, (name, r)
         assert r["q_spec"] == [None, "model"] and r["q_shard"] == [64, 32], (name, r)
         assert r["o_spec"] == ["model", None], (name, r)
+
+
+def test_non_float_weight_in_float_checkpoint(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    d = _copy(tmp_path, "llama")
+    t = load_file(str(d / "model.safetensors"))
+    t["model.norm.weight"] = np.ones(t["model.norm.weight"].shape, np.int32)
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' is I32 \[64\].*float weights"):
+        models.from_pretrained(d)
