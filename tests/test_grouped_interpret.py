@@ -238,3 +238,16 @@ def test_refusals():
         grouped_matmul(x, qw, jnp.asarray([3, 2, 1], jnp.int32), interpret=True)
     with pytest.raises(ValueError, match="split-K"):
         grouped_plan(5, qw, config=dataclasses.replace(SMALL_TILES, split_k=2, tile_m=16))
+
+
+def test_traced_group_sizes_clamped():
+    """Under jit group_sizes' values cannot be checked: a negative size counts as zero and rows past x's
+    are dropped, as in nybble.ragged_matmul's XLA path."""
+    rng = np.random.default_rng(3)
+    qw, ws = stacked(rng, 3, 128, 64)
+    x = activations(rng, 6, 128, exact=True)
+    fn = jax.jit(lambda x, qw, s: grouped_matmul(x, qw, s, config=SMALL_TILES))
+    with interpret(detect_races=True):
+        y = np.asarray(fn(x, qw, jnp.asarray([2, -3, 9], jnp.int32)), np.float64)
+    assert not mg.races_found()
+    assert_exact(y, reference(x, ws, [2, 0, 4]))

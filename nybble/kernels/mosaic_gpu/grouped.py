@@ -102,7 +102,8 @@ class GroupedWork:
         # one stores the group's rows in it.
         tile_start = first_row - (first_row & (align - 1)) + (t - first_tile) * c.tile_m
         start = jnp.maximum(first_row, tile_start)
-        count = jnp.minimum(first_row + size, tile_start + c.tile_m) - start
+        # (Past y's rows, where sizes traced under jit sum past them: nothing to store.)
+        count = jnp.minimum(jnp.minimum(first_row + size, tile_start + c.tile_m), self.rows) - start
         # x rows [window, window + tile_m) (in the x view: times the slices), clamped to x's end; where x
         # has fewer rows than the tile, the dense kernel's one block from row 0, zero-filled by TMA.
         s = c.slices
@@ -112,7 +113,7 @@ class GroupedWork:
             x = x.at[pl.ds(pl.multiple_of(window * s, 8), c.tile_m * s)]
         else:
             window = jnp.int32(0)
-        active = t < tiles_end
+        active = (t < tiles_end) & (count > 0)
         tail = e == self.experts  # rows past the groups' sum: zeros
         own = jnp.minimum(e, self.experts - 1)  # a valid view for the tail's CTAs, which read nothing
         gmem = [codes.at[own], x, scales.at[own]] + [o.at[own] for o in offsets]
@@ -144,7 +145,8 @@ def _find_tile(sizes: Any, t: Any, experts: int, rows: int, tile_m: int, align: 
     tiles_end, rows_end = zero, zero
     e_sel, first_tile, first_row, size = zero, zero, zero, zero
     for e in range(experts + 1):
-        g = sizes[e] if e < experts else jnp.maximum(rows - rows_end, 0)
+        # A negative size (only possible under jit) counts as zero, as in nybble.ragged_matmul's XLA path.
+        g = jnp.maximum(sizes[e], 0) if e < experts else jnp.maximum(rows - rows_end, 0)
         mine = tiles_end <= t
         e_sel = jnp.where(mine, jnp.int32(e), e_sel)
         first_tile = jnp.where(mine, tiles_end, first_tile)
@@ -292,8 +294,8 @@ def grouped_matmul(
       (rows, N) in x's dtype; rows past the sum of group_sizes are zero. Forward only (no gradient).
 
     group_sizes' values are checked where concrete (none negative, sum at most rows); under jit they are
-    not: a sum past the rows computes the rows there are (TMA clips the rest), a negative size is not
-    defined.
+    not: a negative size counts as zero, and a sum past the rows computes the rows there are (TMA clips
+    the rest).
     """
     if (reason := grouped_is_supported(x, qw, group_sizes)) is not None:
         raise NotImplementedError(f"grouped_matmul cannot run these arguments: {reason}")
