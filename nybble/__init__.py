@@ -6,6 +6,7 @@
 
 from nybble.checkpoint import load, save
 from nybble.kernels.api import matmul
+from nybble.kernels.ragged import ragged_matmul
 from nybble.packing import pack_int4, unpack_int4
 from nybble.quant import QuantizedWeight, dequantize, quantize
 
@@ -19,6 +20,7 @@ __all__ = [
     "matmul",
     "pack_int4",
     "quantize",
+    "ragged_matmul",
     "save",
     "unpack_int4",
 ]

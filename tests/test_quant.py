@@ -228,7 +228,7 @@ def test_expand_groups_by_hand():
 
 
 @pytest.mark.parametrize(("w", "kwargs", "error", "match"), [
-    (np.zeros((4, 4, 4), np.float32), {}, ValueError, r"2-D weight of shape \(K, N\)"),
+    (np.zeros((2, 4, 4, 4), np.float32), {}, ValueError, r"2-D weight of shape \(K, N\)"),
     (np.zeros((4, 4), np.int32), {}, ValueError, "floating-point weight, got dtype int32"),
     (np.zeros((64, 64), np.float32), {"group_size": 48}, ValueError, "power of two >= 16"),
     (np.zeros((64, 64), np.float32), {"group_size": 8}, ValueError, "power of two >= 16"),

@@ -3,8 +3,10 @@
 from typing import Any
 
 from nybble.kernels.api import IMPLEMENTATIONS, available_implementations, matmul, num_sms
+from nybble.kernels.ragged import available_ragged_implementations, ragged_matmul
 from nybble.kernels.reference import reference_dequantize, reference_matmul, relative_error
 from nybble.kernels.xla import xla_matmul
+from nybble.kernels.xla_ragged import xla_ragged_matmul
 
 
 def __getattr__(name: str) -> Any:
@@ -19,11 +21,14 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "IMPLEMENTATIONS",
     "available_implementations",
+    "available_ragged_implementations",
     "interpret",
     "matmul",
     "num_sms",
+    "ragged_matmul",
     "reference_dequantize",
     "reference_matmul",
     "relative_error",
     "xla_matmul",
+    "xla_ragged_matmul",
 ]

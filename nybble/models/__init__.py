@@ -21,6 +21,7 @@ from nybble.models.hf.pretrained import from_pretrained, load_tokenizer
 from nybble.models.hf.save import save_pretrained
 from nybble.models.layers import QDense, QLinear, QuantizedParam, dense
 from nybble.models.llama import KVCache, Llama, LlamaConfig
+from nybble.models.moe import MoE, MoEConfig, QExperts
 from nybble.models.plan import LayerReport, QuantizationReport, plan_quantization
 from nybble.models.rules import DEFAULT_RULES, INHERIT, QuantRule
 from nybble.models.serialization import load_model, save_model
@@ -35,7 +36,10 @@ __all__ = [
     "LayerReport",
     "Llama",
     "LlamaConfig",
+    "MoE",
+    "MoEConfig",
     "QDense",
+    "QExperts",
     "QLinear",
     "QuantRule",
     "QuantizationReport",

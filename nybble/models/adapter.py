@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from nybble.models.autoround import autoround_params, quantize_autoround
 from nybble.models.calibrate import quantize_gptq
 from nybble.models.layers import QLinear
+from nybble.models.moe import expert_stacks, quantize_expert_stacks
 from nybble.models.plan import (
     LayerReport,
     QuantizationReport,
@@ -115,8 +116,20 @@ def quantize(
             f"nybble.models.quantize: options {bad} belong to calibrated methods; method='rtn' takes "
             f"{sorted(RTN_OPTIONS)}"
         )
-    planned, unmatched = plan_quantization(model, rules=rules, group_size=group_size, symmetric=symmetric)
+    planned, _ = plan_quantization(
+        model, rules=rules, group_size=group_size, symmetric=symmetric, warn=False
+    )
+    stacks = expert_stacks(model)  # MoE expert stacks (nybble.models.moe): quantized per expert, stacked
+    unmatched = warn_unmatched(
+        check_rules(rules),
+        [pl.path for pl in planned] + [s[0] for s in stacks],
+        "nnx.Linear layer or expert stack" if stacks else "nnx.Linear layer",
+    )
     report = QuantizationReport(unmatched_rules=unmatched, method=method)
+    quantize_expert_stacks(
+        stacks, rules, group_size=group_size, symmetric=symmetric, scale_dtype=scale_dtype, report=report,
+        **method_options,
+    )
     for pl in tqdm(planned, desc="nybble: quantizing", unit="layer", disable=not progress, leave=False):
         d = pl.decision
         if not d.quantize:

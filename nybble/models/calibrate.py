@@ -179,18 +179,71 @@ def quantize_gptq(
         bar.update()
         return QLinear.from_linear(pl.linear, qweight=qw)
 
+    # MoE expert stacks (nybble.models.moe): GPTQ per expert on the tokens routed to it, in the same pass.
+    expert_captures = _install_expert_captures(
+        model, rules, group_size, symmetric, scale_dtype, act_order, gptq_kwargs
+    )
     start = time.perf_counter()
     try:
         captures = capture_pass(chosen, quantize_layer, lambda: (forward or _default_forward)(model, ids))
     finally:
         bar.close()
+        for c in expert_captures:  # a stack the pass never reached gets its float Experts back
+            if c.result is None:
+                setattr(c.parent, c.attr, c.experts)
     elapsed = time.perf_counter() - start
 
+    _report_experts(report, expert_captures, scale_dtype)
     finish_report(report, planned, {c.planned.path: c.result for c in captures}, scale_dtype)
     if verbose:
         print(report.summary())
         print(f"  GPTQ calibration: {tokens} tokens ({ids.shape[0]} x {ids.shape[1]}), {elapsed:.1f} s")
     return (model, report) if return_report else model
+
+
+def _install_expert_captures(
+    model: nnx.Module, rules: Any, group_size: int | None, symmetric: bool, scale_dtype: Any, act_order: bool,
+    gptq_kwargs: dict[str, Any],
+) -> list[Any]:
+    """An ``ExpertCapture`` in place of every float expert stack the rules choose; the others' decisions
+    are recorded on the returned list (``.result`` None and ``.decision.quantize`` False)."""
+    from nybble.models.moe import ExpertCapture, Experts, expert_stacks, num_weights
+    from nybble.models.rules import check_rules, decide
+
+    out = []
+    for path, parent, attr, module in expert_stacks(model):
+        if not isinstance(module, Experts):
+            continue
+        d = decide(path, num_weights(module), check_rules(rules), group_size=group_size, symmetric=symmetric)
+        options = dict(act_order=act_order, **gptq_kwargs)
+        c = ExpertCapture(path, parent, attr, module, d, scale_dtype, options)
+        if d.quantize:
+            setattr(parent, attr, c)
+        out.append(c)
+    return out
+
+
+def _report_experts(report: QuantizationReport, captures: Sequence[Any], scale_dtype: Any) -> None:
+    """Records each expert stack; one the pass never reached is rounded to nearest now."""
+    from nybble.models.moe import QExperts
+    from nybble.models.plan import array_nbytes
+
+    for c in captures:
+        shape, before = tuple(c.experts.kernel.shape), array_nbytes(c.experts.kernel)
+        if not c.decision.quantize:
+            report.add(c.path, shape, c.decision, before)
+            continue
+        reason = ""
+        if c.result is None:
+            d = c.decision
+            c.result = QExperts.from_experts(
+                c.experts, group_size=d.group_size, symmetric=d.symmetric, scale_dtype=scale_dtype
+            )
+            setattr(c.parent, c.attr, c.result)
+            reason = "not reached by the calibration forward pass: round-to-nearest"
+        elif c.unrouted:
+            reason = f"experts {c.unrouted} got no calibration tokens: round-to-nearest for them"
+        report.add(c.path, shape, c.decision, before, c.result.weight, reason)
 
 
 __all__ = ["calibration_batches", "capture_pass", "finish_report", "quantize_gptq"]

@@ -80,8 +80,21 @@ class LlamaConfig:
     qk_norm: bool = False
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
+    # Mixture of experts (Mixtral, Qwen3-MoE): the routed experts of the MoE layers
+    # (nybble.models.moe.MoEConfig), and which layers have them (None: every layer); the others keep
+    # the dense SwiGLU of intermediate_size.
+    moe: Any = None
+    moe_layers: tuple[int, ...] | None = None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is the MoE block."""
+        return self.moe is not None and (self.moe_layers is None or layer in self.moe_layers)
 
     def __post_init__(self) -> None:
+        if self.moe is not None and self.moe.hidden_size != self.hidden_size:
+            raise ValueError(f"moe.hidden_size ({self.moe.hidden_size}) != hidden_size ({self.hidden_size})")
+        if self.moe_layers is not None:
+            object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.head_dim % 2:
@@ -269,11 +282,16 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> None:
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32, layer: int = 0) -> None:
         self.input_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_eps, param_dtype=dtype)
         self.attn = Attention(cfg, rngs=rngs, dtype=dtype)
         self.post_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_eps, param_dtype=dtype)
-        self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)
+        if cfg.is_moe_layer(layer):  # nybble.models.moe: router, experts (and shared experts)
+            from nybble.models.moe import MoE
+
+            self.mlp: Any = MoE(cfg.moe, rngs=rngs, dtype=dtype)
+        else:
+            self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         x = x + self.attn(self.input_norm(x), positions)
@@ -295,7 +313,7 @@ class Llama(nnx.Module):
         self.config = cfg
         self.dtype = dtype
         self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([Block(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([Block(cfg, rngs=rngs, dtype=dtype, layer=i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_eps, param_dtype=dtype)
         self.lm_head = None if cfg.tie_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, rngs, dtype)
 

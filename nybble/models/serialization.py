@@ -11,6 +11,7 @@ from flax import nnx
 
 from nybble.checkpoint import load, save
 from nybble.models.layers import QLinear
+from nybble.models.moe import Experts
 from nybble.quant.qweight import QuantizedWeight
 from nybble.sharding import ShardedWeight
 
@@ -58,6 +59,8 @@ def load_model(
         raise ValueError(f"load_model: {path} does not hold a model state dict")
     modules = {tuple(p): m for p, m in nnx.iter_modules(model)}
     for p, m in modules.items():
+        if p and isinstance(m, Experts):  # an MoE expert stack saved int4: a QExperts
+            _load_experts(state_dict, modules, p, m)
         if not p or not isinstance(m, nnx.Linear):
             continue
         try:
@@ -99,6 +102,26 @@ def load_model(
     nnx.replace_by_pure_dict(state, state_dict)
     nnx.update(model, state)
     return model
+
+
+def _load_experts(state_dict: Any, modules: dict, p: tuple[Any, ...], m: Any) -> None:
+    """Puts a ``QExperts`` where a float expert stack is, when its checkpoint entry is a stacked weight."""
+    from nybble.models.moe import QExperts
+    from nybble.quant.stacked import num_experts
+
+    try:
+        entry = _get(state_dict, p)
+    except (KeyError, TypeError):
+        raise ValueError(f"load_model: the checkpoint has no entry for expert stack {p}") from None
+    qw = entry.get("qweight") if isinstance(entry, dict) else None
+    if not isinstance(qw, QuantizedWeight):
+        return
+    want = tuple(m.kernel.shape)
+    if (num_experts(qw), *qw.shape) != want:
+        raise ValueError(
+            f"load_model: expert stack {p}: saved {num_experts(qw)} experts of {qw.shape} != {want}"
+        )
+    setattr(modules[p[:-1]], p[-1], QExperts(qw))
 
 
 __all__ = ["load_model", "save_model"]

@@ -23,8 +23,10 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from nybble.models.layers import QLinear
+from nybble.models.moe import Experts, QExperts
 from nybble.models.rules import warn_unmatched
 from nybble.sharding import ShardedWeight, ShardingError, TensorParallel, shard_weight
+from nybble.sharding.experts import ExpertParallel, ExpertShardedWeight, shard_experts
 
 Placement = Literal["column", "row", "replicate"]
 PLACEMENTS: tuple[str, ...] = ("column", "row", "replicate")
@@ -64,7 +66,7 @@ DEFAULT_SHARD_RULES: tuple[ShardRule, ...] = (
 )
 """Checked after the caller's rules. Layers no rule matches are replicated."""
 
-SHARDABLE = (QLinear, nnx.Linear, nnx.Embed)
+SHARDABLE = (QLinear, nnx.Linear, nnx.Embed, QExperts, Experts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +187,8 @@ def _layers(model: nnx.Module) -> list[tuple[str, Any]]:
 
 
 def _kind(module: Any) -> str:
+    if isinstance(module, QExperts | Experts):
+        return type(module).__name__
     return (
         "QLinear" if isinstance(module, QLinear) else "Embed" if isinstance(module, nnx.Embed) else "Linear"
     )
@@ -202,6 +206,7 @@ def shard(
     axis: str = "model",
     rules: Sequence[ShardRule] | ShardRule | None = None,
     return_report: bool = False,
+    expert_axis: str | None = None,
 ) -> Any:
     """Places ``model``'s parameters on ``mesh``, tensor-parallel over mesh axis ``axis``; in place.
 
@@ -214,6 +219,11 @@ def shard(
       rules: :class:`ShardRule` s checked before :data:`DEFAULT_SHARD_RULES` (Megatron placement);
         layers no rule matches, and all other parameters (norms), are replicated.
       return_report: return ``(model, ShardReport)``.
+      expert_axis: MoE expert stacks (``nybble.models.moe``; paths ``...experts.{gate,up,down}_proj``) are
+        split over this mesh axis, E / size whole experts a device (expert parallelism), and inside each
+        expert by their rule's placement over ``axis`` (the defaults: gate/up column, down row), unless
+        ``axis`` is ``expert_axis`` itself. None: experts are only tensor-parallel, over ``axis``. Int4 stacks
+        become :class:`nybble.sharding.ExpertShardedWeight` s; float ones get a ``NamedSharding``.
 
     Raises :class:`nybble.sharding.ShardingError` naming the layer, the rule and a fix when a placement
     cannot be honoured (a split through a quantization group, uneven shards): nothing is silently replicated.
@@ -221,6 +231,8 @@ def shard(
     if not isinstance(model, nnx.Module):
         raise TypeError(f"shard expects a flax.nnx.Module, got {type(model).__name__}")
     check_mesh(mesh, axis)
+    if expert_axis is not None:
+        check_mesh(mesh, expert_axis)
     rules = check_rules(rules)
     layers = _layers(model)
     report = ShardReport(dict(mesh.shape), axis)
@@ -230,6 +242,9 @@ def shard(
     for path, module in layers:
         placement = decide(path, rules)
         kind = _kind(module)
+        if kind in ("QExperts", "Experts"):
+            planned.append(_plan_experts(path, module, kind, placement, mesh, axis, expert_axis))
+            continue
         if kind == "QLinear":
             qw = module.weight
             qw = qw.gather() if isinstance(qw, ShardedWeight) else qw
@@ -245,6 +260,9 @@ def shard(
         if bias is not None:
             leaf_placement(kind, "bias", placement, mesh, axis, path=path, shape=tuple(bias.shape))
     for path, module, kind, placement, qw, new, target in planned:
+        if kind in ("QExperts", "Experts"):
+            report.layers.append(_place_experts(path, module, kind, placement, new, target))
+            continue
         if kind == "QLinear":
             value = new if new is not None else jax.device_put(qw, target)
             module.qweight.set_value(value)
@@ -267,6 +285,48 @@ def shard(
         _nbytes_local(a) for a in jax.tree.leaves(nnx.state(model)) if hasattr(a, "dtype")
     )
     return (model, report) if return_report else model
+
+
+def _plan_experts(
+    path: str, module: Any, kind: str, placement: str, mesh: Any, axis: str, expert_axis: str | None
+) -> tuple:
+    """An expert stack's entry of ``shard``'s plan (checked now, placed later): experts over
+    ``expert_axis``, each expert cut over ``axis`` by its placement."""
+    split = placement if placement in ("column", "row") and axis != expert_axis else None
+    if kind == "QExperts":
+        qw = module.weight
+        qw = qw.gather() if isinstance(qw, ExpertShardedWeight) else qw
+        if split is None and expert_axis is None:
+            return (path, module, kind, "replicate", qw, None, NamedSharding(mesh, PartitionSpec()))
+        par = ExpertParallel(mesh, expert_axis, axis if split else None, split)  # type: ignore[arg-type]
+        new = shard_experts(qw, par, name=path)
+        label = ("expert" if expert_axis else "") + (f"+{split}" if expert_axis and split else split or "")
+        return (path, module, kind, label, qw, new, None)
+    shape = tuple(module.kernel.shape)
+    parts: list[Any] = [expert_axis, None, None]
+    if split is not None:
+        parts[2 if split == "column" else 1] = axis
+    spec = PartitionSpec(*parts)
+    _check_divisible(path, "kernel", shape, spec, mesh)
+    return (path, module, kind, placement, None, None, NamedSharding(mesh, spec))
+
+
+def _place_experts(path: str, module: Any, kind: str, placement: str, new: Any, target: Any) -> ShardedLayer:
+    if kind == "QExperts":
+        value = new if new is not None else jax.device_put(module.weight, target)
+        module.qweight.set_value(value)
+        local = value.local_shape if isinstance(value, ExpertShardedWeight) else value.shape
+        nbytes = value.nbytes_per_device if isinstance(value, ExpertShardedWeight) else value.nbytes
+        shape = (
+            value.num_experts if isinstance(value, ExpertShardedWeight) else module.num_experts,
+            *value.shape,
+        )
+        return ShardedLayer(path, kind, placement, shape, tuple(local), nbytes)
+    module.kernel.set_value(jax.device_put(module.kernel.get_value(), target))
+    a = module.kernel.get_value()
+    return ShardedLayer(
+        path, kind, placement, tuple(a.shape), tuple(target.shard_shape(a.shape)), _nbytes_local(a)
+    )
 
 
 def _replicate_rest(model: nnx.Module, mesh: Any) -> None:
@@ -296,7 +356,7 @@ def checkpoint_placement(
         *module_path, attr = leaf.path
         path = _path(module_path)
         module = layers.get(path)
-        if module is None:
+        if module is None or isinstance(module, QExperts | Experts):  # expert stacks: whole, then shard()
             return NamedSharding(mesh, PartitionSpec())
         kind = "QLinear" if leaf.kind == "quantized" else _kind(module)
         return leaf_placement(kind, str(attr), decide(path, rules), mesh, axis, path=path, shape=leaf.shape)

@@ -132,7 +132,10 @@ def gptq(
     """GPTQ-quantizes a float weight (K, N) = (in_features, out_features) to a ``QuantizedWeight``.
 
     Args:
-      w: float weight, the layout of a Flax ``kernel`` (``y = x @ w``).
+      w: float weight, the layout of a Flax ``kernel`` (``y = x @ w``); or a stack of expert weights
+        (E, K, N), which gives a stacked weight (``nybble.quant.stacked``), each expert quantized on its
+        own Hessian: then ``hessian`` is (E, K, K) or ``inputs`` a sequence of E arrays (the tokens routed
+        to each expert).
       hessian: (K, K) ``2 X^T X / n`` of the layer's inputs (see :func:`hessian_from_inputs`), or
       inputs: the calibration inputs (..., K) themselves (exactly one of the two).
       group_size, symmetric, scale_dtype, layout: as in ``nybble.quantize``.
@@ -155,6 +158,22 @@ def gptq(
     weight 0 before quantization, as in the reference implementation. Runs under ``jax.jit`` (the
     algorithm is one jitted function per shape); all arithmetic is float32.
     """
+    if getattr(w, "ndim", None) == 3:  # a stack of experts: each on its own Hessian (its routed tokens)
+        return _gptq_stacked(
+            w,
+            hessian,
+            inputs,
+            group_size=group_size,
+            symmetric=symmetric,
+            damp=damp,
+            block_size=block_size,
+            act_order=act_order,
+            static_groups=static_groups,
+            scale_dtype=scale_dtype,
+            layout=layout,
+            clip_search=clip_search,
+            refit_scales=refit_scales,
+        )
     check_weight(w, "gptq")
     check_group_size(group_size)
     check_scale_dtype(scale_dtype, "gptq")
@@ -328,3 +347,25 @@ def _row_step(u1, s_rows, b_rows, i, carry):
     later = jnp.where(jnp.arange(u1.shape[0]) > i, u1[i], 0.0)
     w1 = w1 - later[:, None] * err[None, :]
     return w1, q1.at[i].set(q), e1.at[i].set(err)
+
+
+def _gptq_stacked(w: Any, hessian: Any, inputs: Any, **options: Any) -> QuantizedWeight:
+    """``gptq`` of each expert of an (E, K, N) stack on its own Hessian, stacked (nybble.quant.stacked)."""
+    from nybble.quant.stacked import check_stacked_float, stack_weights
+
+    check_stacked_float(w, "gptq")
+    e, k, _ = w.shape
+    if (hessian is None) == (inputs is None):
+        raise ValueError("gptq: pass exactly one of hessian= (E, K, K) or inputs= (E arrays of (..., K))")
+    if hessian is not None and tuple(np.shape(hessian)) != (e, k, k):
+        raise ValueError(
+            f"gptq: an expert stack of shape {tuple(w.shape)} needs one Hessian per expert, (E, K, K) = "
+            f"{(e, k, k)}, got {tuple(np.shape(hessian))}"
+        )
+    if inputs is not None and len(inputs) != e:
+        raise ValueError(f"gptq: an expert stack of {e} experts needs {e} input arrays, got {len(inputs)}")
+    per_expert = []
+    for i in range(e):
+        h, x = (hessian[i], None) if hessian is not None else (None, inputs[i])
+        per_expert.append(gptq(w[i], h, inputs=x, **options))
+    return stack_weights(per_expert)

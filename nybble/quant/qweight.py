@@ -194,7 +194,8 @@ class QuantizedWeight:
     @property
     def bits_per_weight(self) -> float:
         """Footprint in bits per logical weight (4.125 for g128 with bf16 scales, before padding)."""
-        return 8 * self.nbytes / (self.shape[0] * self.shape[1])
+        stacked = int(np.prod(self.codes.shape[:-2])) if np.ndim(self.codes) > 2 else 1  # experts
+        return 8 * self.nbytes / (self.shape[0] * self.shape[1] * stacked)
 
     def _arrays(self) -> list[Any]:
         return [a for a in (self.codes, self.scales, self.offsets) if a is not None]
@@ -217,11 +218,17 @@ class QuantizedWeight:
 def dequantize(qw: QuantizedWeight, dtype: Any = jnp.float32, *, padded: bool = False) -> jax.Array:
     """The (K, N) float weight a ``QuantizedWeight`` stands for (``padded=True``: (K_pad, N_pad)).
 
+    A stacked weight (experts on a leading axis, ``nybble.quant.stacked``) gives (E, K, N).
+
     Computed in float32 (one multiply-add per element) and then cast to ``dtype``: the exact values every
     nybble matmul implementation multiplies with.
     """
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"dequantize expects a QuantizedWeight, got {type(qw).__name__}")
+    if np.ndim(qw.codes) > 2:  # a stack of experts (nybble.quant.stacked): (E, K, N)
+        from nybble.quant.stacked import dequantize_stacked
+
+        return dequantize_stacked(_dequantize, qw, dtype=np.dtype(dtype), padded=padded)
     return _dequantize(qw, dtype=np.dtype(dtype), padded=padded)
 
 

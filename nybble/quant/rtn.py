@@ -18,6 +18,7 @@ from nybble.packing import (
     padded_weight_dims,
 )
 from nybble.quant.qweight import SCALE_DTYPES, QuantizedWeight
+from nybble.quant.stacked import quantize_stacked
 
 
 def check_weight(w: Any, what: str = "quantize") -> None:
@@ -27,7 +28,7 @@ def check_weight(w: Any, what: str = "quantize") -> None:
     if w.ndim != 2:
         raise ValueError(
             f"{what}: expected a 2-D weight of shape (K, N) = (in_features, out_features), got shape "
-            f"{tuple(w.shape)}; reshape stacked weights to 2-D or quantize each matrix"
+            f"{tuple(w.shape)}; a 3-D stack of expert weights (experts, K, N) is accepted too"
         )
     if not jnp.issubdtype(w.dtype, jnp.floating):
         raise ValueError(f"{what}: expected a floating-point weight, got dtype {np.dtype(w.dtype).name}")
@@ -56,7 +57,9 @@ def quantize(
     """Quantizes a float weight of shape (K, N) = (in_features, out_features) to int4, round to nearest.
 
     Args:
-      w: float numpy/jax array, the layout of a Flax ``kernel`` (``y = x @ w``).
+      w: float numpy/jax array, the layout of a Flax ``kernel`` (``y = x @ w``); or a stack of expert
+        weights (E, K, N), which gives a stacked weight (``nybble.quant.stacked``): each expert
+        quantized on its own, arrays stacked on axis 0, ``shape`` (K, N).
       group_size: rows of K sharing one scale (a power of two >= 16), or None for one scale per column.
         K that is not a multiple is padded with zero rows, never refused.
       symmetric: signed codes in [-8, 7] and one scale per group (``max(-min / 8, max / 7)``); else a zero
@@ -76,6 +79,16 @@ def quantize(
     (for asymmetric groups, plus the rounding of the stored offset to ``scale_dtype``). An all-zero group
     dequantizes to exact zeros.
     """
+    if getattr(w, "ndim", None) == 3:  # a stack of experts (E, K, N): each expert on its own, stacked
+        return quantize_stacked(
+            quantize,
+            w,
+            group_size=group_size,
+            symmetric=symmetric,
+            scale_dtype=scale_dtype,
+            layout=layout,
+            clip_search=clip_search,
+        )
     check_weight(w)
     check_group_size(group_size)
     check_scale_dtype(scale_dtype)

@@ -8,12 +8,15 @@ See :mod:`nybble.sharding.plan` for the rules, :mod:`~nybble.sharding.weight` fo
 :mod:`~nybble.sharding.matmul` for the op; ``nybble.models.shard`` places a whole model.
 """
 
+from nybble.sharding.experts import ExpertParallel, ExpertShardedWeight, shard_experts
 from nybble.sharding.matmul import sharded_matmul
 from nybble.sharding.plan import SPLITS, ShardingError, ShardPlan, Split, TensorParallel, plan_split
 from nybble.sharding.weight import ShardedWeight, local_weights, shard_weight
 
 __all__ = [
     "SPLITS",
+    "ExpertParallel",
+    "ExpertShardedWeight",
     "ShardPlan",
     "ShardedWeight",
     "ShardingError",
@@ -21,6 +24,7 @@ __all__ = [
     "TensorParallel",
     "local_weights",
     "plan_split",
+    "shard_experts",
     "shard_weight",
     "sharded_matmul",
 ]

@@ -1,9 +1,11 @@
 """Hopper (sm90) Mosaic GPU kernels: int4-weight x bf16/f16-activation GEMM, and running them on a CPU.
 
 Public surface: :func:`mosaic_gpu_matmul` (what ``nybble.matmul`` dispatches to), :func:`is_supported`,
-:class:`TuningConfig` and :func:`heuristic_config`; the ``interpret`` submodule's ``interpret()`` context
-(re-exported as ``nybble.kernels.interpret``) runs them on a CPU in GPU interpret mode, and
-:func:`races_found` / :func:`reset_state` read and reset its race detector.
+:class:`TuningConfig` and :func:`heuristic_config`; the grouped (mixture-of-experts) kernel
+:func:`grouped_matmul` / :func:`grouped_is_supported` (grouped.py, what ``nybble.ragged_matmul`` calls);
+the ``interpret`` submodule's ``interpret()`` context (re-exported as ``nybble.kernels.interpret``) runs
+them on a CPU in GPU interpret mode, and :func:`races_found` / :func:`reset_state` read and reset its race
+detector.
 """
 
 from nybble.kernels.mosaic_gpu.api import (
@@ -13,11 +15,14 @@ from nybble.kernels.mosaic_gpu.api import (
     plan,
 )
 from nybble.kernels.mosaic_gpu.config import TuningConfig, heuristic_cases, heuristic_config
+from nybble.kernels.mosaic_gpu.grouped import grouped_is_supported, grouped_matmul
 from nybble.kernels.mosaic_gpu.interpret import races_found, reset_state
 from nybble.kernels.mosaic_gpu.kernel import w4a16
 
 __all__ = [
     "TuningConfig",
+    "grouped_is_supported",
+    "grouped_matmul",
     "heuristic_cases",
     "heuristic_config",
     "is_interpret_active",

@@ -119,6 +119,106 @@ class Problem:
         return (self.m, self.n)
 
 
+@dataclasses.dataclass(frozen=True)
+class RowWindow:
+    """The y rows one CTA stores when they are not its whole M tile (the grouped kernel, grouped.py): SMEM
+    rows ``[offset, offset + count)`` of its y tile go to y rows ``[start, start + count)``, ``count`` in
+    ``[1, max_rows]`` (traced values but ``max_rows``, a static bound: min(tile_m, y rows))."""
+
+    offset: Any
+    start: Any
+    count: Any
+    max_rows: int
+
+    def read(self) -> RowWindow:
+        """The window's values (a stashed window loads them here: :class:`StashedRows`)."""
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class StashedRows(RowWindow):
+    """A :class:`RowWindow` kept in SMEM (``ref[index] = (offset, start, count)``, int32) from the CTA's
+    start to its epilogue: registers live across the K loop are what a warpgroup at its register limit
+    spills (X-ray of the grouped kernel, a producer's compute warpgroup: 16-80 bytes)."""
+
+    ref: Any = None
+    index: Any = 0
+
+    @classmethod
+    def stash(cls, ref: Any, index: Any, offset: Any, start: Any, count: Any, max_rows: int) -> StashedRows:
+        for j, v in enumerate((offset, start, count)):
+            ref[index, j] = v
+        return cls(None, None, None, max_rows, ref, index)
+
+    def read(self) -> RowWindow:
+        r, i = self.ref, self.index
+        return RowWindow(r[i, 0], r[i, 1], r[i, 2], self.max_rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class CtaTile:
+    """What one CTA computes: M tile ``mi`` of x and y (its block index), columns of N tile ``ni``, from
+    the GMEM operands ``gmem`` (codes, x, scales[, offsets], as :func:`operand_specs` indexes them).
+    ``rows``: None (y rows ``mi * tile_m ..``, clipped at M by TMA) or the window of y rows to store.
+    ``compute`` / ``zeros``: whether this CTA runs the matmul, or stores zeros into its rows without
+    reading a weight (Python True / False, or traced bools)."""
+
+    mi: Any
+    ni: Any
+    gmem: list[Any]
+    rows: RowWindow | None = None
+    compute: Any = True
+    zeros: Any = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseWork:
+    """The dense kernel's CTAs: one per (M tile, N tile) in :func:`tile_indices`' order, every one computing.
+    The grouped kernel has its own (grouped.py): the kernel bodies ask their ``work`` for the grid and for
+    each CTA's :class:`CtaTile`."""
+
+    name: str = "nybble_w4a16"
+
+    def ctas(self, p: Problem) -> int:
+        return p.m_tiles * p.n_tiles
+
+    def tile(self, p: Problem, ins: Any) -> CtaTile:
+        mi, ni = tile_indices(p, lax.axis_index("mn"))
+        return CtaTile(mi, ni, list(ins))
+
+    def run(self, p: Problem, ins: Any, body: Any, wg: Any = None, wgs: int = 1) -> None:
+        """``body(tile)`` with this CTA's :meth:`tile` (``wg``, ``wgs``: the calling warpgroup and the CTA's
+        warpgroups, for work that keeps per-warpgroup state)."""
+        body(self.tile(p, ins))
+
+
+def run_tile(tile: CtaTile, compute: Any, zeros: Any) -> None:
+    """``compute()`` where ``tile.compute``, ``zeros()`` where ``tile.zeros`` (Python bools decide now)."""
+    for cond, fn in ((tile.compute, compute), (tile.zeros, zeros)):
+        if cond is True:
+            fn()
+        elif cond is not False:
+            pl.when(cond)(fn)
+
+
+def store_rows(src: Any, out_gmem: Any, cols: Any, rows: RowWindow) -> None:
+    """TMA stores of SMEM rows ``rows.offset + [0, rows.count)`` of ``src`` into y rows ``rows.start + ..``,
+    columns ``cols``: a TMA's shape is static, so one store per set bit of the count, largest first (the
+    ladder of jax's ragged_dot_mgpu.py): at most log2(max_rows) + 1 stores, the others skipped."""
+    rows = rows.read()
+    offset, remaining = rows.offset, rows.max_rows
+    while remaining > 0:
+        size = 1 << (remaining.bit_length() - 1)
+        remaining //= 2
+
+        @pl.when(rows.count & size != 0)
+        def _(offset=offset, size=size):
+            dst = out_gmem.at[pl.ds(rows.start + offset - rows.offset, size), cols]
+            plgpu.copy_smem_to_gmem(src.at[pl.ds(offset, size)], dst)
+
+        offset = offset + (rows.count & size)
+
+
 def operand_views(p: Problem, x: jax.Array, codes: jax.Array, scales: Any, offsets: Any) -> list[Any]:
     """The GMEM arrays the kernel's TMA reads, as reshapes of the wrapper's operands."""
     c = p.config
@@ -379,6 +479,7 @@ def store_tiles(
     n_start: Any,
     partition: int | None = None,
     overlap: bool = False,
+    rows: RowWindow | None = None,
 ) -> None:
     """Writes the warpgroup's accumulator ((64 * tiles, WGMMA N), f32) to y. Under split-K it is K
     partition ``partition``'s partial (None: this CTA's own), stored into the slabs of
@@ -386,7 +487,8 @@ def store_tiles(
 
     ``overlap`` (a persistent CTA, one y tile after another through the same SMEM): wait until the last
     store has read the staging tile before writing it, and return with this store in flight; the kernel
-    waits for the last one before it ends."""
+    waits for the last one before it ends. ``rows``: store only that window of the tile's rows
+    (:func:`store_rows`; not under split-K)."""
     c = p.config
     if faults.injected() == "last-n-tile-zero":  # a deliberate bug (faults.py)
         acc = acc * jnp.where(n_start >= p.n_pad - c.cta_rows, 0.0, 1.0).astype(acc.dtype)
@@ -398,7 +500,10 @@ def store_tiles(
                 red.at[t][...] = acc
             sum_slices(red, y_tile, slices=c.slices, tiles=c.tiles, rows=c.tile_m)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(y_tile.at[: p.m], out_gmem.at[:, pl.ds(n_start, c.rows_per_wg)])
+            if rows is None:
+                plgpu.copy_smem_to_gmem(y_tile.at[: p.m], out_gmem.at[:, pl.ds(n_start, c.rows_per_wg)])
+            else:
+                store_rows(y_tile, out_gmem, pl.ds(n_start, c.rows_per_wg), rows)
             plgpu.wait_smem_to_gmem(0)
             return
         if c.split_k > 1:
@@ -413,7 +518,10 @@ def store_tiles(
                 acc.astype(p.out_dtype), L.WGMMA_TRANSPOSED
             )
         plgpu.commit_smem()
-        dst = out_gmem.at[pl.ds(mi * c.tile_m, c.tile_m), pl.ds(n_start, c.rows_per_wg)]
-        plgpu.copy_smem_to_gmem(out_smem, dst)
+        if rows is None:
+            dst = out_gmem.at[pl.ds(mi * c.tile_m, c.tile_m), pl.ds(n_start, c.rows_per_wg)]
+            plgpu.copy_smem_to_gmem(out_smem, dst)
+        else:
+            store_rows(out_smem, out_gmem, pl.ds(n_start, c.rows_per_wg), rows)
         if not overlap:
             plgpu.wait_smem_to_gmem(0)

@@ -46,7 +46,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 from nybble.kernels.device import DEFAULT_NUM_SMS
@@ -442,6 +442,8 @@ def heuristic_config(
     has_offsets: bool = True,
     scale_bytes: int = 2,
     warp_specialized: bool = True,
+    experts: int = 1,
+    allow: Callable[[TuningConfig], bool] | None = None,
 ) -> TuningConfig:
     """Chooses a config for an (M, K_pad) x (K_pad, N_pad) problem on a GPU with ``num_sms`` SMs.
 
@@ -459,6 +461,10 @@ def heuristic_config(
     (:func:`_fewer_instructions_nearly_as_fast`). Prefill (M > 64): two compute warpgroups sharing 128-
     or 256-row x tiles, weights dequantized exactly; ties go to the least issue time, then the least
     tensor-core time.
+
+    ``experts`` > 1: one launch runs that many such problems, each against its own weight (the grouped
+    kernel, grouped.py): a config must fit one, the cost model counts the CTAs and weights of all. ``allow``:
+    a predicate on the candidates (what that kernel runs).
     """
     if m < 1 or n_pad < 1 or k_pad < 1:
         raise ValueError(f"heuristic_config: bad problem M={m}, N_pad={n_pad}, K_pad={k_pad}")
@@ -467,6 +473,8 @@ def heuristic_config(
     scored: list[tuple[float, tuple[float, ...], TuningConfig]] = []
     for shape in _candidate_shapes(m, n_pad, k_pad, group, decode, warp_specialized):
         probe = TuningConfig(**shape)
+        if allow is not None and not allow(probe):
+            continue
         try:
             probe.check_problem(m, n_pad, k_pad, group)
         except ValueError:
@@ -482,8 +490,8 @@ def heuristic_config(
             # A producer's CTA takes the whole register file (two warpgroups, up to 256 registers each).
             resident = 1 if config.producer else max(1, SMEM_PER_SM_BYTES // (used + _SMEM_SLACK_BYTES))
             m_tiles = 1 if config.slices > 1 else -(-m // config.tile_m)
-            ctas = n_pad // config.cta_rows * m_tiles * config.split_k
-            times = modeled_times_us(config, m, n_pad, k_pad, group, has_offsets, num_sms)
+            ctas = experts * n_pad // config.cta_rows * m_tiles * config.split_k
+            times = modeled_times_us(config, m, experts * n_pad, k_pad, group, has_offsets, num_sms)
             t = _combined(times)
             ipw = estimated_instructions_per_weight(config, group, has_offsets, refills=k_steps > steps)
             # Latency hidden: a producer running TMA ahead, every step's copy issued up front, or a second

@@ -40,15 +40,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nybble.kernels.mosaic_gpu import pipeline, split_k
 from nybble.kernels.mosaic_gpu.common import (
+    CtaTile,
+    DenseWork,
     L,
     Problem,
     constant_value,
     exact_weights_step,
     operand_specs,
     reduce_split_k,
+    run_tile,
     scaled_accumulators_step,
     store_tiles,
-    tile_indices,
 )
 from nybble.kernels.mosaic_gpu.config import CHUNK_K, stores_any_rows, wgmma_k
 from nybble.kernels.mosaic_gpu.interpret import active_params
@@ -64,80 +66,43 @@ def _smem_swizzle(dtype) -> tuple:
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-def w4a16_single_wg(p: Problem, operands: list[jax.Array]) -> jax.Array:
-    """Runs the one-warpgroup kernel on the operand views of ``common.operand_views``."""
+def w4a16_single_wg(p: Problem, operands: list[jax.Array], work: Any = None) -> jax.Array:
+    """Runs the one-warpgroup kernel on the operand views of ``common.operand_views``.
+
+    ``work`` (default ``common.DenseWork()``) gives the grid and each CTA's ``common.CtaTile`` from the
+    kernel's input refs (``operands``): the grouped kernel's (grouped.py) reads its tiles from the groups.
+    """
     c = p.config
-    acc_shape = (64 * c.tiles, c.wgmma_n)
-    deferred = c.scales_on == "accumulators"
+    work = DenseWork() if work is None else work
+    n_in = len(operands)
 
     def kernel(*refs):
-        codes_gmem, x_gmem, s_gmem, *rest = refs
-        o_gmem = rest.pop(0) if p.has_offsets else None
-        out_gmem = rest.pop(0)
+        ins, out_gmem, rest = refs[:n_in], refs[n_in], list(refs[n_in + 1 :])
         scratch = {}
         for name, n_refs in _scratch_layout(p):
             if n_refs is None:
                 scratch[name], rest = rest[0], rest[1:]
             else:  # the split-K reduction's refs
                 scratch[name], rest = rest[:n_refs], rest[n_refs:]
-        mi, ni = tile_indices(p, lax.axis_index("mn"))
-        gmem = [codes_gmem, x_gmem, s_gmem] + ([o_gmem] if p.has_offsets else [])
+
+        def body(tile: CtaTile) -> None:
+            run_tile(
+                tile,
+                lambda: _compute(p, tile, scratch, out_gmem),
+                lambda: _store_zeros(p, tile, scratch, out_gmem),
+            )
+
         if c.producer:
-            _with_producer(p, gmem, scratch, out_gmem, mi, ni)
-            return
-        if deferred:
-            const = scratch["const"]
-            const[...] = plgpu.layout_cast(jnp.full(_const_shape(p), constant_value(p), p.dtype), L.WGMMA)
-            plgpu.commit_smem()
-        # One K partition: this CTA's own (split_k.py: all of them, in turn, when interpreting).
-        for part in split_k.partitions(c.split_k):
-            k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
-            # The last WGMMA of a step still reads its x tile while the next step starts, so slots are
-            # released one step late (delay_release=1).
-            specs = operand_specs(p, mi, ni, k_first, delay_release=1)
-            if deferred:
-
-                def body(_, codes, x, s, *rest):
-                    *o, total = rest
-                    return scaled_accumulators_step(p, total, codes, x, const, s, o[0] if o else None)
-
-                # Pallas' pipeline: with constant slots (pipeline.py) ptxas interleaves consecutive steps'
-                # group accumulators and spills (X-ray, Llama-3-8B gate-up at M = 16: 648 bytes).
-                acc = plgpu.emit_pipeline(
-                    body,
-                    grid=(p.steps_per_split,),
-                    in_specs=specs,
-                    max_concurrent_steps=c.max_concurrent_steps,
-                    init_carry=plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), L.WGMMA),
-                )(*gmem)
-            else:
-
-                def mainloop(acc_ref, specs=specs):
-                    def body(_, codes, x, s, *o):
-                        exact_weights_step(p, acc_ref, codes, x, s, o[0] if o else None, 0)
-
-                    # Constant SMEM slots where they pay (pipeline.constant_slots), else Pallas' pipeline.
-                    constant = pipeline.constant_slots(c, p.group)
-                    emit = pipeline.emit_pipeline if constant else plgpu.emit_pipeline
-                    emit(
-                        body,
-                        grid=(p.steps_per_split,),
-                        in_specs=specs,
-                        max_concurrent_steps=c.max_concurrent_steps,
-                    )(*gmem)
-                    return acc_ref[...]  # waits for the last WGMMA
-
-                acc = pl.run_scoped(mainloop, plgpu.ACC(acc_shape, jnp.float32))
-            store_tiles(p, acc, scratch, out_gmem, mi, ni * c.cta_rows, partition=part)
-        if c.split_k > 1:
-            reduce_split_k(p, scratch["split_k"], out_gmem, mi, ni)
+            work.run(p, ins, body, wg=lax.axis_index("wg"), wgs=2)
+        else:
+            work.run(p, ins, body)
 
     out_type = jax.ShapeDtypeStruct(p.out_shape, p.out_dtype)
     launch = split_k.launch_args(c.split_k)
     call = plgpu.kernel(
         kernel,
         out_type=out_type,
-        grid=(p.m_tiles * p.n_tiles, *launch["grid_extra"]),
+        grid=(work.ctas(p), *launch["grid_extra"]),
         grid_names=("mn", *launch["grid_names_extra"]),
         cluster=launch["cluster"],
         cluster_names=launch["cluster_names"],
@@ -145,12 +110,83 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array]) -> jax.Array:
         **(dict(num_threads=2, thread_name="wg") if c.producer else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=active_params(),
-        kernel_name=f"nybble_w4a16_{_config_tag(p)}",
+        kernel_name=f"{work.name}_{_config_tag(p)}",
     )
     return call(*operands)
 
 
-def _with_producer(p: Problem, gmem: list[Any], scratch: dict[str, Any], out_gmem: Any, mi: Any, ni: Any):
+def _store_zeros(p: Problem, tile: CtaTile, scratch: dict[str, Any], out_gmem: Any) -> None:
+    """Zeros into the tile's y rows, no weight read (the grouped kernel's rows past the groups)."""
+    c = p.config
+
+    def store() -> None:
+        zeros = plgpu.layout_cast(jnp.zeros((64 * c.tiles, c.wgmma_n), jnp.float32), L.WGMMA)
+        store_tiles(p, zeros, scratch, out_gmem, tile.mi, tile.ni * c.cta_rows, rows=tile.rows)
+
+    if c.producer:  # warpgroup 0 stores y, as after the pipeline
+        pl.when(lax.axis_index("wg") == 0)(store)
+    else:
+        store()
+
+
+def _compute(p: Problem, tile: CtaTile, scratch: dict[str, Any], out_gmem: Any) -> None:
+    """The CTA's matmul: its K pipeline, the epilogue storing its y tile (or split-K partial)."""
+    c = p.config
+    acc_shape = (64 * c.tiles, c.wgmma_n)
+    deferred = c.scales_on == "accumulators"
+    mi, ni, gmem = tile.mi, tile.ni, tile.gmem
+    if c.producer:
+        _with_producer(p, gmem, scratch, out_gmem, tile)
+        return
+    if deferred:
+        const = scratch["const"]
+        const[...] = plgpu.layout_cast(jnp.full(_const_shape(p), constant_value(p), p.dtype), L.WGMMA)
+        plgpu.commit_smem()
+    # One K partition: this CTA's own (split_k.py: all of them, in turn, when interpreting).
+    for part in split_k.partitions(c.split_k):
+        k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
+        # The last WGMMA of a step still reads its x tile while the next step starts, so slots are
+        # released one step late (delay_release=1).
+        specs = operand_specs(p, mi, ni, k_first, delay_release=1)
+        if deferred:
+
+            def body(_, codes, x, s, *rest):
+                *o, total = rest
+                return scaled_accumulators_step(p, total, codes, x, const, s, o[0] if o else None)
+
+            # Pallas' pipeline: with constant slots (pipeline.py) ptxas interleaves consecutive steps'
+            # group accumulators and spills (X-ray, Llama-3-8B gate-up at M = 16: 648 bytes).
+            acc = plgpu.emit_pipeline(
+                body,
+                grid=(p.steps_per_split,),
+                in_specs=specs,
+                max_concurrent_steps=c.max_concurrent_steps,
+                init_carry=plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), L.WGMMA),
+            )(*gmem)
+        else:
+
+            def mainloop(acc_ref, specs=specs):
+                def body(_, codes, x, s, *o):
+                    exact_weights_step(p, acc_ref, codes, x, s, o[0] if o else None, 0)
+
+                # Constant SMEM slots where they pay (pipeline.constant_slots), else Pallas' pipeline.
+                constant = pipeline.constant_slots(c, p.group)
+                emit = pipeline.emit_pipeline if constant else plgpu.emit_pipeline
+                emit(
+                    body,
+                    grid=(p.steps_per_split,),
+                    in_specs=specs,
+                    max_concurrent_steps=c.max_concurrent_steps,
+                )(*gmem)
+                return acc_ref[...]  # waits for the last WGMMA
+
+            acc = pl.run_scoped(mainloop, plgpu.ACC(acc_shape, jnp.float32))
+        store_tiles(p, acc, scratch, out_gmem, mi, ni * c.cta_rows, partition=part, rows=tile.rows)
+    if c.split_k > 1:
+        reduce_split_k(p, scratch["split_k"], out_gmem, mi, ni)
+
+
+def _with_producer(p: Problem, gmem: list[Any], scratch: dict[str, Any], out_gmem: Any, tile: CtaTile):
     """The kernel with a producer: warpgroup 1 (40 registers) issues every TMA, warpgroup 0 waits on full
     slots, computes and stores y (or its split-K partial), with the same steps and epilogue as without.
     The accumulator route carries its running total through Pallas' warp-specialized pipeline; exact
@@ -159,6 +195,7 @@ def _with_producer(p: Problem, gmem: list[Any], scratch: dict[str, Any], out_gme
     c = p.config
     acc_shape = (64 * c.tiles, c.wgmma_n)
     const = scratch.get("const")
+    mi, ni = tile.mi, tile.ni
 
     def run_partition(part: int | None) -> None:
         k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
@@ -172,7 +209,7 @@ def _with_producer(p: Problem, gmem: list[Any], scratch: dict[str, Any], out_gme
         )
 
         def store(acc: Any) -> None:
-            store_tiles(p, acc, scratch, out_gmem, mi, ni * c.cta_rows, partition=part)
+            store_tiles(p, acc, scratch, out_gmem, mi, ni * c.cta_rows, partition=part, rows=tile.rows)
 
         if c.scales_on == "weights":
 

@@ -23,6 +23,7 @@ store (SMEM to GMEM by TMA) is only waited for before the staging tile is writte
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +33,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nybble.kernels.mosaic_gpu import pipeline, split_k
 from nybble.kernels.mosaic_gpu.common import (
+    DenseWork,
     Problem,
     exact_weights_step,
     operand_specs,
     reduce_split_k,
+    run_tile,
     store_tiles,
     tile_indices,
 )
@@ -47,74 +50,104 @@ from nybble.kernels.mosaic_gpu.staging import y_staging
 _MEMORY_REGISTERS = 40
 
 
-def w4a16_warp_specialized(p: Problem, operands: list[jax.Array]) -> jax.Array:
-    """Runs the warp-specialized kernel on the operand views of ``common.operand_views``."""
+def w4a16_warp_specialized(p: Problem, operands: list[jax.Array], work: Any = None) -> jax.Array:
+    """Runs the warp-specialized kernel on the operand views of ``common.operand_views``.
+
+    ``work`` (default ``common.DenseWork()``) gives the grid and each CTA's ``common.CtaTile`` from the
+    kernel's input refs (``operands``); other than the dense kernel's, it runs without a persistent grid.
+    """
     c = p.config
+    dense = work is None
+    work = DenseWork(name="nybble_w4a16_ws") if dense else work
+    if not dense and (c.persistent_ctas or c.split_k > 1):
+        raise ValueError(f"a CTA of its own work runs without a persistent grid or split-K, got {c}")
+    n_in = len(operands)
     if c.slices > 1 or c.scales_on != "weights":
         raise ValueError(f"the warp-specialized kernel runs slices=1, scales_on='weights' only, got {c}")
     num_wgs = c.compute_wgs
     acc_shape = (64 * c.tiles, c.wgmma_n)
-    tiles = p.m_tiles * p.n_tiles
+    tiles = work.ctas(p)
     # A persistent grid: min(persistent_ctas, tiles) CTAs loop over the output tiles (pipeline.OutputTiles).
     persistent = c.persistent_ctas > 0
     ctas = min(c.persistent_ctas, tiles) if persistent else tiles
     output_tiles = pipeline.OutputTiles("mn", tiles if persistent else None)
 
     def kernel(*refs):
-        codes_gmem, x_gmem, s_gmem, *rest = refs
-        o_gmem = rest.pop(0) if p.has_offsets else None
-        out_gmem = rest.pop(0)
+        ins, out_gmem, rest = refs[:n_in], refs[n_in], list(refs[n_in + 1 :])
         out_smem = rest.pop(0) if c.split_k == 1 else None
         reduce_scratch = rest
         wg = lax.axis_index("wg")
-        gmem = [codes_gmem, x_gmem, s_gmem] + ([o_gmem] if p.has_offsets else [])
 
-        def store(acc, part, mi, ni):
-            n_start = ni * p.config.cta_rows + wg * c.rows_per_wg
-            if c.split_k == 1:
-                store_tiles(p, acc, {"out": out_smem.at[wg]}, out_gmem, mi, n_start, overlap=persistent)
-                return
-            for w in range(num_wgs):  # each warpgroup sums its own columns with its own slabs
+        def run(mine):
+            """The CTA's work: the dense kernel's tiles from the persistent loop (or the CTA index), another
+            work's from ``mine``."""
+            gmem = list(ins) if dense else mine.gmem
+            rows = None if dense else mine.rows
 
-                @pl.when(wg == w)
-                def _(w=w):
-                    smem = {"split_k": split_k.warpgroup_slabs(reduce_scratch, w, num_wgs)}
-                    store_tiles(p, acc, smem, out_gmem, mi, n_start, partition=part)
+            def store(acc, part, mi, ni):
+                n_start = ni * p.config.cta_rows + wg * c.rows_per_wg
+                if c.split_k == 1:
+                    smem = {"out": out_smem.at[wg]}
+                    store_tiles(p, acc, smem, out_gmem, mi, n_start, overlap=persistent, rows=rows)
+                    return
+                for w in range(num_wgs):  # each warpgroup sums its own columns with its own slabs
 
-        def compute_context(run_pipeline, tile, part):
-            # Runs in the compute warpgroups only: the accumulators live in their registers.
-            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(acc_shape, jnp.float32))
-            def _(acc_ref):
-                run_pipeline(acc_ref)
-                store(acc_ref[...], part, *tile_indices(p, tile))
+                    @pl.when(wg == w)
+                    def _(w=w):
+                        smem = {"split_k": split_k.warpgroup_slabs(reduce_scratch, w, num_wgs)}
+                        store_tiles(p, acc, smem, out_gmem, mi, n_start, partition=part)
 
-        def body(_, codes, x, s, *rest):
-            *o, acc_ref = rest
-            mine = codes.at[pl.ds(wg * c.tiles, c.tiles)]  # this warpgroup's A tiles
-            exact_weights_step(p, acc_ref, mine, x, s, o[0] if o else None, wg * c.rows_per_wg)
-            return acc_ref
+            def compute_context(run_pipeline, tile, part):
+                # Runs in the compute warpgroups only: the accumulators live in their registers.
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(acc_shape, jnp.float32))
+                def _(acc_ref):
+                    run_pipeline(acc_ref)
+                    store(acc_ref[...], part, *(tile_indices(p, tile) if dense else (mine.mi, mine.ni)))
 
-        # One K partition: this CTA's own (split_k.py: all of them, in turn, when interpreting).
-        for part in split_k.partitions(c.split_k):
-            k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
-            pipeline.emit_pipeline_warp_specialized(
-                body,
-                grid=(p.steps_per_split,),
-                memory_registers=_MEMORY_REGISTERS,
-                in_specs=lambda tile, k_first=k_first: operand_specs(
-                    p, *tile_indices(p, tile), k_first, delay_release=1
-                ),
-                wg_axis="wg",
-                num_compute_wgs=num_wgs,
-                max_concurrent_steps=c.max_concurrent_steps,
-                compute_context=functools.partial(compute_context, part=part),
-                output_tiles=output_tiles,
-            )(*gmem)
-        if c.split_k > 1:  # every warpgroup joins the cluster's barriers; the compute ones sum
-            mi, ni = tile_indices(p, lax.axis_index("mn"))
-            reduce_split_k(p, reduce_scratch, out_gmem, mi, ni, wg=wg, wgs=num_wgs)
-        if persistent:  # the last y tile's store (the others were waited for before the next)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            def body(_, codes, x, s, *rest):
+                *o, acc_ref = rest
+                own = codes.at[pl.ds(wg * c.tiles, c.tiles)]  # this warpgroup's A tiles
+                exact_weights_step(p, acc_ref, own, x, s, o[0] if o else None, wg * c.rows_per_wg)
+                return acc_ref
+
+            def specs(tile, k_first):
+                mi, ni = tile_indices(p, tile) if dense else (mine.mi, mine.ni)
+                return operand_specs(p, mi, ni, k_first, delay_release=1)
+
+            def compute():
+                # One K partition: this CTA's own (split_k.py: all of them, in turn, when interpreting).
+                for part in split_k.partitions(c.split_k):
+                    k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
+                    pipeline.emit_pipeline_warp_specialized(
+                        body,
+                        grid=(p.steps_per_split,),
+                        memory_registers=_MEMORY_REGISTERS,
+                        in_specs=functools.partial(specs, k_first=k_first),
+                        wg_axis="wg",
+                        num_compute_wgs=num_wgs,
+                        max_concurrent_steps=c.max_concurrent_steps,
+                        compute_context=functools.partial(compute_context, part=part),
+                        output_tiles=output_tiles,
+                    )(*gmem)
+
+            def zeros():  # each compute warpgroup its own columns, no weight read
+                zero = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
+                pl.when(wg < num_wgs)(lambda: store(zero, None, mine.mi, mine.ni))
+
+            if dense:
+                compute()
+            else:
+                run_tile(mine, compute, zeros)
+            if c.split_k > 1:  # every warpgroup joins the cluster's barriers; the compute ones sum
+                mi, ni = tile_indices(p, lax.axis_index("mn"))
+                reduce_split_k(p, reduce_scratch, out_gmem, mi, ni, wg=wg, wgs=num_wgs)
+            if persistent:  # the last y tile's store (the others were waited for before the next)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        if dense:
+            run(None)
+        else:
+            work.run(p, ins, run, wg=wg, wgs=num_wgs + 1)
 
     out_type = jax.ShapeDtypeStruct(p.out_shape, p.out_dtype)
     if c.split_k == 1:
@@ -134,6 +167,6 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array]) -> jax.Array:
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=active_params(),
-        kernel_name="nybble_w4a16_ws",
+        kernel_name=work.name,
     )
     return call(*operands)

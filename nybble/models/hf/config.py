@@ -1,6 +1,7 @@
 """config.json of a Hugging Face checkpoint directory -> :class:`~nybble.models.llama.LlamaConfig`.
 
-Architectures (``model_type``): ``llama`` (Llama 2, 3, 3.1, 3.2), ``mistral``, ``qwen2``, ``qwen3``. RoPE is
+Architectures (``model_type``): ``llama`` (Llama 2, 3, 3.1, 3.2), ``mistral``, ``qwen2``, ``qwen3``, and the
+mixtures of experts ``mixtral`` and ``qwen3_moe`` (``LlamaConfig.moe``, ``nybble.models.moe``). RoPE is
 read in both spellings found in the wild: ``rope_theta`` + ``rope_scaling`` (transformers 4, most of the Hub)
 and transformers 5's ``rope_parameters``. Every key that would change the numbers and that the decoder does
 not implement is a ``ValueError`` naming the key and its value: a checkpoint is never silently run as a
@@ -17,7 +18,8 @@ from typing import Any
 from nybble.models.hf.files import local_dir
 from nybble.models.llama import LlamaConfig, RopeScaling
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN: both are x * sigmoid(x)
 
@@ -183,7 +185,7 @@ def _sliding_window(config: Mapping[str, Any], model_type: str) -> int | None:
                 "config.json: layer_types mixes full_attention and sliding_attention layers; nybble's "
                 "decoder uses one attention kind for every layer"
             )
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         if config.get("use_sliding_window"):
             raise ConfigError(
                 f"config.json: use_sliding_window = {config['use_sliding_window']!r} "
@@ -196,7 +198,7 @@ def _sliding_window(config: Mapping[str, Any], model_type: str) -> int | None:
             )
         return None
     window = config.get("sliding_window")
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         if window is None:
             return None
         return _int(config, "sliding_window")
@@ -245,6 +247,8 @@ def decoder_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
             f"{', '.join(SUPPORTED_ACTIVATIONS)}"
         )
     for key, neutral in _NEUTRAL.items():
+        if model_type in MOE_MODEL_TYPES and key in ("num_experts", "num_local_experts"):
+            continue  # read by _moe
         value = config.get(key)
         if value is not None and value not in neutral:
             raise ConfigError(
@@ -273,10 +277,13 @@ def decoder_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
     tie = config.get("tie_word_embeddings", _DEFAULTS["tie_word_embeddings"])
     if not isinstance(tie, bool):
         raise ConfigError(f"config.json: tie_word_embeddings = {tie!r}, expected true/false")
+    moe, moe_layers = _moe(config, model_type, hidden)
     return LlamaConfig(
         vocab_size=_int(config, "vocab_size"),
         hidden_size=hidden,
         intermediate_size=_int(config, "intermediate_size"),
+        moe=moe,
+        moe_layers=moe_layers,
         num_layers=_int(config, "num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -285,10 +292,58 @@ def decoder_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
         rms_eps=_float(config, "rms_norm_eps", _DEFAULTS["rms_norm_eps"]),
         tie_embeddings=tie,
         qkv_bias=_biases(config, model_type),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         rope_scaling=scaling,
         sliding_window=_sliding_window(config, model_type),
     )
+
+
+def _moe(config: Mapping[str, Any], model_type: str, hidden: int) -> tuple[Any, tuple[int, ...] | None]:
+    """(MoEConfig, MoE layer indices or None for all) of a Mixtral / Qwen3-MoE config; (None, None) else.
+
+    Mixtral: every layer, experts of ``intermediate_size``, top-k renormalized. Qwen3-MoE (as
+    transformers' Qwen3MoeDecoderLayer): layer i is sparse when i is not in ``mlp_only_layers`` and
+    ``(i + 1) % decoder_sparse_step == 0``; experts of ``moe_intermediate_size``, ``norm_topk_prob``.
+    The expert count is ``num_experts`` (the Hub's Qwen spelling) or ``num_local_experts``.
+    """
+    if model_type not in MOE_MODEL_TYPES:
+        return None, None
+    from nybble.models.moe import MoEConfig
+
+    keys = [k for k in ("num_local_experts", "num_experts") if config.get(k) is not None]
+    if not keys:
+        raise ConfigError(f"config.json: a {model_type} config needs num_local_experts or num_experts")
+    experts = {k: _int(config, k) for k in keys}
+    if len(set(experts.values())) > 1:
+        raise ConfigError(f"config.json: num_local_experts and num_experts disagree ({experts})")
+    num_experts = next(iter(experts.values()))
+    top_k = _int(config, "num_experts_per_tok")
+    if top_k > num_experts:
+        raise ConfigError(f"config.json: num_experts_per_tok = {top_k} > the {num_experts} experts")
+    layers = _int(config, "num_hidden_layers")
+    if model_type == "mixtral":
+        jitter = config.get("router_jitter_noise")
+        if jitter not in (None, 0, 0.0):  # training-time noise only, but say so rather than guess
+            raise ConfigError(
+                f"config.json: router_jitter_noise = {jitter!r}; nybble routes without noise (only 0)"
+            )
+        moe = MoEConfig(hidden, _int(config, "intermediate_size"), num_experts, top_k, norm_topk_prob=True)
+        return moe, None
+    norm = config.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise ConfigError(f"config.json: norm_topk_prob = {norm!r}, expected true/false")
+    step = _int(config, "decoder_sparse_step", 1)
+    only = config.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and 0 <= i < layers for i in only):
+        raise ConfigError(f"config.json: mlp_only_layers = {only!r}, expected layer indices in [0, {layers})")
+    for key in ("shared_expert_intermediate_size", "first_k_dense_replace", "n_shared_experts"):
+        if config.get(key) not in (None, 0):
+            raise ConfigError(
+                f"config.json: {key} = {config[key]!r} is not part of the qwen3_moe architecture"
+            )
+    moe = MoEConfig(hidden, _int(config, "moe_intermediate_size"), num_experts, top_k, norm_topk_prob=norm)
+    sparse = tuple(i for i in range(layers) if i not in only and (i + 1) % step == 0)
+    return moe, sparse
 
 
 _ARCHITECTURES = {
@@ -296,6 +351,8 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -305,6 +362,10 @@ def model_type_for(cfg: LlamaConfig) -> str:
         raise ConfigError("no Hugging Face architecture has both q/k/v biases (qwen2) and q/k norms (qwen3)")
     if cfg.sliding_window is not None and (cfg.qkv_bias or cfg.qk_norm):
         raise ConfigError("a sliding window goes with model_type mistral, which has no biases or q/k norms")
+    if cfg.moe is not None:
+        if cfg.qkv_bias or cfg.moe.shared_intermediate_size is not None:
+            raise ConfigError("no supported MoE architecture has q/k/v biases or shared experts")
+        return "qwen3_moe" if cfg.qk_norm else "mixtral"
     if cfg.qk_norm:
         return "qwen3"
     if cfg.qkv_bias:
@@ -358,8 +419,24 @@ def hf_config_for(
         out.update(mlp_bias=False)
     if model_type == "mistral":
         out["sliding_window"] = cfg.sliding_window
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         out.update(use_sliding_window=False, sliding_window=None)
+    if model_type in ("mistral", "mixtral"):
+        out["sliding_window"] = cfg.sliding_window
+    if model_type == "mixtral":
+        out.update(intermediate_size=cfg.moe.intermediate_size, num_local_experts=cfg.moe.num_experts,
+                   num_experts_per_tok=cfg.moe.top_k)
+    if model_type == "qwen3_moe":
+        sparse = range(cfg.num_layers) if cfg.moe_layers is None else cfg.moe_layers
+        out.update(
+            attention_bias=False,
+            num_experts=cfg.moe.num_experts,
+            num_experts_per_tok=cfg.moe.top_k,
+            moe_intermediate_size=cfg.moe.intermediate_size,
+            norm_topk_prob=cfg.moe.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[i for i in range(cfg.num_layers) if i not in sparse],
+        )
     out.update(extra)
     if decoder_config_from_hf(out) != cfg:
         raise ConfigError(f"config for {model_type} does not describe {cfg} (extra keys {sorted(extra)})")

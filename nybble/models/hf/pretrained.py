@@ -23,11 +23,17 @@ from nybble.extras import require
 from nybble.models.hf.config import decoder_config_from_hf
 from nybble.models.hf.files import CheckpointDir, CheckpointError, local_dir
 from nybble.models.hf.names import (
+    EXPERT_STACKS,
     expected_shapes,
+    fused_expert_names,
+    hf_expert_modules,
     hf_linear_modules,
     hf_name_for,
     is_ignored,
     module_path_for_module,
+    moe_model_type,
+    moe_path,
+    moe_router_names,
 )
 from nybble.models.layers import QLinear
 from nybble.models.llama import Llama, LlamaConfig
@@ -99,7 +105,8 @@ def _load_quantized(
         if not scheme.is_quantized(hf_module):
             continue
         path = module_path_for_module(hf_module)
-        assert path is not None
+        if path is None:  # an MoE expert's linear: its whole stack is read by _load_quantized_experts
+            continue
         parent, key, linear = _module_at(model, path)
         names = list(scheme.tensor_names(hf_module, available=ckpt))
         missing = [n for n in names if n not in ckpt]
@@ -127,7 +134,109 @@ def _load_quantized(
         used.update(names)
         _set_module(parent, key, QLinear(qw, bias, input_perm=perm))
         quantized.add(path)
+    _load_quantized_experts(model, ckpt, cfg, scheme, expected, used, quantized)
     return used, quantized
+
+
+def _load_quantized_experts(
+    model: Llama,
+    ckpt: CheckpointDir,
+    cfg: LlamaConfig,
+    scheme: Any,
+    expected: dict[str, Any],
+    used: set[str],
+    quantized: set[str],
+) -> None:
+    """Each MoE expert stack whose experts the scheme quantizes: read expert by expert (no float copy),
+    stacked into one ``QExperts``. A stack with some experts quantized and some not is refused."""
+    if cfg.moe is None:
+        return
+    from nybble.models.moe import QExperts
+    from nybble.quant.stacked import stack_weights
+
+    model_type, e = moe_model_type(cfg), cfg.moe.num_experts
+    for layer in range(cfg.num_layers):
+        if not cfg.is_moe_layer(layer):
+            continue
+        for stack in EXPERT_STACKS:
+            modules = hf_expert_modules(layer, stack, e, model_type)
+            flags = [scheme.is_quantized(m) for m in modules]
+            if not any(flags):
+                continue
+            if not all(flags):
+                raise CheckpointError(
+                    f"{ckpt.path}: of the experts {modules[0]} ... {modules[-1]}, "
+                    f"{sum(flags)} of {e} are quantized: a stack of experts is held as one int4 weight, so "
+                    "all or none of its experts must be quantized (quantization_config targets/ignore)"
+                )
+            path = f"layers.{layer}.mlp.experts.{stack}"
+            parent, key, stacked = _module_at(model, path)
+            weights = []
+            for m in modules:
+                names = list(scheme.tensor_names(m))
+                missing = [n for n in names if n not in ckpt]
+                if missing:
+                    raise CheckpointError(f"{ckpt.path}: quantized expert {m!r} lacks {missing}")
+                qw = scheme.read_linear(
+                    m, ckpt.get, in_features=stacked.in_features, out_features=stacked.out_features
+                )
+                if tuple(qw.shape) != (stacked.in_features, stacked.out_features):
+                    raise CheckpointError(
+                        f"{ckpt.path}: quantized expert {m!r} reads as (in, out) {qw.shape}, but config.json "
+                        f"implies {(stacked.in_features, stacked.out_features)}"
+                    )
+                weights.append(qw)
+                used.update(names)
+                expected.pop(f"{m}.weight", None)
+            _set_module(parent, key, QExperts(stack_weights(weights)))
+            quantized.add(path)
+
+
+def _moe_names(ckpt: CheckpointDir, cfg: LlamaConfig, expected: dict[str, Any]) -> None:
+    """``expected`` adjusted to the MoE spelling the checkpoint uses: a router under transformers 5's
+    ``mlp.gate``, experts fused (``mlp.experts.gate_up_proj`` / ``down_proj``) instead of per expert."""
+    if cfg.moe is None:
+        return
+    moe, model_type = cfg.moe, moe_model_type(cfg)
+    for layer in range(cfg.num_layers):
+        if not cfg.is_moe_layer(layer):
+            continue
+        router, *others = moe_router_names(layer, model_type)
+        if router not in ckpt and router in expected:
+            for other in others:
+                if other in ckpt:
+                    expected[other] = expected.pop(router)
+        gate_up, down = fused_expert_names(layer)
+        if gate_up in ckpt or down in ckpt:
+            for stack in EXPERT_STACKS:
+                for m in hf_expert_modules(layer, stack, moe.num_experts, model_type):
+                    expected.pop(f"{m}.weight", None)
+            h, i = cfg.hidden_size, moe.intermediate_size
+            expected[gate_up] = (moe.num_experts, 2 * i, h)
+            expected[down] = (moe.num_experts, h, i)
+
+
+def _moe_value(ckpt: CheckpointDir, cfg: LlamaConfig, module_path: str, param: str) -> Any:
+    """The nybble value of an MoE parameter (router kernel (hidden, E), expert stack (E, in, out)) from
+    the checkpoint's tensors, transposed from torch's (out, in); None for any other parameter."""
+    where = moe_path(module_path)
+    if where is None or param != "kernel":
+        return None
+    layer, what = where
+    model_type = moe_model_type(cfg)
+    if what == "router":
+        name = next((n for n in moe_router_names(layer, model_type) if n in ckpt), None)
+        return None if name is None else ckpt.get(name).T
+    gate_up, down = fused_expert_names(layer)
+    if gate_up in ckpt or down in ckpt:  # transformers 5's fused (E, out, in) tensors
+        i = cfg.moe.intermediate_size
+        if what == "down_proj":
+            return np.transpose(ckpt.get(down), (0, 2, 1))
+        fused = ckpt.get(gate_up)
+        part = fused[:, :i] if what == "gate_proj" else fused[:, i:]
+        return np.transpose(part, (0, 2, 1))
+    modules = hf_expert_modules(layer, what, cfg.moe.num_experts, model_type)
+    return np.stack([ckpt.get(f"{m}.weight").T for m in modules])
 
 
 def from_pretrained(
@@ -137,17 +246,19 @@ def from_pretrained(
     *,
     axis: str = "model",
     rules: Any = None,
+    expert_axis: str | None = None,
 ) -> Llama:
     """A Llama-family model from a local Hugging Face checkpoint directory.
 
     ``path`` holds config.json and ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` with
-    ``model.safetensors.index.json``); ``model_type`` llama, mistral, qwen2 or qwen3 (see
+    ``model.safetensors.index.json``); ``model_type`` llama, mistral, qwen2, qwen3, mixtral or qwen3_moe (see
     :func:`nybble.models.hf.config.decoder_config_from_hf`). Float weights are cast to ``dtype``; with a
     ``quantization_config`` the quantized linears become ``QLinear`` layers (compressed-tensors, GPTQ, AWQ,
     AutoRound: see ``nybble.quant.formats.hf_scheme``) and the rest is float in ``dtype``.
     ``model(token_ids)`` returns float32 logits (batch, length, vocab); ``init_cache`` / ``prefill`` /
     ``decode_step`` work as on any ``Llama``. With ``mesh``, the model is placed by
-    ``nybble.models.shard(model, mesh, axis=axis, rules=rules)``.
+    ``nybble.models.shard(model, mesh, axis=axis, rules=rules, expert_axis=expert_axis)`` (MoE expert
+    stacks: whole on every device as read, then split over ``expert_axis`` and ``axis``).
 
     A hub id or URL is refused (download it first); a directory whose tensors do not fit config.json
     (missing, extra, mis-shaped, non-float where float is expected) raises ``CheckpointError`` naming the
@@ -158,6 +269,7 @@ def from_pretrained(
     scheme = _scheme(ckpt.config)
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), dtype=dtype))
     expected = expected_shapes(cfg)
+    _moe_names(ckpt, cfg, expected)
     used: set[str] = set()
     quantized: set[str] = set()
     if scheme is not None:
@@ -196,10 +308,12 @@ def from_pretrained(
         param = str(key_path[-1])
         if module_path in quantized:
             continue  # QLinear's qweight and bias are already concrete
-        name = hf_name_for(module_path, param)
-        value = ckpt.get(name)
-        if param == "kernel":
-            value = value.T  # torch (out, in) -> (in, out); see nybble.models.hf.names.to_nybble
+        value = _moe_value(ckpt, cfg, module_path, param)  # router and expert stacks (MoE layers)
+        if value is None:
+            name = hf_name_for(module_path, param)
+            value = ckpt.get(name)
+            if param == "kernel":
+                value = value.T  # torch (out, in) -> (in, out); see nybble.models.hf.names.to_nybble
         if place is None:
             var.set_value(jnp.asarray(value, dtype))
         else:
@@ -210,7 +324,8 @@ def from_pretrained(
     if mesh is not None:
         from nybble.models.sharding import shard
 
-        shard(model, mesh, axis=axis, rules=rules)  # the QLinear layers; float arrays are in place already
+        # the QLinear layers and expert stacks; other float arrays are in place already
+        shard(model, mesh, axis=axis, rules=rules, expert_axis=expert_axis)
     return model
 
 

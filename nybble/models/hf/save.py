@@ -22,7 +22,7 @@ from flax import nnx
 
 from nybble.models.hf.config import decoder_config_from_hf, hf_config_for
 from nybble.models.hf.files import CONFIG_NAME, ShardedWriter
-from nybble.models.hf.names import float_hf_tensors, hf_module_for
+from nybble.models.hf.names import float_hf_tensors, hf_modules_of
 from nybble.models.layers import QLinear
 from nybble.models.llama import Llama
 from nybble.quant.qweight import QuantizedWeight
@@ -112,7 +112,9 @@ def save_pretrained(
             f"{type(model).__name__}"
         )
     modules = dict(_modules(model))
-    quantized = [p for p, m in modules.items() if isinstance(m, QLinear)]
+    from nybble.models.moe import Experts, QExperts
+
+    quantized = [p for p, m in modules.items() if isinstance(m, QLinear | QExperts)]
     if fmt == "float" and quantized:
         raise ValueError(
             f"save_pretrained: the model has {len(quantized)} int4 layers (e.g. {quantized[0]}); a float "
@@ -130,13 +132,21 @@ def save_pretrained(
 
         writer = writer_for_format(fmt)  # scales as each weight holds them (GPTQ: float16, exact or refused)
     config = _base_config(model, source, dtype)
-    float_linears = [hf_module_for(p) for p, m in modules.items() if isinstance(m, nnx.Linear)]
+    float_linears = [
+        name
+        for p, m in modules.items()
+        if isinstance(m, nnx.Linear | Experts)
+        for name in hf_modules_of(model.config, p)
+    ]
     with ShardedWriter(path, max_shard_bytes=max_shard_size, overwrite=overwrite) as out:
         for name, array in float_hf_tensors(model, skip_modules=quantized):
             out.add(name, array.astype(dtype))
         for module_path in quantized:
             module = modules[module_path]
-            hf_module = hf_module_for(module_path)
+            if isinstance(module, QExperts):  # an MoE expert stack: each expert one quantized linear
+                _write_experts(out, writer, model, module_path, module)
+                continue
+            (hf_module,) = hf_modules_of(model.config, module_path)
             if getattr(module, "input_perm", None) is not None:  # (hf-models) act-order layer as read
                 raise ValueError(
                     f"save_pretrained: {module_path} multiplies permuted inputs (an activation-order layer "
@@ -156,6 +166,19 @@ def save_pretrained(
         if source is not None:
             out.copy_files(source)
     return Path(path)
+
+
+def _write_experts(out: Any, writer: Any, model: Llama, module_path: str, module: Any) -> None:
+    """The experts of a stacked int4 stack, each under its own HF linear name (as checkpoints hold them)."""
+    from nybble.quant.stacked import unstack_weight
+    from nybble.sharding.experts import ExpertShardedWeight
+
+    qw = module.weight
+    if isinstance(qw, ExpertShardedWeight):
+        qw = qw.gather()
+    for e, hf_module in enumerate(hf_modules_of(model.config, module_path)):
+        for key, value in writer.write_linear(hf_module, unstack_weight(qw, e)).items():
+            out.add(key, np.asarray(value))
 
 
 __all__ = ["SAVE_FORMATS", "save_pretrained"]

@@ -23,7 +23,13 @@ import numpy as np
 
 from nybble.models.hf.config import decoder_config_from_hf
 from nybble.models.hf.files import CheckpointDir, CheckpointError, ShardedWriter
-from nybble.models.hf.names import expected_shapes, hf_linear_modules, is_ignored, to_nybble
+from nybble.models.hf.names import (
+    expected_shapes,
+    hf_linear_modules,
+    is_ignored,
+    is_router_module,
+    to_nybble,
+)
 
 FORMATS = ("compressed-tensors", "gptq", "nybble")
 
@@ -52,7 +58,12 @@ def linear_modules(config: dict[str, Any], ckpt: CheckpointDir) -> list[str]:
                 f"{list(shape)} (hidden_size, intermediate_size, heads, head_dim, vocab_size); the config "
                 f"and the weights come from different models"
             )
-    chosen = [m for m in hf_linear_modules(cfg) if m != "lm_head" and f"{m}.weight" in ckpt]
+    # MoE routers stay float (as nybble.models.quantize's DEFAULT_RULES and llm-compressor keep them).
+    chosen = [
+        m
+        for m in hf_linear_modules(cfg)
+        if m != "lm_head" and not is_router_module(m) and f"{m}.weight" in ckpt
+    ]
     order = {n: i for i, n in enumerate(ckpt.names())}
     return sorted(chosen, key=lambda m: order[m + ".weight"])
 
@@ -209,8 +220,13 @@ def quantize_directory(
 
 
 def _ignore_list(modules: list[str]) -> list[str]:
-    """The float modules a quantization_config names in ``ignore``: linear-like ones (lm_head)."""
-    return [m for m in modules if m == "lm_head" or m.endswith("_proj") or m.endswith(".lm_head")]
+    """The float modules a quantization_config names in ``ignore``: linear-like ones (lm_head, MoE
+    routers)."""
+    return [
+        m
+        for m in modules
+        if m == "lm_head" or m.endswith("_proj") or m.endswith(".lm_head") or is_router_module(m)
+    ]
 
 
 def _check_linear(name: str, array: np.ndarray) -> None:

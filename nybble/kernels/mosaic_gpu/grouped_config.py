@@ -1,0 +1,119 @@
+"""Configs of the grouped (mixture-of-experts) W4A16 kernel, chosen by the dense kernels' cost model.
+
+The grouped kernel (grouped.py) runs, in one launch, one dense problem per expert: the rows of x routed to
+expert e against expert e's (K, N) weight. Its CTAs are the dense kernel's (the same
+:class:`~nybble.kernels.mosaic_gpu.config.TuningConfig`, the same K loop and epilogue) over work items
+(expert, M tile of that expert's rows, N tile). At trace time only the number of rows and of experts are
+known, not how the rows fall: the config is chosen for the balanced case, every expert that can have rows
+(``min(experts, rows)``) holding ``ceil(rows / active)`` of them (:func:`planned_rows`; at decode, 1 token
+with top-k of E experts: k experts of 1 row each, exactly). The dense heuristics then rank every candidate
+on ``active`` experts' weights and CTAs at once (``heuristic_config(..., experts=active)``), so a decode
+launch over 8 experts of a 2048 x 768 weight picks the tiles a 2048 x (8 x 768) dense weight would, each
+CTA within one expert. Not candidates (:func:`grouped_allows`): split-K (its cluster reduction stores
+whole 8-row slabs, the grouped epilogue a ragged run of rows) and a persistent grid (its CTAs would loop
+over a count of tiles known only on the device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable
+
+from nybble.kernels.device import DEFAULT_NUM_SMS
+from nybble.kernels.mosaic_gpu.config import WIDE_STEP_K, TuningConfig, group_structure, heuristic_config
+from nybble.packing.groups import group_rows
+
+
+def active_experts(rows: int, experts: int) -> int:
+    """Experts that can hold rows: at most one per row."""
+    return max(1, min(experts, rows))
+
+
+def planned_rows(rows: int, experts: int) -> int:
+    """Rows per active expert the config is chosen for: the balanced case, ceil(rows / active experts)."""
+    return max(1, -(-rows // active_experts(rows, experts)))
+
+
+def grouped_allows(config: TuningConfig) -> bool:
+    """Whether the grouped kernel runs ``config``: no split-K and no persistent grid (module docstring);
+    and not 512-deep steps of 64 accumulator columns (tiles x WGMMA N) with a producer warpgroup, whose
+    compute warpgroup sits at 255 registers and spills the grouped CTA's state (X-ray, Qwen3 gate/up at
+    T = 512, 4096: two A tiles at N = 32, 12 bytes with the y rows in SMEM, 80 bytes without)."""
+    wide = (
+        config.producer
+        and config.tile_k == WIDE_STEP_K
+        and config.scales_on == "accumulators"
+        and config.tiles * config.wgmma_n >= 64
+    )
+    return config.split_k == 1 and config.persistent_ctas == 0 and not wide
+
+
+def max_m_tiles(rows: int, experts: int, tile_m: int, align: int = 1) -> int:
+    """An upper bound on the M tiles of any grouping of ``rows`` rows into ``experts`` groups plus the rows
+    past their sum (zeroed by the kernel, a group of their own), when a group of g rows from row r takes
+    ceil((r % align + g) / tile_m) tiles (grouped.py): each group with rows at most floor((g + align - 1)
+    / tile_m) + 1, and at most one group per row has rows; exact where tiles start on multiples of tile_m
+    (align = tile_m: every decode config whose WGMMA N is 8)."""
+    if tile_m == 1:
+        return rows
+    busy = min(experts + 1, rows)
+    if align == tile_m:
+        # Tiles on a grid of tile_m rows: the groups partition the rows, so the tiles they take are the
+        # grid's ceil(rows / tile_m) plus one per boundary between groups inside a tile.
+        return -(-rows // tile_m) + busy - 1
+    return min((rows + busy * (align - 1)) // tile_m + busy, (experts + 1) * -(-(rows + align - 1) // tile_m))
+
+
+def grouped_heuristic_config(
+    rows: int,
+    experts: int,
+    n_pad: int,
+    k_pad: int,
+    group_size: int | None,
+    num_sms: int = DEFAULT_NUM_SMS,
+    *,
+    has_offsets: bool = True,
+    scale_bytes: int = 2,
+) -> TuningConfig:
+    """The config of a grouped matmul of ``rows`` rows of x over ``experts`` (K_pad, N_pad) weights: the
+    dense heuristic's pick for :func:`planned_rows` rows on :func:`active_experts` weights at once,
+    among the configs :func:`grouped_allows`."""
+    if rows < 1 or experts < 1:
+        raise ValueError(f"grouped_heuristic_config: bad problem rows={rows}, experts={experts}")
+    config = heuristic_config(
+        planned_rows(rows, experts),
+        n_pad,
+        k_pad,
+        group_size,
+        num_sms,
+        has_offsets=has_offsets,
+        scale_bytes=scale_bytes,
+        experts=active_experts(rows, experts),
+        allow=grouped_allows,
+    )
+    # The dense heuristic puts a warp-specialized pick on a persistent grid where tiles outnumber SMs.
+    return dataclasses.replace(config, persistent_ctas=0)
+
+
+def grouped_heuristic_cases(
+    problems: Iterable[tuple[int, int, int, int]],
+    group_sizes: Iterable[int | None],
+    num_sms: int = DEFAULT_NUM_SMS,
+) -> dict[tuple[TuningConfig, object, bool], tuple[int, int, int, int, int | None, bool]]:
+    """Every grouped kernel :func:`grouped_heuristic_config` builds for ``problems`` (rows, experts, K, N),
+    each with one problem using it: keys (config, how groups meet the K step, symmetric), values (rows,
+    experts, K, N, group_size, symmetric), as ``config.heuristic_cases`` for the dense kernel."""
+    from nybble.packing import padded_weight_dims
+
+    cases: dict[tuple[TuningConfig, object, bool], tuple[int, int, int, int, int | None, bool]] = {}
+    for (rows, experts, k, n), group_size, symmetric in itertools.product(
+        list(problems), list(group_sizes), (True, False)
+    ):
+        k_pad, n_pad = padded_weight_dims(k, n, group_size)
+        config = grouped_heuristic_config(
+            rows, experts, n_pad, k_pad, group_size, num_sms, has_offsets=not symmetric
+        )
+        structure = group_structure(group_rows(k_pad, group_size), config)
+        cases.setdefault((config, structure, symmetric), (rows, experts, k, n, group_size, symmetric))
+    return cases

@@ -1,0 +1,223 @@
+"""The NNX MoE block: router math and the whole block against numpy float64 references, int4 via quantize."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import nybble
+from nybble import models
+from nybble.kernels.ragged import available_ragged_implementations
+from nybble.models.moe import Experts, MoE, MoEConfig, QExperts, route, sort_by_expert
+from nybble.quant.stacked import num_experts, unstack_weight
+
+
+def _np_route(logits, k, norm):
+    """numpy float64: softmax, the k largest (ties to the lower index), renormalized when ``norm``."""
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    idx = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, idx, -1)
+    return (w / w.sum(-1, keepdims=True) if norm else w), idx
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_matches_numpy(norm):
+    logits = np.random.default_rng(0).normal(size=(37, 8)) * 3
+    w, e = route(jnp.asarray(logits, jnp.float32), 3, norm_topk_prob=norm)
+    rw, re_ = _np_route(logits, 3, norm)
+    np.testing.assert_array_equal(np.asarray(e), re_)
+    np.testing.assert_allclose(np.asarray(w), rw, rtol=1e-6)
+    if norm:
+        np.testing.assert_allclose(np.asarray(w).sum(-1), 1, rtol=1e-6)
+    else:
+        assert (np.asarray(w).sum(-1) < 1).all()
+
+
+def test_sort_by_expert():
+    experts = jnp.asarray([[2, 0], [0, 3], [2, 1]], jnp.int32)
+    order, inverse, sizes = sort_by_expert(experts, 5)
+    np.testing.assert_array_equal(np.asarray(sizes), [2, 1, 2, 1, 0])
+    flat = np.asarray(experts).reshape(-1)
+    np.testing.assert_array_equal(flat[np.asarray(order)], [0, 0, 1, 2, 2, 3])
+    np.testing.assert_array_equal(np.asarray(order), [1, 2, 5, 0, 4, 3])  # stable: token order kept
+    np.testing.assert_array_equal(np.asarray(order)[np.asarray(inverse)], np.arange(6))
+
+
+def _weights(moe, quantized):
+    """float64 per-expert kernels (dequantized when int4) and the dense ones."""
+
+    def stack(m):
+        if isinstance(m, QExperts):
+            return np.asarray(nybble.dequantize(m.weight), np.float64)
+        return np.asarray(m.kernel[...], np.float64)
+
+    def dense(lin):
+        if isinstance(lin, models.QLinear):
+            return np.asarray(nybble.dequantize(lin.weight), np.float64)
+        return np.asarray(lin.kernel[...], np.float64)
+
+    ex = moe.experts
+    return stack(ex.gate_proj), stack(ex.up_proj), stack(ex.down_proj), dense
+
+
+def _silu(v):
+    return v / (1 + np.exp(-v))
+
+
+def _np_moe(moe, x, quantized=False):
+    """The block token by token in float64: each chosen expert's SwiGLU weighted by its router weight."""
+    cfg = moe.config
+    x = np.asarray(x, np.float64).reshape(-1, cfg.hidden_size)
+    g, u, d, dense = _weights(moe, quantized)
+    logits = x @ dense(moe.router)
+    w, idx = _np_route(logits, cfg.top_k, cfg.norm_topk_prob)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(cfg.top_k):
+            e = idx[t, j]
+            out[t] += w[t, j] * ((_silu(x[t] @ g[e]) * (x[t] @ u[e])) @ d[e])
+    if moe.shared_expert is not None:
+        s = moe.shared_expert
+        shared = (_silu(x @ dense(s.gate_proj)) * (x @ dense(s.up_proj))) @ dense(s.down_proj)
+        if moe.shared_expert_gate is not None:
+            shared = shared / (1 + np.exp(-(x @ dense(moe.shared_expert_gate))))
+        out += shared
+    return out
+
+
+CONFIGS = {
+    "mixtral": MoEConfig(hidden_size=64, intermediate_size=96, num_experts=4, top_k=2),
+    "qwen3_moe": MoEConfig(
+        hidden_size=64, intermediate_size=32, num_experts=8, top_k=3, norm_topk_prob=False
+    ),
+    "shared_gated": MoEConfig(
+        hidden_size=64,
+        intermediate_size=32,
+        num_experts=6,
+        top_k=2,
+        shared_intermediate_size=48,
+        shared_expert_gate=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_float_block_matches_numpy(name):
+    moe = MoE(CONFIGS[name], rngs=nnx.Rngs(1))
+    x = jax.random.normal(jax.random.key(2), (2, 7, 64), jnp.float32)
+    y = moe(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    ref = _np_moe(moe, x).reshape(x.shape)
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=2e-4, atol=2e-5)
+    yj = nnx.jit(lambda m, x: m(x))(moe, x)  # static shapes under jit
+    np.testing.assert_allclose(np.asarray(yj), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+def test_quantized_block():
+    moe = MoE(CONFIGS["shared_gated"], rngs=nnx.Rngs(3))
+    x = jax.random.normal(jax.random.key(4), (9, 64), jnp.float32)
+    y_float = np.asarray(moe(x))
+    moe, report = models.quantize(moe, group_size=32, progress=False, return_report=True)
+    assert (
+        isinstance(moe.experts.gate_proj, QExperts)
+        and num_experts(moe.experts.down_proj.weight) == moe.config.num_experts
+    )
+    assert isinstance(moe.router, nnx.Linear)  # DEFAULT_RULES keep the router in float
+    assert any(r.path == "router" and not r.quantized for r in report.layers)
+    assert {r.path for r in report.quantized} >= {"experts.gate_proj", "experts.up_proj", "experts.down_proj"}
+    y = moe(x)
+    # Against the float64 block on the dequantized weights: the same routing (the router is float).
+    np.testing.assert_allclose(np.asarray(y), _np_moe(moe, x, True), rtol=1e-4, atol=1e-5)
+    assert np.abs(np.asarray(y) - y_float).max() < 0.2 * np.abs(y_float).max()  # int4 error, not garbage
+    yj = nnx.jit(lambda m, x: m(x))(moe, x)
+    np.testing.assert_allclose(np.asarray(yj), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+def test_block_on_the_grouped_kernel_in_interpret_mode():
+    # bf16 activations, no shared expert (its dense layers would run the dense kernel too): the block's
+    # three grouped products on the kernel in GPU interpret mode, against the XLA path (rounding only).
+    moe = MoE(CONFIGS["mixtral"], rngs=nnx.Rngs(7))
+    models.quantize(moe, group_size=32, progress=False)
+    xb = jax.random.normal(jax.random.key(8), (3, 64), jnp.float32).astype(jnp.bfloat16)
+    y_xla = np.asarray(moe(xb), np.float32)
+    with nybble.kernels.interpret():
+        rows, sizes = jnp.zeros((6, 64), jnp.bfloat16), jnp.asarray([3, 3, 0, 0], jnp.int32)
+        assert (
+            available_ragged_implementations(rows, moe.experts.gate_proj.weight, sizes)["mosaic_gpu"] is None
+        )
+        y_kernel = np.asarray(moe(xb), np.float32)
+    assert np.linalg.norm(y_kernel - y_xla) <= 1e-2 * np.linalg.norm(y_xla)
+    assert np.abs(y_xla).max() > 0
+
+
+def test_rules_exclude_experts_and_shared():
+    moe = MoE(CONFIGS["shared_gated"], rngs=nnx.Rngs(5))
+    rules = [
+        models.QuantRule(pattern=r"shared_expert", skip=True),
+        models.QuantRule(pattern=r"down_proj$", skip=True),
+    ]
+    models.quantize(moe, rules=rules, progress=False)
+    assert isinstance(moe.experts.gate_proj, QExperts) and isinstance(moe.experts.down_proj, Experts)
+    assert isinstance(moe.shared_expert.gate_proj, nnx.Linear) and isinstance(
+        moe.shared_expert_gate, nnx.Linear
+    )
+    moe2 = MoE(CONFIGS["mixtral"], rngs=nnx.Rngs(6))
+    models.quantize(
+        moe2, rules=[models.QuantRule(pattern=r"experts\.up_proj$", group_size=64)], progress=False
+    )
+    assert moe2.experts.up_proj.weight.group_size == 64 and moe2.experts.gate_proj.weight.group_size == 128
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="top_k = 5 must be in"):
+        MoEConfig(hidden_size=8, intermediate_size=8, num_experts=4, top_k=5)
+    with pytest.raises(TypeError, match=r"stacked nybble\.QuantizedWeight"):
+        QExperts(jnp.zeros((4, 8, 8)))
+
+
+def test_gptq_quantizes_each_expert_on_its_routed_tokens():
+    cfg = MoEConfig(hidden_size=64, intermediate_size=64, num_experts=5, top_k=1)
+    moe = MoE(cfg, rngs=nnx.Rngs(9))
+    x = jnp.abs(jax.random.normal(jax.random.key(10), (24, 64), jnp.float32)) + 0.1  # positive rows
+    # A router that never picks expert 4 (x > 0 and its column -100): unrouted, round to nearest.
+    moe.router.kernel[...] = moe.router.kernel[...].at[:, 4].set(-100.0)
+    w_gate = np.asarray(moe.experts.gate_proj.kernel[...])
+    _, experts = moe.routing(x)
+    models.quantize(
+        moe,
+        method="gptq",
+        calibration=np.zeros((1, 4), np.int32),
+        forward=lambda m, _: m(x),
+        group_size=32,
+        act_order=False,
+        progress=False,
+    )
+    assert isinstance(moe.experts.down_proj, QExperts)
+    gate = moe.experts.gate_proj.weight
+    routed = [int((np.asarray(experts)[:, 0] == e).sum()) for e in range(5)]
+    assert routed[4] == 0 and sum(r > 0 for r in routed) >= 2, routed
+    for e in range(5):
+        rows = np.asarray(x)[np.asarray(experts)[:, 0] == e]
+        if len(rows) == 0:
+            want = nybble.quantize(w_gate[e], group_size=32)
+        else:
+            want = nybble.quant.gptq(w_gate[e], inputs=rows, group_size=32, act_order=False)
+        got = unstack_weight(gate, e)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_save_and_load_a_quantized_block(tmp_path):
+    moe = MoE(CONFIGS["mixtral"], rngs=nnx.Rngs(11))
+    models.quantize(moe, group_size=32, progress=False)
+    x = jax.random.normal(jax.random.key(12), (5, 64), jnp.float32)
+    path = models.save_model(tmp_path / "moe", moe)
+    back = models.load_model(path, MoE(CONFIGS["mixtral"], rngs=nnx.Rngs(13)))
+    assert isinstance(back.experts.up_proj, QExperts)
+    for a, b in zip(
+        jax.tree.leaves(back.experts.up_proj.weight), jax.tree.leaves(moe.experts.up_proj.weight), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(back(x)), np.asarray(moe(x)))
