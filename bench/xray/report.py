@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import format_table, write_json
-from bench.xray.cases import MOSAIC
+from bench.xray.cases import EXTERNAL_PEERS, MOSAIC, Case
 
 SCHEMA = "nybble-xray/1"
 BASELINE_SCHEMA = "nybble-xray-baseline/1"
@@ -130,14 +130,7 @@ def build_rows(records: dict[str, dict[str, Any]], models: dict[str, dict[str, A
     rows = []
     for key, rec in records.items():
         case = rec["case"]
-        quant = (
-            "-"
-            if case["peer"] == "xla:bf16"
-            else (
-                f"{'col' if case['group_size'] is None else 'g' + str(case['group_size'])}-"
-                f"{'sym' if case['symmetric'] else 'asym'}"
-            )
-        )
+        quant = Case(**case).quant_label
         row: dict[str, Any] = {
             "key": key,
             "shape": case["shape"],
@@ -146,6 +139,8 @@ def build_rows(records: dict[str, dict[str, Any]], models: dict[str, dict[str, A
             "m": case["m"],
             "quant": quant,
             "peer": case["peer"],
+            "experts": case.get("experts", 0),
+            "top_k": case.get("top_k", 0),
         }
         if "error" in rec:
             row["error"] = rec["error"]
@@ -186,6 +181,20 @@ def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
         "## Launches and main-loop instruction mix",
         "",
     ]
+    if any(r["peer"] in EXTERNAL_PEERS for r in result["rows"]):
+        from bench.xray.peers import PEER_COLUMNS, peer_tables
+
+        versions = ", ".join(f"{k} {v}" for k, v in result["versions"].items())
+        md[md.index("## Columns") : md.index("## Columns")] = [
+            "## Peers side by side (one table per shape and M)",
+            "",
+            f"Toolchains: {versions}.",
+            "",
+            *[f"- **{k}**: {v}" for k, v in PEER_COLUMNS.items()],
+            "",
+            peer_tables(result["rows"], markdown=True),
+            "",
+        ]
     for r in result["rows"]:
         if "error" in r:
             continue
