@@ -18,8 +18,8 @@ IPW_TOLERANCE = 0.03
 
 COLUMN_HELP = {
     "config": (
-        "TuningConfig: A tiles, tile_m, tile_k, K slices, slots, split-K, warpgroups, scales on acc/wt, "
-        "P: a persistent grid of that many CTAs"
+        "TuningConfig.tag: A tiles, tile_m, tile_k, K slices, slots, split-K, grid band, warpgroups, "
+        "scales on acc/wt, _tma: a producer warpgroup, _P: a persistent grid of that many CTAs"
     ),
     "regs": "registers per thread (ptxas)",
     "spill": "spill bytes, stores + loads (ptxas)",
@@ -40,18 +40,12 @@ COLUMN_HELP = {
 
 
 def short_config(config: dict[str, Any] | None) -> str:
-    """``t2 m1 k128 S8 p4 x1 w1 acc``: A tiles, tile_m, tile_k, K slices, pipeline slots, split-K, compute
-    warpgroups (``w1+tma``: and a producer warpgroup issuing the TMA), where the scales go (acc: on the
-    accumulators, wt: on the weights), and ``P132`` for a persistent grid of 132 CTAs."""
+    """The config's ``TuningConfig.tag`` (the kernel's name without ``nybble_w4a16_``), or "-"."""
     if not config:
         return "-"
-    return (
-        f"t{config['tiles']} m{config['tile_m']} k{config['tile_k']} S{config['slices']} "
-        f"p{config['max_concurrent_steps']} x{config['split_k']} w{config['compute_wgs']}"
-        f"{'+tma' if config.get('producer') else ''} "
-        f"{'acc' if config['scales_on'] == 'accumulators' else 'wt'}"
-        f"{' P' + str(config['persistent_ctas']) if config.get('persistent_ctas') else ''}"
-    )
+    from nybble.kernels.mosaic_gpu import TuningConfig
+
+    return TuningConfig(**config).tag
 
 
 def _f(v: Any, fmt: str = "{:.2f}") -> str:

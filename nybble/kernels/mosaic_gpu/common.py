@@ -119,6 +119,11 @@ class Problem:
         return (self.m, self.n)
 
 
+def kernel_name(p: Problem) -> str:
+    """``nybble_w4a16_<config tag>``, ``_o`` with offsets: what a profiler and the X-ray show."""
+    return f"nybble_w4a16_{p.config.tag}{'_o' if p.has_offsets else ''}"
+
+
 def operand_views(p: Problem, x: jax.Array, codes: jax.Array, scales: Any, offsets: Any) -> list[Any]:
     """The GMEM arrays the kernel's TMA reads, as reshapes of the wrapper's operands."""
     c = p.config

@@ -47,9 +47,10 @@ import functools
 import itertools
 import math
 from collections.abc import Iterable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from nybble.kernels.device import DEFAULT_NUM_SMS
+from nybble.kernels.gpu import H200, GpuSpec
 from nybble.packing.groups import MIN_GROUP_SIZE, group_rows
 
 # Hopper's opt-in SMEM per CTA (cudaDevAttrMaxSharedMemoryPerBlockOptin), what Mosaic checks against.
@@ -73,11 +74,70 @@ WGMMA_K = 128
 MAX_SPLIT_K = 8  # the split_k CTAs of one output tile form a cluster: 8 is the portable maximum
 # y rows one CTA of a warp-specialized split-K cluster sums (tile_m / split_k): 64 spill 32 bytes (X-ray).
 MAX_WS_SLAB_ROWS = 32
-# A decode config this much slower in the model than the fastest is still taken where it issues at least
-# DECODE_IPW_GAIN fewer instructions per weight (heuristic_config).
-DECODE_TIE = 0.03
-DECODE_IPW_GAIN = 0.10
 ScalesOn = Literal["accumulators", "weights"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """The heuristics' fitted coefficients, in one place, each with what it was fitted on (the X-ray of this
+    kernel, ``python -m bench.xray``; docs/performance-log.md has the dated figures). Change one here and
+    rerun ``tools/heuristic_picks.py`` before and after to see which picks move.
+
+    Instruction estimate (:func:`estimated_instructions_per_weight`), per weight per thread unless said:
+    """
+
+    # 3 SHF + 4 LOP3 per 8 weights (the magic-number dequantization) and one HGMMA per 8.
+    dequant: float = 0.875
+    hgmma: float = 0.125
+    # A pipeline step of the one-warpgroup kernel that refills slots itself: ~100 instructions of barriers,
+    # descriptors and TMA, ~2 per HGMMA.
+    step: int = 100
+    step_per_hgmma: int = 2
+    # With a producer warpgroup, or nothing to refill: ~40 a step, ~8 a WGMMA call (its descriptor), ~17 a
+    # call with offsets on the accumulator route, ~1.1 an HGMMA (fitted to the X-ray of 70 accumulator-route
+    # decode picks, M <= 64, two WGMMA calls a step).
+    lean_step: int = 40
+    lean_per_call: int = 8
+    lean_per_call_offsets: int = 17
+    lean_per_hgmma: float = 1.1
+    # The warp-specialized kernel (constant slots, pipeline.py): ~15 a step, ~2.5 an HGMMA.
+    ws_step: int = 15
+    ws_per_hgmma: float = 2.5
+    # Exact weights: a bf16x2 subtract and multiply per pair; an offset rides in an HFMA2 (+0.03).
+    exact: float = 1.0
+    exact_offsets: float = 0.03
+    # Accumulator route, per group and accumulator column: ~2 FFMA and 8 more (~1 and 8 where the bias is
+    # folded, 14 with a producer: the X-ray of the 512-deep picks).
+    acc_per_column: int = 2
+    acc_fixed: int = 8
+    folded_fixed: int = 8
+    folded_fixed_producer: int = 14
+    # Decode near-ties (:func:`_fewer_instructions_nearly_as_fast`): a config this much slower in the model
+    # is still taken where it issues at least ``decode_ipw_gain`` fewer instructions per weight (Llama-3-8B
+    # down and q/o at M = 16-32, the X-ray).
+    decode_tie: float = 0.03
+    decode_ipw_gain: float = 0.10
+    # Modeled times within this many microseconds count as equal (heuristic_config's first ranking).
+    tie_decimals: int = 2
+
+
+COST_MODEL = CostModel()
+# The names these coefficients had before CostModel (kept importable).
+DECODE_TIE = COST_MODEL.decode_tie
+DECODE_IPW_GAIN = COST_MODEL.decode_ipw_gain
+
+
+class Rank(NamedTuple):
+    """How :func:`heuristic_config` orders candidates of equal modeled time: field by field, larger wins."""
+
+    issue: float  # prefill: minus the issue time (to 0.01 us); decode 0
+    tensor: float  # prefill: minus the tensor-core time (to 0.01 us); decode 0
+    hidden: bool  # decode: latency hidden (a producer, every copy up front, or two CTAs per SM)
+    ipw_tenths: float  # minus the estimated instructions per weight, to 0.1
+    tiles: int
+    tile_k: int
+    steps: int  # pipeline depth
+    neg_ipw: float  # minus the estimate, unrounded
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -167,6 +227,19 @@ class TuningConfig:
             raise ValueError(f"TuningConfig: grid_tile_m={self.grid_tile_m} must be in [1, 64]")
         if not 1 <= self.split_k <= MAX_SPLIT_K:
             raise ValueError(f"TuningConfig: split_k={self.split_k} must be in [1, {MAX_SPLIT_K}]")
+
+    @property
+    def tag(self) -> str:
+        """One name for this config, every field in it: kernel names (what a profiler shows), X-ray rows and
+        test ids. ``t2m16k256s1p4x2b8w1acc_tma``: A tiles, tile_m, tile_k, K slices, pipeline slots, split-K,
+        grid band (grid_tile_m), compute warpgroups, scales on accumulators (acc) or weights (wt), then
+        ``_tma`` with a producer warpgroup and ``_P132`` on a persistent grid of 132 CTAs. An identifier."""
+        return (
+            f"t{self.tiles}m{self.tile_m}k{self.tile_k}s{self.slices}p{self.max_concurrent_steps}"
+            f"x{self.split_k}b{self.grid_tile_m}w{self.compute_wgs}"
+            f"{'acc' if self.scales_on == 'accumulators' else 'wt'}"
+            f"{'_tma' if self.producer else ''}{f'_P{self.persistent_ctas}' if self.persistent_ctas else ''}"
+        )
 
     @property
     def wgmma_n(self) -> int:
@@ -309,13 +382,12 @@ def smem_bytes(
 
 def fits_smem(config: TuningConfig, *, group: int, has_offsets: bool, scale_bytes: int = 2) -> bool:
     """Whether ``config`` fits Hopper's SMEM budget (with room for barriers)."""
-    used = smem_bytes(config, group=group, has_offsets=has_offsets, scale_bytes=scale_bytes)
+    return _fits(smem_bytes(config, group=group, has_offsets=has_offsets, scale_bytes=scale_bytes))
+
+
+def _fits(used: int) -> bool:
+    """Whether ``used`` bytes of buffers fit one CTA's SMEM with room for barriers (:func:`fits_smem`)."""
     return used + _SMEM_SLACK_BYTES <= SMEM_BUDGET_BYTES
-
-
-def _wave_efficiency(ctas: int, slots: int) -> float:
-    """Fraction of CTA slots doing work over the waves a launch of ``ctas`` CTAs needs."""
-    return ctas / (math.ceil(ctas / slots) * slots)
 
 
 def _pow2_at_least(m: int) -> int:
@@ -323,7 +395,12 @@ def _pow2_at_least(m: int) -> int:
 
 
 def estimated_instructions_per_weight(
-    config: TuningConfig, group: int, has_offsets: bool, *, refills: bool = True
+    config: TuningConfig,
+    group: int,
+    has_offsets: bool,
+    *,
+    refills: bool = True,
+    model: CostModel = COST_MODEL,
 ) -> float:
     """A rough count of the main loop's SASS instructions per weight per thread, for ranking configs.
 
@@ -340,40 +417,50 @@ def estimated_instructions_per_weight(
     the 82 decode picks of the Llama-3 shapes and two squares at M = 1-64 (g128, both routes), the estimate
     is off by 0.06 instructions per weight (rms), 0.14 at most (it was 0.32 and 0.85 before this fit).
     """
-    c = config
+    c, cm = config, model
     per_thread_step = c.tiles * c.tile_k / 2  # weights a thread dequantizes per step
     hgmmas = c.tiles * c.tile_k // 16 + (c.tile_k // 16 if c.scales_on == "accumulators" else 0)
     if c.compute_wgs > 1:
-        per_step = 15 + 2.5 * hgmmas
+        per_step = cm.ws_step + cm.ws_per_hgmma * hgmmas
     elif c.producer or not refills:
-        # Fitted to the X-ray of the accumulator route's decode picks (70 cases, M <= 64, two WGMMA calls a
-        # step): ~40 a step, ~8 a call (its descriptor; measured apart, Llama-3-8B q/o at M = 16: 269 ->
-        # 253 a step for two calls fewer), ~9 more a call with offsets, ~1.1 an HGMMA.
         calls = c.tile_k // wgmma_k(c, group)
-        per_step = 40 + (17 if has_offsets and c.scales_on == "accumulators" else 8) * calls + 1.1 * hgmmas
+        per_call = (
+            cm.lean_per_call_offsets if has_offsets and c.scales_on == "accumulators" else cm.lean_per_call
+        )
+        per_step = cm.lean_step + per_call * calls + cm.lean_per_hgmma * hgmmas
     else:
-        per_step = 100 + 2 * hgmmas
-    ipw = 0.875 + 0.125 + per_step / per_thread_step
+        per_step = cm.step + cm.step_per_hgmma * hgmmas
+    ipw = cm.dequant + cm.hgmma + per_step / per_thread_step
     if c.scales_on == "weights":  # a subtract and a multiply per pair; an offset rides in an HFMA2
-        ipw += 1.0 + (0.03 if has_offsets else 0.0)
+        ipw += cm.exact + (cm.exact_offsets if has_offsets else 0.0)
     elif folds_bias(c, has_offsets):  # one FFMA per accumulator element and group
-        # (~6 more a group with a producer: X-ray of the 512-deep picks, 0.06-0.12 over the estimate without)
-        ipw += (c.wgmma_n + (14 if c.producer else 8)) / min(group, c.tile_k)
+        ipw += (c.wgmma_n + (cm.folded_fixed_producer if c.producer else cm.folded_fixed)) / min(
+            group, c.tile_k
+        )
     else:
-        ipw += (2 * c.wgmma_n + 8) / min(group, c.tile_k)
+        ipw += (cm.acc_per_column * c.wgmma_n + cm.acc_fixed) / min(group, c.tile_k)
     return ipw
 
 
 def modeled_times_us(
-    config: TuningConfig, m: int, n_pad: int, k_pad: int, group: int, has_offsets: bool, num_sms: int
+    config: TuningConfig,
+    m: int,
+    n_pad: int,
+    k_pad: int,
+    group: int,
+    has_offsets: bool,
+    num_sms: int,
+    gpu: GpuSpec = H200,
 ) -> dict[str, float]:
-    """The heuristics' cost model (H200 figures), its parts in microseconds: ``hbm``, ``issue``, ``tensor``
-    and ``extra`` (split-K's reduction, a launch); :func:`modeled_time_us` combines them.
+    """The heuristics' cost model (``gpu``'s figures, the H200's by default; ``num_sms`` is the SM count
+    asked for), its parts in microseconds: ``hbm``, ``issue``, ``tensor`` and ``extra`` (split-K's
+    reduction, a launch); :func:`modeled_time_us` combines them.
 
     HBM time counts the bytes over the bandwidth the busy SMs can pull (an idle SM is lost bandwidth);
     issue time the instructions of :func:`estimated_instructions_per_weight` on the busiest SM; split-K
     adds its reduction in the cluster (each CTA reads 1 / S of the f32 tile from each of S CTAs through
-    distributed SMEM, taken as ~32 bytes per cycle per SM); an x copy by the wrapper a second launch (~2 us).
+    distributed SMEM at ``gpu.dsmem_bytes_per_cycle_per_sm``); an x copy by the wrapper a second launch
+    (``gpu.launch_s``).
     """
     m_tiles = 1 if config.slices > 1 else -(-m // config.tile_m)
     ctas = n_pad // config.cta_rows * m_tiles * config.split_k
@@ -381,17 +468,17 @@ def modeled_times_us(
     nbytes = n_pad * k_pad / 2 + 2 * (m * k_pad + m * n_pad) + 2 * n_pad * -(-k_pad // group)
     t_reduce = 0.0
     if config.split_k > 1:
-        t_reduce = config.tile_m * config.cta_rows * 4 / 32 / 1.98e9
-    t_hbm = nbytes / (4.8e12 * min(1.0, ctas / num_sms))
+        t_reduce = config.tile_m * config.cta_rows * 4 / gpu.dsmem_bytes_per_cycle_per_sm / gpu.clock_hz
+    t_hbm = nbytes / (gpu.hbm_bytes_per_s * min(1.0, ctas / num_sms))
     ipw = estimated_instructions_per_weight(config, group, has_offsets, refills=refills(config, k_pad))
     busiest = weights / 32 * ipw / ctas * math.ceil(ctas / num_sms)  # warp-instructions on one SM
-    t_issue = busiest / (4 * 1.98e9)
+    t_issue = busiest / (gpu.issue_per_sm_cycle * gpu.clock_hz)
     # The accumulator route runs one more WGMMA a chunk, the constant A tile's, shared by the A tiles.
     hgmma_share = (config.tiles + 1) / config.tiles if config.scales_on == "accumulators" else 1.0
-    t_tensor = 2.0 * m_tiles * config.wgmma_n * n_pad * k_pad * hgmma_share / 989e12
+    t_tensor = 2.0 * m_tiles * config.wgmma_n * n_pad * k_pad * hgmma_share / gpu.bf16_flops
     # The wrapper's zero rows of x are a launch; where the kernel cannot store y's M rows itself, the slice
     # of y is another (:func:`stores_any_rows`).
-    launch = 2e-6 * (x_rows(m, config) != m) * (1 if stores_any_rows(config) else 2)
+    launch = gpu.launch_s * (x_rows(m, config) != m) * (1 if stores_any_rows(config) else 2)
     extra = t_reduce + launch
     return {"hbm": t_hbm * 1e6, "issue": t_issue * 1e6, "tensor": t_tensor * 1e6, "extra": extra * 1e6}
 
@@ -441,7 +528,6 @@ def heuristic_config(
     *,
     has_offsets: bool = True,
     scale_bytes: int = 2,
-    warp_specialized: bool = True,
 ) -> TuningConfig:
     """Chooses a config for an (M, K_pad) x (K_pad, N_pad) problem on a GPU with ``num_sms`` SMs.
 
@@ -464,8 +550,8 @@ def heuristic_config(
         raise ValueError(f"heuristic_config: bad problem M={m}, N_pad={n_pad}, K_pad={k_pad}")
     group = group_rows(k_pad, group_size)
     decode = m <= 64
-    scored: list[tuple[float, tuple[float, ...], TuningConfig]] = []
-    for shape in _candidate_shapes(m, n_pad, k_pad, group, decode, warp_specialized):
+    scored: list[tuple[float, Rank, TuningConfig]] = []
+    for shape in _candidate_shapes(m, n_pad, k_pad, group, decode):
         probe = TuningConfig(**shape)
         try:
             probe.check_problem(m, n_pad, k_pad, group)
@@ -477,7 +563,7 @@ def heuristic_config(
                 continue  # every step has a slot: all copies go out up front, a producer saves nothing
             config = dataclasses.replace(probe, max_concurrent_steps=steps)
             used = smem_bytes(config, group=group, has_offsets=has_offsets, scale_bytes=scale_bytes)
-            if used + _SMEM_SLACK_BYTES > SMEM_BUDGET_BYTES:
+            if not _fits(used):
                 continue
             # A producer's CTA takes the whole register file (two warpgroups, up to 256 registers each).
             resident = 1 if config.producer else max(1, SMEM_PER_SM_BYTES // (used + _SMEM_SLACK_BYTES))
@@ -492,18 +578,20 @@ def heuristic_config(
             hidden = decode and (config.producer or up_front or min(resident, -(-ctas // num_sms)) >= 2)
             # Prefill ties go to less issue time (the dequantization hides better behind WGMMA: a 256-wide
             # M tile halves it per FLOP), then to less tensor-core time (no WGMMA columns wasted on padding).
-            issue = 0.0 if decode else -round(times["issue"], 2)
-            tensor = 0.0 if decode else -round(times["tensor"], 2)
-            rank = (hidden, -round(ipw, 1), config.tiles, config.tile_k, steps, -ipw)
-            scored.append((t, (issue, tensor, *rank), config))
+            d = COST_MODEL.tie_decimals
+            issue = 0.0 if decode else -round(times["issue"], d)
+            tensor = 0.0 if decode else -round(times["tensor"], d)
+            rank = Rank(issue, tensor, hidden, -round(ipw, 1), config.tiles, config.tile_k, steps, -ipw)
+            scored.append((t, rank, config))
     if not scored:
         raise ValueError(
             f"heuristic_config: no config fits M={m}, N_pad={n_pad}, K_pad={k_pad}, group={group}"
         )
     fastest = min(t for t, _, _ in scored)
-    best: tuple[tuple[float, ...], TuningConfig] | None = None
+    best: tuple[Rank, TuningConfig] | None = None
+    d = COST_MODEL.tie_decimals
     for t, rank, config in scored:  # the fastest to the hundredth of a microsecond, then the best rank
-        if round(t, 2) == round(fastest, 2) and (best is None or rank > best[0]):  # the first of equal ranks
+        if round(t, d) == round(fastest, d) and (best is None or rank > best[0]):  # the first of equal ranks
             best = (rank, config)
     assert best is not None
     if decode:
@@ -512,12 +600,14 @@ def heuristic_config(
 
 
 def _fewer_instructions_nearly_as_fast(
-    scored: list[tuple[float, tuple[float, ...], TuningConfig]],
-    best: tuple[tuple[float, ...], TuningConfig],
+    scored: list[tuple[float, Rank, TuningConfig]],
+    best: tuple[Rank, TuningConfig],
     fastest: float,
-) -> tuple[tuple[float, ...], TuningConfig]:
-    """A decode config within DECODE_TIE of the fastest modeled time, hiding latency as well, that issues
-    at least DECODE_IPW_GAIN fewer instructions per weight (estimated) than ``best``, if there is one.
+    model: CostModel = COST_MODEL,
+) -> tuple[Rank, TuningConfig]:
+    """A decode config within ``model.decode_tie`` of the fastest modeled time, hiding latency as well, that
+    issues at least ``model.decode_ipw_gain`` fewer instructions per weight (estimated) than ``best``, if
+    there is one.
 
     The model does not resolve a few percent: at Llama-3-8B down, M = 16, the split-K clusters' reductions
     (0.13 against 0.06 us, 1.0%) are all that separate two A tiles on four CTAs per output tile (X-ray: 1.68
@@ -525,18 +615,16 @@ def _fewer_instructions_nearly_as_fast(
     M = 32, two A tiles on 4 CTAs (1.91) are 2.7% slower in the model than exact weights with two K slices
     (2.42), so the tie allows 3%. Accumulator-route tiles stay within tiles * WGMMA N <= 64 (64 accumulator
     columns split 8 ways spill, and the candidates leave them out: :func:`_candidate_shapes`)."""
-    # Ranks are (issue, tensor, hidden, -instructions per weight to 0.1, tiles, tile_k, steps, -instructions
-    # per weight): heuristic_config. The gain is measured on the unrounded estimates.
-    (_, _, best_hidden, *_, best_neg_ipw), _ = best
+    # The gain is measured on the unrounded estimates (Rank.neg_ipw).
+    best_rank = best[0]
     found = best
     for t, rank, config in scored:
-        _, _, hidden, *_, neg_ipw = rank
         fits = config.scales_on == "accumulators"  # (within tiles * WGMMA N <= 64: _candidate_shapes)
         if (
             fits
-            and t <= fastest * (1 + DECODE_TIE)
-            and hidden >= best_hidden
-            and neg_ipw >= best_neg_ipw + DECODE_IPW_GAIN
+            and t <= fastest * (1 + model.decode_tie)
+            and rank.hidden >= best_rank.hidden
+            and rank.neg_ipw >= best_rank.neg_ipw + model.decode_ipw_gain
             and rank > found[0]
         ):
             found = (rank, config)
@@ -554,10 +642,10 @@ def _persistent_where_it_pays(config: TuningConfig, m: int, n_pad: int, num_sms:
 
 
 def _candidate_shapes(
-    m: int, n_pad: int, k_pad: int, group: int, decode: bool, warp_specialized: bool
+    m: int, n_pad: int, k_pad: int, group: int, decode: bool
 ) -> Iterable[dict[str, object]]:
     if not decode:
-        wgs = 2 if warp_specialized and n_pad % 128 == 0 else 1
+        wgs = 2 if n_pad % 128 == 0 else 1
         for tiles, tile_k, split_k in itertools.product((2, 1), (128, 64), (1, 2, 4, 8)):
             if split_k > 1 and wgs > 1 and 128 // split_k > MAX_WS_SLAB_ROWS:
                 continue

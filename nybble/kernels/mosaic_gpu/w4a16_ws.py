@@ -34,6 +34,7 @@ from nybble.kernels.mosaic_gpu import pipeline, split_k
 from nybble.kernels.mosaic_gpu.common import (
     Problem,
     exact_weights_step,
+    kernel_name,
     operand_specs,
     reduce_split_k,
     store_tiles,
@@ -134,6 +135,6 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array]) -> jax.Array:
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=active_params(),
-        kernel_name="nybble_w4a16_ws",
+        kernel_name=kernel_name(p),
     )
     return call(*operands)
