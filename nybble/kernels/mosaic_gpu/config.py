@@ -17,17 +17,15 @@ decode GEMM needs no split-K (see fragments.py). Two dequantization routes (``sc
 Families from :func:`heuristic_config`:
   * decode (M <= 64): one compute warpgroup per CTA, K slices for M <= 8. Where the pipeline refills its
     slots (more K steps than slots), a producer warpgroup issues the TMA (``producer``): the compute loop
-    loses the copies' ~60 instructions a step (X-ray, Llama-3-8B down at M = 16: 2.66 -> 2.17
-    instructions per weight) and TMA runs the whole pipeline ahead; the CTA then holds the SM's register
-    file, one per SM. Where every step has a slot, all copies go out up front and no producer is needed;
-    small CTAs may then run two per SM. On the accumulator route with groups of >= 128 a step may be
-    512 deep (``WIDE_STEP_K``), which halves the step's fixed cost per weight;
+    loses the copies' ~60 instructions a step and TMA runs the whole pipeline ahead; the CTA then holds the
+    SM's register file, one per SM. Where every step has a slot, all copies go out up front and no
+    producer is needed; small CTAs may then run two per SM. On the accumulator route with groups of >= 128
+    a step may be 512 deep (``WIDE_STEP_K``), which halves the step's fixed cost per weight;
   * prefill (M > 64): warp-specialized, a TMA warpgroup feeding two compute warpgroups that share each x
     tile, 128- or 256-wide WGMMA N. Where the model's times tie (the tensor cores bound every candidate),
     the one issuing least wins: from M ~ 1024 (and at M = 256 of the widest N) that is
     a 256-wide M tile with one A tile per warpgroup, which dequantizes each weight once per 256 rows of x
-    (X-ray, Llama-3-8B q/o at M = 2048: 2.66 instructions per weight against 2.44 for two A tiles and
-    128-wide M, so 0.55x the instructions per FLOP).
+    (about half the instructions per FLOP of two A tiles at 128-wide M).
 Prefill launches with more output tiles than SMs run on a persistent grid of one CTA per SM
 (``persistent_ctas``). Either family may split K over ``split_k`` CTAs (2, 4 or 8 where the tile has
 that many 8-row slabs of y, :func:`split_k_shares`; prefill's 128-row tiles down to 16-row slabs, e.g.
@@ -35,9 +33,10 @@ Llama-3-8B kv at M = 128: 8 output tiles, 64 CTAs; decode's 16-row tiles over 4 
 tile each) when the output tiles alone leave SMs idle: those CTAs form one thread-block cluster and sum
 their f32 partials through distributed SMEM (split_k.py), so a split-K matmul is one launch like any
 other. Decode takes a config up to 3% slower in the model where it issues >= 0.10 fewer instructions per
-weight (Llama-3-8B down at M = 16: two A tiles on 4 CTAs per output tile, 1.68 instructions per weight in
-the X-ray, against one A tile on 2 CTAs, 1.83). The model's tensor-core time counts the accumulator route's
+weight (the model cannot resolve a few percent). The model's tensor-core time counts the accumulator route's
 constant-tile WGMMAs, (tiles + 1) / tiles the weights' own: one A tile at WGMMA N = 32 is tensor-bound.
+The fitted coefficients are :class:`CostModel`'s; the dated X-ray figures behind each rule are in
+docs/performance-log.md.
 """
 
 from __future__ import annotations
@@ -329,8 +328,8 @@ def splits_k(tile_m: int, split_k: int, tiles: int) -> bool:
 def folds_bias(config: TuningConfig, has_offsets: bool) -> bool:
     """Whether the accumulator route takes 136 * sum(x) off each group's accumulator inside WGMMA, with a
     constant A tile of -136 (common.scaled_accumulators_step): symmetric groups (offsets need sum(x) on
-    its own) and one A tile (with more, that tile's WGMMAs would repeat per A tile; X-ray: 1.63 -> 1.93
-    instructions per weight at tiles=4, 2.98 -> 2.66 at tiles=1, Llama-3-8B down). Such a symmetric
+    its own) and one A tile (with more, that tile's WGMMAs would repeat per A tile: more instructions,
+    docs/performance-log.md). Such a symmetric
     kernel is not the asymmetric one minus the offsets: the suite interprets it, lowers it once per fold
     class (tests/test_kernel_lowering.py) and compiles its asymmetric twin, whose loop is longer (X-ray)."""
     return config.scales_on == "accumulators" and not has_offsets and config.tiles == 1
@@ -344,9 +343,8 @@ def scale_rows_per_step(config: TuningConfig, group: int) -> int:
 def wgmma_k(config: TuningConfig, group: int) -> int:
     """K one WGMMA call covers: :data:`WGMMA_K`, or the step's K, or on the accumulator route a group's
     (each group has its own accumulator), where that is less. Calls stay one chunk wide where the wider
-    A operand costs ptxas more than it saves (X-ray, instructions per weight): in the warp-specialized
-    kernel, 168 registers a thread (Llama-3-70B gate-up at M = 128, two A tiles: 2.58 -> 2.72), and for
-    exact weights against a 128-wide accumulator (SmolLM2-135M down at M = 2048: 3.46 -> 3.60)."""
+    A operand costs ptxas more than it saves: in the warp-specialized kernel (168 registers a thread), and
+    for exact weights against a 128-wide accumulator (docs/performance-log.md)."""
     if config.compute_wgs > 1 or (config.scales_on == "weights" and config.wgmma_n > 64):
         return CHUNK_K
     span = config.tile_k if config.scales_on == "weights" else min(config.tile_k, group)
@@ -405,17 +403,16 @@ def estimated_instructions_per_weight(
     """A rough count of the main loop's SASS instructions per weight per thread, for ranking configs.
 
     Calibrated on the X-ray of this kernel (bench/xray): 3 SHF + 4 LOP3 per 8 weights, one HGMMA per 8;
-    exact weights add a bf16x2 subtract and multiply per pair (with offsets a fused multiply-add: X-ray,
-    Llama-3-8B down at M = 64, 2.53 instructions per weight either way); the accumulator
+    exact weights add a bf16x2 subtract and multiply per pair (with offsets a fused multiply-add); the
+    accumulator
     route adds the constant tile's WGMMA of each 64-wide chunk and ~2 FFMA per accumulator element and group
     (~1 where :func:`folds_bias`);
     each step costs ~100 instructions of barriers, descriptors and TMA, and ~2 per HGMMA; with a producer
     warpgroup issuing the TMA, or when nothing ``refills`` a slot (every step has its own and all copies go
     out before the first), ~56 and ~1.1 per HGMMA, ~18 more with offsets on the accumulator route, for WGMMA
     calls two chunks wide (:func:`wgmma_k`; ~8 more per call of one chunk); in the warp-specialized
-    kernel, whose pipeline has constant slots (pipeline.py), ~15 and ~2.5 per HGMMA. Against the X-ray of
-    the 82 decode picks of the Llama-3 shapes and two squares at M = 1-64 (g128, both routes), the estimate
-    is off by 0.06 instructions per weight (rms), 0.14 at most (it was 0.32 and 0.85 before this fit).
+    kernel, whose pipeline has constant slots (pipeline.py), ~15 and ~2.5 per HGMMA. The coefficients are
+    ``model``'s (:class:`CostModel`); the fit's error against the X-ray is in docs/performance-log.md.
     """
     c, cm = config, model
     per_thread_step = c.tiles * c.tile_k / 2  # weights a thread dequantizes per step
@@ -609,12 +606,11 @@ def _fewer_instructions_nearly_as_fast(
     issues at least ``model.decode_ipw_gain`` fewer instructions per weight (estimated) than ``best``, if
     there is one.
 
-    The model does not resolve a few percent: at Llama-3-8B down, M = 16, the split-K clusters' reductions
-    (0.13 against 0.06 us, 1.0%) are all that separate two A tiles on four CTAs per output tile (X-ray: 1.68
-    instructions per weight) from one A tile on two (1.83), over 6.6 us of streaming; at Llama-3-8B q/o,
-    M = 32, two A tiles on 4 CTAs (1.91) are 2.7% slower in the model than exact weights with two K slices
-    (2.42), so the tie allows 3%. Accumulator-route tiles stay within tiles * WGMMA N <= 64 (64 accumulator
-    columns split 8 ways spill, and the candidates leave them out: :func:`_candidate_shapes`)."""
+    The model does not resolve a few percent: a split-K cluster's reduction, a percent of the streaming
+    time, can be all that separates a config issuing fewer instructions per weight from one issuing more,
+    so the tie allows 3% (the cases: docs/performance-log.md). Accumulator-route tiles stay within tiles *
+    WGMMA N <= 64 (64 accumulator columns split 8 ways spill, and the candidates leave them out:
+    :func:`_candidate_shapes`)."""
     # The gain is measured on the unrounded estimates (Rank.neg_ipw).
     best_rank = best[0]
     found = best
