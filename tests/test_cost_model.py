@@ -27,7 +27,7 @@ def test_specs_and_lookup():
         get_gpu("a100")
     assert current_gpu() is H200  # no GPU here: the default spec
     # The X-ray's deviceless topology takes the same spec.
-    from nybble.kernels.xray import target
+    from bench.kernel_xray import target
 
     assert target.GPUS is GPUS
     assert "core_count: 132" in target.target_config(H200)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from bench.arg_specs import Shape
+from bench.kernel_xray import sass
 from bench.xray import marlin
 from bench.xray.cases import JAX_MIXED, MARLIN, TOKAMAX, Case, build_cases, moe_cases
-from nybble.kernels.xray import sass
 
 # ------------------------------------------------------------------------ Marlin's host-side choice
 
@@ -133,8 +133,8 @@ def _install(what):
 
 
 def test_marlin_compiles_with_nvcc_from_wheels():
+    from bench.kernel_xray import find_toolchain
     from bench.xray import peer_tools
-    from nybble.kernels.xray import find_toolchain
 
     _install(peer_tools.cuda_tree)
     _install(peer_tools.vllm_source)

@@ -101,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--update-baseline", action="store_true", help="write today's kernel numbers as the baseline"
     )
+    p.add_argument(
+        "--ceilings",
+        type=Path,
+        default=None,
+        metavar="BENCH_JSON",
+        help="the model's copy bandwidth and bf16 rate from this bench.json (a `python -m bench` run on the "
+        "same GPU model); default: the spec sheet's",
+    )
     p.add_argument("--no-plot", action="store_true")
     return p
 
@@ -129,10 +137,10 @@ def _commit() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from bench.arg_specs import SHAPES, select_shapes
+    from bench.kernel_xray import ToolchainMissing, get_gpu
     from bench.xray import model, report
     from bench.xray.cases import build_cases
     from bench.xray.runner import run_cases
-    from nybble.kernels.xray import ToolchainMissing, get_gpu
 
     peers = list(PEERS) if args.peers is None else (args.peers or list(ALL_PEERS))
     try:
@@ -162,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m bench.xray: {e}", file=sys.stderr)
         return 2
     records.update(peer_runs.other_records(cases, unavailable, gpu))
-    ceilings = model.ceilings_for(gpu)
+    try:
+        ceilings = model.ceilings_for(gpu, args.ceilings)
+    except (OSError, ValueError) as e:
+        print(f"python -m bench.xray: --ceilings: {e}", file=sys.stderr)
+        return 2
     models = {k: model.model_case(r, gpu, ceilings) for k, r in records.items() if "error" not in r}
     rows = report.build_rows(records, models)
     import jax

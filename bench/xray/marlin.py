@@ -42,8 +42,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.kernel_xray import sass as sass_lib
 from bench.xray import peer_tools
-from nybble.kernels.xray import sass as sass_lib
 
 # torch's CUDA extension build (torch.utils.cpp_extension) passes these to nvcc; vLLM adds -O3.
 TORCH_EXTENSION_FLAGS = (

@@ -32,7 +32,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from nybble.kernels.xray.toolchain import cache_dir
+from bench.kernel_xray.toolchain import cache_dir
 
 # Pinned: SASS counts depend on the compiler and the sources.
 CUDA_WHEELS = (

@@ -14,9 +14,9 @@ import importlib.metadata
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from bench.kernel_xray import GpuSpec
 from bench.report import format_table
 from bench.xray.cases import JAX_MIXED, MARLIN, MOSAIC, NYBBLE_XLA, TOKAMAX, XLA_BF16, Case
-from nybble.kernels.xray import GpuSpec
 
 # Why Machete (vLLM's Hopper mixed-input CUTLASS GEMM) has no row: what stops compiling it here.
 MACHETE_NOTE = (
@@ -70,8 +70,8 @@ def other_records(
     cases: Iterable[Case], unavailable: dict[str, str], gpu: GpuSpec
 ) -> dict[str, dict[str, Any]]:
     """Records of the cases the workers do not compile: Marlin's, and every unavailable peer's."""
+    from bench.kernel_xray import find_toolchain
     from bench.xray import marlin
-    from nybble.kernels.xray import find_toolchain
 
     out: dict[str, dict[str, Any]] = {}
     nvdisasm = None

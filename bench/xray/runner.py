@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.kernel_xray import child_environment, find_toolchain
 from bench.xray.cases import Case
-from nybble.kernels.xray import child_environment, find_toolchain
 
 REPO = Path(__file__).resolve().parents[2]
 

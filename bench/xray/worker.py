@@ -38,8 +38,8 @@ def serve(read_case: Callable[[dict], Any], compile_case: Callable[[Any, dict], 
 def main() -> int:
     import os
 
+    from bench.kernel_xray import get_gpu, xray_compile
     from bench.xray.cases import MOSAIC, TOKAMAX, Case, kernel_plan, program, tokamax_deviceless
-    from nybble.kernels.xray import get_gpu, xray_compile
 
     gpu = get_gpu(sys.argv[1] if len(sys.argv) > 1 else "h200")
     # The peers' packages (bench.xray.peer_tools), after the venv's own: jax and numpy stay the venv's.

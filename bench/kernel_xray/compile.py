@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nybble.kernels.xray import hlo, sass
-from nybble.kernels.xray.target import deviceless_devices
-from nybble.kernels.xray.toolchain import EXTRA_HINT, in_compile_process
+from bench.kernel_xray import hlo, sass
+from bench.kernel_xray.target import deviceless_devices
+from bench.kernel_xray.toolchain import EXTRA_HINT, in_compile_process
 
 _DUMP_FLAGS = ("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_SASS")
 
@@ -170,7 +170,7 @@ def xray_compile(
     Args:
       fn: a function of ``args``; it is jitted here.
       args: arrays or ShapeDtypeStructs (pytrees of them); only shapes and dtypes matter.
-      gpu: "h200" or "h100" (see ``nybble.kernels.xray.target.GPUS``).
+      gpu: "h200" or "h100" (see ``bench.kernel_xray.target.GPUS``).
       keep_dumps: a folder to keep Mosaic GPU's dumps in (default: a temporary folder, deleted).
       devices: None compiles for one device. Else deviceless devices (``deviceless_devices(gpu, n)``) of
         an SPMD compile: ShapeDtypeStructs whose ``sharding`` is on them keep it (a ``NamedSharding`` over a
@@ -185,8 +185,7 @@ def xray_compile(
     if not in_compile_process():
         raise RuntimeError(
             "xray_compile must run in a process set up for deviceless CUDA compiles (see "
-            "nybble.kernels.xray.toolchain.child_environment; `python -m bench.xray` starts one). "
-            + EXTRA_HINT
+            "bench.kernel_xray.toolchain.child_environment; `python -m bench.xray` starts one). " + EXTRA_HINT
         )
     if devices is None:
         abstract_args = abstract(args, deviceless_devices(gpu, 1)[0])

@@ -49,7 +49,7 @@ def deviceless_devices(
 
     ``hosts`` None spreads them one per host (topology ``1xNx1``); ``hosts=1`` puts them all in one host
     (``1x1xN``, an 8-GPU NVLink node), any divisor of ``num_devices`` in between. Needs a process set up by
-    :func:`nybble.kernels.xray.toolchain.child_environment`.
+    :func:`bench.kernel_xray.toolchain.child_environment`.
     """
     from jax.experimental import topologies
 
