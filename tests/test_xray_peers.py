@@ -174,3 +174,24 @@ def test_tokamax_and_jax_int8_compile_in_the_workers():
         # Both peers feed the weights to WGMMA from registers (the dequantized int4 / int8 tile).
         assert loop["weight_hgmmas"] > 0 and loop["instructions_per_weight"] > 1.0
         assert any(la["kind"] == "mosaic_gpu" for la in rec["report"]["launches"])
+
+
+def test_bench_report_quotes_the_peers_xray(tmp_path):
+    import json
+
+    from bench.report import xray_peers_section
+
+    loop = {"instructions": 733, "instructions_per_weight": 2.863}
+    rows = [
+        {"shape": "s", "m": 1, "peer": MARLIN, "quant": "g128-sym", "launches": 1,
+         "kernel": {"registers": 96, "spill_bytes": 0, "loop": loop}},
+        {"shape": "s", "m": 2, "peer": MARLIN, "quant": "g128-sym", "launches": 1, "kernel": None},
+    ]  # fmt: skip
+    path = tmp_path / "results" / "xray-peers" / "xray.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"commit": "abc", "rows": rows}))
+    text = "\n".join(xray_peers_section([{"shape": "s", "m": 1}], path))
+    assert "| s | 1 | vllm:marlin | g128-sym | 96 | 0 | 733 | 2.86 | 1 |" in text.splitlines()
+    assert "| s | 2 |" not in text  # M = 2 was not timed
+    assert xray_peers_section([{"shape": "other", "m": 1}], path) == []
+    assert xray_peers_section([{"shape": "s", "m": 1}], tmp_path / "missing.json") == []
