@@ -18,14 +18,19 @@ from bench.kernel_xray import GpuSpec
 from bench.report import format_table
 from bench.xray.cases import JAX_MIXED, MARLIN, MOSAIC, NYBBLE_XLA, TOKAMAX, XLA_BF16, Case
 
-# Why Machete (vLLM's Hopper mixed-input CUTLASS GEMM) has no row: what stops compiling it here.
+# Machete (vLLM's Hopper mixed-input CUTLASS GEMM) is not a row yet: what compiling it took here, by hand.
 MACHETE_NOTE = (
-    "vllm:machete not compiled: its kernels are instantiated by csrc/quantization/machete/generate.py, "
-    "which imports vLLM's Python package (vllm_cutlass_library_extension -> cutlass_library from the "
-    "CUTLASS checkout CMake fetches) and writes one .cu per schedule; the sources then include torch's "
-    "full C++ API (machete_mm_launcher.cuh: torch/all.h, ATen) rather than the header-only subset Marlin "
-    "needs, so a build needs vLLM's CMake build tree (torch with its CUDA headers, CUTLASS 4.x) and is not "
-    "reachable from the sdist and PyPI wheels alone on this machine."
+    "vllm:machete (not wired in): compiled by hand on this CPU, one schedule (bf16 x GPTQ u4b8, g128 bf16 "
+    "scales, 128x16 tile, cooperative, stream-K). It needs more than Marlin: csrc/quantization/machete/"
+    "generate.py runs with nvidia-cutlass 4.2.0.0's cutlass_library and jinja2 (PyPI) and writes 8 .cu "
+    "parts of ~9 schedules each; the sources include torch's stable C++ API (torch_utils.h: "
+    "torch/csrc/stable, aoti shim), so torch's headers are needed (a CPU torch wheel's serve, with "
+    "-DUSE_CUDA so that the CUDA stream shims are declared) plus cublas_v2.h (a one-line stand-in, host "
+    "code only), and CUTLASS 4.x headers (nvidia-cutlass). nvcc 13.5 from the wheels then builds it: 168 "
+    "registers, 8 + 16 bytes spill, ptxas C7510 'wgmma serialized ... crossing function boundary'; one "
+    "schedule took ~25 min of a shared 2-core machine. Its HGMMA loop under the X-ray's rule (1,770 "
+    "instructions, 12 HGMMA.64x16x16, 18.4 per weight) includes the stream-K scheduler and fixup, not the "
+    "steady-state K loop: not a comparable count yet."
 )
 
 
