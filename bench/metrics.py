@@ -38,10 +38,12 @@ def dense_weight_bytes(k: int, n: int, itemsize: int = BF16_BYTES) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Ceilings:
-    """Measured limits of the device: copy bandwidth (read + written) and the bf16 matmul rate."""
+    """Limits of the device: copy bandwidth (read + written) and the bf16 matmul rate, measured by the
+    benchmark (``bench.device.measure_ceilings``) or a spec sheet's (``source`` says which)."""
 
     copy_bytes_per_s: float
     bf16_flops_per_s: float
+    source: str = "measured"
 
     def roofline_s(self, flops: float, nbytes: float) -> float:
         """The floor: the larger of FLOPs over the matmul rate and bytes over the copy bandwidth."""

@@ -258,4 +258,44 @@ def markdown_report(result: dict[str, Any]) -> str:
     ]
     if result.get("host"):
         lines += ["", "## Host-side work", "", host_tables(result["host"], markdown=True)]
+    peers_xray = xray_peers_section(result["rows"])
+    if peers_xray:
+        lines += ["", *peers_xray]
     return "\n".join(lines) + "\n"
+
+
+# The committed X-ray of nybble beside its peers (`make xray-peers`), quoted in the benchmark's report.
+XRAY_PEERS_JSON = Path(__file__).resolve().parent / "results" / "xray-peers" / "xray.json"
+
+
+def xray_peers_section(rows: Sequence[dict[str, Any]], path: Path = XRAY_PEERS_JSON) -> list[str]:
+    """Markdown lines: the peers' X-ray (registers, spills, loop instructions, instructions per weight,
+    launches) for the (shape, M) cases this run timed, from the committed ``make xray-peers`` result;
+    none when that file is absent or shares no case with the run."""
+    try:
+        xray = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    timed = {(r["shape"], r["m"]) for r in rows}
+    cases = [r for r in xray.get("rows", []) if (r["shape"], r["m"]) in timed]
+    if not cases:
+        return []
+    header = ["shape", "M", "peer", "quant", "regs", "spill", "loop instr", "instr/w", "launches"]
+    body = []
+    for r in sorted(cases, key=lambda r: (r["shape"], r["m"], r["peer"])):
+        k = r.get("kernel") or {}
+        loop = k.get("loop") or {}
+        ipw = loop.get("instructions_per_weight")
+        body.append(
+            [r["shape"], str(r["m"]), r["peer"], r["quant"], str(k.get("registers", "-")),
+             str(k.get("spill_bytes", "-")), str(loop.get("instructions", "-")),
+             "-" if ipw is None else f"{ipw:.2f}", "-" if "error" in r else str(r.get("launches", "-"))]
+        )  # fmt: skip
+    return [
+        "## The same cases compiled side by side (X-ray: sm_90a SASS compiled on a CPU, not timed)",
+        "",
+        f"From {path.parent.parent.name}/{path.parent.name}/{path.name} (commit {xray.get('commit')}); "
+        "`make xray-peers` rebuilds it.",
+        "",
+        format_table(header, body, True),
+    ]

@@ -5,7 +5,7 @@ dependencies (jax, numpy, ml-dtypes, tqdm, threadpoolctl). Extras: ``models`` (f
 tokenizers: ``nybble.models``, the ``nybble`` command line, reading GPTQ/AWQ safetensors files), ``bench``
 (matplotlib: the benchmark's plot), ``test`` (pytest, hypothesis, ruff), ``cuda12`` / ``cuda13`` (jax's
 CUDA plugin and CUDA libraries: the GPU kernel), ``xray`` (the kernel X-ray's toolchain, which explains
-itself: ``nybble.kernels.xray.toolchain``).
+itself: ``bench.kernel_xray.toolchain`` in a nybble checkout).
 """
 
 from __future__ import annotations

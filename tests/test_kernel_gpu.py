@@ -92,10 +92,7 @@ def _cases(rows):
 
 
 def _config_id(c: TuningConfig) -> str:
-    return (
-        f"t{c.tiles}m{c.tile_m}k{c.tile_k}S{c.slices}p{c.max_concurrent_steps}x{c.split_k}b{c.grid_tile_m}"
-        f"w{c.compute_wgs}{c.scales_on[:3]}"
-    )
+    return c.tag
 
 
 def _run_exact(config, m, k, n, group, symmetric, *, x_dtype, scale_dtype, seed):

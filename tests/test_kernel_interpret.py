@@ -603,10 +603,7 @@ def test_partial_last_group_exact(group):
         TuningConfig(tiles=1, tile_m=128, tile_k=64, max_concurrent_steps=3, split_k=8, compute_wgs=2),
         TuningConfig(tiles=1, tile_m=8, tile_k=64, max_concurrent_steps=4, compute_wgs=2, grid_tile_m=2),
     ],
-    ids=lambda c: (
-        f"t{c.tiles}m{c.tile_m}k{c.tile_k}S{c.slices}p{c.max_concurrent_steps}x{c.split_k}b{c.grid_tile_m}"
-        f"w{c.compute_wgs}{c.scales_on[:3]}"
-    ),
+    ids=lambda c: c.tag,
 )
 def test_configs_random(config):
     rng = np.random.default_rng(config.tile_m + config.split_k)
@@ -747,12 +744,7 @@ def _distinct_heuristic_configs() -> list[tuple[TuningConfig, int | None, bool]]
 @pytest.mark.parametrize(
     "config, group, symmetric",
     _distinct_heuristic_configs(),
-    ids=lambda v: (
-        f"t{v.tiles}m{v.tile_m}k{v.tile_k}S{v.slices}p{v.max_concurrent_steps}x{v.split_k}w{v.compute_wgs}"
-        f"{'+tma' if v.producer else ''}{v.scales_on[:3]}{'P' if v.persistent_ctas else ''}"
-        if isinstance(v, TuningConfig)
-        else str(v)
-    ),
+    ids=lambda v: v.tag if isinstance(v, TuningConfig) else str(v),
 )
 def test_every_heuristic_config_in_interpret_mode(config, group, symmetric):
     if config.persistent_ctas:  # 4 output tiles over 3 CTAs: one CTA runs two

@@ -47,8 +47,8 @@ def test_eight_cpu_devices():
 
 
 def test_moe_experts_compiled_for_eight_h100s():
-    from nybble.kernels.xray import ToolchainMissing
-    from nybble.kernels.xray.toolchain import child_environment, find_toolchain
+    from bench.kernel_xray import ToolchainMissing
+    from bench.kernel_xray.toolchain import child_environment, find_toolchain
 
     try:
         toolchain = find_toolchain()

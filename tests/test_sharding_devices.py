@@ -112,10 +112,10 @@ def test_two_processes_each_read_their_shards(tmp_path):
 
 def test_llama_mlp_compiled_for_eight_h100s():
     """A SwiGLU block (gate, up column-parallel; down row-parallel) at tp = 8 on deviceless H100s."""
+    from bench.kernel_xray import ToolchainMissing, get_gpu
     from bench.xray.runner import run_cases
     from bench.xray.shard import summarize
     from bench.xray.shard_cases import ShardCase
-    from nybble.kernels.xray import ToolchainMissing, get_gpu
 
     case = ShardCase("mlp", 1024, 4096, 16, 8)
     try:

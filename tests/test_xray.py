@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.kernel_xray import GPUS, ToolchainMissing, find_toolchain, hlo, sass, toolchain
 from bench.xray import model, report
 from bench.xray.cases import MOSAIC, gate_cases
-from nybble.kernels.xray import GPUS, ToolchainMissing, find_toolchain, hlo, sass, toolchain
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = GPUS["h200"]
@@ -336,28 +336,30 @@ def test_gate_compiles_every_config_once():
     assert all(not sym for (*key, sym) in keys if tuple(key) in asym)
 
 
-def test_folded_symmetric_loops_are_shorter_than_their_asymmetric_twins():
-    """Why the gate compiles the asymmetric twin of a kernel that folds the bias when symmetric: in the
-    committed sweep every such symmetric kernel has a shorter main loop and no more registers."""
-    from nybble.kernels.mosaic_gpu.config import TuningConfig, folds_bias
+def test_folded_symmetric_loop_is_shorter_than_its_asymmetric_twin(compiled):
+    """Why the gate compiles the asymmetric twin of a kernel that folds the bias when symmetric: the
+    symmetric kernel (one FMA a group fewer, one accumulator) has the shorter main loop and no more
+    registers. Compiles the symmetric twin of a gate case and compares it with the gate's compile."""
+    import dataclasses
 
-    rows = json.loads((REPO / "bench/results/xray-2026-12-01-v5/xray.json").read_text())["rows"]
-    kernels = {}
-    for r in rows:
-        if r["peer"] == MOSAIC and r["quant"].startswith("g128"):
-            config = TuningConfig(**r["config"])
-            kernels.setdefault((r["shape"], r["m"]), {})[r["quant"].endswith("-sym")] = (config, r["kernel"])
-    pairs = [
-        (sym, asym)
-        for both in kernels.values()
-        if len(both) == 2
-        for sym, asym in [(both[True], both[False])]
-        if sym[0] == asym[0] and folds_bias(sym[0], has_offsets=False)
-    ]
-    assert len(pairs) >= 6
-    for (_, sym), (_, asym) in pairs:
-        assert sym["loop"]["instructions"] < asym["loop"]["instructions"]
-        assert sym["registers"] <= asym["registers"] and sym["spill_bytes"] == 0
+    from bench.xray.cases import kernel_key
+    from bench.xray.runner import run_cases
+    from nybble.kernels.mosaic_gpu.config import folds_bias
+
+    twins = []
+    for asym in _CASES:
+        if asym.symmetric:
+            continue
+        config = kernel_key(asym, H200.sms)[0]
+        sym = dataclasses.replace(asym, symmetric=True)
+        if folds_bias(config, has_offsets=False) and kernel_key(sym, H200.sms)[0] == config:
+            twins.append((sym, asym))
+    assert twins, "no gate case folds the bias when symmetric"
+    sym, asym = twins[0]
+    sym_kernel = run_cases([sym], gpu="h200", jobs=1, progress=False)[sym.key]["report"]["kernels"][0]
+    asym_kernel = compiled[asym.key]["report"]["kernels"][0]
+    assert sym_kernel["loop"]["instructions"] < asym_kernel["loop"]["instructions"]
+    assert sym_kernel["registers"] <= asym_kernel["registers"] and sym_kernel["spill_bytes"] == 0
 
 
 def test_gate_covers_both_kernel_families():

@@ -4,6 +4,7 @@ Examples::
 
     python -m bench.xray                                   # named shapes x M 1..4096, g128 sym/asym
     python -m bench.xray --shapes llama3-8b-qo 4096x11008 --ms 1 16 --groups 128:sym 64:asym
+    python -m bench.xray --peers --shapes llama3-8b-qo --ms 1 16   # Marlin, tokamax, JAX's int8 example too
     python -m bench.xray --check                           # exit 1 on a regression against the baseline
     python -m bench.xray --update-baseline                 # record today's numbers as the baseline
 """
@@ -19,7 +20,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.xray.cases import DEFAULT_GROUPS, DEFAULT_MS, MOSAIC, PEERS
+from bench.xray.cases import (
+    ALL_PEERS,
+    DEFAULT_GROUPS,
+    DEFAULT_MS,
+    EXTERNAL_PEERS,
+    MARLIN,
+    MOE_SHAPES,
+    MOSAIC,
+    PEERS,
+    TOKAMAX,
+)
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 
@@ -58,7 +69,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="G:sym|asym",
         help="group settings (default 128:sym 128:asym; col for per column)",
     )
-    p.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS), help="what to compile")
+    p.add_argument(
+        "--peers",
+        nargs="*",
+        choices=ALL_PEERS,
+        default=None,
+        help=f"what to compile (default {' '.join(PEERS)}); --peers alone: also {', '.join(EXTERNAL_PEERS)} "
+        "(their toolchains install into nybble's cache on first use, see bench/xray/peer_tools.py)",
+    )
+    p.add_argument(
+        "--moe",
+        nargs="+",
+        choices=(*MOE_SHAPES, "none"),
+        default=list(MOE_SHAPES),
+        help=f"MoE shapes compiled for {TOKAMAX} (grouped, fused gate-up) when it is among the peers",
+    )
     p.add_argument("--gpu", default="h200", choices=("h200", "h100"), help="the GPU compiled for")
     p.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: cores, <= 4)")
     p.add_argument(
@@ -75,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--update-baseline", action="store_true", help="write today's kernel numbers as the baseline"
+    )
+    p.add_argument(
+        "--ceilings",
+        type=Path,
+        default=None,
+        metavar="BENCH_JSON",
+        help="the model's copy bandwidth and bf16 rate from this bench.json (a `python -m bench` run on the "
+        "same GPU model); default: the spec sheet's",
     )
     p.add_argument("--no-plot", action="store_true")
     return p
@@ -104,14 +137,19 @@ def _commit() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from bench.arg_specs import SHAPES, select_shapes
+    from bench.kernel_xray import ToolchainMissing, get_gpu
     from bench.xray import model, report
     from bench.xray.cases import build_cases
     from bench.xray.runner import run_cases
-    from nybble.kernels.xray import ToolchainMissing, get_gpu
 
+    peers = list(PEERS) if args.peers is None else (args.peers or list(ALL_PEERS))
     try:
         shapes = select_shapes(args.shapes or list(SHAPES))
-        cases = build_cases(shapes, args.ms, args.groups, args.peers)
+        cases = build_cases(shapes, args.ms, args.groups, peers)
+        if TOKAMAX in peers and "none" not in args.moe:
+            from bench.xray.cases import moe_cases
+
+            cases += moe_cases(args.moe, args.ms)
     except ValueError as e:
         print(f"python -m bench.xray: {e}", file=sys.stderr)
         return 2
@@ -122,12 +160,21 @@ def main(argv: list[str] | None = None) -> int:
         "not a timing.",
         file=sys.stderr,
     )
+    from bench.xray import peers as peer_runs
+
+    toolchains, unavailable, extra_env = peer_runs.prepare(peers)
+    jax_cases = [c for c in cases if c.peer != MARLIN and c.peer not in unavailable]
     try:
-        records = run_cases(cases, gpu=gpu.name, jobs=args.jobs)
+        records = run_cases(jax_cases, gpu=gpu.name, jobs=args.jobs, extra_env=extra_env) if jax_cases else {}
     except ToolchainMissing as e:
         print(f"python -m bench.xray: {e}", file=sys.stderr)
         return 2
-    ceilings = model.ceilings_for(gpu)
+    records.update(peer_runs.other_records(cases, unavailable, gpu))
+    try:
+        ceilings = model.ceilings_for(gpu, args.ceilings)
+    except (OSError, ValueError) as e:
+        print(f"python -m bench.xray: --ceilings: {e}", file=sys.stderr)
+        return 2
     models = {k: model.model_case(r, gpu, ceilings) for k, r in records.items() if "error" not in r}
     rows = report.build_rows(records, models)
     import jax
@@ -136,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         "schema": report.SCHEMA,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "commit": _commit(),
-        "versions": {"jax": jax.__version__, "python": sys.version.split()[0]},
+        "versions": {"jax": jax.__version__, "python": sys.version.split()[0], **toolchains},
         "gpu": {k: v for k, v in vars(gpu).items()},
         "ceilings": vars(ceilings),
         "model": model.__doc__,
@@ -160,7 +207,12 @@ def main(argv: list[str] | None = None) -> int:
             f"nybble kernel X-ray, {gpu.description} (compiled on a CPU; model, not timing)",
         )
         files += [png] if png else []
-    print(report.table(rows))
+    if any(r["peer"] in EXTERNAL_PEERS for r in rows):
+        from bench.xray.peers import peer_tables
+
+        print(peer_tables(rows))
+    else:
+        print(report.table(rows))
     print(f"\nwrote {', '.join(str(f) for f in files)} ({result['elapsed_s']} s)")
     if args.update_baseline:
         path = report.write_baseline(

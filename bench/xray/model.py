@@ -6,51 +6,43 @@
   the launch dequantizes (every M tile dequantizes all of W) over the weights one loop pass feeds.
 - HBM-bound: the bytes every launch of the call reads and writes (XLA's operand and result types, each
   byte once: L2 reuse of x across CTAs is assumed perfect) over the copy bandwidth measured on that GPU by
-  ``python -m bench`` when such a run is in ``bench/results/``, else the spec sheet's.
+  ``python -m bench`` when its bench.json is given (``--ceilings``), else the spec sheet's.
 - tensor-core-bound: 2 * M * N * K FLOPs (M padded to the kernel's tile for nybble's kernels) over the
-  bf16 dense rate, measured when available, else the spec sheet's.
+  bf16 dense rate, measured when given, else the spec sheet's.
 The largest of the three is the model's time; its name is the bound.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
 from typing import Any
 
-from nybble.kernels.xray import GpuSpec
+from bench.kernel_xray import GpuSpec
+from bench.metrics import Ceilings
 
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 WARP_THREADS = 32
 WARPGROUP_THREADS = 128
 
 
-@dataclasses.dataclass(frozen=True)
-class Ceilings:
-    copy_bytes_per_s: float
-    bf16_flops_per_s: float
-    source: str  # "spec sheet" or the bench.json they were measured in
-
-
-def ceilings_for(gpu: GpuSpec, results_dir: Path = RESULTS_DIR) -> Ceilings:
-    """Measured ceilings from the newest ``bench.json`` of a run on this GPU model, else the spec sheet's."""
-    found: list[tuple[str, Path, dict[str, Any]]] = []
-    for path in results_dir.glob("*/bench.json"):
-        try:
-            result = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        machine = json.dumps(result.get("machine", {})).lower()
-        ceilings = result.get("ceilings", {})
-        gpu_word = gpu.name.lower()
-        if gpu_word in machine and ceilings.get("copy_bytes_per_s") and ceilings.get("bf16_flops_per_s"):
-            found.append((str(result.get("machine", {}).get("date", "")), path, ceilings))
-    if found:
-        _, path, ceilings = max(found, key=lambda t: (t[0], str(t[1])))
-        return Ceilings(ceilings["copy_bytes_per_s"], ceilings["bf16_flops_per_s"], f"measured: {path}")
-    return Ceilings(gpu.hbm_bytes_per_s, gpu.bf16_flops, "spec sheet")
+def ceilings_for(gpu: GpuSpec, bench_json: Path | None = None) -> Ceilings:
+    """The ceilings of the model: those measured in ``bench_json`` (a ``python -m bench`` result on this
+    GPU model), else the spec sheet's. Never a file found on its own: which measurement a model uses is
+    the caller's explicit choice (``python -m bench.xray --ceilings PATH``)."""
+    if bench_json is None:
+        return Ceilings(gpu.hbm_bytes_per_s, gpu.bf16_flops, "spec sheet")
+    result = json.loads(Path(bench_json).read_text())
+    ceilings = result.get("ceilings", {})
+    machine = json.dumps(result.get("machine", {})).lower()
+    if not (ceilings.get("copy_bytes_per_s") and ceilings.get("bf16_flops_per_s")):
+        raise ValueError(f"{bench_json}: no measured ceilings (copy_bytes_per_s, bf16_flops_per_s)")
+    if gpu.name.lower() not in machine:
+        raise ValueError(
+            f"{bench_json} was measured on {result.get('machine', {}).get('device', '?')!r}, not an "
+            f"{gpu.description}: pass a bench.json of this GPU model, or none for the spec sheet"
+        )
+    return Ceilings(ceilings["copy_bytes_per_s"], ceilings["bf16_flops_per_s"], f"measured: {bench_json}")
 
 
 def resident_ctas(gpu: GpuSpec, *, smem_bytes: int, registers: int, threads: int) -> int:

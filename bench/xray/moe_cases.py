@@ -158,8 +158,8 @@ def kernel_plan(case: MoeCase, num_sms: int) -> dict[str, Any]:
 
 def worker_main() -> int:
     """The compiling side (``python -m bench.xray.moe_worker GPU``, bench/xray/worker.py's protocol)."""
+    from bench.kernel_xray import get_gpu, xray_compile
     from bench.xray.worker import serve
-    from nybble.kernels.xray import get_gpu, xray_compile
 
     gpu = get_gpu(sys.argv[2] if len(sys.argv) > 2 else "h200")
 
@@ -199,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--update-baseline", action="store_true")
     p.add_argument("--list", action="store_true", help="print the cases and exit")
     args = p.parse_args(argv)
+    from bench.kernel_xray import get_gpu
     from bench.xray import model, report
     from bench.xray.runner import run_cases
-    from nybble.kernels.xray import get_gpu
 
     gpu = get_gpu("h200")
     cases = build_cases({s: MOE_SHAPES[s] for s in args.shapes}, tuple(args.tokens))

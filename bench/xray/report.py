@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import format_table, write_json
-from bench.xray.cases import MOSAIC
+from bench.xray.cases import EXTERNAL_PEERS, MOSAIC, Case
 
 SCHEMA = "nybble-xray/1"
 BASELINE_SCHEMA = "nybble-xray-baseline/1"
@@ -18,8 +18,8 @@ IPW_TOLERANCE = 0.03
 
 COLUMN_HELP = {
     "config": (
-        "TuningConfig: A tiles, tile_m, tile_k, K slices, slots, split-K, warpgroups, scales on acc/wt, "
-        "P: a persistent grid of that many CTAs"
+        "TuningConfig.tag: A tiles, tile_m, tile_k, K slices, slots, split-K, grid band, warpgroups, "
+        "scales on acc/wt, _tma: a producer warpgroup, _P: a persistent grid of that many CTAs"
     ),
     "regs": "registers per thread (ptxas)",
     "spill": "spill bytes, stores + loads (ptxas)",
@@ -40,18 +40,12 @@ COLUMN_HELP = {
 
 
 def short_config(config: dict[str, Any] | None) -> str:
-    """``t2 m1 k128 S8 p4 x1 w1 acc``: A tiles, tile_m, tile_k, K slices, pipeline slots, split-K, compute
-    warpgroups (``w1+tma``: and a producer warpgroup issuing the TMA), where the scales go (acc: on the
-    accumulators, wt: on the weights), and ``P132`` for a persistent grid of 132 CTAs."""
+    """The config's ``TuningConfig.tag`` (the kernel's name without ``nybble_w4a16_``), or "-"."""
     if not config:
         return "-"
-    return (
-        f"t{config['tiles']} m{config['tile_m']} k{config['tile_k']} S{config['slices']} "
-        f"p{config['max_concurrent_steps']} x{config['split_k']} w{config['compute_wgs']}"
-        f"{'+tma' if config.get('producer') else ''} "
-        f"{'acc' if config['scales_on'] == 'accumulators' else 'wt'}"
-        f"{' P' + str(config['persistent_ctas']) if config.get('persistent_ctas') else ''}"
-    )
+    from nybble.kernels.mosaic_gpu import TuningConfig
+
+    return TuningConfig(**config).tag
 
 
 def _f(v: Any, fmt: str = "{:.2f}") -> str:
@@ -130,14 +124,7 @@ def build_rows(records: dict[str, dict[str, Any]], models: dict[str, dict[str, A
     rows = []
     for key, rec in records.items():
         case = rec["case"]
-        quant = (
-            "-"
-            if case["peer"] == "xla:bf16"
-            else (
-                f"{'col' if case['group_size'] is None else 'g' + str(case['group_size'])}-"
-                f"{'sym' if case['symmetric'] else 'asym'}"
-            )
-        )
+        quant = Case(**case).quant_label
         row: dict[str, Any] = {
             "key": key,
             "shape": case["shape"],
@@ -146,6 +133,8 @@ def build_rows(records: dict[str, dict[str, Any]], models: dict[str, dict[str, A
             "m": case["m"],
             "quant": quant,
             "peer": case["peer"],
+            "experts": case.get("experts", 0),
+            "top_k": case.get("top_k", 0),
         }
         if "error" in rec:
             row["error"] = rec["error"]
@@ -186,6 +175,20 @@ def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
         "## Launches and main-loop instruction mix",
         "",
     ]
+    if any(r["peer"] in EXTERNAL_PEERS for r in result["rows"]):
+        from bench.xray.peers import PEER_COLUMNS, peer_tables
+
+        versions = ", ".join(f"{k} {v}" for k, v in result["versions"].items())
+        md[md.index("## Columns") : md.index("## Columns")] = [
+            "## Peers side by side (one table per shape and M)",
+            "",
+            f"Toolchains: {versions}.",
+            "",
+            *[f"- **{k}**: {v}" for k, v in PEER_COLUMNS.items()],
+            "",
+            peer_tables(result["rows"], markdown=True),
+            "",
+        ]
     for r in result["rows"]:
         if "error" in r:
             continue

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.kernel_xray import child_environment, find_toolchain
 from bench.xray.cases import Case
-from nybble.kernels.xray import child_environment, find_toolchain
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,11 +30,14 @@ def run_cases(
     jobs: int | None = None,
     progress: bool = True,
     worker: str = "bench.xray.worker",
+    extra_env: dict[str, str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Compiles every case in ``jobs`` worker processes; returns the worker's record per case key.
 
     ``worker`` is the module run as ``python -m WORKER GPU``: one JSON case a line on stdin (a dataclass
     with ``key``, ``k``, ``n``, ``m``), one JSON record a line on stdout (``bench.xray.worker``'s protocol).
+
+    ``extra_env``: more environment for the workers (the peers' sites, ``bench.xray.peer_tools``).
 
     Raises ``ToolchainMissing`` (naming the ``xray`` extra) when the toolchain is not installed.
     """
@@ -44,6 +47,7 @@ def run_cases(
     env = child_environment(toolchain)
     path = [str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     env["PYTHONPATH"] = os.pathsep.join(path)
+    env.update(extra_env or {})
     jobs = max(1, min(jobs or default_jobs(), len(cases) or 1))
     # Heaviest first (large M and wide shapes compile longest), dealt round-robin to the workers.
     ordered = sorted(cases, key=lambda c: -(c.k * c.n) * max(c.m, 1) ** 0.25)

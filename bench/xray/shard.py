@@ -147,7 +147,7 @@ def summarize(record: dict[str, Any], gpu: Any, copy_bytes_per_s: float) -> dict
 
 
 def _ring_factor(op: str, g: int) -> float:
-    from nybble.kernels.xray.hlo import Collective
+    from bench.kernel_xray.hlo import Collective
 
     return Collective("", op, 1, g, "").ring_bytes_per_device
 
@@ -220,10 +220,10 @@ def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from bench.kernel_xray import ToolchainMissing, get_gpu
     from bench.xray.__main__ import _commit
     from bench.xray.runner import run_cases
     from bench.xray.shard_cases import build_cases
-    from nybble.kernels.xray import ToolchainMissing, get_gpu
 
     try:
         k, n = (int(v) for v in args.shape.lower().split("x"))

@@ -17,7 +17,7 @@ _QUOTED_KINDS = frozenset({"mosaic_gpu", "cublas", "cublasLt", "triton_gemm"})
 
 def quoted_lines(hlo_text: str) -> list[str]:
     """The entry computation's kernel and collective lines, cut before their (long) backend_config."""
-    from nybble.kernels.xray import hlo
+    from bench.kernel_xray import hlo
 
     collective = {c.name for c in hlo.collectives(hlo_text)}
     out = []
@@ -29,9 +29,9 @@ def quoted_lines(hlo_text: str) -> list[str]:
 
 
 def main() -> int:
+    from bench.kernel_xray import deviceless_devices, get_gpu, xray_compile
     from bench.xray.shard_cases import MOSAIC, ShardCase, kernel_plans, program
     from bench.xray.worker import serve
-    from nybble.kernels.xray import deviceless_devices, get_gpu, xray_compile
 
     gpu = get_gpu(sys.argv[1] if len(sys.argv) > 1 else "h100")
 

@@ -1,6 +1,6 @@
 """Compiles an int4 MoE layer's experts for 8 deviceless H100s (one NVLink node); prints a JSON line of facts.
 
-Run by tests/test_moe_sharding.py in a process set up by ``nybble.kernels.xray.toolchain.child_environment``.
+Run by tests/test_moe_sharding.py in a process set up by ``bench.kernel_xray.toolchain.child_environment``.
 The experts' SwiGLU, ``down(silu(x @ gate) * (x @ up))`` over rows sorted by expert, with the stacks split
 4 ways over the mesh's expert axis and 2 ways inside each expert (gate/up column-, down row-parallel), on the
 XLA path (the grouped kernel is the per-device op once it is built in). Facts: the per-device codes
@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import nybble
-from nybble.kernels.xray import deviceless_devices, xray_compile
+from bench.kernel_xray import deviceless_devices, xray_compile
 from nybble.sharding import ExpertParallel, shard_experts
 
 EXPERTS, HIDDEN, INTER, ROWS, EP, TP = 16, 1024, 512, 64, 4, 2

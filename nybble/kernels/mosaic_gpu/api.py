@@ -94,13 +94,21 @@ batching.primitive_batchers[_requires_gpu_p] = lambda args, dims: (_requires_gpu
 
 
 def plan(
-    m: int, qw: QuantizedWeight, *, num_sms: int = DEFAULT_NUM_SMS, config: TuningConfig | None = None
+    m: int,
+    qw: QuantizedWeight,
+    *,
+    num_sms: int = DEFAULT_NUM_SMS,
+    config: TuningConfig | None = None,
+    dtype: Any = jnp.bfloat16,
 ) -> Problem:
     """The kernel launch one ``nybble.matmul`` of M rows against ``qw`` makes: config, padding, grid.
 
-    ``config`` None takes :func:`heuristic_config`'s choice for a GPU of ``num_sms`` SMs. What the X-ray
-    (``bench.xray``) reads to model a call, and what the wrapper itself runs.
+    ``config`` None takes :func:`heuristic_config`'s choice for a GPU of ``num_sms`` SMs; ``dtype`` is the
+    activations' (bf16 or f16: both 2 bytes, so the same config). What the X-ray (``bench.xray``) reads to
+    model a call, and what the wrapper itself runs.
     """
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"plan: activations must be bfloat16 or float16, got {jnp.dtype(dtype)}")
     k_pad, n_pad = qw.padded_shape
     if config is None:
         config = heuristic_config(
@@ -121,7 +129,7 @@ def plan(
     m = max(m, 1)
     config.check_problem(m, n_pad, k_pad, qw.group)
     has_offsets = qw.offsets is not None
-    return Problem(m, n_out, n_pad, k_pad, qw.group, jnp.bfloat16, has_offsets, config, x_rows(m, config))
+    return Problem(m, n_out, n_pad, k_pad, qw.group, jnp.dtype(dtype), has_offsets, config, x_rows(m, config))
 
 
 def _forward(x2d: jax.Array, qw: QuantizedWeight, config: TuningConfig | None, num_sms: int) -> jax.Array:
@@ -130,7 +138,7 @@ def _forward(x2d: jax.Array, qw: QuantizedWeight, config: TuningConfig | None, n
     k_pad = qw.padded_shape[0]
     if m == 0:
         return jnp.zeros((0, n), x2d.dtype)
-    p = plan(m, qw, num_sms=num_sms, config=config)
+    p = plan(m, qw, num_sms=num_sms, config=config, dtype=x2d.dtype)
     if not is_interpret_active():
         x2d = _requires_gpu_p.bind(x2d)
     m_x = p.x_rows

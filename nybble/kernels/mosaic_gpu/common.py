@@ -219,6 +219,12 @@ def store_rows(src: Any, out_gmem: Any, cols: Any, rows: RowWindow) -> None:
         offset = offset + (rows.count & size)
 
 
+def kernel_name(p: Problem, base: str = "nybble_w4a16") -> str:
+    """``<base>_<config tag>``, ``_o`` with offsets: what a profiler and the X-ray show (``base``: the
+    kernel family, ``nybble_w4a16`` dense, ``nybble_grouped_w4a16`` grouped)."""
+    return f"{base}_{p.config.tag}{'_o' if p.has_offsets else ''}"
+
+
 def operand_views(p: Problem, x: jax.Array, codes: jax.Array, scales: Any, offsets: Any) -> list[Any]:
     """The GMEM arrays the kernel's TMA reads, as reshapes of the wrapper's operands."""
     c = p.config

@@ -17,17 +17,15 @@ decode GEMM needs no split-K (see fragments.py). Two dequantization routes (``sc
 Families from :func:`heuristic_config`:
   * decode (M <= 64): one compute warpgroup per CTA, K slices for M <= 8. Where the pipeline refills its
     slots (more K steps than slots), a producer warpgroup issues the TMA (``producer``): the compute loop
-    loses the copies' ~60 instructions a step (X-ray, Llama-3-8B down at M = 16: 2.66 -> 2.17
-    instructions per weight) and TMA runs the whole pipeline ahead; the CTA then holds the SM's register
-    file, one per SM. Where every step has a slot, all copies go out up front and no producer is needed;
-    small CTAs may then run two per SM. On the accumulator route with groups of >= 128 a step may be
-    512 deep (``WIDE_STEP_K``), which halves the step's fixed cost per weight;
+    loses the copies' ~60 instructions a step and TMA runs the whole pipeline ahead; the CTA then holds the
+    SM's register file, one per SM. Where every step has a slot, all copies go out up front and no
+    producer is needed; small CTAs may then run two per SM. On the accumulator route with groups of >= 128
+    a step may be 512 deep (``WIDE_STEP_K``), which halves the step's fixed cost per weight;
   * prefill (M > 64): warp-specialized, a TMA warpgroup feeding two compute warpgroups that share each x
     tile, 128- or 256-wide WGMMA N. Where the model's times tie (the tensor cores bound every candidate),
     the one issuing least wins: from M ~ 1024 (and at M = 256 of the widest N) that is
     a 256-wide M tile with one A tile per warpgroup, which dequantizes each weight once per 256 rows of x
-    (X-ray, Llama-3-8B q/o at M = 2048: 2.66 instructions per weight against 2.44 for two A tiles and
-    128-wide M, so 0.55x the instructions per FLOP).
+    (about half the instructions per FLOP of two A tiles at 128-wide M).
 Prefill launches with more output tiles than SMs run on a persistent grid of one CTA per SM
 (``persistent_ctas``). Either family may split K over ``split_k`` CTAs (2, 4 or 8 where the tile has
 that many 8-row slabs of y, :func:`split_k_shares`; prefill's 128-row tiles down to 16-row slabs, e.g.
@@ -35,9 +33,10 @@ Llama-3-8B kv at M = 128: 8 output tiles, 64 CTAs; decode's 16-row tiles over 4 
 tile each) when the output tiles alone leave SMs idle: those CTAs form one thread-block cluster and sum
 their f32 partials through distributed SMEM (split_k.py), so a split-K matmul is one launch like any
 other. Decode takes a config up to 3% slower in the model where it issues >= 0.10 fewer instructions per
-weight (Llama-3-8B down at M = 16: two A tiles on 4 CTAs per output tile, 1.68 instructions per weight in
-the X-ray, against one A tile on 2 CTAs, 1.83). The model's tensor-core time counts the accumulator route's
+weight (the model cannot resolve a few percent). The model's tensor-core time counts the accumulator route's
 constant-tile WGMMAs, (tiles + 1) / tiles the weights' own: one A tile at WGMMA N = 32 is tensor-bound.
+The fitted coefficients are :class:`CostModel`'s; the dated X-ray figures behind each rule are in
+docs/performance-log.md.
 """
 
 from __future__ import annotations
@@ -47,9 +46,10 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from nybble.kernels.device import DEFAULT_NUM_SMS
+from nybble.kernels.gpu import H200, GpuSpec
 from nybble.packing.groups import MIN_GROUP_SIZE, group_rows
 
 # Hopper's opt-in SMEM per CTA (cudaDevAttrMaxSharedMemoryPerBlockOptin), what Mosaic checks against.
@@ -73,11 +73,70 @@ WGMMA_K = 128
 MAX_SPLIT_K = 8  # the split_k CTAs of one output tile form a cluster: 8 is the portable maximum
 # y rows one CTA of a warp-specialized split-K cluster sums (tile_m / split_k): 64 spill 32 bytes (X-ray).
 MAX_WS_SLAB_ROWS = 32
-# A decode config this much slower in the model than the fastest is still taken where it issues at least
-# DECODE_IPW_GAIN fewer instructions per weight (heuristic_config).
-DECODE_TIE = 0.03
-DECODE_IPW_GAIN = 0.10
 ScalesOn = Literal["accumulators", "weights"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """The heuristics' fitted coefficients, in one place, each with what it was fitted on (the X-ray of this
+    kernel, ``python -m bench.xray``; docs/performance-log.md has the dated figures). Change one here and
+    rerun ``tools/heuristic_picks.py`` before and after to see which picks move.
+
+    Instruction estimate (:func:`estimated_instructions_per_weight`), per weight per thread unless said:
+    """
+
+    # 3 SHF + 4 LOP3 per 8 weights (the magic-number dequantization) and one HGMMA per 8.
+    dequant: float = 0.875
+    hgmma: float = 0.125
+    # A pipeline step of the one-warpgroup kernel that refills slots itself: ~100 instructions of barriers,
+    # descriptors and TMA, ~2 per HGMMA.
+    step: int = 100
+    step_per_hgmma: int = 2
+    # With a producer warpgroup, or nothing to refill: ~40 a step, ~8 a WGMMA call (its descriptor), ~17 a
+    # call with offsets on the accumulator route, ~1.1 an HGMMA (fitted to the X-ray of 70 accumulator-route
+    # decode picks, M <= 64, two WGMMA calls a step).
+    lean_step: int = 40
+    lean_per_call: int = 8
+    lean_per_call_offsets: int = 17
+    lean_per_hgmma: float = 1.1
+    # The warp-specialized kernel (constant slots, pipeline.py): ~15 a step, ~2.5 an HGMMA.
+    ws_step: int = 15
+    ws_per_hgmma: float = 2.5
+    # Exact weights: a bf16x2 subtract and multiply per pair; an offset rides in an HFMA2 (+0.03).
+    exact: float = 1.0
+    exact_offsets: float = 0.03
+    # Accumulator route, per group and accumulator column: ~2 FFMA and 8 more (~1 and 8 where the bias is
+    # folded, 14 with a producer: the X-ray of the 512-deep picks).
+    acc_per_column: int = 2
+    acc_fixed: int = 8
+    folded_fixed: int = 8
+    folded_fixed_producer: int = 14
+    # Decode near-ties (:func:`_fewer_instructions_nearly_as_fast`): a config this much slower in the model
+    # is still taken where it issues at least ``decode_ipw_gain`` fewer instructions per weight (Llama-3-8B
+    # down and q/o at M = 16-32, the X-ray).
+    decode_tie: float = 0.03
+    decode_ipw_gain: float = 0.10
+    # Modeled times within this many microseconds count as equal (heuristic_config's first ranking).
+    tie_decimals: int = 2
+
+
+COST_MODEL = CostModel()
+# The names these coefficients had before CostModel (kept importable).
+DECODE_TIE = COST_MODEL.decode_tie
+DECODE_IPW_GAIN = COST_MODEL.decode_ipw_gain
+
+
+class Rank(NamedTuple):
+    """How :func:`heuristic_config` orders candidates of equal modeled time: field by field, larger wins."""
+
+    issue: float  # prefill: minus the issue time (to 0.01 us); decode 0
+    tensor: float  # prefill: minus the tensor-core time (to 0.01 us); decode 0
+    hidden: bool  # decode: latency hidden (a producer, every copy up front, or two CTAs per SM)
+    ipw_tenths: float  # minus the estimated instructions per weight, to 0.1
+    tiles: int
+    tile_k: int
+    steps: int  # pipeline depth
+    neg_ipw: float  # minus the estimate, unrounded
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -169,6 +228,19 @@ class TuningConfig:
             raise ValueError(f"TuningConfig: split_k={self.split_k} must be in [1, {MAX_SPLIT_K}]")
 
     @property
+    def tag(self) -> str:
+        """One name for this config, every field in it: kernel names (what a profiler shows), X-ray rows and
+        test ids. ``t2m16k256s1p4x2b8w1acc_tma``: A tiles, tile_m, tile_k, K slices, pipeline slots, split-K,
+        grid band (grid_tile_m), compute warpgroups, scales on accumulators (acc) or weights (wt), then
+        ``_tma`` with a producer warpgroup and ``_P132`` on a persistent grid of 132 CTAs. An identifier."""
+        return (
+            f"t{self.tiles}m{self.tile_m}k{self.tile_k}s{self.slices}p{self.max_concurrent_steps}"
+            f"x{self.split_k}b{self.grid_tile_m}w{self.compute_wgs}"
+            f"{'acc' if self.scales_on == 'accumulators' else 'wt'}"
+            f"{'_tma' if self.producer else ''}{f'_P{self.persistent_ctas}' if self.persistent_ctas else ''}"
+        )
+
+    @property
     def wgmma_n(self) -> int:
         return self.slices * self.tile_m
 
@@ -256,8 +328,8 @@ def splits_k(tile_m: int, split_k: int, tiles: int) -> bool:
 def folds_bias(config: TuningConfig, has_offsets: bool) -> bool:
     """Whether the accumulator route takes 136 * sum(x) off each group's accumulator inside WGMMA, with a
     constant A tile of -136 (common.scaled_accumulators_step): symmetric groups (offsets need sum(x) on
-    its own) and one A tile (with more, that tile's WGMMAs would repeat per A tile; X-ray: 1.63 -> 1.93
-    instructions per weight at tiles=4, 2.98 -> 2.66 at tiles=1, Llama-3-8B down). Such a symmetric
+    its own) and one A tile (with more, that tile's WGMMAs would repeat per A tile: more instructions,
+    docs/performance-log.md). Such a symmetric
     kernel is not the asymmetric one minus the offsets: the suite interprets it, lowers it once per fold
     class (tests/test_kernel_lowering.py) and compiles its asymmetric twin, whose loop is longer (X-ray)."""
     return config.scales_on == "accumulators" and not has_offsets and config.tiles == 1
@@ -271,9 +343,8 @@ def scale_rows_per_step(config: TuningConfig, group: int) -> int:
 def wgmma_k(config: TuningConfig, group: int) -> int:
     """K one WGMMA call covers: :data:`WGMMA_K`, or the step's K, or on the accumulator route a group's
     (each group has its own accumulator), where that is less. Calls stay one chunk wide where the wider
-    A operand costs ptxas more than it saves (X-ray, instructions per weight): in the warp-specialized
-    kernel, 168 registers a thread (Llama-3-70B gate-up at M = 128, two A tiles: 2.58 -> 2.72), and for
-    exact weights against a 128-wide accumulator (SmolLM2-135M down at M = 2048: 3.46 -> 3.60)."""
+    A operand costs ptxas more than it saves: in the warp-specialized kernel (168 registers a thread), and
+    for exact weights against a 128-wide accumulator (docs/performance-log.md)."""
     if config.compute_wgs > 1 or (config.scales_on == "weights" and config.wgmma_n > 64):
         return CHUNK_K
     span = config.tile_k if config.scales_on == "weights" else min(config.tile_k, group)
@@ -309,13 +380,12 @@ def smem_bytes(
 
 def fits_smem(config: TuningConfig, *, group: int, has_offsets: bool, scale_bytes: int = 2) -> bool:
     """Whether ``config`` fits Hopper's SMEM budget (with room for barriers)."""
-    used = smem_bytes(config, group=group, has_offsets=has_offsets, scale_bytes=scale_bytes)
+    return _fits(smem_bytes(config, group=group, has_offsets=has_offsets, scale_bytes=scale_bytes))
+
+
+def _fits(used: int) -> bool:
+    """Whether ``used`` bytes of buffers fit one CTA's SMEM with room for barriers (:func:`fits_smem`)."""
     return used + _SMEM_SLACK_BYTES <= SMEM_BUDGET_BYTES
-
-
-def _wave_efficiency(ctas: int, slots: int) -> float:
-    """Fraction of CTA slots doing work over the waves a launch of ``ctas`` CTAs needs."""
-    return ctas / (math.ceil(ctas / slots) * slots)
 
 
 def _pow2_at_least(m: int) -> int:
@@ -323,57 +393,71 @@ def _pow2_at_least(m: int) -> int:
 
 
 def estimated_instructions_per_weight(
-    config: TuningConfig, group: int, has_offsets: bool, *, refills: bool = True
+    config: TuningConfig,
+    group: int,
+    has_offsets: bool,
+    *,
+    refills: bool = True,
+    model: CostModel = COST_MODEL,
 ) -> float:
     """A rough count of the main loop's SASS instructions per weight per thread, for ranking configs.
 
     Calibrated on the X-ray of this kernel (bench/xray): 3 SHF + 4 LOP3 per 8 weights, one HGMMA per 8;
-    exact weights add a bf16x2 subtract and multiply per pair (with offsets a fused multiply-add: X-ray,
-    Llama-3-8B down at M = 64, 2.53 instructions per weight either way); the accumulator
+    exact weights add a bf16x2 subtract and multiply per pair (with offsets a fused multiply-add); the
+    accumulator
     route adds the constant tile's WGMMA of each 64-wide chunk and ~2 FFMA per accumulator element and group
     (~1 where :func:`folds_bias`);
     each step costs ~100 instructions of barriers, descriptors and TMA, and ~2 per HGMMA; with a producer
     warpgroup issuing the TMA, or when nothing ``refills`` a slot (every step has its own and all copies go
     out before the first), ~56 and ~1.1 per HGMMA, ~18 more with offsets on the accumulator route, for WGMMA
     calls two chunks wide (:func:`wgmma_k`; ~8 more per call of one chunk); in the warp-specialized
-    kernel, whose pipeline has constant slots (pipeline.py), ~15 and ~2.5 per HGMMA. Against the X-ray of
-    the 82 decode picks of the Llama-3 shapes and two squares at M = 1-64 (g128, both routes), the estimate
-    is off by 0.06 instructions per weight (rms), 0.14 at most (it was 0.32 and 0.85 before this fit).
+    kernel, whose pipeline has constant slots (pipeline.py), ~15 and ~2.5 per HGMMA. The coefficients are
+    ``model``'s (:class:`CostModel`); the fit's error against the X-ray is in docs/performance-log.md.
     """
-    c = config
+    c, cm = config, model
     per_thread_step = c.tiles * c.tile_k / 2  # weights a thread dequantizes per step
     hgmmas = c.tiles * c.tile_k // 16 + (c.tile_k // 16 if c.scales_on == "accumulators" else 0)
     if c.compute_wgs > 1:
-        per_step = 15 + 2.5 * hgmmas
+        per_step = cm.ws_step + cm.ws_per_hgmma * hgmmas
     elif c.producer or not refills:
-        # Fitted to the X-ray of the accumulator route's decode picks (70 cases, M <= 64, two WGMMA calls a
-        # step): ~40 a step, ~8 a call (its descriptor; measured apart, Llama-3-8B q/o at M = 16: 269 ->
-        # 253 a step for two calls fewer), ~9 more a call with offsets, ~1.1 an HGMMA.
         calls = c.tile_k // wgmma_k(c, group)
-        per_step = 40 + (17 if has_offsets and c.scales_on == "accumulators" else 8) * calls + 1.1 * hgmmas
+        per_call = (
+            cm.lean_per_call_offsets if has_offsets and c.scales_on == "accumulators" else cm.lean_per_call
+        )
+        per_step = cm.lean_step + per_call * calls + cm.lean_per_hgmma * hgmmas
     else:
-        per_step = 100 + 2 * hgmmas
-    ipw = 0.875 + 0.125 + per_step / per_thread_step
+        per_step = cm.step + cm.step_per_hgmma * hgmmas
+    ipw = cm.dequant + cm.hgmma + per_step / per_thread_step
     if c.scales_on == "weights":  # a subtract and a multiply per pair; an offset rides in an HFMA2
-        ipw += 1.0 + (0.03 if has_offsets else 0.0)
+        ipw += cm.exact + (cm.exact_offsets if has_offsets else 0.0)
     elif folds_bias(c, has_offsets):  # one FFMA per accumulator element and group
-        # (~6 more a group with a producer: X-ray of the 512-deep picks, 0.06-0.12 over the estimate without)
-        ipw += (c.wgmma_n + (14 if c.producer else 8)) / min(group, c.tile_k)
+        ipw += (c.wgmma_n + (cm.folded_fixed_producer if c.producer else cm.folded_fixed)) / min(
+            group, c.tile_k
+        )
     else:
-        ipw += (2 * c.wgmma_n + 8) / min(group, c.tile_k)
+        ipw += (cm.acc_per_column * c.wgmma_n + cm.acc_fixed) / min(group, c.tile_k)
     return ipw
 
 
 def modeled_times_us(
-    config: TuningConfig, m: int, n_pad: int, k_pad: int, group: int, has_offsets: bool, num_sms: int
+    config: TuningConfig,
+    m: int,
+    n_pad: int,
+    k_pad: int,
+    group: int,
+    has_offsets: bool,
+    num_sms: int,
+    gpu: GpuSpec = H200,
 ) -> dict[str, float]:
-    """The heuristics' cost model (H200 figures), its parts in microseconds: ``hbm``, ``issue``, ``tensor``
-    and ``extra`` (split-K's reduction, a launch); :func:`modeled_time_us` combines them.
+    """The heuristics' cost model (``gpu``'s figures, the H200's by default; ``num_sms`` is the SM count
+    asked for), its parts in microseconds: ``hbm``, ``issue``, ``tensor`` and ``extra`` (split-K's
+    reduction, a launch); :func:`modeled_time_us` combines them.
 
     HBM time counts the bytes over the bandwidth the busy SMs can pull (an idle SM is lost bandwidth);
     issue time the instructions of :func:`estimated_instructions_per_weight` on the busiest SM; split-K
     adds its reduction in the cluster (each CTA reads 1 / S of the f32 tile from each of S CTAs through
-    distributed SMEM, taken as ~32 bytes per cycle per SM); an x copy by the wrapper a second launch (~2 us).
+    distributed SMEM at ``gpu.dsmem_bytes_per_cycle_per_sm``); an x copy by the wrapper a second launch
+    (``gpu.launch_s``).
     """
     m_tiles = 1 if config.slices > 1 else -(-m // config.tile_m)
     ctas = n_pad // config.cta_rows * m_tiles * config.split_k
@@ -381,17 +465,17 @@ def modeled_times_us(
     nbytes = n_pad * k_pad / 2 + 2 * (m * k_pad + m * n_pad) + 2 * n_pad * -(-k_pad // group)
     t_reduce = 0.0
     if config.split_k > 1:
-        t_reduce = config.tile_m * config.cta_rows * 4 / 32 / 1.98e9
-    t_hbm = nbytes / (4.8e12 * min(1.0, ctas / num_sms))
+        t_reduce = config.tile_m * config.cta_rows * 4 / gpu.dsmem_bytes_per_cycle_per_sm / gpu.clock_hz
+    t_hbm = nbytes / (gpu.hbm_bytes_per_s * min(1.0, ctas / num_sms))
     ipw = estimated_instructions_per_weight(config, group, has_offsets, refills=refills(config, k_pad))
     busiest = weights / 32 * ipw / ctas * math.ceil(ctas / num_sms)  # warp-instructions on one SM
-    t_issue = busiest / (4 * 1.98e9)
+    t_issue = busiest / (gpu.issue_per_sm_cycle * gpu.clock_hz)
     # The accumulator route runs one more WGMMA a chunk, the constant A tile's, shared by the A tiles.
     hgmma_share = (config.tiles + 1) / config.tiles if config.scales_on == "accumulators" else 1.0
-    t_tensor = 2.0 * m_tiles * config.wgmma_n * n_pad * k_pad * hgmma_share / 989e12
+    t_tensor = 2.0 * m_tiles * config.wgmma_n * n_pad * k_pad * hgmma_share / gpu.bf16_flops
     # The wrapper's zero rows of x are a launch; where the kernel cannot store y's M rows itself, the slice
     # of y is another (:func:`stores_any_rows`).
-    launch = 2e-6 * (x_rows(m, config) != m) * (1 if stores_any_rows(config) else 2)
+    launch = gpu.launch_s * (x_rows(m, config) != m) * (1 if stores_any_rows(config) else 2)
     extra = t_reduce + launch
     return {"hbm": t_hbm * 1e6, "issue": t_issue * 1e6, "tensor": t_tensor * 1e6, "extra": extra * 1e6}
 
@@ -441,7 +525,6 @@ def heuristic_config(
     *,
     has_offsets: bool = True,
     scale_bytes: int = 2,
-    warp_specialized: bool = True,
     experts: int = 1,
     allow: Callable[[TuningConfig], bool] | None = None,
 ) -> TuningConfig:
@@ -470,8 +553,8 @@ def heuristic_config(
         raise ValueError(f"heuristic_config: bad problem M={m}, N_pad={n_pad}, K_pad={k_pad}")
     group = group_rows(k_pad, group_size)
     decode = m <= 64
-    scored: list[tuple[float, tuple[float, ...], TuningConfig]] = []
-    for shape in _candidate_shapes(m, n_pad, k_pad, group, decode, warp_specialized):
+    scored: list[tuple[float, Rank, TuningConfig]] = []
+    for shape in _candidate_shapes(m, n_pad, k_pad, group, decode):
         probe = TuningConfig(**shape)
         if allow is not None and not allow(probe):
             continue
@@ -485,7 +568,7 @@ def heuristic_config(
                 continue  # every step has a slot: all copies go out up front, a producer saves nothing
             config = dataclasses.replace(probe, max_concurrent_steps=steps)
             used = smem_bytes(config, group=group, has_offsets=has_offsets, scale_bytes=scale_bytes)
-            if used + _SMEM_SLACK_BYTES > SMEM_BUDGET_BYTES:
+            if not _fits(used):
                 continue
             # A producer's CTA takes the whole register file (two warpgroups, up to 256 registers each).
             resident = 1 if config.producer else max(1, SMEM_PER_SM_BYTES // (used + _SMEM_SLACK_BYTES))
@@ -500,18 +583,20 @@ def heuristic_config(
             hidden = decode and (config.producer or up_front or min(resident, -(-ctas // num_sms)) >= 2)
             # Prefill ties go to less issue time (the dequantization hides better behind WGMMA: a 256-wide
             # M tile halves it per FLOP), then to less tensor-core time (no WGMMA columns wasted on padding).
-            issue = 0.0 if decode else -round(times["issue"], 2)
-            tensor = 0.0 if decode else -round(times["tensor"], 2)
-            rank = (hidden, -round(ipw, 1), config.tiles, config.tile_k, steps, -ipw)
-            scored.append((t, (issue, tensor, *rank), config))
+            d = COST_MODEL.tie_decimals
+            issue = 0.0 if decode else -round(times["issue"], d)
+            tensor = 0.0 if decode else -round(times["tensor"], d)
+            rank = Rank(issue, tensor, hidden, -round(ipw, 1), config.tiles, config.tile_k, steps, -ipw)
+            scored.append((t, rank, config))
     if not scored:
         raise ValueError(
             f"heuristic_config: no config fits M={m}, N_pad={n_pad}, K_pad={k_pad}, group={group}"
         )
     fastest = min(t for t, _, _ in scored)
-    best: tuple[tuple[float, ...], TuningConfig] | None = None
+    best: tuple[Rank, TuningConfig] | None = None
+    d = COST_MODEL.tie_decimals
     for t, rank, config in scored:  # the fastest to the hundredth of a microsecond, then the best rank
-        if round(t, 2) == round(fastest, 2) and (best is None or rank > best[0]):  # the first of equal ranks
+        if round(t, d) == round(fastest, d) and (best is None or rank > best[0]):  # the first of equal ranks
             best = (rank, config)
     assert best is not None
     if decode:
@@ -520,31 +605,30 @@ def heuristic_config(
 
 
 def _fewer_instructions_nearly_as_fast(
-    scored: list[tuple[float, tuple[float, ...], TuningConfig]],
-    best: tuple[tuple[float, ...], TuningConfig],
+    scored: list[tuple[float, Rank, TuningConfig]],
+    best: tuple[Rank, TuningConfig],
     fastest: float,
-) -> tuple[tuple[float, ...], TuningConfig]:
-    """A decode config within DECODE_TIE of the fastest modeled time, hiding latency as well, that issues
-    at least DECODE_IPW_GAIN fewer instructions per weight (estimated) than ``best``, if there is one.
+    model: CostModel = COST_MODEL,
+) -> tuple[Rank, TuningConfig]:
+    """A decode config within ``model.decode_tie`` of the fastest modeled time, hiding latency as well, that
+    issues at least ``model.decode_ipw_gain`` fewer instructions per weight (estimated) than ``best``, if
+    there is one.
 
-    The model does not resolve a few percent: at Llama-3-8B down, M = 16, the split-K clusters' reductions
-    (0.13 against 0.06 us, 1.0%) are all that separate two A tiles on four CTAs per output tile (X-ray: 1.68
-    instructions per weight) from one A tile on two (1.83), over 6.6 us of streaming; at Llama-3-8B q/o,
-    M = 32, two A tiles on 4 CTAs (1.91) are 2.7% slower in the model than exact weights with two K slices
-    (2.42), so the tie allows 3%. Accumulator-route tiles stay within tiles * WGMMA N <= 64 (64 accumulator
-    columns split 8 ways spill, and the candidates leave them out: :func:`_candidate_shapes`)."""
-    # Ranks are (issue, tensor, hidden, -instructions per weight to 0.1, tiles, tile_k, steps, -instructions
-    # per weight): heuristic_config. The gain is measured on the unrounded estimates.
-    (_, _, best_hidden, *_, best_neg_ipw), _ = best
+    The model does not resolve a few percent: a split-K cluster's reduction, a percent of the streaming
+    time, can be all that separates a config issuing fewer instructions per weight from one issuing more,
+    so the tie allows 3% (the cases: docs/performance-log.md). Accumulator-route tiles stay within tiles *
+    WGMMA N <= 64 (64 accumulator columns split 8 ways spill, and the candidates leave them out:
+    :func:`_candidate_shapes`)."""
+    # The gain is measured on the unrounded estimates (Rank.neg_ipw).
+    best_rank = best[0]
     found = best
     for t, rank, config in scored:
-        _, _, hidden, *_, neg_ipw = rank
         fits = config.scales_on == "accumulators"  # (within tiles * WGMMA N <= 64: _candidate_shapes)
         if (
             fits
-            and t <= fastest * (1 + DECODE_TIE)
-            and hidden >= best_hidden
-            and neg_ipw >= best_neg_ipw + DECODE_IPW_GAIN
+            and t <= fastest * (1 + model.decode_tie)
+            and rank.hidden >= best_rank.hidden
+            and rank.neg_ipw >= best_rank.neg_ipw + model.decode_ipw_gain
             and rank > found[0]
         ):
             found = (rank, config)
@@ -562,10 +646,10 @@ def _persistent_where_it_pays(config: TuningConfig, m: int, n_pad: int, num_sms:
 
 
 def _candidate_shapes(
-    m: int, n_pad: int, k_pad: int, group: int, decode: bool, warp_specialized: bool
+    m: int, n_pad: int, k_pad: int, group: int, decode: bool
 ) -> Iterable[dict[str, object]]:
     if not decode:
-        wgs = 2 if warp_specialized and n_pad % 128 == 0 else 1
+        wgs = 2 if n_pad % 128 == 0 else 1
         for tiles, tile_k, split_k in itertools.product((2, 1), (128, 64), (1, 2, 4, 8)):
             if split_k > 1 and wgs > 1 and 128 // split_k > MAX_WS_SLAB_ROWS:
                 continue

@@ -46,6 +46,7 @@ from nybble.kernels.mosaic_gpu.common import (
     Problem,
     constant_value,
     exact_weights_step,
+    kernel_name,
     operand_specs,
     reduce_split_k,
     run_tile,
@@ -110,7 +111,7 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array], work: Any = None) -> 
         **(dict(num_threads=2, thread_name="wg") if c.producer else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=active_params(),
-        kernel_name=f"{work.name}_{_config_tag(p)}",
+        kernel_name=kernel_name(p, work.name),
     )
     return call(*operands)
 
@@ -284,12 +285,3 @@ def _scratch_layout(p: Problem) -> list[tuple[str, int | None]]:
     if c.split_k > 1:
         layout.append(("split_k", split_k.scratch_count(c.tile_m, c.split_k, c.tiles)))
     return layout
-
-
-def _config_tag(p: Problem) -> str:
-    c = p.config
-    return (
-        f"t{c.tiles}m{c.tile_m}k{c.tile_k}s{c.slices}x{c.split_k}w{c.compute_wgs}"
-        f"{'acc' if c.scales_on == 'accumulators' else 'wt'}{'o' if p.has_offsets else ''}"
-        f"{'p' if c.producer else ''}"
-    )

@@ -36,6 +36,7 @@ from nybble.kernels.mosaic_gpu.common import (
     DenseWork,
     Problem,
     exact_weights_step,
+    kernel_name,
     operand_specs,
     reduce_split_k,
     run_tile,
@@ -58,7 +59,7 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array], work: Any = No
     """
     c = p.config
     dense = work is None
-    work = DenseWork(name="nybble_w4a16_ws") if dense else work
+    work = DenseWork() if dense else work
     if not dense and (c.persistent_ctas or c.split_k > 1):
         raise ValueError(f"a CTA of its own work runs without a persistent grid or split-K, got {c}")
     n_in = len(operands)
@@ -167,6 +168,6 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array], work: Any = No
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=active_params(),
-        kernel_name=work.name,
+        kernel_name=kernel_name(p, work.name),
     )
     return call(*operands)

@@ -1,0 +1,95 @@
+"""One description of the Hopper GPUs nybble targets, used by the heuristics' cost model, the X-ray's model
+and the benchmark: SMs, HBM bandwidth, clock, tensor-core rate, SMEM, distributed-SMEM rate, launch cost.
+
+Published figures (SXM boards; H100 and H200 are the same GH100 die: 132 SMs at 1.98 GHz boost, 989 TFLOP/s
+dense bf16); H200 has 141 GB of HBM3e at 4.8 TB/s, H100 80 GB of HBM3 at 3.35 TB/s. Two are nybble's own
+working figures, not datasheet ones: the distributed-SMEM rate (~32 bytes per cycle per SM, what the
+split-K reduction in a cluster is charged) and the cost of one extra launch (~2 us). :func:`current_gpu`
+picks the spec of the local GPU (by its device kind), else the H200's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GpuSpec:
+    """Facts of one GPU model: the inputs of nybble's cost models."""
+
+    name: str
+    description: str  # the CUDA device name
+    sms: int
+    clock_hz: float  # boost clock
+    hbm_bytes_per_s: float  # peak HBM bandwidth
+    bf16_flops: float  # dense bf16 tensor-core peak
+    memory_bytes: int
+    smem_per_sm: int = 233472  # bytes per SM (228 KiB)
+    smem_per_block_optin: int = 232448  # the most one CTA may allocate
+    dsmem_bytes_per_cycle_per_sm: float = 32.0  # distributed SMEM reads in a cluster (nybble's figure)
+    launch_s: float = 2e-6  # one more kernel launch in a call (nybble's figure)
+    registers_per_sm: int = 65536
+    max_threads_per_sm: int = 2048
+    max_blocks_per_sm: int = 32
+    l2_bytes: int = 50 * 2**20
+    issue_per_sm_cycle: int = 4  # warp-instructions: one per scheduler
+    # NVLink 4 (H100/H200 SXM): 900 GB/s per GPU both directions together, 450 GB/s each way.
+    nvlink_bytes_per_s: float = 450e9
+
+    @property
+    def clock_ghz(self) -> float:
+        return self.clock_hz / 1e9
+
+
+H200 = GpuSpec(
+    name="h200",
+    description="NVIDIA H200",
+    sms=132,
+    clock_hz=1.98e9,
+    hbm_bytes_per_s=4.8e12,
+    bf16_flops=989e12,
+    memory_bytes=141 * 10**9,
+)
+H100_SXM = GpuSpec(
+    name="h100",
+    description="NVIDIA H100 80GB HBM3",
+    sms=132,
+    clock_hz=1.98e9,
+    hbm_bytes_per_s=3.35e12,
+    bf16_flops=989e12,
+    memory_bytes=80 * 2**30,
+)
+GPUS: dict[str, GpuSpec] = {s.name: s for s in (H200, H100_SXM)}
+
+
+def get_gpu(name: str) -> GpuSpec:
+    """The spec named ``name`` ("h200", "h100"); ValueError naming the known ones otherwise."""
+    try:
+        return GPUS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown GPU {name!r}; known: {sorted(GPUS)}") from None
+
+
+def spec_for_device_kind(kind: str) -> GpuSpec | None:
+    """The spec of a device kind as JAX names it ("NVIDIA H200", "NVIDIA H100 80GB HBM3"), else None."""
+    kind = kind.lower()
+    if "h200" in kind:
+        return H200
+    if "h100" in kind and "pcie" not in kind:
+        return H100_SXM
+    return None
+
+
+def current_gpu() -> GpuSpec:
+    """The spec of the local GPU (SM count from the device itself), else the H200's."""
+    from nybble.kernels.device import gpu_device
+
+    dev = gpu_device()
+    if dev is None:
+        return H200
+    spec = spec_for_device_kind(str(getattr(dev, "device_kind", ""))) or H200
+    sms = getattr(dev, "core_count", None)
+    return dataclasses.replace(spec, sms=int(sms)) if sms else spec
+
+
+__all__ = ["GPUS", "H100_SXM", "H200", "GpuSpec", "current_gpu", "get_gpu", "spec_for_device_kind"]
