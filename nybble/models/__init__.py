@@ -4,7 +4,7 @@
     model = nybble.models.quantize(model, group_size=128)       # nnx.Linear -> QLinear, in place
     ppl = nybble.models.perplexity(model, tokenizer.encode(nybble.models.eval_text()).ids)
 
-Needs the ``models`` extra (flax, safetensors, gguf, tokenizers): ``pip install "nybble[models]"``.
+Needs the ``models`` extra (flax, safetensors, gguf, tokenizers): ``pip install ".[models]"`` in a clone.
 """
 
 try:  # one clear error naming the extra, before any module of the package needs flax
