@@ -287,6 +287,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from nybble.models import eval_text, load_model, negative_log_likelihood
 
     model, tokenizer = _load(args)
+    if args.checkpoint is not None:  # before minutes of float scoring: is it this model's checkpoint?
+        from nybble.models.serialization import check_checkpoint_fits
+
+        check_checkpoint_fits(args.checkpoint, model)
     ids = tokenizer.encode(eval_text(args.split)).ids
     if args.tokens is not None:
         ids = ids[: args.tokens + 1]

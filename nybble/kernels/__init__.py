@@ -2,7 +2,14 @@
 
 from typing import Any
 
-from nybble.kernels.api import IMPLEMENTATIONS, available_implementations, matmul, num_sms
+from nybble.kernels.api import (
+    IMPLEMENTATIONS,
+    Availability,
+    available_implementations,
+    explain,
+    matmul,
+    num_sms,
+)
 from nybble.kernels.reference import reference_dequantize, reference_matmul, relative_error
 from nybble.kernels.xla import xla_matmul
 
@@ -18,7 +25,9 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "Availability",
     "available_implementations",
+    "explain",
     "interpret",
     "matmul",
     "num_sms",

@@ -19,6 +19,7 @@ from nybble.models.adapter import quantize, quantize_params
 from nybble.models.evaluate import generate, negative_log_likelihood, perplexity
 from nybble.models.layers import QDense, QLinear, QuantizedParam, dense
 from nybble.models.llama import KVCache, Llama, LlamaConfig
+from nybble.models.methods import GPTQ, RTN, AutoRound
 from nybble.models.plan import LayerReport, QuantizationReport, plan_quantization
 from nybble.models.rules import DEFAULT_RULES, INHERIT, QuantRule
 from nybble.models.serialization import load_model, save_model
@@ -28,7 +29,10 @@ from nybble.models.text import eval_text
 __all__ = [
     "DEFAULT_RULES",
     "DEFAULT_SHARD_RULES",
+    "GPTQ",
     "INHERIT",
+    "RTN",
+    "AutoRound",
     "KVCache",
     "LayerReport",
     "Llama",

@@ -159,11 +159,14 @@ def _matmul_fwd(x2d, qw, config, num_sms):
 
 def _matmul_bwd(config, num_sms, qw, g):
     # dx = g @ dequant(W)^T through XLA, f32 accumulation; the weights get no gradient.
-    from nybble.kernels.xla import dequantize_nk
+    from nybble.kernels.xla import dequantized_operand
 
     k, n = qw.shape
-    w_nk = dequantize_nk(qw, g.dtype)[:n, :k]
-    dx = jnp.dot(g, w_nk, preferred_element_type=jnp.float32).astype(g.dtype)
+    w, k_axis = dequantized_operand(qw, g.dtype)
+    w = w[:k, :n] if k_axis == 0 else w[:n, :k]
+    # Contract g's N with the weight's N axis (the other one than K).
+    dims = (((g.ndim - 1,), (1 - k_axis,)), ((), ()))
+    dx = jax.lax.dot_general(g, w, dims, preferred_element_type=jnp.float32).astype(g.dtype)
     zeros = jax.tree.map(_zero_cotangent, qw)
     return dx, zeros
 
