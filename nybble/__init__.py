@@ -5,7 +5,7 @@
 """
 
 from nybble.checkpoint import load, save
-from nybble.kernels.api import matmul
+from nybble.ops import matmul
 from nybble.packing import pack_int4, unpack_int4
 from nybble.quant import QuantizedWeight, dequantize, quantize
 

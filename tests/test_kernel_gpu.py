@@ -72,11 +72,8 @@ def _bug_injection():
     if INJECT is None:
         yield
         return
-    faults.inject(INJECT)
-    try:
+    with faults.injecting(INJECT):
         yield
-    finally:
-        faults.inject(None)
 
 
 def _on_device():

@@ -1,4 +1,9 @@
-"""``nybble.matmul``: one call, the best implementation this backend can run, the same numbers everywhere."""
+"""The implementation registry for one ``QuantizedWeight``: the Mosaic GPU kernel, then XLA.
+
+``nybble.matmul`` (``nybble/ops.py``) sends a plain weight here and a ``ShardedWeight`` to
+``nybble.sharding``, which calls :func:`matmul` once per shard: this package never imports the sharding
+one. :func:`available_implementations` and :func:`explain` also take a sharded weight, by its
+``local_problem(x)`` (each shard's product), without importing its type."""
 
 from __future__ import annotations
 
@@ -12,7 +17,6 @@ import numpy as np
 from nybble.kernels.device import gpu_device, hopper_device, num_sms
 from nybble.kernels.xla import xla_matmul
 from nybble.quant.qweight import QuantizedWeight
-from nybble.sharding import ShardedWeight, sharded_matmul
 
 Implementation = Literal["mosaic_gpu", "xla"]
 # Tried in this order by implementation=None; XLA runs everywhere and comes last.
@@ -20,8 +24,15 @@ IMPLEMENTATIONS: tuple[str, ...] = ("mosaic_gpu", "xla")
 SUPPORTED_X_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _check_args(x: Any, qw: Any) -> None:
-    if not isinstance(qw, QuantizedWeight | ShardedWeight):
+def _is_sharded(qw: Any) -> bool:
+    """A weight split over a mesh (``nybble.sharding.ShardedWeight``), known by its per-shard problem."""
+    return callable(getattr(qw, "local_problem", None))
+
+
+def check_args(x: Any, qw: Any) -> None:
+    """The argument rules of ``nybble.matmul``: a weight of nybble's, x of shape (..., K) in a supported
+    dtype. Raises TypeError / ValueError naming the shape or dtype and the fix."""
+    if not (isinstance(qw, QuantizedWeight) or _is_sharded(qw)):
         raise TypeError(
             f"nybble.matmul: the weight must be a nybble.QuantizedWeight (from nybble.quantize) or a "
             f"nybble.sharding.ShardedWeight, got {type(qw).__name__}"
@@ -88,32 +99,36 @@ def _warn_fallback(reason: str) -> None:
     )
 
 
-def matmul(
-    x: Any, qw: QuantizedWeight | ShardedWeight, *, implementation: Implementation | None = None
-) -> jax.Array:
+def check_implementation(implementation: Any) -> None:
+    """Refuses an implementation name that is not one of :data:`IMPLEMENTATIONS` (or None)."""
+    if implementation not in (None, *IMPLEMENTATIONS):
+        raise ValueError(
+            f"nybble.matmul: unknown implementation {implementation!r}; choose one of {IMPLEMENTATIONS} "
+            "or None"
+        )
+
+
+def matmul(x: Any, qw: QuantizedWeight, *, implementation: Implementation | None = None) -> jax.Array:
     """``x @ dequantize(qw)``: x of shape (..., K) in bf16/f16/f32, result (..., N) in ``x.dtype``.
 
     Accumulates in float32. Works under ``jit``, ``vmap`` and ``grad`` (with respect to ``x``).
 
     Args:
       x: activations, any leading batch dims.
-      qw: the weight, from :func:`nybble.quantize`; or a :class:`nybble.sharding.ShardedWeight`, split over
-        a mesh axis: then each shard runs this same op on its own shard under ``jax.shard_map`` (the
-        implementation chosen per shard), with an all-reduce for a row-parallel split.
+      qw: the weight, from :func:`nybble.quantize` (a ``ShardedWeight`` goes through ``nybble.matmul``).
       implementation: None picks the best that can run here: the Mosaic GPU kernel on a Hopper GPU
         (or inside ``nybble.kernels.interpret()``), else XLA. ``"mosaic_gpu"`` or ``"xla"`` forces one.
         A forced ``"mosaic_gpu"`` raises ``NotImplementedError`` saying why when the kernel cannot take
         these arguments, and when the computation is run on a platform other than a CUDA GPU outside
         ``interpret()`` (tracing and lowering for CUDA work anywhere).
     """
-    _check_args(x, qw)
-    if implementation not in (None, *IMPLEMENTATIONS):
-        raise ValueError(
-            f"nybble.matmul: unknown implementation {implementation!r}; choose one of {IMPLEMENTATIONS} "
-            "or None"
+    check_args(x, qw)
+    check_implementation(implementation)
+    if _is_sharded(qw):
+        raise TypeError(
+            "nybble.kernels.matmul multiplies one QuantizedWeight; a ShardedWeight goes through "
+            "nybble.matmul (nybble/ops.py), which runs this once per shard"
         )
-    if isinstance(qw, ShardedWeight):
-        return sharded_matmul(x, qw, implementation=implementation)
     if implementation == "xla":
         return xla_matmul(x, qw)
     unsupported = _mosaic_gpu_unsupported(x, qw)  # the one check of the arguments against the kernel
@@ -149,21 +164,21 @@ class Availability:
         return "<available>" if self.available else f"<unavailable: {self.reason}>"
 
 
-def available_implementations(x: Any, qw: QuantizedWeight | ShardedWeight) -> dict[str, Availability]:
+def available_implementations(x: Any, qw: Any) -> dict[str, Availability]:
     """Each implementation, in dispatch order, and whether it can run these arguments here (with the reason
     when it cannot): ``{'mosaic_gpu': unavailable: it needs a Hopper GPU ..., 'xla': available}``.
 
     For a ``ShardedWeight``: whether it can run each shard's product (x cut like the weight).
     """
-    _check_args(x, qw)
-    if isinstance(qw, ShardedWeight):
+    check_args(x, qw)
+    if _is_sharded(qw):
         x, qw = qw.local_problem(x)
     reason = _mosaic_gpu_unsupported(x, qw) or _mosaic_gpu_not_here()
     return {"mosaic_gpu": Availability(reason is None, reason), "xla": Availability(True)}
 
 
 def explain(
-    x: Any, qw: QuantizedWeight | ShardedWeight, *, implementation: Implementation | None = None
+    x: Any, qw: Any, *, implementation: Implementation | None = None
 ) -> str:
     """What ``nybble.matmul(x, qw, implementation=...)`` runs here, and why, in a few lines.
 
@@ -171,7 +186,7 @@ def explain(
     ``TuningConfig`` its heuristics pick for this shape (on this GPU's SM count).
     """
     avail = available_implementations(x, qw)
-    sharded = isinstance(qw, ShardedWeight)
+    sharded = _is_sharded(qw)
     if sharded:
         x, qw = qw.local_problem(x)
     dtype = np.dtype(x.dtype).name
@@ -206,6 +221,8 @@ __all__ = [
     "IMPLEMENTATIONS",
     "Availability",
     "available_implementations",
+    "check_args",
+    "check_implementation",
     "explain",
     "hopper_device",
     "matmul",
