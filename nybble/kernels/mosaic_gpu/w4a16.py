@@ -54,9 +54,6 @@ from nybble.kernels.mosaic_gpu.config import CHUNK_K, stores_any_rows, wgmma_k
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.kernels.mosaic_gpu.staging import y_staging
 
-# Registers per thread the producer warpgroup keeps (it only issues copies); the compute one takes the rest.
-_PRODUCER_REGISTERS = 40
-
 
 def _smem_swizzle(dtype) -> tuple:
     bits = jnp.finfo(dtype).bits
@@ -65,72 +62,35 @@ def _smem_swizzle(dtype) -> tuple:
 
 
 def w4a16_single_wg(p: Problem, operands: list[jax.Array]) -> jax.Array:
-    """Runs the one-warpgroup kernel on the operand views of ``common.operand_views``."""
+    """Runs the one-warpgroup kernel on the operand views of ``common.operand_views``.
+
+    With and without a producer the kernel is the same steps (:func:`_steps`) and the same epilogue
+    (``store_tiles``, then the split-K reduction); only the pipeline that feeds the steps differs: the
+    compute warpgroup's own (Pallas' or pipeline.py's constant slots), or the producer's warp-specialized
+    one (:func:`_run_partition`)."""
     c = p.config
-    acc_shape = (64 * c.tiles, c.wgmma_n)
-    deferred = c.scales_on == "accumulators"
 
     def kernel(*refs):
         codes_gmem, x_gmem, s_gmem, *rest = refs
         o_gmem = rest.pop(0) if p.has_offsets else None
         out_gmem = rest.pop(0)
         scratch = {}
-        for name, n_refs in _scratch_layout(p):
-            if n_refs is None:
+        for name, types in _scratch(p):
+            if isinstance(types, list):  # the split-K reduction's refs
+                scratch[name], rest = rest[: len(types)], rest[len(types) :]
+            else:
                 scratch[name], rest = rest[0], rest[1:]
-            else:  # the split-K reduction's refs
-                scratch[name], rest = rest[:n_refs], rest[n_refs:]
         mi, ni = tile_indices(p, lax.axis_index("mn"))
         gmem = [codes_gmem, x_gmem, s_gmem] + ([o_gmem] if p.has_offsets else [])
-        if c.producer:
-            _with_producer(p, gmem, scratch, out_gmem, mi, ni)
-            return
-        if deferred:
-            const = scratch["const"]
-            const[...] = plgpu.layout_cast(jnp.full(_const_shape(p), constant_value(p), p.dtype), L.WGMMA)
-            plgpu.commit_smem()
+        if c.scales_on == "accumulators" and not c.producer:  # with a producer: warpgroup 0, in compute
+            _fill_const(p, scratch["const"])
         # One K partition: this CTA's own (split_k.py: all of them, in turn, when interpreting).
         for part in split_k.partitions(c.split_k):
-            k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
-            # The last WGMMA of a step still reads its x tile while the next step starts, so slots are
-            # released one step late (delay_release=1).
-            specs = operand_specs(p, mi, ni, k_first, delay_release=1)
-            if deferred:
-
-                def body(_, codes, x, s, *rest):
-                    *o, total = rest
-                    return scaled_accumulators_step(p, total, codes, x, const, s, o[0] if o else None)
-
-                # Pallas' pipeline: with constant slots (pipeline.py) ptxas interleaves consecutive steps'
-                # group accumulators and spills (X-ray, Llama-3-8B gate-up at M = 16: 648 bytes).
-                acc = plgpu.emit_pipeline(
-                    body,
-                    grid=(p.steps_per_split,),
-                    in_specs=specs,
-                    max_concurrent_steps=c.max_concurrent_steps,
-                    init_carry=plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), L.WGMMA),
-                )(*gmem)
-            else:
-
-                def mainloop(acc_ref, specs=specs):
-                    def body(_, codes, x, s, *o):
-                        exact_weights_step(p, acc_ref, codes, x, s, o[0] if o else None, 0)
-
-                    # Constant SMEM slots where they pay (pipeline.constant_slots), else Pallas' pipeline.
-                    constant = pipeline.constant_slots(c, p.group)
-                    emit = pipeline.emit_pipeline if constant else plgpu.emit_pipeline
-                    emit(
-                        body,
-                        grid=(p.steps_per_split,),
-                        in_specs=specs,
-                        max_concurrent_steps=c.max_concurrent_steps,
-                    )(*gmem)
-                    return acc_ref[...]  # waits for the last WGMMA
-
-                acc = pl.run_scoped(mainloop, plgpu.ACC(acc_shape, jnp.float32))
-            store_tiles(p, acc, scratch, out_gmem, mi, ni * c.cta_rows, partition=part)
+            _run_partition(p, gmem, scratch, out_gmem, mi, ni, part)
         if c.split_k > 1:
-            reduce_split_k(p, scratch["split_k"], out_gmem, mi, ni)
+            # With a producer both warpgroups join the cluster's barriers; the compute one sums.
+            wg = dict(wg=lax.axis_index("wg"), wgs=1) if c.producer else {}
+            reduce_split_k(p, scratch["split_k"], out_gmem, mi, ni, **wg)
 
     out_type = jax.ShapeDtypeStruct(p.out_shape, p.out_dtype)
     launch = split_k.launch_args(c.split_k)
@@ -141,7 +101,9 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array]) -> jax.Array:
         grid_names=("mn", *launch["grid_names_extra"]),
         cluster=launch["cluster"],
         cluster_names=launch["cluster_names"],
-        scratch_types=_scratch_types(p),
+        scratch_types=[
+            t for _, types in _scratch(p) for t in (types if isinstance(types, list) else [types])
+        ],
         **(dict(num_threads=2, thread_name="wg") if c.producer else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=active_params(),
@@ -150,71 +112,119 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array]) -> jax.Array:
     return call(*operands)
 
 
-def _with_producer(p: Problem, gmem: list[Any], scratch: dict[str, Any], out_gmem: Any, mi: Any, ni: Any):
-    """The kernel with a producer: warpgroup 1 (40 registers) issues every TMA, warpgroup 0 waits on full
-    slots, computes and stores y (or its split-K partial), with the same steps and epilogue as without.
-    The accumulator route carries its running total through Pallas' warp-specialized pipeline; exact
-    weights accumulate in a WGMMA accumulator ref, with constant slots where they pay (pipeline.py).
-    Under split-K both warpgroups then join the cluster's reduction; the compute one sums."""
-    c = p.config
-    acc_shape = (64 * c.tiles, c.wgmma_n)
-    const = scratch.get("const")
+def _fill_const(p: Problem, const: Any) -> None:
+    """The accumulator route's constant A tile (-136 or ones), written once and committed for WGMMA."""
+    const[...] = plgpu.layout_cast(jnp.full(_const_shape(p), constant_value(p), p.dtype), L.WGMMA)
+    plgpu.commit_smem()
 
-    def run_partition(part: int | None) -> None:
-        k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
-        args = dict(
-            grid=(p.steps_per_split,),
-            memory_registers=_PRODUCER_REGISTERS,
-            in_specs=operand_specs(p, mi, ni, k_first, delay_release=1),
-            wg_axis="wg",
-            num_compute_wgs=1,
-            max_concurrent_steps=c.max_concurrent_steps,
-        )
 
-        def store(acc: Any) -> None:
-            store_tiles(p, acc, scratch, out_gmem, mi, ni * c.cta_rows, partition=part)
+def _steps(p: Problem, const: Any) -> Any:
+    """One K step's body, as both pipelines call it: ``(step, codes, x, s[, o], carry) -> carry``.
 
-        if c.scales_on == "weights":
+    The accumulator route carries the running f32 total (a value); exact weights accumulate into a WGMMA
+    accumulator ref, which Pallas' own pipeline does not carry (``carry`` is then absent) and the
+    warp-specialized one does (it is returned)."""
+    if p.config.scales_on == "accumulators":
 
-            def compute_exact(run_pipeline: Any) -> None:  # warpgroup 0 only
-                def scoped(acc_ref: Any) -> None:
-                    run_pipeline(acc_ref)
-                    store(acc_ref[...])
-
-                pl.run_scoped(scoped, plgpu.ACC(acc_shape, jnp.float32))
-
-            def exact_body(_, codes, x, s, *rest):
-                *o, acc_ref = rest
-                exact_weights_step(p, acc_ref, codes, x, s, o[0] if o else None, 0)
-                return acc_ref
-
-            if pipeline.constant_slots(c, p.group):  # this CTA's one tile, its specs already made
-                pipeline.emit_pipeline_warp_specialized(
-                    exact_body,
-                    compute_context=lambda run_pipeline, _: compute_exact(run_pipeline),
-                    output_tiles=pipeline.OutputTiles("mn"),
-                    **dict(args, in_specs=lambda _, specs=args["in_specs"]: specs),
-                )(*gmem)
-            else:
-                plgpu.emit_pipeline_warp_specialized(exact_body, compute_context=compute_exact, **args)(*gmem)
-            return
-
-        def compute(run_pipeline: Any) -> None:  # warpgroup 0 only
-            const[...] = plgpu.layout_cast(jnp.full(_const_shape(p), constant_value(p), p.dtype), L.WGMMA)
-            plgpu.commit_smem()
-            store(run_pipeline(plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), L.WGMMA)))
-
-        def body(_, codes, x, s, *rest):
+        def accumulate(_, codes, x, s, *rest):
             *o, total = rest
             return scaled_accumulators_step(p, total, codes, x, const, s, o[0] if o else None)
 
-        plgpu.emit_pipeline_warp_specialized(body, compute_context=compute, **args)(*gmem)
+        return accumulate
 
-    # One K partition: this CTA's own (split_k.py: all of them, in turn, when interpreting).
-    for part in split_k.partitions(c.split_k):
-        run_partition(part)
-    if c.split_k > 1:  # both warpgroups join the cluster's barriers; the compute one sums
-        reduce_split_k(p, scratch["split_k"], out_gmem, mi, ni, wg=lax.axis_index("wg"), wgs=1)
+    def exact(acc_ref, carried):
+        def body(_, codes, x, s, *rest):
+            *o, ref = rest if carried else (*rest, acc_ref)
+            exact_weights_step(p, ref, codes, x, s, o[0] if o else None, 0)
+            return ref if carried else None
+
+        return body
+
+    return exact
+
+
+def _run_partition(
+    p: Problem, gmem: list[Any], scratch: dict[str, Any], out_gmem: Any, mi: Any, ni: Any, part: int | None
+) -> None:
+    """K partition ``part`` (None: this CTA's own) of one output tile, from its steps to ``store_tiles``.
+
+    Without a producer the compute warpgroup runs the pipeline itself; with one, warpgroup 1 (the
+    producer, ``pipeline.MEMORY_REGISTERS`` registers) issues every TMA and warpgroup 0 waits on full
+    slots, computes and stores."""
+    c = p.config
+    acc_shape = (64 * c.tiles, c.wgmma_n)
+    const = scratch.get("const")
+    k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
+    # The last WGMMA of a step still reads its x tile while the next step starts, so slots are released
+    # one step late (delay_release=1).
+    specs = operand_specs(p, mi, ni, k_first, delay_release=1)
+    steps = _steps(p, const)
+    # Constant SMEM slots where they pay (pipeline.constant_slots), else Pallas' pipelines.
+    constant = c.scales_on == "weights" and pipeline.constant_slots(c, p.group)
+
+    def store(acc: Any) -> None:
+        store_tiles(p, acc, scratch, out_gmem, mi, ni * c.cta_rows, partition=part)
+
+    if not c.producer:
+        if c.scales_on == "accumulators":
+            # Pallas' pipeline: with constant slots (pipeline.py) ptxas interleaves consecutive steps'
+            # group accumulators and spills (X-ray, Llama-3-8B gate-up at M = 16: 648 bytes).
+            acc = plgpu.emit_pipeline(
+                steps,
+                grid=(p.steps_per_split,),
+                in_specs=specs,
+                max_concurrent_steps=c.max_concurrent_steps,
+                init_carry=plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), L.WGMMA),
+            )(*gmem)
+        else:
+
+            def mainloop(acc_ref):
+                emit = pipeline.emit_pipeline if constant else plgpu.emit_pipeline
+                emit(
+                    steps(acc_ref, carried=False),
+                    grid=(p.steps_per_split,),
+                    in_specs=specs,
+                    max_concurrent_steps=c.max_concurrent_steps,
+                )(*gmem)
+                return acc_ref[...]  # waits for the last WGMMA
+
+            acc = pl.run_scoped(mainloop, plgpu.ACC(acc_shape, jnp.float32))
+        store(acc)
+        return
+    args = dict(
+        grid=(p.steps_per_split,),
+        memory_registers=pipeline.MEMORY_REGISTERS,
+        in_specs=specs,
+        wg_axis="wg",
+        num_compute_wgs=1,
+        max_concurrent_steps=c.max_concurrent_steps,
+    )
+    if c.scales_on == "accumulators":
+
+        def compute(run_pipeline: Any) -> None:  # warpgroup 0 only
+            _fill_const(p, const)
+            store(run_pipeline(plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), L.WGMMA)))
+
+        plgpu.emit_pipeline_warp_specialized(steps, compute_context=compute, **args)(*gmem)
+        return
+
+    def compute_exact(run_pipeline: Any) -> None:  # warpgroup 0 only
+        def scoped(acc_ref: Any) -> None:
+            run_pipeline(acc_ref)
+            store(acc_ref[...])
+
+        pl.run_scoped(scoped, plgpu.ACC(acc_shape, jnp.float32))
+
+    exact_body = steps(None, carried=True)
+    if constant:  # this CTA's one tile, its specs already made
+        pipeline.emit_pipeline_warp_specialized(
+            exact_body,
+            compute_context=lambda run_pipeline, _: compute_exact(run_pipeline),
+            output_tiles=pipeline.OutputTiles("mn"),
+            **dict(args, in_specs=lambda _: specs),
+        )(*gmem)
+    else:
+        plgpu.emit_pipeline_warp_specialized(exact_body, compute_context=compute_exact, **args)(*gmem)
 
 
 def _const_shape(p: Problem) -> tuple[int, int]:
@@ -222,31 +232,19 @@ def _const_shape(p: Problem) -> tuple[int, int]:
     return (64, wgmma_k(p.config, p.group))
 
 
-def _scratch_types(p: Problem) -> list:
+def _scratch(p: Problem) -> list[tuple[str, Any]]:
+    """The kernel's scratch, in order, by name: one SMEM type, or a list of them (the split-K slabs)."""
     c = p.config
-    types = []
+    out: list[tuple[str, Any]] = []
     if c.split_k == 1:
-        types.append(y_staging((c.tile_m, c.rows_per_wg), p.out_dtype, any_rows=stores_any_rows(c)))
+        out.append(("out", y_staging((c.tile_m, c.rows_per_wg), p.out_dtype, any_rows=stores_any_rows(c))))
     if c.slices > 1:
-        types.append(plgpu.SMEM((c.tiles, 64, c.wgmma_n), jnp.float32))
+        out.append(("slices", plgpu.SMEM((c.tiles, 64, c.wgmma_n), jnp.float32)))
     if c.scales_on == "accumulators":
-        types.append(plgpu.SMEM(_const_shape(p), p.dtype, transforms=_smem_swizzle(p.dtype)))
+        out.append(("const", plgpu.SMEM(_const_shape(p), p.dtype, transforms=_smem_swizzle(p.dtype))))
     if c.split_k > 1:
-        types += split_k.scratch_types(c.tile_m, c.split_k, c.tiles)
-    return types
-
-
-def _scratch_layout(p: Problem) -> list[tuple[str, int | None]]:
-    """(name, refs) of the scratch, in _scratch_types' order: one ref (None) or a list of that many."""
-    c = p.config
-    layout: list[tuple[str, int | None]] = [("out", None)] if c.split_k == 1 else []
-    if c.slices > 1:
-        layout.append(("slices", None))
-    if c.scales_on == "accumulators":
-        layout.append(("const", None))
-    if c.split_k > 1:
-        layout.append(("split_k", split_k.scratch_count(c.tile_m, c.split_k, c.tiles)))
-    return layout
+        out.append(("split_k", list(split_k.scratch_types(c.tile_m, c.split_k, c.tiles))))
+    return out
 
 
 def _config_tag(p: Problem) -> str:
