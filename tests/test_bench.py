@@ -348,9 +348,14 @@ def test_host_throughput_small():
 
     pack = host.packing_throughput(k=256, n=128, repeats=2)
     assert [r["op"] for r in pack] == ["np.copy (int8 codes)", "pack_int4", "unpack_int4"]
-    assert pack[0]["x_copy_time"] == 1.0 and all(r["values_per_s"] > 0 for r in pack)
+    # The rates are the counts over the measured times (bytes: the int8 codes and their packed half).
+    assert [r["bytes_moved"] for r in pack] == [2 * 256 * 128, 256 * 128 * 3 // 2, 256 * 128 * 3 // 2]
+    for r in pack:
+        assert r["values_per_s"] == pytest.approx(r["values"] / (r["median_ms"] / 1e3))
+        assert r["x_copy_time"] == pytest.approx(r["median_ms"] / pack[0]["median_ms"])
     quant = host.quantize_throughput(k=256, n=128, repeats=1)
-    assert len(quant) == 2 and all(r["params_per_s"] > 0 for r in quant)
+    assert [r["op"].split()[:2] for r in quant] == [["quantize", "sym"], ["quantize", "asym"]]
+    assert all(r["params_per_s"] == pytest.approx(256 * 128 / (r["median_ms"] / 1e3)) for r in quant)
 
 
 # ------------------------------------------------------------------------------------ CLI smoke

@@ -43,7 +43,6 @@ from bench.arg_specs import M_SWEEP, SHAPES
 from nybble.kernels import available_implementations, interpret
 from nybble.kernels.mosaic_gpu import TuningConfig, faults, heuristic_cases, mosaic_gpu_matmul, plan
 from nybble.kernels.reference import reference_dequantize, rounding_bound
-from nybble.packing import padded_weight_dims
 from tests.kernel_checks import (
     activations,
     assert_exact,
@@ -326,11 +325,3 @@ def test_public_matmul_jit_vmap_grad(batch, k, n, group):
     err = np.abs(np.asarray(dx, np.float64) - c64 @ w_t)
     assert (err <= rounding_bound(c64, w_t, jnp.bfloat16)).all(), float(err.max())
 
-
-def test_padded_weight_dims_of_the_smallest_problems():
-    """The problems above are what they claim: K pads to the K_pad the structure needs (odd K too)."""
-    for _, _, config, _, k, n, group, _ in _heuristic_rows():
-        k_pad, n_pad = padded_weight_dims(k, n, group)
-        config.check_problem(1 if config.slices > 1 else 2, n_pad, k_pad, k_pad if group is None else group)
-        assert n_pad % config.cta_rows == 0 and n_pad // config.cta_rows >= 2
-        assert n > n_pad - config.cta_rows  # the last N tile holds real outputs, not only padding

@@ -439,14 +439,6 @@ def test_256_wide_m_tile_exact(symmetric):
     _check(activations(rng, 300, 256, exact=True), qw, config, exact=True)
 
 
-@pytest.mark.no_kernel  # the case list only
-def test_group_cases_pair_every_config_and_group_with_both_signs():
-    for name in _EXACT_CONFIGS:
-        assert sorted(sym for n, _, sym in _GROUP_CASES if n == name) == [False] * 3 + [True] * 3
-    for group in _GROUPS:
-        assert sorted(sym for _, g, sym in _GROUP_CASES if g == group) == [False, False, True, True]
-
-
 @pytest.mark.parametrize(
     "name, group, symmetric",
     _GROUP_CASES,
