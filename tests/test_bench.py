@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -229,10 +228,22 @@ def test_run_case_repeats_ops_when_launch_bound(monkeypatch):
         assert row["reps"] >= 4 and row["time"]["ops_per_sample"] % (row["n_sets"] * row["reps"]) == 0
 
 
-def test_dispatch_cost():
-    """Launching takes what the call takes, completing adds what the sync takes (medians)."""
-    launch, full = runner.dispatch_cost(lambda: time.sleep(0.01), lambda _: time.sleep(0.03), n=3)
-    assert 0.01 <= launch < 0.03 and 0.04 <= full < 0.1 and full - launch >= 0.03
+def test_dispatch_cost(monkeypatch):
+    """Launching takes what the call takes, completing adds what the sync takes (medians over n). A fake
+    clock that only the call and the sync advance: exact, and independent of the machine's load."""
+    now = [100.0]
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: now[0])
+    calls, syncs = iter([0.01, 0.05, 0.02]), iter([0.03, 0.30, 0.04])
+
+    def call():
+        now[0] += next(calls)
+
+    def sync(_):
+        now[0] += next(syncs)
+
+    launch, full = runner.dispatch_cost(call, sync, n=3)
+    assert launch == pytest.approx(0.02)  # median of 0.01, 0.05, 0.02
+    assert full == pytest.approx(0.06)  # median of 0.04, 0.35, 0.06
 
 
 class _WrongPeer:

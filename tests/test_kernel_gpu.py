@@ -51,6 +51,7 @@ from tests.kernel_checks import (
     env_flag,
     exact_weight,
     gpu_tests_mode,
+    k_wrapping_the_pipeline,
     random_weight,
 )
 
@@ -112,10 +113,7 @@ def _smallest_problem(config: TuningConfig, group: int | None, odd: bool) -> tup
     slice's rows), two CTA columns or more (the last one real outputs), each split's pipeline running one
     step more than its slots, and two groups or more per slice (a partial last one when G does not divide
     K_pad). ``odd``: K and N 5 and 3 short of their padded sizes (K a multiple of 64 again once padded)."""
-    unit = config.k_span() * config.split_k
-    k_pad = unit * (config.max_concurrent_steps + 1)
-    while group is not None and (k_pad < 2 * group * config.slices or (k_pad // config.slices) % group):
-        k_pad += unit
+    k_pad = k_wrapping_the_pipeline(config, group)
     n_pad = max(2 * config.cta_rows, 64)  # N pads to 64: the last CTA column must hold real outputs
     m = config.tile_m if config.slices > 1 else max(1, 2 * config.tile_m - 3)
     return m, k_pad - 5 * odd, n_pad - 3 * odd

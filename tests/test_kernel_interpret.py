@@ -55,6 +55,7 @@ from tests.kernel_checks import (
     assert_kernel_within_rounding,
     assert_within_rounding,
     exact_weight,
+    k_wrapping_the_pipeline,
     random_weight,
 )
 
@@ -732,8 +733,9 @@ def _distinct_heuristic_configs() -> list[tuple[TuningConfig, int | None, bool]]
 
 
 # Interpret mode checks the numbers of every config the heuristics can choose, on the smallest problem
-# with that config's structure: one CTA column of N (several columns: the other tests here), two K steps
-# per split, M filling the WGMMA's N (two M tiles, the last one partial, without K slices); a persistent
+# with that config's structure: one CTA column of N (several columns: the other tests here), one K step
+# more per split than the pipeline has slots (kernel_checks.k_wrapping_the_pipeline), M filling the
+# WGMMA's N (two M tiles, the last one partial, without K slices); a persistent
 # grid runs 4 output tiles on 3 CTAs. (Production shapes would take minutes each in interpret mode; their
 # lowering is checked in test_kernel_lowering.py and their SASS in test_xray.py.)
 @pytest.mark.parametrize(
@@ -749,9 +751,7 @@ def _distinct_heuristic_configs() -> list[tuple[TuningConfig, int | None, bool]]
 def test_every_heuristic_config_in_interpret_mode(config, group, symmetric):
     if config.persistent_ctas:  # 4 output tiles over 3 CTAs: one CTA runs two
         config = dataclasses.replace(config, persistent_ctas=3)
-    k = config.k_span() * config.split_k * 2
-    if group is not None and group > k:
-        k = group * config.split_k
+    k = k_wrapping_the_pipeline(config, group)  # every slot reused: the pipeline wraps
     n = config.cta_rows * (2 if config.persistent_ctas else 1)
     m = config.tile_m if config.slices > 1 else 2 * config.tile_m - 3
     rng = np.random.default_rng(k + n + m)
