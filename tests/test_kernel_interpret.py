@@ -188,11 +188,11 @@ def test_heuristic_random(m, k, n, group, symmetric):
 
 @pytest.mark.no_kernel  # bit operations, heuristics or refusals: no kernel runs
 def test_heuristic_families():
+    # The picks themselves are in tests/fixtures/golden_picks (test_golden_picks.py); here the rules.
     decode = heuristic_config(1, 4096, 4096, 128)
-    assert decode.slices == 8 and decode.split_k == 1 and decode.compute_wgs == 1
-    assert decode.scales_on == "accumulators"
-    # K = 4096 in 8 slices is 2 steps of 256: each has a slot, every copy goes out up front, no producer.
-    assert not decode.producer and decode.max_concurrent_steps == 2
+    assert decode.compute_wgs == 1  # decode: one compute warpgroup
+    # Every step has a slot: every copy goes out up front, no producer.
+    assert not decode.producer and 4096 // decode.k_span() <= decode.max_concurrent_steps
     # K = 28672 (14 steps, at most 8 slots): the pipeline refills its slots, and a producer warpgroup takes
     # the ~60 instructions of TMA issue off each step of the compute warpgroup (X-ray).
     deep = heuristic_config(1, 8192, 28672, 128)
@@ -202,12 +202,9 @@ def test_heuristic_families():
         alone, 128, False
     )
     prefill = heuristic_config(4096, 4096, 4096, 128)
-    assert prefill.compute_wgs == 2 and prefill.scales_on == "weights"
-    # Large M: 256-wide M tiles, one A tile per compute warpgroup (each weight dequantized once per 256
-    # rows of x); below M ~ 1024 at this N, 128-wide ones.
-    assert (prefill.tile_m, prefill.tiles, prefill.tile_k) == (256, 1, 64)
-    assert heuristic_config(128, 4096, 4096, 128).tile_m == 128
-    # Same modeled tensor-core time as two A tiles of 128-wide M, a little over half the issue time.
+    assert prefill.compute_wgs == 2 and prefill.scales_on == "weights"  # prefill: warp-specialized, exact
+    # A 256-wide M tile (the golden pick at M = 4096): same modeled tensor-core time as two A tiles of
+    # 128-wide M, a little over half the issue time.
     narrow = TuningConfig(tiles=2, tile_m=128, tile_k=128, max_concurrent_steps=3, compute_wgs=2)
     wide_t, narrow_t = (modeled_times_us(c, 4096, 4096, 4096, 128, True, 132) for c in (prefill, narrow))
     assert wide_t["tensor"] == narrow_t["tensor"] and wide_t["issue"] < 0.6 * narrow_t["issue"]
@@ -221,8 +218,7 @@ def test_decode_takes_fewer_instructions_nearly_as_fast(symmetric):
     tile on 2: 1% slower in the model (the cluster's reduction), estimated 0.13-0.28 fewer instructions
     per weight (X-ray: 1.68 against 1.83 symmetric)."""
     has_offsets = not symmetric
-    picked = heuristic_config(16, 4096, 14336, 128, 132, has_offsets=has_offsets)
-    assert (picked.tiles, picked.tile_m, picked.slices, picked.split_k) == (2, 16, 1, 4)
+    picked = heuristic_config(16, 4096, 14336, 128, 132, has_offsets=has_offsets)  # (golden: t2 x4)
     one_tile = TuningConfig(
         tiles=1, tile_m=16, tile_k=512, split_k=2, max_concurrent_steps=6, scales_on="accumulators",
         producer=True,
@@ -231,12 +227,6 @@ def test_decode_takes_fewer_instructions_nearly_as_fast(symmetric):
     assert times[1] < times[0] <= times[1] * (1 + DECODE_TIE)
     ipw = [estimated_instructions_per_weight(c, 128, has_offsets) for c in (picked, one_tile)]
     assert ipw[0] <= ipw[1] - DECODE_IPW_GAIN
-    # Gate-up (N = 14336): two A tiles on 2 CTAs (X-ray 1.72 asymmetric); q/o (N = 4096): one A tile on
-    # two CTAs, where two A tiles would leave a quarter of the SMs idle.
-    gate_up = heuristic_config(16, 14336, 4096, 128, 132, has_offsets=has_offsets)
-    assert (gate_up.tiles, gate_up.tile_m, gate_up.slices, gate_up.split_k) == (2, 16, 1, 2)
-    qo = heuristic_config(16, 4096, 4096, 128, 132, has_offsets=has_offsets)
-    assert (qo.tiles, qo.slices, qo.split_k) == (1, 1, 2)
 
 
 @pytest.mark.no_kernel
@@ -557,8 +547,8 @@ def test_persistent_grid_where_tiles_outnumber_sms():
     assert heuristic_config(2048, 4096, 4096, 128).persistent_ctas == 132  # 256 tiles
     assert heuristic_config(128, 4096, 4096, 128).persistent_ctas == 0  # split-K over 128 CTAs
     # Llama-3-8B kv at M = 128: 8 output tiles; K split 8 ways (16-row slabs) keeps 64 SMs streaming, not 32.
-    kv = heuristic_config(128, 1024, 4096, 128)
-    assert (kv.compute_wgs, kv.split_k, kv.persistent_ctas) == (2, 8, 0)
+    kv = heuristic_config(128, 1024, 4096, 128)  # (golden: split 8 ways)
+    assert kv.split_k > 1 and kv.persistent_ctas == 0
     halved = dataclasses.replace(kv, split_k=4)
     assert modeled_time_us(kv, 128, 1024, 4096, 128, True, 132) < 0.7 * modeled_time_us(
         halved, 128, 1024, 4096, 128, True, 132
