@@ -14,7 +14,7 @@ PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.14; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
 	&& { echo $$p; break; }; done)
 
-.PHONY: install xray-install bench bench-full test lint gpu-check quickstart xray clean
+.PHONY: install xray-install bench bench-full test test-fast lint gpu-check quickstart xray clean
 
 # With an NVIDIA GPU (`nvidia-smi -L` lists one) jax's CUDA plugin comes too: the cuda13 extra when the
 # driver supports CUDA 13 (`nvidia-smi` says "CUDA Version: 13.x" or later), else cuda12. Override with
@@ -56,6 +56,17 @@ quickstart: $(STAMP)
 test: $(XRAY_STAMP)  # the X-ray gate (tests/test_xray.py) compiles kernels with the toolchain
 	$(PY) -m ruff check nybble tests bench examples
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+
+# The quick tier for local iteration (under 2 minutes): packing, quantization, the XLA path, checkpoints,
+# the API's refusals, the layering, the heuristics' golden picks and rules; no kernel runs, no real model.
+# The whole suite (`make test`) stays CI's.
+FAST_TESTS := tests/test_packing.py tests/test_quant.py tests/test_qweight.py tests/test_reference.py \
+	tests/test_checkpoint.py tests/test_matmul.py tests/test_api_traps.py tests/test_structure.py \
+	tests/test_golden_picks.py
+test-fast: $(STAMP)
+	$(PY) -m ruff check nybble tests bench examples tools
+	$(PY) -m pytest -q -x -m "not slow" $(FAST_TESTS)
+	$(PY) -m pytest -q -x -m no_kernel tests/test_kernel_interpret.py
 
 gpu-check:
 	bash bench/gpu_check.sh
