@@ -13,8 +13,9 @@ from nybble.kernels.reference import reference_codes, reference_dequantize, roun
 from nybble.packing import get_layout, padded_weight_dims
 from nybble.quant import QuantizedWeight, quantize
 
-# The magic-number dequantization's bias per activation dtype (nybble/kernels/mosaic_gpu/fragments.py),
-# restated: the accumulator route sums x_k (BIAS + q_k) and subtracts BIAS s sum(x) per group.
+# The magic-number dequantization's bias per activation dtype (nybble/kernels/mosaic_gpu/
+# dequant_registers.py), restated: the accumulator route sums x_k (BIAS + q_k) and subtracts BIAS s
+# sum(x) per group.
 KERNEL_BIAS = {"bfloat16": 136.0, "float16": 1032.0}
 
 

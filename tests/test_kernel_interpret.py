@@ -11,10 +11,10 @@ kernel run here:
     comparison);
   * is free of data races: every kernel runs under the race detector and each test ends on its verdict
     (which raises when no kernel ran with detection on; tests marked ``no_kernel`` run none by design).
-The three steps written below Pallas (fragments.py: the LOP3 dequantization and its register relabelling,
-the per-lane row gather, the K-slice sum) run here through their jax.numpy twins; their bit operations
-are checked exhaustively against the numpy model the GPU path follows, and the GPU path itself runs in
-tests/test_kernel_gpu.py.
+The three steps written below Pallas (dequant_registers.py: the LOP3 dequantization and its register
+relabelling, the per-lane row gather, the K-slice sum) run here through their jax.numpy twins; their bit
+operations are checked exhaustively against the numpy model the GPU path follows, and the GPU path itself
+runs in tests/test_kernel_gpu.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import nybble.kernels.mosaic_gpu as mg
-from nybble.kernels.mosaic_gpu import fragments, pipeline
+from nybble.kernels.mosaic_gpu import dequant_registers, pipeline
 from nybble.kernels.mosaic_gpu import interpret as mgpu_interpret
 from nybble.kernels.mosaic_gpu.common import folds_bias
 from nybble.kernels.mosaic_gpu.config import (
@@ -93,14 +93,14 @@ def test_dequantize_bits_every_nibble(dtype):
     halves = np.arange(1 << 16, dtype=np.uint32)
     words = halves | (halves[::-1] << 16)  # both halves, every pattern, different in each
     for exact in (False, True):
-        bits = fragments.reference_dequantize_words(words, exact, dtype)  # (65536, 4 u)
+        bits = dequant_registers.reference_dequantize_words(words, exact, dtype)  # (65536, 4 u)
         for u in range(4):
             for half, src in ((0, halves), (1, halves[::-1])):
                 nib = (src >> (4 * u)) & 0xF
                 q = np.where(nib >= 8, nib.astype(np.int64) - 16, nib)
                 got = ((bits[:, u] >> (16 * half)) & 0xFFFF).astype(np.uint16).view(np.dtype(dtype))
                 np.testing.assert_array_equal(
-                    got.astype(np.float64), q + (0 if exact else fragments.BIAS[dtype])
+                    got.astype(np.float64), q + (0 if exact else dequant_registers.BIAS[dtype])
                 )
 
 
@@ -113,14 +113,15 @@ def test_twin_places_each_code_where_wgmma_expects_it(dtype):
     q = rng.integers(-8, 8, (64, 64)).astype(np.int8)  # (K, N): one chunk of one A tile
     words = pack_wgmma_int4(q)  # (8 bands, 64 words)
     for exact in (False, True):
-        a = np.asarray(fragments._twin_dequantize(jnp.asarray(words), exact, dtype), np.float64)
-        np.testing.assert_array_equal(a, q.T.astype(np.float64) + (0 if exact else fragments.BIAS[dtype]))
+        a = np.asarray(dequant_registers._twin_dequantize(jnp.asarray(words), exact, dtype), np.float64)
+        bias = 0 if exact else dequant_registers.BIAS[dtype]
+        np.testing.assert_array_equal(a, q.T.astype(np.float64) + bias)
         # The same 16-bit patterns as the bit model, position by position.
-        bits = fragments.reference_dequantize_words(words, exact, dtype)  # (8 slots, 64 words, 4 u)
+        bits = dequant_registers.reference_dequantize_words(words, exact, dtype)  # (8 slots, 64 words, 4 u)
         patterns = bits.view(np.uint16).reshape(8, 64, 4, 2)  # (slot, word, u, e)
         twin = np.asarray(
             jax.lax.bitcast_convert_type(
-                fragments._twin_dequantize(jnp.asarray(words), exact, dtype), jnp.uint16
+                dequant_registers._twin_dequantize(jnp.asarray(words), exact, dtype), jnp.uint16
             )
         )
         v = patterns.reshape(8, 8, 4, 2, 4, 2).transpose(0, 1, 3, 4, 2, 5).reshape(64, 64)
@@ -131,7 +132,7 @@ def test_twin_places_each_code_where_wgmma_expects_it(dtype):
 @pytest.mark.parametrize("slices", [1, 2, 4, 8])
 def test_slot_rows_and_slice_sum_twins(slices):
     """A tile's rows r hold slice j(r) of output row n(r); the slice sum reads acc[r, m * S + j(r)]."""
-    idx = fragments.slot_row_index(slices)
+    idx = dequant_registers.slot_row_index(slices)
     width = 64 // slices
     assert sorted(map(tuple, idx)) == sorted((j, n) for j in range(slices) for n in range(width))
     rng = np.random.default_rng(slices)
@@ -156,10 +157,10 @@ def test_slot_rows_and_slice_sum_twins(slices):
 
     out = Ref(np.zeros((rows, tiles * width), np.float32))
     with interpret(detect_races=True):
-        fragments.sum_slices(Ref(jnp.asarray(acc)), out, slices=slices, tiles=tiles, rows=rows)
+        dequant_registers.sum_slices(Ref(jnp.asarray(acc)), out, slices=slices, tiles=tiles, rows=rows)
         np.testing.assert_allclose(out.value, want, rtol=1e-6)
         values = jnp.asarray(rng.standard_normal((slices, 1, tiles * width)), jnp.float32)
-        rows_t1 = np.asarray(fragments.slot_rows(Ref(values), 0, 1, slices, slices))
+        rows_t1 = np.asarray(dequant_registers.slot_rows(Ref(values), 0, 1, slices, slices))
     np.testing.assert_array_equal(rows_t1, np.asarray(values)[idx[:, 0], 0, width + idx[:, 1]])
 
 

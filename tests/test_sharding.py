@@ -18,7 +18,7 @@ import nybble
 from nybble.kernels import mosaic_gpu
 from nybble.kernels.mosaic_gpu.api import SUPPORTED_LAYOUTS
 from nybble.kernels.xray import hlo
-from nybble.models.sharding import ShardRule, array_spec, decide
+from nybble.models.placement import ShardRule, array_spec, decide
 from nybble.packing import LAYOUTS, get_layout
 from nybble.sharding import (
     SPLITS,

@@ -47,7 +47,7 @@ TARGETS: dict[str, list[str]] = {
     # The Mosaic GPU kernel's modules, killed in GPU interpret mode (race detector on) on the CPU: the bit
     # operations' twins first (no kernel), then bit-exact kernels over both routes, K slices, split-K, the
     # producer, partial last groups and offsets. Minutes a mutant: sample them (--sample).
-    "nybble/kernels/mosaic_gpu/fragments.py": [
+    "nybble/kernels/mosaic_gpu/dequant_registers.py": [
         "tests/test_kernel_interpret.py",
         "-k",
         "every_nibble or twin_places or slice_sum_twins or bias_folded or producer_warpgroup_exact",

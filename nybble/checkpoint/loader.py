@@ -26,7 +26,7 @@ from nybble.checkpoint.format import as_array, build_tree, path_name, refuse
 from nybble.checkpoint.header import Header, read_header
 from nybble.checkpoint.reader import Reader
 from nybble.quant.qweight import QuantizedWeight
-from nybble.sharding.plan import TensorParallel
+from nybble.sharding.split_plan import TensorParallel
 from nybble.sharding.weight import block_slice, build_sharded
 
 

@@ -20,10 +20,10 @@ from nybble.models.evaluate import generate, negative_log_likelihood, perplexity
 from nybble.models.layers import QDense, QLinear, QuantizedParam, dense
 from nybble.models.llama import KVCache, Llama, LlamaConfig
 from nybble.models.methods import GPTQ, RTN, AutoRound
-from nybble.models.plan import LayerReport, QuantizationReport, plan_quantization
+from nybble.models.placement import DEFAULT_SHARD_RULES, ShardReport, ShardRule, shard
+from nybble.models.quant_plan import LayerReport, QuantizationReport, plan_quantization
 from nybble.models.rules import DEFAULT_RULES, INHERIT, QuantRule
 from nybble.models.serialization import load_model, save_model
-from nybble.models.sharding import DEFAULT_SHARD_RULES, ShardReport, ShardRule, shard
 from nybble.models.text import eval_text
 
 __all__ = [

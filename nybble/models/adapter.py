@@ -14,7 +14,7 @@ from nybble.models.autoround import autoround_params, quantize_autoround
 from nybble.models.calibrate import quantize_gptq
 from nybble.models.layers import QLinear
 from nybble.models.methods import GPTQ, AutoRound, Method, method_config, set_quantization
-from nybble.models.plan import (
+from nybble.models.quant_plan import (
     LayerReport,
     QuantizationReport,
     array_nbytes,

@@ -27,7 +27,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from nybble.models.layers import QLinear
-from nybble.models.plan import PlannedLayer, QuantizationReport, plan_quantization
+from nybble.models.quant_plan import PlannedLayer, QuantizationReport, plan_quantization
 from nybble.models.rules import QuantRule
 from nybble.quant.gptq import gptq
 

@@ -90,7 +90,7 @@ def load_model(
     if mesh is None:
         state_dict = load(path)
     else:
-        from nybble.models.sharding import checkpoint_placement
+        from nybble.models.placement import checkpoint_placement
 
         state_dict = load(path, placement=checkpoint_placement(model, mesh, axis=axis, rules=rules))
     if not isinstance(state_dict, dict):

@@ -2,7 +2,7 @@
 
 The kernel computes the transposed product y^T = W^T x^T so that the dequantized weights are WGMMA's A
 operand, held in registers, and the batch M is WGMMA's N (8..256); for M <= 8 the N columns that would
-multiply padding carry S slices of K instead (fragments.py), so one warpgroup covers 64 * tiles / S rows
+multiply padding carry S slices of K instead (dequant_registers), so one warpgroup covers 64 * tiles / S rows
 of N over all of K, and a decode GEMM needs neither split-K nor a second launch.
 
 One CTA (one compute warpgroup) owns ``rows_per_wg`` output rows (and an M tile, and 1 / split_k of each
