@@ -21,7 +21,7 @@ from nybble.quant.qweight import QuantizedWeight
 Implementation = Literal["mosaic_gpu", "xla"]
 # Tried in this order by implementation=None; XLA runs everywhere and comes last.
 IMPLEMENTATIONS: tuple[str, ...] = ("mosaic_gpu", "xla")
-SUPPORTED_X_DTYPES = ("bfloat16", "float16", "float32")
+MATMUL_X_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _is_sharded(qw: Any) -> bool:
@@ -45,9 +45,9 @@ def check_args(x: Any, qw: Any) -> None:
             f"nybble.matmul: x has shape {tuple(x.shape)} but the weight has shape (K, N) = ({k}, {n}); "
             f"x.shape[-1] must equal K = {k}"
         )
-    if np.dtype(x.dtype).name not in SUPPORTED_X_DTYPES:
+    if np.dtype(x.dtype).name not in MATMUL_X_DTYPES:
         raise TypeError(
-            f"nybble.matmul: x has dtype {np.dtype(x.dtype).name}; supported: {SUPPORTED_X_DTYPES} "
+            f"nybble.matmul: x has dtype {np.dtype(x.dtype).name}; supported: {MATMUL_X_DTYPES} "
             f"(cast x first, e.g. x.astype(jnp.bfloat16))"
         )
 

@@ -28,7 +28,7 @@ from nybble.kernels.mosaic_gpu.kernel import w4a16
 from nybble.quant.qweight import QuantizedWeight
 
 SUPPORTED_LAYOUTS = ("wgmma_int4",)
-SUPPORTED_X_DTYPES = ("bfloat16", "float16")
+KERNEL_X_DTYPES = ("bfloat16", "float16")
 
 
 def is_interpret_active() -> bool:
@@ -50,9 +50,9 @@ def is_supported(x: Any, qw: QuantizedWeight) -> str | None:
             f"(the default)"
         )
     x_dtype = np.dtype(x.dtype).name
-    if x_dtype not in SUPPORTED_X_DTYPES:
+    if x_dtype not in KERNEL_X_DTYPES:
         return (
-            f"x has dtype {x_dtype}; the kernel multiplies in {SUPPORTED_X_DTYPES} "
+            f"x has dtype {x_dtype}; the kernel multiplies in {KERNEL_X_DTYPES} "
             f"(cast x, or use implementation='xla' for float32)"
         )
     if x.shape[-1] != qw.shape[0]:
