@@ -5,8 +5,8 @@ f16 activations the program holds no float32 copy of the weight, only the int4 c
 operand that XLA may fuse into its GEMM (tests/test_api_traps.py reads the lowered program). Symmetric
 groups give exactly ``nybble.dequantize(qw, x.dtype)``'s values; asymmetric ones round twice (multiply,
 then add the offset), as the Mosaic kernel's exact-weights route does. The dot contracts K where the
-layout stores it (axis 0 of ``wgmma_int4``'s logical codes, axis 1 of the ``nk_int4`` view:
-``nybble.packing.nk_int4_as_int4``), so nothing is transposed. (XLA's CPU backend then upcasts a bf16
+layout stores it, axis 1 of (N_pad, K_pad): the ``nk_int4`` view (``nybble.packing.nk_int4_as_int4``) or
+``wgmma_int4``'s int8 codes, so no float value is transposed. (XLA's CPU backend then upcasts a bf16
 dot's operands to f32 on its own; GPUs multiply bf16.)
 """
 
@@ -23,7 +23,9 @@ def dequantized_operand(qw: QuantizedWeight, dtype: jnp.dtype) -> tuple[jax.Arra
     """The padded weight in ``dtype`` as the dot reads it, and the axis that holds K (0 or 1)."""
     if qw.layout == "nk_int4":
         return scale_codes(nk_int4_as_int4(qw.codes), qw, k_axis=1, dtype=dtype), 1
-    return scale_codes(qw.logical_codes(), qw, dtype=dtype), 0
+    # The int8 codes turned K-minor like nk_int4's (the unpacking's own last transpose cancels), so both
+    # layouts give the dot one operand orientation and the same summation order: the same bits.
+    return scale_codes(qw.logical_codes().T, qw, k_axis=1, dtype=dtype), 1
 
 
 def xla_matmul(x: jax.Array, qw: QuantizedWeight) -> jax.Array:
