@@ -25,7 +25,7 @@ from nybble.kernels.mosaic_gpu.config import (
 )
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.kernels.mosaic_gpu.kernel import w4a16
-from nybble.quant.qweight import QuantizedWeight
+from nybble.quant.qweight import QuantizedWeight, dequantize
 
 SUPPORTED_LAYOUTS = ("wgmma_int4",)
 KERNEL_X_DTYPES = ("bfloat16", "float16")
@@ -159,13 +159,9 @@ def _matmul_fwd(x2d, qw, config, num_sms):
 
 def _matmul_bwd(config, num_sms, qw, g):
     # dx = g @ dequant(W)^T through XLA, f32 accumulation; the weights get no gradient.
-    from nybble.kernels.xla import dequantized_operand
-
-    k, n = qw.shape
-    w, k_axis = dequantized_operand(qw, g.dtype)
-    w = w[:k, :n] if k_axis == 0 else w[:n, :k]
-    # Contract g's N with the weight's N axis (the other one than K).
-    dims = (((g.ndim - 1,), (1 - k_axis,)), ((), ()))
+    # The weight rounded once to g's dtype (nybble.dequantize's values), contracted over N: dx = g W^T.
+    w = dequantize(qw, g.dtype)  # (K, N)
+    dims = (((g.ndim - 1,), (1,)), ((), ()))
     dx = jax.lax.dot_general(g, w, dims, preferred_element_type=jnp.float32).astype(g.dtype)
     zeros = jax.tree.map(_zero_cotangent, qw)
     return dx, zeros
