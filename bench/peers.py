@@ -148,7 +148,8 @@ class NybblePeer:
 
     def unavailable(self, case: Case) -> str | None:
         try:
-            return available_implementations(case.xs[0], case.weights[REF_GROUPED])[self.implementation]
+            avail = available_implementations(case.xs[0], case.weights[REF_GROUPED])
+            return avail[self.implementation].reason
         except KeyError:
             return f"nybble has no implementation {self.implementation!r}"
 

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 
 import nybble
-from nybble.kernels import available_implementations, reference_matmul, relative_error
+from nybble.kernels import reference_matmul, relative_error
 
 k, n, m = 4096, 4096, 16
 w = jax.random.normal(jax.random.key(0), (k, n), jnp.float32) * 0.02  # (in_features, out_features)
@@ -14,7 +14,7 @@ qw = nybble.quantize(w, group_size=128)  # symmetric int4, bf16 scales per 128 r
 print(qw)
 y = jax.jit(nybble.matmul)(x, qw)  # Mosaic GPU kernel on Hopper, XLA elsewhere
 
-print(f"implementations here: {available_implementations(x, qw)}")
+print(nybble.kernels.explain(x, qw))  # what runs here, and why
 err = relative_error(y, reference_matmul(x, qw))
 print(f"y: {y.shape} {y.dtype}; relative error vs float64 reference: {err:.2e}")
 w_err = float(jnp.linalg.norm(nybble.dequantize(qw) - w) / jnp.linalg.norm(w))

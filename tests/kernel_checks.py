@@ -13,8 +13,9 @@ from nybble.kernels.reference import reference_codes, reference_dequantize, roun
 from nybble.packing import get_layout, padded_weight_dims
 from nybble.quant import QuantizedWeight, quantize
 
-# The magic-number dequantization's bias per activation dtype (nybble/kernels/mosaic_gpu/fragments.py),
-# restated: the accumulator route sums x_k (BIAS + q_k) and subtracts BIAS s sum(x) per group.
+# The magic-number dequantization's bias per activation dtype (nybble/kernels/mosaic_gpu/
+# dequant_registers.py), restated: the accumulator route sums x_k (BIAS + q_k) and subtracts BIAS s
+# sum(x) per group.
 KERNEL_BIAS = {"bfloat16": 136.0, "float16": 1032.0}
 
 
@@ -156,10 +157,60 @@ def kernel_weight_models(qw, x_dtype, scales_on: str) -> list[tuple[str, np.ndar
     return [("weights, fused multiply-add", fused, None), ("weights, two roundings", unfused, None)]
 
 
+def simulate_accumulator_route(x, qw) -> np.ndarray:
+    """The accumulator route's own arithmetic, in float32, as (M, N) float64: per group g (and column),
+    ``acc = sum_k x_k (BIAS + q_k)`` and ``sx = sum_k x_k`` summed in float32, then ``y = sum_g s_g (acc -
+    BIAS sx) + o_g sx`` in float32, before y's rounding to its dtype. The kernel sums the same float32
+    terms in another order (WGMMA's, K slices, split-K, the folded -BIAS tile), nothing else."""
+    x = np.asarray(x)
+    dt = np.dtype(x.dtype).name
+    k = x.shape[1]
+    n = qw.shape[1]
+    bias = np.float32(KERNEL_BIAS[dt])
+    q = reference_codes(qw)[:k, :n].astype(np.float32)
+    xf = x.astype(np.float32)
+    group = qw.padded_shape[0] if qw.group_size is None else qw.group_size
+    scales = np.asarray(qw.scales, np.float32)[:, :n]
+    offsets = None if qw.offsets is None else np.asarray(qw.offsets, np.float32)[:, :n]
+    y = np.zeros((x.shape[0], n), np.float32)
+    for g, start in enumerate(range(0, k, group)):
+        xs, qs = xf[:, start : start + group], q[start : start + group]
+        acc = xs @ (bias + qs)  # float32 (products of 16-bit values are exact in it)
+        sx = xs.sum(axis=1, dtype=np.float32)[:, None]
+        y += scales[g] * (acc - bias * sx)
+        if offsets is not None:
+            y += offsets[g] * sx
+    return y.astype(np.float64)
+
+
+def assert_accumulator_route_close(y, x, qw, rows=None) -> None:
+    """The accumulator route's output against :func:`simulate_accumulator_route`: within half an ulp of
+    y's dtype (the final rounding) plus 1e-4 of the output's RMS for the float32 sums' order (expected
+    ~1e-5 of it; the worst-case bound of :func:`assert_within_rounding` allows ~5%, where a scale bug of
+    a few percent hides)."""
+    y = np.asarray(y, np.float64)
+    out_eps = np.finfo(np.dtype(np.asarray(x).dtype)).eps
+    if rows is not None:
+        y, x = y[rows], np.asarray(x)[rows]
+    sim = simulate_accumulator_route(x, qw)
+    bound = out_eps / 2 * np.abs(sim) + 1e-4 * np.sqrt(np.mean(sim**2))
+    err = np.abs(y - sim)
+    bad = ~(err <= bound)
+    if bad.any():
+        i = tuple(int(v) for v in np.argwhere(bad)[0])
+        raise AssertionError(
+            f"{int(bad.sum())} of {bad.size} outputs off the accumulator route's float32 simulation; first "
+            f"at {i}: |{y[i]} - {sim[i]:.6g}| > {bound[i]:.3g}"
+        )
+
+
 def assert_kernel_within_rounding(y, x, qw, scales_on: str, rows=None) -> None:
     """The kernel's output within :func:`rounding_bound` of the float64 reference of its route (the
     weight as :func:`kernel_weight_models` says, f32 accumulation, one rounding of y), element by element,
-    for one of the route's models."""
+    for one of the route's models; on the accumulator route also tightly against its own float32
+    arithmetic (:func:`assert_accumulator_route_close`)."""
+    if scales_on == "accumulators":
+        assert_accumulator_route_close(y, x, qw, rows=rows)
     errors = []
     for name, w, terms in kernel_weight_models(qw, x.dtype, scales_on):
         try:
@@ -197,3 +248,15 @@ def gpu_tests_mode() -> tuple[str, str]:
             f"run them on a Hopper GPU, or unset NYBBLE_GPU_TESTS_REQUIRE_GPU"
         )
     return mode
+
+
+def k_wrapping_the_pipeline(config, group: int | None) -> int:
+    """K_pad of a test problem for ``config`` whose every split-K partition runs one K step more than
+    its pipeline slots (``max_concurrent_steps + 1``), so that every slot is released and refilled once,
+    with two groups or more per K slice and whole groups per slice. Shared by the GPU test's smallest
+    problems and the interpret sweep over the heuristic configs."""
+    unit = config.k_span() * config.split_k
+    k_pad = unit * (config.max_concurrent_steps + 1)
+    while group is not None and (k_pad < 2 * group * config.slices or (k_pad // config.slices) % group):
+        k_pad += unit
+    return k_pad

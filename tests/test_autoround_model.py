@@ -132,7 +132,7 @@ def test_model_errors_leave_the_model_float():
         nm.quantize(model, method="autoround", calibration=ids, start="awq", progress=False)
     with pytest.raises(ValueError, match="target must be one of"):
         nm.quantize(model, method="autoround", calibration=ids, target="teacher", progress=False)
-    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['bogus'\]"):
+    with pytest.raises(TypeError, match=r"takes no option\(s\) \['bogus'\]"):
         nm.quantize(model, method="autoround", calibration=ids, bogus=1, progress=False)
     with pytest.raises(ValueError, match="unknown preset 'slow'"):
         nm.quantize(model, method="autoround", calibration=ids, config="slow", progress=False)

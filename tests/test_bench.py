@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -229,10 +228,22 @@ def test_run_case_repeats_ops_when_launch_bound(monkeypatch):
         assert row["reps"] >= 4 and row["time"]["ops_per_sample"] % (row["n_sets"] * row["reps"]) == 0
 
 
-def test_dispatch_cost():
-    """Launching takes what the call takes, completing adds what the sync takes (medians)."""
-    launch, full = runner.dispatch_cost(lambda: time.sleep(0.01), lambda _: time.sleep(0.03), n=3)
-    assert 0.01 <= launch < 0.03 and 0.04 <= full < 0.1 and full - launch >= 0.03
+def test_dispatch_cost(monkeypatch):
+    """Launching takes what the call takes, completing adds what the sync takes (medians over n). A fake
+    clock that only the call and the sync advance: exact, and independent of the machine's load."""
+    now = [100.0]
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: now[0])
+    calls, syncs = iter([0.01, 0.05, 0.02]), iter([0.03, 0.30, 0.04])
+
+    def call():
+        now[0] += next(calls)
+
+    def sync(_):
+        now[0] += next(syncs)
+
+    launch, full = runner.dispatch_cost(call, sync, n=3)
+    assert launch == pytest.approx(0.02)  # median of 0.01, 0.05, 0.02
+    assert full == pytest.approx(0.06)  # median of 0.04, 0.35, 0.06
 
 
 class _WrongPeer:
@@ -348,9 +359,14 @@ def test_host_throughput_small():
 
     pack = host.packing_throughput(k=256, n=128, repeats=2)
     assert [r["op"] for r in pack] == ["np.copy (int8 codes)", "pack_int4", "unpack_int4"]
-    assert pack[0]["x_copy_time"] == 1.0 and all(r["values_per_s"] > 0 for r in pack)
+    # The rates are the counts over the measured times (bytes: the int8 codes and their packed half).
+    assert [r["bytes_moved"] for r in pack] == [2 * 256 * 128, 256 * 128 * 3 // 2, 256 * 128 * 3 // 2]
+    for r in pack:
+        assert r["values_per_s"] == pytest.approx(r["values"] / (r["median_ms"] / 1e3))
+        assert r["x_copy_time"] == pytest.approx(r["median_ms"] / pack[0]["median_ms"])
     quant = host.quantize_throughput(k=256, n=128, repeats=1)
-    assert len(quant) == 2 and all(r["params_per_s"] > 0 for r in quant)
+    assert [r["op"].split()[:2] for r in quant] == [["quantize", "sym"], ["quantize", "asym"]]
+    assert all(r["params_per_s"] == pytest.approx(256 * 128 / (r["median_ms"] / 1e3)) for r in quant)
 
 
 # ------------------------------------------------------------------------------------ CLI smoke

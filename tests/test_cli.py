@@ -117,9 +117,21 @@ def test_library_only_install_names_the_extra(tmp_path):
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 1, res.stderr
-    hint = 'pip install "nybble[models]"'
+    hint = 'pip install ".[models]"'  # works in a clone (nybble is not on PyPI)
     assert "MODELS: nybble.models needs 'flax'" in res.stdout and hint in res.stdout
     assert res.stderr.startswith("nybble: ") and hint in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["quantize", "--help"], ["eval", "--help"]])
+def test_help_prints_on_a_core_install(argv):
+    """`python -m nybble --help` needs no flax: the parser is built without importing nybble.models."""
+    code = (
+        "import sys; sys.modules['flax'] = None\n"
+        f"from nybble.__main__ import main\nmain({argv!r})\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    assert "usage: python -m nybble" in res.stdout and "--help" in res.stdout
 
 
 def test_tiny_quantize_eval_generate(tmp_path, capsys):
@@ -205,3 +217,11 @@ def test_errors_are_reported_not_raised(tmp_path, capsys):
     argv = ["eval", "--model", "tiny-random", "--tokens", "8", "--checkpoint", str(missing), "--skip-float"]
     assert main(argv) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_help_names_on_a_core_install_match_the_zoo():
+    """``--help`` without the models extra lists the named models from a literal: it must be the zoo's."""
+    from nybble.__main__ import _NAMED_MODELS
+    from nybble.models.zoo import MODELS
+
+    assert _NAMED_MODELS == sorted(MODELS)

@@ -61,3 +61,23 @@ def test_every_extra_the_makefile_installs_exists(tmp_path):
     line = _install_line(tmp_path)
     named = set(re.search(r'"\.\[([\w,]+)\]"', line).group(1).split(","))
     assert named <= extras and {"cuda12", "cuda13"} <= extras
+
+
+def test_only_the_xray_targets_install_the_xray_toolchain(tmp_path):
+    """`make bench` installs the package, not the 600 MB X-ray toolchain; `make xray` and `make test` (the
+    X-ray gate) do. Dry runs from scratch (-B: every stamp out of date), nothing executed."""
+    _fake_nvidia_smi(tmp_path, gpu=False, cuda="13.0")
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+
+    def plan(target: str) -> str:
+        res = subprocess.run(
+            ["make", "-n", "-B", target], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert res.returncode == 0, res.stderr
+        return res.stdout
+
+    for target in ("bench", "install", "quickstart"):
+        out = plan(target)
+        assert "pip install -q -e" in out and "nybble-xray" not in out, target
+    for target in ("xray", "xray-install", "test"):
+        assert "--target .venv/nybble-xray" in plan(target), target

@@ -331,15 +331,18 @@ def test_injected_bugs_are_off_unless_asked():
     trace = lambda: str(jax.make_jaxpr(lambda x, qw: mg.mosaic_gpu_matmul(x, qw, config=config))(x, qw))
     assert faults.injected() is None
     clean = trace()
-    try:
-        for bug in faults.BUGS:
-            faults.inject(bug)
-            assert trace() != clean, bug
-    finally:
-        faults.inject(None)
+    for bug in faults.BUGS:
+        with faults.injecting(bug):
+            assert faults.injected() == bug and trace() != clean, bug
+        assert faults.injected() is None
     assert trace() == clean
     with pytest.raises(ValueError, match="last-n-tile-zero"):
         faults.inject("no-such-bug")
+    # A context variable: a bug injected in another context (thread, task) is not seen here.
+    import contextvars
+
+    contextvars.copy_context().run(faults.inject, "last-n-tile-zero")
+    assert faults.injected() is None and trace() == clean
 
 
 @pytest.mark.parametrize(

@@ -41,8 +41,9 @@ def test_xla_matches_float64_reference(dtype, batch, k, n, group, symmetric):
     assert y.shape == (*batch, n) and y.dtype == dtype
     err = relative_error(y, reference_matmul(x, qw))
     assert err < TOLERANCE[dtype], f"seed {seed}: relative error {err}"
-    # Element by element: the weight rounded once to x.dtype, f32 accumulation, one rounding.
-    assert_within_rounding(y.reshape(-1, n), x.reshape(-1, k), qw)
+    # Element by element: the weight dequantized in x.dtype (q * s, then + o: one or two roundings, as the
+    # kernel's exact-weights route), f32 accumulation, one rounding of y.
+    assert_kernel_within_rounding(y.reshape(-1, n), x.reshape(-1, k), qw, "weights")
 
 
 def test_small_integers_are_exact():
@@ -67,7 +68,7 @@ def test_xla_path_on_nk_int4_weights(symmetric):
     x, qw = _random_case(jax.random.key(7), (5,), 200, 72, 64, symmetric, jnp.bfloat16)
     nk = nybble.quant.relayout(qw, "nk_int4")
     y = nybble.matmul(x, nk, implementation="xla")
-    assert_within_rounding(y, x, nk)
+    assert_kernel_within_rounding(y, x, nk, "weights")  # dequantized in x.dtype (see above)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(nybble.matmul(x, qw, implementation="xla")))
 
 
@@ -75,16 +76,18 @@ def test_default_implementation():
     """The default is the kernel on a Hopper GPU and XLA elsewhere; either way x @ W within rounding."""
     x, qw = _random_case(jax.random.key(3), (4,), 256, 128, 128, True, jnp.bfloat16)
     reasons = available_implementations(x, qw)
-    assert reasons["xla"] is None
+    assert reasons["xla"] and reasons["xla"].reason is None and repr(reasons["xla"]) == "<available>"
     jaxpr = str(jax.make_jaxpr(nybble.matmul)(x, qw))
     if ON_HOPPER:
         from nybble.kernels.mosaic_gpu import plan
 
-        assert reasons["mosaic_gpu"] is None and "wgmma" in jaxpr
+        assert reasons["mosaic_gpu"] and "wgmma" in jaxpr
         route = plan(4, qw, num_sms=nybble.kernels.num_sms()).config.scales_on
         assert_kernel_within_rounding(nybble.matmul(x, qw), x, qw, route)
     else:
-        assert "Hopper" in reasons["mosaic_gpu"] and "dot_general" in jaxpr and "wgmma" not in jaxpr
+        assert not reasons["mosaic_gpu"] and "Hopper" in reasons["mosaic_gpu"].reason
+        assert repr(reasons["mosaic_gpu"]).startswith("<unavailable: it needs a Hopper GPU")
+        assert "dot_general" in jaxpr and "wgmma" not in jaxpr
         assert_within_rounding(nybble.matmul(x, qw), x, qw)
 
 

@@ -9,8 +9,8 @@ import pytest
 
 import nybble
 from nybble.kernels import reference_dequantize
-from nybble.kernels.ragged import available_ragged_implementations
 from nybble.kernels.xla_ragged import row_window, xla_ragged_matmul
+from nybble.ops import available_ragged_implementations
 from nybble.packing import get_layout
 from nybble.quant.stacked import num_experts, stack_weights, unstack_weight
 

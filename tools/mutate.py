@@ -4,6 +4,7 @@ cover that module, and report the mutants no test kills.
     .venv/bin/python tools/mutate.py                 # every target module (CPU heavy: hours on 2 cores)
     .venv/bin/python tools/mutate.py --list          # the mutants only
     .venv/bin/python tools/mutate.py --module nybble/kernels/xla.py --out /tmp/mutants.jsonl
+    .venv/bin/python tools/mutate.py --module nybble/kernels/mosaic_gpu/split_k.py --sample 3
 
 Each mutant is made on the module's syntax tree (``ast``) and written, unparsed, into a scratch copy of
 the repository (the working tree is never touched); the module's test files run there with ``-x`` and
@@ -43,6 +44,24 @@ TARGETS: dict[str, list[str]] = {
     "nybble/quant/qweight.py": ["tests/test_reference.py", "tests/test_quant.py", "tests/test_matmul.py"],
     "nybble/quant/rtn.py": ["tests/test_quant.py"],
     "nybble/kernels/xla.py": ["tests/test_matmul.py"],
+    # The Mosaic GPU kernel's modules, killed in GPU interpret mode (race detector on) on the CPU: the bit
+    # operations' twins first (no kernel), then bit-exact kernels over both routes, K slices, split-K, the
+    # producer, partial last groups and offsets. Minutes a mutant: sample them (--sample).
+    "nybble/kernels/mosaic_gpu/dequant_registers.py": [
+        "tests/test_kernel_interpret.py",
+        "-k",
+        "every_nibble or twin_places or slice_sum_twins or bias_folded or producer_warpgroup_exact",
+    ],
+    "nybble/kernels/mosaic_gpu/common.py": [
+        "tests/test_kernel_interpret.py",
+        "-k",
+        "bias_folded or producer_warpgroup_exact or partial_last_group_exact or groups_exact",
+    ],
+    "nybble/kernels/mosaic_gpu/split_k.py": [
+        "tests/test_kernel_interpret.py",
+        "-k",
+        "producer_warpgroup_exact or 512_deep_steps_exact",
+    ],
 }
 COPY = ["nybble", "tests", "bench", "pyproject.toml"]
 
@@ -200,12 +219,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-factor", type=float, default=5.0, help="x the unmutated run's time")
     ap.add_argument("--retry", action="store_true", help="run the survivors and timeouts in --out again")
     ap.add_argument("--summary", action="store_true", help="summarize --out and stop")
+    ap.add_argument("--sample", type=int, default=None, help="only this many mutants a module, at random")
+    ap.add_argument("--seed", type=int, default=0, help="the --sample draw's seed")
     args = ap.parse_args(argv)
     modules = args.module or list(TARGETS)
     unknown = [m for m in modules if m not in TARGETS]
     if unknown:
         ap.error(f"unknown module(s) {unknown}; choose from {list(TARGETS)}")
     todo = [m for module in modules for m in mutants(module)]
+    if args.sample is not None:  # a few a module, the same ones for the same seed
+        import random
+
+        rng = random.Random(args.seed)
+        todo = [
+            m
+            for module in modules
+            for m in sorted(
+                rng.sample(mutants(module), min(args.sample, len(mutants(module)))), key=lambda m: m.index
+            )
+        ]
     if args.list:
         for m in todo:
             print(f"{m.module}:{m.line} #{m.index}: {m.what}    {m.source_line}")

@@ -2,7 +2,14 @@
 
 from typing import Any
 
-from nybble.kernels.api import IMPLEMENTATIONS, available_implementations, matmul, num_sms
+from nybble.kernels.api import (
+    IMPLEMENTATIONS,
+    Availability,
+    available_implementations,
+    explain,
+    matmul,
+    num_sms,
+)
 from nybble.kernels.ragged import available_ragged_implementations, ragged_matmul
 from nybble.kernels.reference import reference_dequantize, reference_matmul, relative_error
 from nybble.kernels.xla import xla_matmul
@@ -20,8 +27,10 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "Availability",
     "available_implementations",
     "available_ragged_implementations",
+    "explain",
     "interpret",
     "matmul",
     "num_sms",

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from nybble.kernels.api import IMPLEMENTATIONS, SUPPORTED_X_DTYPES, Implementation, _mosaic_gpu_not_here
+from nybble.kernels.api import IMPLEMENTATIONS, MATMUL_X_DTYPES, Implementation, _mosaic_gpu_not_here
 from nybble.kernels.xla_ragged import group_bounds, xla_ragged_matmul
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.stacked import check_stacked
@@ -23,10 +23,12 @@ from nybble.quant.stacked import check_stacked
 WHAT = "nybble.ragged_matmul"
 
 
-def _is_expert_sharded(qw: Any) -> bool:
-    from nybble.sharding.experts import ExpertShardedWeight  # late: the sharding package imports kernels
-
-    return isinstance(qw, ExpertShardedWeight)
+def check_implementation(implementation: Any) -> None:
+    """Raises unless ``implementation`` is None or one of ``IMPLEMENTATIONS``."""
+    if implementation not in (None, *IMPLEMENTATIONS):
+        raise ValueError(
+            f"{WHAT}: unknown implementation {implementation!r}; choose one of {IMPLEMENTATIONS} or None"
+        )
 
 
 def check_group_sizes(group_sizes: Any, experts: int, rows: int) -> None:
@@ -66,10 +68,12 @@ def check_group_sizes(group_sizes: Any, experts: int, rows: int) -> None:
         )
 
 
-def _check_args(x: Any, qw: Any, group_sizes: Any) -> None:
-    if _is_expert_sharded(qw):
-        experts = qw.num_experts
-    else:
+def check_args(x: Any, qw: Any, group_sizes: Any, *, experts: int | None = None) -> None:
+    """Raises, naming the rule, unless x (rows, K), the weight and ``group_sizes`` fit together.
+
+    ``experts``: the expert count of a weight that is not a stacked ``QuantizedWeight`` (the expert-sharded
+    one of ``nybble.sharding``, which ``nybble.ops`` dispatches); None: ``qw`` is checked as a stack."""
+    if experts is None:
         experts = check_stacked(qw, WHAT)
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{WHAT}: x must be an array of shape (rows, K), got {type(x).__name__}")
@@ -79,9 +83,9 @@ def _check_args(x: Any, qw: Any, group_sizes: Any) -> None:
             f"{WHAT}: x has shape {tuple(x.shape)} but each expert's weight has shape (K, N) = ({k}, {n}); x "
             f"must be (rows, K) = (rows, {k}), its rows sorted by expert (reshape batch axes away first)"
         )
-    if np.dtype(x.dtype).name not in SUPPORTED_X_DTYPES:
+    if np.dtype(x.dtype).name not in MATMUL_X_DTYPES:
         raise TypeError(
-            f"{WHAT}: x has dtype {np.dtype(x.dtype).name}; supported: {SUPPORTED_X_DTYPES} "
+            f"{WHAT}: x has dtype {np.dtype(x.dtype).name}; supported: {MATMUL_X_DTYPES} "
             f"(cast x first, e.g. x.astype(jnp.bfloat16))"
         )
     check_group_sizes(group_sizes, experts, x.shape[0])
@@ -121,15 +125,8 @@ def ragged_matmul(
     The XLA path reads and dequantizes only the experts that have rows, one at a time (see
     :mod:`nybble.kernels.xla_ragged`); it supports forward-mode differentiation only.
     """
-    _check_args(x, qw, group_sizes)
-    if implementation not in (None, *IMPLEMENTATIONS):
-        raise ValueError(
-            f"{WHAT}: unknown implementation {implementation!r}; choose one of {IMPLEMENTATIONS} or None"
-        )
-    if _is_expert_sharded(qw):
-        from nybble.sharding.experts import sharded_ragged_matmul
-
-        return sharded_ragged_matmul(x, qw, group_sizes, implementation=implementation)
+    check_args(x, qw, group_sizes)
+    check_implementation(implementation)
     if implementation == "xla":
         return xla_ragged_matmul(x, qw, group_sizes)
     unsupported = _grouped_unsupported(x, qw, group_sizes)
@@ -148,9 +145,7 @@ def ragged_matmul(
 
 def available_ragged_implementations(x: Any, qw: Any, group_sizes: Any) -> dict[str, str | None]:
     """Each implementation mapped to None (it can run these arguments here) or the reason it cannot."""
-    _check_args(x, qw, group_sizes)
-    if _is_expert_sharded(qw):
-        x, qw, group_sizes = qw.local_problem(x, group_sizes)
+    check_args(x, qw, group_sizes)
     return {"mosaic_gpu": _grouped_unsupported(x, qw, group_sizes) or _mosaic_gpu_not_here(), "xla": None}
 
 

@@ -4,7 +4,7 @@
     model = nybble.models.quantize(model, group_size=128)       # nnx.Linear -> QLinear, in place
     ppl = nybble.models.perplexity(model, tokenizer.encode(nybble.models.eval_text()).ids)
 
-Needs the ``models`` extra (flax, safetensors, gguf, tokenizers): ``pip install "nybble[models]"``.
+Needs the ``models`` extra (flax, safetensors, gguf, tokenizers): ``pip install ".[models]"`` in a clone.
 """
 
 try:  # one clear error naming the extra, before any module of the package needs flax
@@ -21,17 +21,21 @@ from nybble.models.hf.pretrained import from_pretrained, load_tokenizer
 from nybble.models.hf.save import save_pretrained
 from nybble.models.layers import QDense, QLinear, QuantizedParam, dense
 from nybble.models.llama import KVCache, Llama, LlamaConfig
+from nybble.models.methods import GPTQ, RTN, AutoRound
 from nybble.models.moe import MoE, MoEConfig, QExperts
-from nybble.models.plan import LayerReport, QuantizationReport, plan_quantization
+from nybble.models.placement import DEFAULT_SHARD_RULES, ShardReport, ShardRule, shard
+from nybble.models.quant_plan import LayerReport, QuantizationReport, plan_quantization
 from nybble.models.rules import DEFAULT_RULES, INHERIT, QuantRule
 from nybble.models.serialization import load_model, save_model
-from nybble.models.sharding import DEFAULT_SHARD_RULES, ShardReport, ShardRule, shard
 from nybble.models.text import eval_text
 
 __all__ = [
     "DEFAULT_RULES",
     "DEFAULT_SHARD_RULES",
+    "GPTQ",
     "INHERIT",
+    "RTN",
+    "AutoRound",
     "KVCache",
     "LayerReport",
     "Llama",

@@ -13,14 +13,16 @@ from tqdm.auto import tqdm
 from nybble.models.autoround import autoround_params, quantize_autoround
 from nybble.models.calibrate import quantize_gptq
 from nybble.models.layers import QLinear
+from nybble.models.methods import GPTQ, AutoRound, Method, method_config, set_quantization
 from nybble.models.moe import expert_stacks, quantize_expert_stacks
-from nybble.models.plan import (
+from nybble.models.quant_plan import (
     LayerReport,
     QuantizationReport,
     array_nbytes,
     check_not_quantized,
     path_str,
     plan_quantization,
+    report_skipped_general,
 )
 from nybble.models.rules import Decision, QuantRule, check_rules, decide, warn_unmatched
 from nybble.packing import check_group_size
@@ -28,60 +30,70 @@ from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.rtn import quantize as quantize_weight
 
 METHODS = ("rtn", "gptq", "autoround")
-# Options of nybble.quantize that method="rtn" passes through.
-RTN_OPTIONS = frozenset({"clip_search", "zero_point"})
 
 
-@overload
-def quantize(model: nnx.Module, *, return_report: Literal[False] = ..., **options: Any) -> nnx.Module: ...
+# "Not given": group_size=None means per-column, so the defaults of `quantize` need their own marker.
+_UNSET: Any = type("_Unset", (), {"__repr__": lambda self: "<default>"})()
 
 
 @overload
 def quantize(
-    model: nnx.Module, *, return_report: Literal[True], **options: Any
+    model: nnx.Module, method: Method | str = ..., *, return_report: Literal[False] = ..., **options: Any
+) -> nnx.Module: ...
+
+
+@overload
+def quantize(
+    model: nnx.Module, method: Method | str = ..., *, return_report: Literal[True], **options: Any
 ) -> tuple[nnx.Module, QuantizationReport]: ...
 
 
 def quantize(
     model: nnx.Module,
+    method: Method | str = "rtn",
     *,
-    group_size: int | None = 128,
-    symmetric: bool = True,
+    group_size: int | None = _UNSET,
+    symmetric: bool = _UNSET,
     rules: Sequence[QuantRule] | None = None,
-    method: str = "rtn",
     calibration: Any = None,
-    scale_dtype: Any = jnp.bfloat16,
+    forward: Callable[[nnx.Module, jax.Array], Any] | None = None,
+    scale_dtype: Any = _UNSET,
     progress: bool = True,
     verbose: bool = False,
     return_report: bool = False,
     **method_options: Any,
 ) -> nnx.Module | tuple[nnx.Module, QuantizationReport]:
-    """Replaces the ``nnx.Linear`` layers of a Flax NNX model by int4 :class:`QLinear` layers, in place.
+    """Replaces the dense layers of a Flax NNX model by int4 :class:`QLinear` layers, in place.
 
-    Only ``nnx.Linear`` is swapped: embeddings (and an LM head tied to them), norms and other layers stay
-    in float. An untied LM head (a Linear named ``lm_head``/``head``/``output``/``classifier``) stays in
-    float too, unless a rule of the caller matches it first.
+    ``nnx.Linear`` layers are swapped; ``nnx.LinearGeneral`` and ``nnx.Einsum`` layers are left in float
+    and named in the report as skipped, with the reason. Embeddings (and an LM head tied to them), norms
+    and other layers stay in float. An untied LM head (a Linear named ``lm_head``/``head``/``output``/
+    ``classifier``) stays in float too, unless a rule of the caller matches it first.
 
     Args:
       model: the NNX model; modified in place and returned.
-      group_size, symmetric: defaults for every layer (see :func:`nybble.quantize`).
+      method: a frozen config, ``RTN(group_size=128)``, ``GPTQ(...)`` or ``AutoRound(...)``
+        (``nybble.models.methods``), validated when built, printed in the report and saved with the
+        checkpoint by ``save_model``; or the shorthand ``"rtn"``, ``"gptq"``, ``"autoround"`` with the
+        config's fields as keyword arguments (``group_size=64, symmetric=False, act_order=...``; for
+        AutoRound also ``AutoRoundConfig`` fields such as ``steps=``).
+      group_size, symmetric, scale_dtype: with a shorthand name, the format of every layer (defaults:
+        128, True, bf16; see :func:`nybble.quantize`); with a config, give them in the config.
       rules: ``QuantRule`` list over dotted module paths (``"layers.0.mlp.up_proj"``), first match wins;
         searched before ``DEFAULT_RULES``. A rule that matches no layer is reported with a warning.
-      method: ``"rtn"`` (round to nearest) or a calibrated method, ``"gptq"`` or ``"autoround"``
-        (learned rounding, block by block), delegated to ``nybble.models.calibrate.quantize_gptq`` or
-        ``nybble.models.autoround.quantize_autoround`` with ``calibration`` data.
-      scale_dtype: dtype of the stored scales (bf16 by default).
-      progress: show a tqdm progress bar over layers.
+      calibration: token ids for GPTQ and AutoRound (a 1-D stream or (batch, length)).
+      forward: for GPTQ and AutoRound, ``forward(model, ids)`` runs the model on one calibration batch
+        (default: ``model(ids)``); not part of the method config (a function is not saved).
+      progress: show a tqdm progress bar.
       verbose: print the :class:`QuantizationReport` summary at the end.
       return_report: return ``(model, report)`` instead of the model alone.
-      **method_options: ``clip_search`` (both methods: per group, the range shrink with the least
-        squared error), and for GPTQ ``act_order``, ``refit_scales``, ``damp``, ``block_size``,
-        ``static_groups``, ``seq_len`` (see ``nybble.models.calibrate.quantize_gptq``); for AutoRound
-        ``config`` (a preset name or ``AutoRoundConfig``), its fields (``steps``, ``lr``, ...), ``start``,
-        ``target``, ``refit_scales``, ``seq_len`` (see ``nybble.models.autoround.quantize_autoround``).
     """
-    if method not in METHODS:
-        raise ValueError(f"nybble.models.quantize: unknown method {method!r}; choose one of {METHODS}")
+    common = {
+        k: v
+        for k, v in (("group_size", group_size), ("symmetric", symmetric), ("scale_dtype", scale_dtype))
+        if v is not _UNSET
+    }
+    config = method_config(method, **common, **method_options)
     if not isinstance(model, nnx.Module):
         raise TypeError(
             f"nybble.models.quantize expects a flax.nnx.Module, got {type(model).__name__}; "
@@ -92,58 +104,62 @@ def quantize(
             "nybble.models.quantize: got a bare nnx.Linear; use QLinear.from_linear(linear) to quantize "
             "a single layer"
         )
-    if method != "rtn":
-        calibrated = quantize_gptq if method == "gptq" else quantize_autoround
-        return calibrated(
+    fmt = dict(group_size=config.group_size, symmetric=config.symmetric, scale_dtype=config.scale_dtype)
+    if isinstance(config, GPTQ | AutoRound):
+        calibrated = quantize_gptq if isinstance(config, GPTQ) else quantize_autoround
+        model, report = calibrated(
             model,
             calibration=calibration,
             rules=rules,
-            group_size=group_size,
-            symmetric=symmetric,
-            scale_dtype=scale_dtype,
+            forward=forward,
             progress=progress,
-            verbose=verbose,
-            return_report=return_report,
-            **method_options,
+            verbose=False,
+            return_report=True,
+            **fmt,
+            **config.options(),
         )
-    if calibration is not None:
-        raise ValueError(
-            "nybble.models.quantize: calibration data is only used by the calibrated methods "
-            "('gptq', 'autoround')"
+    else:
+        if calibration is not None or forward is not None:
+            raise ValueError(
+                "nybble.models.quantize: calibration data and forward are only used by the calibrated methods "
+                "(GPTQ, AutoRound)"
+            )
+        planned, _ = plan_quantization(
+            model, rules=rules, group_size=config.group_size, symmetric=config.symmetric, warn=False
         )
-    if bad := sorted(set(method_options) - RTN_OPTIONS):
-        raise TypeError(
-            f"nybble.models.quantize: options {bad} belong to calibrated methods; method='rtn' takes "
-            f"{sorted(RTN_OPTIONS)}"
+        stacks = expert_stacks(model)  # MoE expert stacks (nybble.models.moe): quantized per expert, stacked
+        unmatched = warn_unmatched(
+            check_rules(rules),
+            [pl.path for pl in planned] + [s[0] for s in stacks],
+            "nnx.Linear layer or expert stack" if stacks else "nnx.Linear layer",
         )
-    planned, _ = plan_quantization(
-        model, rules=rules, group_size=group_size, symmetric=symmetric, warn=False
-    )
-    stacks = expert_stacks(model)  # MoE expert stacks (nybble.models.moe): quantized per expert, stacked
-    unmatched = warn_unmatched(
-        check_rules(rules),
-        [pl.path for pl in planned] + [s[0] for s in stacks],
-        "nnx.Linear layer or expert stack" if stacks else "nnx.Linear layer",
-    )
-    report = QuantizationReport(unmatched_rules=unmatched, method=method)
-    quantize_expert_stacks(
-        stacks, rules, group_size=group_size, symmetric=symmetric, scale_dtype=scale_dtype, report=report,
-        **method_options,
-    )
-    for pl in tqdm(planned, desc="nybble: quantizing", unit="layer", disable=not progress, leave=False):
-        d = pl.decision
-        if not d.quantize:
-            report.add(pl.path, pl.shape, d, pl.nbytes)
-            continue
-        qweight = quantize_weight(
-            pl.linear.kernel[...],
-            group_size=d.group_size,
-            symmetric=d.symmetric,
-            scale_dtype=scale_dtype,
-            **method_options,
+        report = QuantizationReport(unmatched_rules=unmatched, method=config.name)
+        quantize_expert_stacks(
+            stacks,
+            rules,
+            group_size=config.group_size,
+            symmetric=config.symmetric,
+            scale_dtype=config.scale_dtype,
+            report=report,
+            **config.options(),
         )
-        pl.replace(QLinear.from_linear(pl.linear, qweight=qweight))
-        report.add(pl.path, pl.shape, d, pl.nbytes, qweight)
+        for pl in tqdm(planned, desc="nybble: quantizing", unit="layer", disable=not progress, leave=False):
+            d = pl.decision
+            if not d.quantize:
+                report.add(pl.path, pl.shape, d, pl.nbytes)
+                continue
+            qweight = quantize_weight(
+                pl.linear.kernel[...],
+                group_size=d.group_size,
+                symmetric=d.symmetric,
+                scale_dtype=config.scale_dtype,
+                **config.options(),
+            )
+            pl.replace(QLinear.from_linear(pl.linear, qweight=qweight))
+            report.add(pl.path, pl.shape, d, pl.nbytes, qweight)
+    report.config = config
+    report_skipped_general(model, report)
+    set_quantization(model, config)
     if verbose:
         print(report.summary())
     return (model, report) if return_report else model

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from nybble.models.calibrate import _default_forward, calibration_batches, capture_pass, finish_report
 from nybble.models.layers import QLinear
-from nybble.models.plan import PlannedLayer, QuantizationReport, path_str, plan_quantization
+from nybble.models.quant_plan import PlannedLayer, QuantizationReport, path_str, plan_quantization
 from nybble.models.rules import QuantRule
 from nybble.models.tune import float_logits, tune_group_params
 from nybble.quant.autoround import AutoRoundConfig, WeightSpec, autoround_block, block_loss, resolve_config

@@ -27,7 +27,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from nybble.models.layers import QLinear
-from nybble.models.plan import PlannedLayer, QuantizationReport, plan_quantization
+from nybble.models.quant_plan import PlannedLayer, QuantizationReport, plan_quantization
 from nybble.models.rules import QuantRule
 from nybble.quant.gptq import gptq
 
@@ -226,7 +226,7 @@ def _install_expert_captures(
 def _report_experts(report: QuantizationReport, captures: Sequence[Any], scale_dtype: Any) -> None:
     """Records each expert stack; one the pass never reached is rounded to nearest now."""
     from nybble.models.moe import QExperts
-    from nybble.models.plan import array_nbytes
+    from nybble.models.quant_plan import array_nbytes
 
     for c in captures:
         shape, before = tuple(c.experts.kernel.shape), array_nbytes(c.experts.kernel)

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen, nnx
 
-from nybble.kernels.api import Implementation, matmul
+from nybble.kernels.api import Implementation
+from nybble.ops import matmul
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.rtn import quantize
 from nybble.sharding import ShardedWeight

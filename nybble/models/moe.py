@@ -28,8 +28,8 @@ import numpy as np
 from flax import nnx
 
 from nybble.kernels.api import Implementation
-from nybble.kernels.ragged import ragged_matmul
 from nybble.models.layers import QuantizedParam
+from nybble.ops import ragged_matmul
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.rtn import quantize
 from nybble.quant.stacked import check_stacked
@@ -258,7 +258,7 @@ def quantize_expert_stacks(
 ) -> None:
     """Round-to-nearest of every float :class:`Experts` in ``stacks`` the rules choose, in place (each
     becomes a :class:`QExperts`), recorded in ``report`` (a ``QuantizationReport``)."""
-    from nybble.models.plan import array_nbytes
+    from nybble.models.quant_plan import array_nbytes
     from nybble.models.rules import check_rules, decide
 
     rules = check_rules(rules)

@@ -9,8 +9,9 @@ from typing import Any
 import jax
 from flax import nnx
 
-from nybble.checkpoint import load, save
+from nybble.checkpoint import Header, load, read_header_of, save
 from nybble.models.layers import QLinear
+from nybble.models.methods import ATTRIBUTE, describe, from_description, get_quantization, to_json
 from nybble.models.moe import Experts
 from nybble.quant.qweight import QuantizedWeight
 from nybble.sharding import ShardedWeight
@@ -19,9 +20,53 @@ from nybble.sharding import ShardedWeight
 def save_model(path: str | os.PathLike[str], model: nnx.Module) -> Path:
     """Writes ``model``'s whole state (``nnx.to_pure_dict(nnx.state(model))``) to one safetensors file.
 
-    ``QLinear`` weights are stored as ``QuantizedWeight`` entries (``<path>.qweight``).
+    ``QLinear`` weights are stored as ``QuantizedWeight`` entries (``<path>.qweight``). The method config
+    of the ``nybble.models.quantize`` pass that made them is saved with them (``read_metadata(path)
+    ["info"]["quantization"]``) and restored by :func:`load_model`.
     """
-    return save(path, nnx.to_pure_dict(nnx.state(model)))
+    config = get_quantization(model)
+    info = None if config is None else {"quantization": describe(config)}
+    return save(path, nnx.to_pure_dict(nnx.state(model)), info=info)
+
+
+def _shapes(model: nnx.Module) -> dict[str, tuple[int, ...]]:
+    """Dotted state names and shapes of ``model`` (float or abstract); ``.qweight`` by logical shape."""
+    is_qw = lambda x: isinstance(x, QuantizedWeight | ShardedWeight)
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model)), is_leaf=is_qw)[0]
+    return {
+        ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): _logical_shape(leaf)
+        for path, leaf in flat
+    }
+
+
+def _logical_shape(leaf: Any) -> tuple[int, ...]:
+    """An array's shape; a quantized weight's (K, N) after a stack's leading axes (experts, K, N)."""
+    if isinstance(leaf, QuantizedWeight):
+        return (*leaf.scales.shape[:-2], *leaf.shape)
+    return tuple(leaf.shape)
+
+
+def check_checkpoint_fits(path: str | os.PathLike[str] | Header, model: nnx.Module) -> Header:
+    """Refuses, from the header alone (milliseconds), a checkpoint written for another architecture.
+
+    A float layer's ``<path>.kernel`` matches a saved ``<path>.qweight`` of the same logical (K, N).
+    Raises ValueError naming how many entries differ and the first few; returns the checked header."""
+    header = path if isinstance(path, Header) else read_header_of(path)
+    norm = lambda d: {k.removesuffix(".qweight").removesuffix(".kernel"): v for k, v in d.items()}
+    saved, want = norm(header.shapes()), norm(_shapes(model))
+    missing = sorted(set(want) - set(saved))
+    extra = sorted(set(saved) - set(want))
+    differ = sorted(k for k in set(want) & set(saved) if tuple(want[k]) != tuple(saved[k]))
+    if missing or extra or differ:
+        parts = [f"{k}: saved {saved[k]}, this model {want[k]}" for k in differ[:3]]
+        parts += [f"{k}: not in the checkpoint" for k in missing[:2]]
+        parts += [f"{k}: not in this model" for k in extra[:2]]
+        raise ValueError(
+            f"{header.path} belongs to another model: {len(differ)} entries differ in shape, {len(missing)} "
+            f"missing, {len(extra)} extra, of {len(want)} ({'; '.join(parts)}). Load it into the model "
+            f"it was written for (the same --model as `nybble quantize`)"
+        )
+    return header
 
 
 def _get(tree: Any, path: tuple[Any, ...]) -> Any:
@@ -49,10 +94,11 @@ def load_model(
     reading only the bytes of its own shards; start from an abstract model (``nnx.eval_shape``) and no
     process ever holds a whole copy.
     """
+    header = check_checkpoint_fits(path, model)
     if mesh is None:
         state_dict = load(path)
     else:
-        from nybble.models.sharding import checkpoint_placement
+        from nybble.models.placement import checkpoint_placement
 
         state_dict = load(path, placement=checkpoint_placement(model, mesh, axis=axis, rules=rules))
     if not isinstance(state_dict, dict):
@@ -101,6 +147,8 @@ def load_model(
             )
     nnx.replace_by_pure_dict(state, state_dict)
     nnx.update(model, state)
+    quantization = header.info.get("quantization")
+    setattr(model, ATTRIBUTE, None if quantization is None else to_json(from_description(quantization)))
     return model
 
 
@@ -124,4 +172,4 @@ def _load_experts(state_dict: Any, modules: dict, p: tuple[Any, ...], m: Any) ->
     setattr(modules[p[:-1]], p[-1], QExperts(qw))
 
 
-__all__ = ["load_model", "save_model"]
+__all__ = ["check_checkpoint_fits", "load_model", "save_model"]

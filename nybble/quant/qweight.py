@@ -258,21 +258,30 @@ def _repacked_codes(qw: QuantizedWeight, layout: str) -> jax.Array:
     return get_layout(layout).pack(qw.logical_codes())
 
 
-def scale_codes(codes: jax.Array, qw: QuantizedWeight, *, k_axis: int = 0) -> jax.Array:
-    """``q * scale + offset`` in float32 for padded codes whose K runs along ``k_axis`` (0: (K_pad, N_pad),
-    1: (N_pad, K_pad)): the one definition of dequantization every path shares."""
+def scale_codes(
+    codes: jax.Array, qw: QuantizedWeight, *, k_axis: int = 0, dtype: Any = jnp.float32
+) -> jax.Array:
+    """``q * scale + offset`` for padded codes whose K runs along ``k_axis`` (0: (K_pad, N_pad), 1:
+    (N_pad, K_pad)): the one definition of dequantization every path shares.
+
+    Computed in ``dtype``: float32 (the default, ``nybble.dequantize``'s exact values) or an activation
+    dtype (the XLA path, so that no float32 copy of the weight exists: the multiply then rounds as in
+    float32 and rounds again to ``dtype``, which is exact for symmetric groups, q * s having at most 12
+    significant bits; an offset adds a second rounding, as on the Mosaic kernel's exact-weights route)."""
     k_pad = qw.padded_shape[0]
 
     def per_row(a: jax.Array) -> jax.Array:
-        return expand_groups(a if k_axis == 0 else a.T, qw.group, k_pad, axis=k_axis)
+        return expand_groups(a if k_axis == 0 else a.T, qw.group, k_pad, axis=k_axis, dtype=dtype)
 
-    w = codes.astype(jnp.float32) * per_row(qw.scales)
+    w = codes.astype(dtype) * per_row(qw.scales)
     return w if qw.offsets is None else w + per_row(qw.offsets)
 
 
-def expand_groups(per_group: jax.Array, group: int, k_pad: int, axis: int = 0) -> jax.Array:
-    """Repeats each group row ``group`` times along ``axis`` and cuts to ``k_pad`` rows, in float32."""
-    full = jnp.repeat(per_group.astype(jnp.float32), group, axis=axis)
+def expand_groups(
+    per_group: jax.Array, group: int, k_pad: int, axis: int = 0, dtype: Any = jnp.float32
+) -> jax.Array:
+    """Repeats each group row ``group`` times along ``axis`` and cuts to ``k_pad`` rows, in ``dtype``."""
+    full = jnp.repeat(per_group.astype(dtype), group, axis=axis)
     return jax.lax.slice_in_dim(full, 0, k_pad, axis=axis)
 
 

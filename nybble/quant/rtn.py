@@ -21,10 +21,25 @@ from nybble.quant.qweight import SCALE_DTYPES, QuantizedWeight
 from nybble.quant.stacked import quantize_stacked
 
 
+def _model_hint(obj: Any) -> str:
+    """Where a model or a params pytree goes instead of one weight (``nybble.quantize`` takes an array)."""
+    if any(c.__module__.split(".")[0] == "flax" for c in type(obj).__mro__):
+        return (
+            "; nybble.quantize quantizes one weight array. For a Flax model's layers, in place: "
+            "nybble.models.quantize(model, ...)"
+        )
+    if isinstance(obj, dict | list | tuple):
+        return (
+            "; nybble.quantize quantizes one weight array. For a params pytree: "
+            "nybble.models.quantize_params(params, ...)"
+        )
+    return ""
+
+
 def check_weight(w: Any, what: str = "quantize") -> None:
     """A 2-D float weight; NaN/Inf reported with count and first position when the values are concrete."""
     if not hasattr(w, "shape") or not hasattr(w, "dtype"):
-        raise TypeError(f"{what}: expected a (K, N) array, got {type(w).__name__}")
+        raise TypeError(f"{what}: expected a (K, N) array, got {type(w).__name__}{_model_hint(w)}")
     if w.ndim != 2:
         raise ValueError(
             f"{what}: expected a 2-D weight of shape (K, N) = (in_features, out_features), got shape "

@@ -4,13 +4,13 @@
     sw = nybble.sharding.shard_weight(qw, nybble.sharding.TensorParallel(mesh, "column"))
     y = jax.jit(nybble.matmul)(x, sw)       # the kernel once per shard, under shard_map
 
-See :mod:`nybble.sharding.plan` for the rules, :mod:`~nybble.sharding.weight` for the storage and
+See :mod:`nybble.sharding.split_plan` for the rules, :mod:`~nybble.sharding.weight` for the storage and
 :mod:`~nybble.sharding.matmul` for the op; ``nybble.models.shard`` places a whole model.
 """
 
 from nybble.sharding.experts import ExpertParallel, ExpertShardedWeight, shard_experts
 from nybble.sharding.matmul import sharded_matmul
-from nybble.sharding.plan import SPLITS, ShardingError, ShardPlan, Split, TensorParallel, plan_split
+from nybble.sharding.split_plan import SPLITS, ShardingError, ShardPlan, Split, TensorParallel, plan_split
 from nybble.sharding.weight import ShardedWeight, local_weights, shard_weight
 
 __all__ = [

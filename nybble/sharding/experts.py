@@ -6,8 +6,8 @@
 
 Storage: the stacked codes, scales and offsets keep their leading expert axis, split over ``expert_axis``
 (each device holds E / ep whole experts); with a tensor-parallel split each expert is also cut along N
-(``"column"``) or K (``"row"``) over ``tp_axis`` by the dense rules of :mod:`nybble.sharding.plan` (the same
-blocks and refusals), the shards' blocks side by side on that axis.
+(``"column"``) or K (``"row"``) over ``tp_axis`` by the dense rules of :mod:`nybble.sharding.split_plan`
+(the same blocks and refusals), the shards' blocks side by side on that axis.
 
 The product (:func:`sharded_ragged_matmul`, under ``jax.shard_map``): x (rows, K) sorted by expert and the
 small ``group_sizes`` are replicated over the expert axis (x split along K over ``tp_axis`` for a row split).
@@ -32,7 +32,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from nybble.packing import get_layout, num_groups, padded_weight_dims
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.stacked import check_stacked
-from nybble.sharding.plan import ShardingError, ShardPlan, plan_split
+from nybble.sharding.split_plan import ShardingError, ShardPlan, plan_split
 from nybble.sharding.weight import ARRAYS, block_slice, cut_block
 
 ARRAY_NAMES = ARRAYS

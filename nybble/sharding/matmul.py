@@ -7,7 +7,7 @@ whole on every shard. The rows of x are split over the mesh's other axes when th
 parallelism; the weight is replicated over those axes), else every device takes all of them. On a mesh
 with ``Explicit`` axes (``jax.make_mesh``'s default) x is resharded to that placement first.
 
-Inside, each device runs ``nybble.matmul`` on its shard's plain ``QuantizedWeight`` with the implementation
+Inside, each device runs ``nybble.kernels.matmul`` on its shard's ``QuantizedWeight`` with the implementation
 asked for: the Mosaic GPU kernel once per shard on Hopper (or under ``nybble.kernels.interpret()``), the XLA
 path elsewhere.
 """
@@ -20,6 +20,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from nybble.kernels.api import matmul
 from nybble.sharding.weight import ShardedWeight
 
 
@@ -36,8 +37,6 @@ def sharded_matmul(x: Any, sw: ShardedWeight, *, implementation: str | None = No
     Row-parallel partial outputs are rounded to x.dtype before the all-reduce (half the bytes of a float32
     reduction, as Megatron-LM does), so their sum may differ from the unsharded product in the last bit.
     """
-    from nybble.kernels.api import matmul  # the per-shard op; imported late (api imports this package)
-
     k, n = sw.shape
     p = sw.parallel
     x2d = x.reshape(-1, k)

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nybble.packing import get_layout, num_groups, padded_weight_dims
 from nybble.quant.qweight import QuantizedWeight
-from nybble.sharding.plan import ShardPlan, TensorParallel, plan_split
+from nybble.sharding.split_plan import ShardPlan, TensorParallel, plan_split
 
 ARRAYS = ("codes", "scales", "offsets")
 

@@ -31,7 +31,7 @@ def main() -> None:
 
     mesh = Mesh(np.array(jax.devices()).reshape(1, 8), ("data", "model"))
     splits = {"up": "column", "down": "row"}
-    with mock.patch("nybble.checkpoint_placed.os.pread", wraps=os.pread) as pread:
+    with mock.patch("nybble.checkpoint.reader.os.pread", wraps=os.pread) as pread:
         tree = nybble.load(path, placement=lambda leaf: TensorParallel(mesh, splits[leaf.name]))
     bytes_read = sum(call.args[1] for call in pread.call_args_list)
     up, down = tree["up"], tree["down"]

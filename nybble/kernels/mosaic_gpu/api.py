@@ -25,10 +25,10 @@ from nybble.kernels.mosaic_gpu.config import (
 )
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.kernels.mosaic_gpu.kernel import w4a16
-from nybble.quant.qweight import QuantizedWeight
+from nybble.quant.qweight import QuantizedWeight, dequantize
 
 SUPPORTED_LAYOUTS = ("wgmma_int4",)
-SUPPORTED_X_DTYPES = ("bfloat16", "float16")
+KERNEL_X_DTYPES = ("bfloat16", "float16")
 
 
 def is_interpret_active() -> bool:
@@ -50,9 +50,9 @@ def is_supported(x: Any, qw: QuantizedWeight) -> str | None:
             f"(the default)"
         )
     x_dtype = np.dtype(x.dtype).name
-    if x_dtype not in SUPPORTED_X_DTYPES:
+    if x_dtype not in KERNEL_X_DTYPES:
         return (
-            f"x has dtype {x_dtype}; the kernel multiplies in {SUPPORTED_X_DTYPES} "
+            f"x has dtype {x_dtype}; the kernel multiplies in {KERNEL_X_DTYPES} "
             f"(cast x, or use implementation='xla' for float32)"
         )
     if x.shape[-1] != qw.shape[0]:
@@ -167,11 +167,10 @@ def _matmul_fwd(x2d, qw, config, num_sms):
 
 def _matmul_bwd(config, num_sms, qw, g):
     # dx = g @ dequant(W)^T through XLA, f32 accumulation; the weights get no gradient.
-    from nybble.kernels.xla import dequantize_nk
-
-    k, n = qw.shape
-    w_nk = dequantize_nk(qw, g.dtype)[:n, :k]
-    dx = jnp.dot(g, w_nk, preferred_element_type=jnp.float32).astype(g.dtype)
+    # The weight rounded once to g's dtype (nybble.dequantize's values), contracted over N: dx = g W^T.
+    w = dequantize(qw, g.dtype)  # (K, N)
+    dims = (((g.ndim - 1,), (1,)), ((), ()))
+    dx = jax.lax.dot_general(g, w, dims, preferred_element_type=jnp.float32).astype(g.dtype)
     zeros = jax.tree.map(_zero_cotangent, qw)
     return dx, zeros
 

@@ -3,7 +3,7 @@ dequantization and WGMMA for either route, and the epilogue.
 
 Operands, as the wrapper hands them over (all views by reshape, no copies):
   * codes: ``wgmma_int4`` words (N_pad / 8, K_pad) viewed as (N_pad / W, 8, K_pad / S), W = 64 / S: one
-    64-row A tile is 8 slots of 8 rows, slot = band * S + slice (fragments.py); a step's block is
+    64-row A tile is 8 slots of 8 rows, slot = band * S + slice (dequant_registers.py); a step's block is
     (A tiles, 8, tile_k) words, 32 * tile_k bytes per A tile;
   * x: (M', K) viewed as (M' * S, K / S): B row m * S + j is x[m] over slice j; a block of WGMMA's N rows,
     rows past M' * S zero-filled by TMA (M' >= M: the wrapper's zero rows where M * S would not fill whole
@@ -34,7 +34,7 @@ from nybble.kernels.mosaic_gpu.config import (
     wgmma_k,
 )
 from nybble.kernels.mosaic_gpu.config import folds_bias as config_folds_bias
-from nybble.kernels.mosaic_gpu.fragments import BIAS, dequantize_chunk, slot_rows, sum_slices
+from nybble.kernels.mosaic_gpu.dequant_registers import BIAS, dequantize_chunk, slot_rows, sum_slices
 
 L = plgpu.Layout
 

@@ -5,7 +5,7 @@ Naming: the kernel computes y^T = W^T x^T, so the weight's N is WGMMA's M dimens
 
 WGMMA's N is ``slices * tile_m``: with ``slices`` = S > 1 (decode, M <= 8) K is cut into S slices that
 run side by side in WGMMA's N, so one warpgroup covers 64 * tiles / S output rows over all of K and a
-decode GEMM needs no split-K (see fragments.py). Two dequantization routes (``scales_on``):
+decode GEMM needs no split-K (see dequant_registers.py). Two dequantization routes (``scales_on``):
   * "accumulators": each A element is 136 + q straight from one LOP3 (no per-weight arithmetic); every
     group's products go to a fresh f32 accumulator, which is scaled once per group: y += s * (acc - 136 *
     sum(x)) + o * sum(x), where sum(x) over the group comes from one more WGMMA with an all-ones A tile in

@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from nybble.kernels.mosaic_gpu.api import SUPPORTED_LAYOUTS, SUPPORTED_X_DTYPES, _requires_gpu_p
+from nybble.kernels.mosaic_gpu.api import KERNEL_X_DTYPES, SUPPORTED_LAYOUTS, _requires_gpu_p
 from nybble.kernels.mosaic_gpu.common import CtaTile, Problem, RowWindow, StashedRows
 from nybble.kernels.mosaic_gpu.config import DEFAULT_NUM_SMS, TuningConfig, x_rows
 from nybble.kernels.mosaic_gpu.grouped_config import (
@@ -203,8 +203,8 @@ def grouped_is_supported(x: Any, qw: Any, group_sizes: Any) -> str | None:
             return f"the weight's {name} have shape {tuple(a.shape)}: expected ({experts}, groups, N_pad)"
     if getattr(x, "ndim", None) != 2:
         return f"x has shape {tuple(getattr(x, 'shape', ()))}: expected (rows, K), rows sorted by expert"
-    if np.dtype(x.dtype).name not in SUPPORTED_X_DTYPES:
-        return f"x has dtype {np.dtype(x.dtype).name}; the kernel multiplies in {SUPPORTED_X_DTYPES} (cast x)"
+    if np.dtype(x.dtype).name not in KERNEL_X_DTYPES:
+        return f"x has dtype {np.dtype(x.dtype).name}; the kernel multiplies in {KERNEL_X_DTYPES} (cast x)"
     if x.shape[1] != qw.shape[0]:
         return f"x has K={x.shape[1]} but the weight has K={qw.shape[0]}"
     shape = tuple(getattr(group_sizes, "shape", ()))

@@ -9,7 +9,8 @@ CUDA (``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``).
 jax 0.11.2's interpreter cannot run ``plgpu.wgmma`` with its A operand in registers ("Expected shape (6,)
 but got (64, 128)"), which is exactly how the W4A16 kernel feeds the dequantized weights. ``interpret()``
 closes that gap with a small patch of ``jax._src.pallas.mosaic_gpu.interpret``, applied only while the
-context is active and only on that jax version (other versions run unpatched).
+context is active, and only on that jax version: on another one ``interpret()`` raises (the patches touch
+private functions that may have changed).
 
 Under ``jax.shard_map`` on several CPU devices (``nybble.sharding``) every device interprets its own kernel
 at the same time, in one shared simulated memory. jax 0.11.2 then checks, as each device finishes, that no
@@ -34,7 +35,7 @@ import jax
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["active_params", "interpret", "races_found", "reset_state"]
+__all__ = ["active_params", "check_jax_version", "interpret", "races_found", "reset_state"]
 
 _PATCHED_JAX_VERSION = "0.11.2"
 
@@ -175,12 +176,26 @@ def _widening(call: Any, host_fn: Any) -> Any:
     return wrapped
 
 
+def check_jax_version(version: str | None = None) -> None:
+    """Refuses to patch a jax other than the one the patches were written against.
+
+    The patches replace private functions of ``jax._src.pallas.mosaic_gpu.interpret``; on another version
+    they could silently change what the interpreter checks, or the kernels could fail for reasons the
+    patches hide. Raises RuntimeError naming both versions and what to do."""
+    version = jax.__version__ if version is None else version
+    if version != _PATCHED_JAX_VERSION:
+        raise RuntimeError(
+            f"nybble.kernels.interpret() patches jax {_PATCHED_JAX_VERSION}'s Pallas GPU interpreter "
+            f"(private functions of jax._src.pallas.mosaic_gpu.interpret) and this is jax {version}: "
+            f"install jax=={_PATCHED_JAX_VERSION} (pyproject.toml pins it), or re-check the patches in "
+            f"nybble/kernels/mosaic_gpu/interpret.py against the new jax and update _PATCHED_JAX_VERSION"
+        )
+
+
 @contextlib.contextmanager
 def _patched_interpreter() -> Iterator[None]:
     global _patch_depth, _saved_method, _saved_barrier_check
-    if jax.__version__ != _PATCHED_JAX_VERSION:
-        yield
-        return
+    check_jax_version()
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret
 
     cls = jaxpr_interpret.JaxprInterpreter

@@ -56,6 +56,9 @@ from nybble.kernels.mosaic_gpu.config import CHUNK_K, TuningConfig
 
 # Registers per thread of the SM's 64K that one warpgroup could use alone (65536 / 128).
 _REGISTER_FILE_PER_THREAD = 512
+# Registers per thread the memory warpgroup keeps (the producer of the one-warpgroup kernel, the TMA
+# warpgroup of the warp-specialized one): it only issues copies and waits on barriers.
+MEMORY_REGISTERS = 40
 
 
 def constant_slots(config: TuningConfig, group: int) -> bool:

@@ -2,8 +2,8 @@
 
 The kernel computes the transposed product y^T = W^T x^T so that the dequantized weights are WGMMA's A
 operand, held in registers, and the batch M is WGMMA's N (8..256); for M <= 8 the N columns that would
-multiply padding carry S slices of K instead (fragments.py), so one warpgroup covers 64 * tiles / S rows
-of N over all of K, and a decode GEMM needs neither split-K nor a second launch.
+multiply padding carry S slices of K instead (dequant_registers.py), so one warpgroup covers
+64 * tiles / S rows of N over all of K, and a decode GEMM needs neither split-K nor a second launch.
 
 One CTA (one compute warpgroup) owns ``rows_per_wg`` output rows (and an M tile, and 1 / split_k of each
 slice). With ``producer`` a second warpgroup (40 registers) issues every TMA and the compute warpgroup
@@ -56,9 +56,6 @@ from nybble.kernels.mosaic_gpu.common import (
 from nybble.kernels.mosaic_gpu.config import CHUNK_K, stores_any_rows, wgmma_k
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.kernels.mosaic_gpu.staging import y_staging
-
-# Registers per thread the producer warpgroup keeps (it only issues copies); the compute one takes the rest.
-_PRODUCER_REGISTERS = 40
 
 
 def _smem_swizzle(dtype) -> tuple:
@@ -202,7 +199,7 @@ def _with_producer(p: Problem, gmem: list[Any], scratch: dict[str, Any], out_gme
         k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
         args = dict(
             grid=(p.steps_per_split,),
-            memory_registers=_PRODUCER_REGISTERS,
+            memory_registers=pipeline.MEMORY_REGISTERS,
             in_specs=operand_specs(p, mi, ni, k_first, delay_release=1),
             wg_axis="wg",
             num_compute_wgs=1,

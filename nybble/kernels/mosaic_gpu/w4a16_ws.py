@@ -47,9 +47,6 @@ from nybble.kernels.mosaic_gpu.config import stores_any_rows
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.kernels.mosaic_gpu.staging import y_staging
 
-# Registers per thread left to the TMA warpgroup (it only issues copies); the rest go to compute.
-_MEMORY_REGISTERS = 40
-
 
 def w4a16_warp_specialized(p: Problem, operands: list[jax.Array], work: Any = None) -> jax.Array:
     """Runs the warp-specialized kernel on the operand views of ``common.operand_views``.
@@ -122,7 +119,7 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array], work: Any = No
                     pipeline.emit_pipeline_warp_specialized(
                         body,
                         grid=(p.steps_per_split,),
-                        memory_registers=_MEMORY_REGISTERS,
+                        memory_registers=pipeline.MEMORY_REGISTERS,
                         in_specs=functools.partial(specs, k_first=k_first),
                         wg_axis="wg",
                         num_compute_wgs=num_wgs,

@@ -299,7 +299,7 @@ def from_pretrained(
 
     place = None
     if mesh is not None:  # each float tensor goes straight to its shards, placed as shard() places it
-        from nybble.models.sharding import checkpoint_placement
+        from nybble.models.placement import checkpoint_placement
 
         place = checkpoint_placement(model, mesh, axis=axis, rules=rules)
     graphdef, state = nnx.split(model)
@@ -322,7 +322,7 @@ def from_pretrained(
         del value  # one tensor at a time
     model = nnx.merge(graphdef, state)
     if mesh is not None:
-        from nybble.models.sharding import shard
+        from nybble.models.placement import shard
 
         # the QLinear layers and expert stacks; other float arrays are in place already
         shard(model, mesh, axis=axis, rules=rules, expert_axis=expert_axis)

@@ -43,6 +43,8 @@ class QuantizationReport:
     layers: list[LayerReport] = dataclasses.field(default_factory=list)
     unmatched_rules: list[QuantRule] = dataclasses.field(default_factory=list)
     method: str = "rtn"
+    # The method's frozen config (nybble.models.methods), set by nybble.models.quantize.
+    config: Any = None
 
     @property
     def quantized(self) -> list[LayerReport]:
@@ -81,6 +83,10 @@ class QuantizationReport:
         report = LayerReport(path, shape, True, d.group_size, d.symmetric, reason, before, after.nbytes)
         self.layers.append(report)
 
+    def skip(self, path: str, shape: tuple[int, ...], reason: str, nbytes: int) -> None:
+        """Records a layer the pass does not handle at all (not a rule's decision), kept in float."""
+        self.layers.append(LayerReport(path, shape, False, None, None, reason, nbytes, nbytes))  # type: ignore[arg-type]
+
     def summary(self) -> str:
         """A short human-readable summary."""
         mib = 2**20
@@ -90,6 +96,8 @@ class QuantizationReport:
             f"{self.bytes_after / mib:.2f} MiB"
             + (f" ({self.bytes_before / self.bytes_after:.2f}x smaller)" if self.bytes_after else "")
         ]
+        if self.config is not None:
+            lines.append(f"  method: {self.config!r}")
         settings: dict[tuple[Any, Any], int] = {}
         for r in self.quantized:
             settings[(r.group_size, r.symmetric)] = settings.get((r.group_size, r.symmetric), 0) + 1
@@ -193,7 +201,26 @@ def plan_quantization(
     return planned, unmatched
 
 
+# Dense layers nybble does not swap, with the reason the report gives. Their kernels are not one (K, N)
+# matrix applied as x @ W (LinearGeneral: several in/out axes; Einsum: any contraction), and QLinear computes
+# exactly that product.
+GENERAL_LAYERS: tuple[tuple[type, str], ...] = (
+    (nnx.LinearGeneral, "nnx.LinearGeneral is not swapped: QLinear computes x @ W with a (K, N) kernel"),
+    (nnx.Einsum, "nnx.Einsum is not swapped: QLinear computes x @ W, not a general contraction"),
+)
+
+
+def report_skipped_general(model: nnx.Module, report: QuantizationReport) -> None:
+    """Names every ``nnx.LinearGeneral`` / ``nnx.Einsum`` of ``model`` in ``report`` as kept in float."""
+    for p, m in nnx.iter_modules(model):
+        for cls, reason in GENERAL_LAYERS:
+            if isinstance(m, cls) and p:
+                kernel = m.kernel
+                report.skip(path_str(p), tuple(kernel.shape), reason, array_nbytes(kernel))
+
+
 __all__ = [
+    "GENERAL_LAYERS",
     "LayerReport",
     "PlannedLayer",
     "QuantizationReport",
@@ -201,4 +228,5 @@ __all__ = [
     "check_not_quantized",
     "path_str",
     "plan_quantization",
+    "report_skipped_general",
 ]

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nybble.models.layers import QLinear
 from nybble.models.moe import Experts, QExperts
@@ -165,21 +165,19 @@ def leaf_placement(
     return NamedSharding(mesh, spec)
 
 
-def check_mesh(mesh: Any, axis: str) -> None:
-    """The mesh must name ``axis`` and leave its axes to XLA's SPMD partitioner (``AxisType.Auto``)."""
+def check_mesh(mesh: Any, axis: str) -> Any:
+    """The mesh the model is placed on: ``mesh`` itself when its axes are ``AxisType.Auto``, else the same
+    devices and names with Auto axes. ``jax.make_mesh``'s default is Explicit axes; the model's float ops
+    (embedding gather, attention) are partitioned by XLA's sharding propagation, which Auto axes leave
+    to it, so an Explicit mesh is taken as its Auto twin rather than refused."""
     if axis not in getattr(mesh, "axis_names", ()):
         raise ValueError(
             f"mesh axis {axis!r} is not among the mesh's axes {tuple(mesh.axis_names)}; name the "
             f"tensor-parallel axis with axis=..."
         )
-    explicit = [a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t != AxisType.Auto]
-    if explicit:
-        raise ValueError(
-            f"mesh axes {explicit} are not AxisType.Auto: the model's float ops (embedding gather, "
-            f"attention) are partitioned by XLA's sharding propagation, which needs Auto axes. Make the mesh "
-            f"with jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names)) (the "
-            f"default is Explicit). nybble.matmul on a ShardedWeight takes either."
-        )
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def _layers(model: nnx.Module) -> list[tuple[str, Any]]:
@@ -212,7 +210,9 @@ def shard(
 
     Args:
       model: a Flax NNX model (``QLinear`` layers after ``nybble.models.quantize``, or float ones).
-      mesh: a ``jax.sharding.Mesh`` with ``AxisType.Auto`` axes. The axis ``axis`` is the tensor-parallel
+      mesh: a ``jax.sharding.Mesh``, Auto or Explicit axes (``jax.make_mesh``'s default; the model is then
+        placed on the same devices with Auto axes: its float ops rely on sharding propagation). The axis
+        ``axis`` is the tensor-parallel
         one; the weights are replicated over the others (and ``nybble.matmul`` splits the rows of x over
         them).
       axis: the tensor-parallel mesh axis.
@@ -230,7 +230,7 @@ def shard(
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"shard expects a flax.nnx.Module, got {type(model).__name__}")
-    check_mesh(mesh, axis)
+    mesh = check_mesh(mesh, axis)
     if expert_axis is not None:
         check_mesh(mesh, expert_axis)
     rules = check_rules(rules)
@@ -348,7 +348,7 @@ def checkpoint_placement(
     """A ``placement`` function for ``nybble.load`` placing a checkpoint of ``model`` as :func:`shard`
     would place the model: every leaf under a shardable layer by that layer's placement, the rest
     replicated."""
-    check_mesh(mesh, axis)
+    mesh = check_mesh(mesh, axis)
     rules = check_rules(rules)
     layers = dict(_layers(model))
 

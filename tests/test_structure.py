@@ -1,0 +1,93 @@
+"""The house rules of issue 38 that code can check: imports point one way, process-wide switches are
+context variables, and the interpreter patch refuses a jax it was not written for."""
+
+from __future__ import annotations
+
+import ast
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nybble
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _nybble_imports(path: Path) -> set[str]:
+    """The nybble modules a source file imports (any nesting: a lazy import counts too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("nybble")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nybble"):
+            found.add(node.module)
+    return found
+
+
+@pytest.mark.parametrize("package", ["kernels", "packing", "quant"])
+def test_lower_layers_never_import_upper_ones(package):
+    """``nybble.kernels`` is below ``nybble.sharding`` (which runs it per shard) and ``nybble.ops`` (the
+    weight-type dispatch); packing and quant below both: none of their files imports sharding, ops,
+    models or the checkpoint, not even lazily (``kernels/xray`` is the X-ray's, on its way to bench)."""
+    upper = ("nybble.sharding", "nybble.ops", "nybble.models", "nybble.checkpoint")
+    files = [p for p in (ROOT / "nybble" / package).rglob("*.py") if "xray" not in p.parts]
+    assert files
+    bad = {
+        str(p.relative_to(ROOT)): sorted(m for m in _nybble_imports(p) if m.startswith(upper)) for p in files
+    }
+    assert not {k: v for k, v in bad.items() if v}
+
+
+def test_ops_dispatches_by_weight_type():
+    from jax.sharding import Mesh
+
+    from nybble.sharding import TensorParallel, shard_weight
+
+    qw = nybble.quantize(np.arange(128 * 64, dtype=np.float32).reshape(128, 64) / 1e3, group_size=64)
+    x = jnp.ones((2, 128), jnp.float32)
+    sw = shard_weight(
+        qw, TensorParallel(Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model")), "row")
+    )
+    np.testing.assert_array_equal(np.asarray(nybble.matmul(x, sw)), np.asarray(nybble.matmul(x, qw)))
+    with pytest.raises(TypeError, match=r"a ShardedWeight goes through nybble\.matmul"):
+        nybble.kernels.matmul(x, sw)
+    with pytest.raises(ValueError, match="unknown implementation 'cuda'"):
+        nybble.matmul(x, sw, implementation="cuda")  # type: ignore[arg-type]
+
+
+def test_an_injected_kernel_bug_stays_in_its_context():
+    from nybble.kernels.mosaic_gpu import faults
+
+    seen = []
+
+    def other_thread():
+        seen.append(faults.injected())
+
+    with faults.injecting("last-n-tile-zero"):
+        assert faults.injected() == "last-n-tile-zero"
+        t = threading.Thread(target=other_thread)  # a new thread starts from the default context
+        t.start()
+        t.join()
+    assert seen == [None] and faults.injected() is None
+    with pytest.raises(ValueError, match="unknown kernel bug 'off-by-one'"):
+        with faults.injecting("off-by-one"):
+            pass
+
+
+def test_interpret_refuses_another_jax(monkeypatch):
+    from nybble.kernels.mosaic_gpu import interpret as interp
+
+    interp.check_jax_version("0.11.2")
+    with pytest.raises(
+        RuntimeError, match=r"patches jax 0\.11\.2's .* this is jax 0\.12\.0: install jax==0\.11\.2"
+    ):
+        interp.check_jax_version("0.12.0")
+    monkeypatch.setattr(jax, "__version__", "0.12.0")
+    qw = nybble.quantize(np.ones((128, 64), np.float32), group_size=64)
+    with pytest.raises(RuntimeError, match=r"this is jax 0\.12\.0"):
+        with nybble.kernels.interpret():
+            nybble.matmul(jnp.ones((8, 128), jnp.bfloat16), qw, implementation="mosaic_gpu")
