@@ -39,6 +39,7 @@ SHELL = _blocks(("bash", "sh", "shell"))
 @pytest.mark.parametrize(("line", "code"), PYTHON, ids=[f"README.md:{line}" for line, _ in PYTHON])
 def test_python_block_runs(tmp_path, line, code):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    (tmp_path / "tests").symlink_to(ROOT / "tests")  # the "Your own model" block reads a tiny fixture
     res = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )

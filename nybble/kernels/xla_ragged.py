@@ -4,8 +4,8 @@ Rows of x are sorted by expert: expert e owns rows [start_e, start_e + size_e). 
 are gathered into at most ``min(experts, rows)`` slots (no more experts than rows can have any), and a
 ``while`` loop runs once per active expert: it slices that expert's codes, scales and offsets out of the stack
 (a dynamic index: only its bytes are read), dequantizes them to one (N_pad, K_pad) array in x's dtype (the
-dense XLA path's ``dequantized_operand``), and multiplies its rows in windows of ``window`` rows (a second loop,
-``ceil(size_e / window)`` trips; a window's rows past the expert's end keep what the output held). So at
+dense XLA path's ``dequantized_operand``), and multiplies its rows in windows of ``window`` rows (a second
+loop, ``ceil(size_e / window)`` trips; a window's rows past the expert's end keep what the output held). So at
 decode only the experts with rows are read and dequantized, and no (experts, K, N) float array exists: the
 compiled program holds one expert's float weight (the test reads the buffers of the compiled HLO).
 

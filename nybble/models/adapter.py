@@ -121,8 +121,8 @@ def quantize(
     else:
         if calibration is not None or forward is not None:
             raise ValueError(
-                "nybble.models.quantize: calibration data and forward are only used by the calibrated methods "
-                "(GPTQ, AutoRound)"
+                "nybble.models.quantize: calibration data and forward are used by the calibrated "
+                "methods only (GPTQ, AutoRound)"
             )
         planned, _ = plan_quantization(
             model, rules=rules, group_size=config.group_size, symmetric=config.symmetric, warn=False

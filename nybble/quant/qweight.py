@@ -225,10 +225,8 @@ def dequantize(qw: QuantizedWeight, dtype: Any = jnp.float32, *, padded: bool = 
     """
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"dequantize expects a QuantizedWeight, got {type(qw).__name__}")
-    if np.ndim(qw.codes) > 2:  # a stack of experts (nybble.quant.stacked): (E, K, N)
-        from nybble.quant.stacked import dequantize_stacked
-
-        return dequantize_stacked(_dequantize, qw, dtype=np.dtype(dtype), padded=padded)
+    if np.ndim(qw.codes) > 2:  # a stack of experts (nybble.quant.stacked): each one as a plain weight
+        return jax.vmap(lambda one: _dequantize(one, dtype=np.dtype(dtype), padded=padded))(qw)
     return _dequantize(qw, dtype=np.dtype(dtype), padded=padded)
 
 

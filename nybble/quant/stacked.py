@@ -102,17 +102,8 @@ def quantize_stacked(quantize_one: Callable[..., QuantizedWeight], w: Any, **opt
     return jax.vmap(lambda we: quantize_one(we, **options))(jnp.asarray(w))
 
 
-def dequantize_stacked(
-    dequantize_one: Callable[..., jax.Array], qw: QuantizedWeight, **options: Any
-) -> jax.Array:
-    """(E, K, N) (or (E, K_pad, N_pad)): each expert dequantized as a plain weight, stacked."""
-    check_stacked(qw, "dequantize")
-    return jax.vmap(lambda q: dequantize_one(q, **options))(qw)
-
-
 __all__ = [
     "check_stacked",
-    "dequantize_stacked",
     "num_experts",
     "quantize_stacked",
     "stack_weights",
