@@ -2,9 +2,9 @@
 problem with the same config: bit for bit against the exact reference of tests/test_grouped_interpret.py
 (which runs its kernels under the race detector; these run without it, for time).
 
-Kernels: ``grouped_config.grouped_heuristic_cases`` over bench/xray/moe_cases.py's problems (five models x
-1..4096 tokens x gate/up and down, g128, symmetric and asymmetric); a symmetric kernel is run where it is
-not the asymmetric one minus the offsets (it folds the bias into WGMMA).
+Kernels: ``bench.xray.heuristic_cases.grouped_heuristic_cases`` over bench/xray/moe_cases.py's problems (five
+models x 1..4096 tokens x gate/up and down, g128, symmetric and asymmetric); a symmetric kernel is run
+where it is not the asymmetric one minus the offsets (it folds the bias into WGMMA).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import nybble.kernels.mosaic_gpu as mg
+from bench.xray.heuristic_cases import grouped_heuristic_cases
 from bench.xray.moe_cases import MOE_SHAPES, TOKENS, problems
 from nybble.kernels.mosaic_gpu.config import folds_bias
-from nybble.kernels.mosaic_gpu.grouped_config import grouped_heuristic_cases
 from tests.kernel_checks import activations
 from tests.test_grouped_interpret import assert_exact, reference, run, stacked
 

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from bench.xray.cases import is_twin
+from bench.xray.heuristic_cases import grouped_heuristic_cases
 from bench.xray.moe_cases import MOE_SHAPES, TOKENS, abstract_weight, problems
 from nybble.kernels.mosaic_gpu.config import SMEM_BUDGET_BYTES, fits_smem
 from nybble.kernels.mosaic_gpu.grouped import grouped_matmul, grouped_plan
-from nybble.kernels.mosaic_gpu.grouped_config import grouped_heuristic_cases
 
 NUM_SMS = 132
 

@@ -28,6 +28,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import nybble.kernels.mosaic_gpu as mg
+from bench.xray.heuristic_cases import heuristic_cases
 from nybble.kernels.mosaic_gpu import dequant_registers, pipeline
 from nybble.kernels.mosaic_gpu import interpret as mgpu_interpret
 from nybble.kernels.mosaic_gpu.common import folds_bias
@@ -36,7 +37,6 @@ from nybble.kernels.mosaic_gpu.config import (
     DECODE_TIE,
     TuningConfig,
     estimated_instructions_per_weight,
-    heuristic_cases,
     heuristic_config,
     modeled_time_us,
     modeled_times_us,

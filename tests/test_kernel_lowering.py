@@ -20,13 +20,13 @@ import pytest
 
 import nybble.kernels.mosaic_gpu as mg
 from bench.xray.cases import gate_cases, is_twin, kernel_key
+from bench.xray.heuristic_cases import heuristic_cases
 from nybble.kernels.mosaic_gpu import faults, split_k
 from nybble.kernels.mosaic_gpu.config import (
     SMEM_BUDGET_BYTES,
     TuningConfig,
     fits_smem,
     folds_bias,
-    heuristic_cases,
     heuristic_config,
     smem_bytes,
     split_k_shares,

@@ -248,9 +248,9 @@ def kernel_plan(case: Case, num_sms: int) -> dict[str, Any]:
 
 def kernel_key(case: Case, num_sms: int) -> tuple[Any, Any, bool]:
     """What the kernel's code depends on: (config, how groups meet the K tile, symmetric), the same key
-    as ``nybble.kernels.mosaic_gpu.config.heuristic_cases``."""
+    as ``bench.xray.heuristic_cases.heuristic_cases``."""
+    from bench.xray.heuristic_cases import group_structure
     from nybble.kernels import mosaic_gpu
-    from nybble.kernels.mosaic_gpu.config import group_structure
 
     p = mosaic_gpu.plan(case.m, abstract_weight(case), num_sms=num_sms)
     return p.config, group_structure(p.group, p.config), case.symmetric

@@ -112,7 +112,7 @@ def program(case: MoeCase) -> tuple[Any, tuple[Any, ...]]:
 
 def kernel_key(case: MoeCase, num_sms: int) -> tuple[Any, Any, bool]:
     """(config, how groups meet the K step, symmetric): what the kernel's code depends on."""
-    from nybble.kernels.mosaic_gpu.config import group_structure
+    from bench.xray.heuristic_cases import group_structure
     from nybble.kernels.mosaic_gpu.grouped import grouped_plan
 
     qw = abstract_weight(case.experts, case.k, case.n, case.group_size, case.symmetric)

@@ -14,7 +14,7 @@ from nybble.kernels.mosaic_gpu.api import (
     mosaic_gpu_matmul,
     plan,
 )
-from nybble.kernels.mosaic_gpu.config import TuningConfig, heuristic_cases, heuristic_config
+from nybble.kernels.mosaic_gpu.config import TuningConfig, heuristic_config
 from nybble.kernels.mosaic_gpu.grouped import grouped_is_supported, grouped_matmul
 from nybble.kernels.mosaic_gpu.interpret import races_found, reset_state
 from nybble.kernels.mosaic_gpu.kernel import w4a16
@@ -23,7 +23,6 @@ __all__ = [
     "TuningConfig",
     "grouped_is_supported",
     "grouped_matmul",
-    "heuristic_cases",
     "heuristic_config",
     "is_interpret_active",
     "is_supported",

@@ -693,34 +693,3 @@ def _candidate_shapes(
         )
         yield shape
         yield dict(shape, producer=True)
-
-
-def group_structure(group: int, config: TuningConfig) -> int | str:
-    """How groups of ``group`` K rows meet ``config``'s K step, as far as the kernel's code is concerned:
-    the group itself when a step holds several, else ``"group >= tile_k"``."""
-    return group if group < config.tile_k else "group >= tile_k"
-
-
-def heuristic_cases(
-    weight_shapes: Iterable[tuple[int, int]],
-    batches: Iterable[int],
-    group_sizes: Iterable[int | None],
-    num_sms: int = DEFAULT_NUM_SMS,
-) -> dict[tuple[TuningConfig, object, bool], tuple[int, int, int, int | None, bool]]:
-    """Every kernel :func:`heuristic_config` can build for these problems, each with one problem using it.
-
-    Keys are (config, how groups meet the K step, symmetric): what changes the kernel's code; values are
-    (M, K, N, group_size, symmetric). Tests lower every entry for CUDA, so every kernel the heuristics can
-    return at those shapes is known to compile. (K, N) are logical.
-    """
-    from nybble.packing import padded_weight_dims
-
-    cases: dict[tuple[TuningConfig, object, bool], tuple[int, int, int, int | None, bool]] = {}
-    for (k, n), m, group_size, symmetric in itertools.product(
-        weight_shapes, list(batches), list(group_sizes), (True, False)
-    ):
-        k_pad, n_pad = padded_weight_dims(k, n, group_size)
-        config = heuristic_config(m, n_pad, k_pad, group_size, num_sms, has_offsets=not symmetric)
-        structure = group_structure(group_rows(k_pad, group_size), config)
-        cases.setdefault((config, structure, symmetric), (m, k, n, group_size, symmetric))
-    return cases

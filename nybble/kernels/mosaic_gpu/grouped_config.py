@@ -17,12 +17,9 @@ over a count of tiles known only on the device).
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections.abc import Iterable
 
 from nybble.kernels.device import DEFAULT_NUM_SMS
-from nybble.kernels.mosaic_gpu.config import WIDE_STEP_K, TuningConfig, group_structure, heuristic_config
-from nybble.packing.groups import group_rows
+from nybble.kernels.mosaic_gpu.config import WIDE_STEP_K, TuningConfig, heuristic_config
 
 
 def active_experts(rows: int, experts: int) -> int:
@@ -94,26 +91,3 @@ def grouped_heuristic_config(
     )
     # The dense heuristic puts a warp-specialized pick on a persistent grid where tiles outnumber SMs.
     return dataclasses.replace(config, persistent_ctas=0)
-
-
-def grouped_heuristic_cases(
-    problems: Iterable[tuple[int, int, int, int]],
-    group_sizes: Iterable[int | None],
-    num_sms: int = DEFAULT_NUM_SMS,
-) -> dict[tuple[TuningConfig, object, bool], tuple[int, int, int, int, int | None, bool]]:
-    """Every grouped kernel :func:`grouped_heuristic_config` builds for ``problems`` (rows, experts, K, N),
-    each with one problem using it: keys (config, how groups meet the K step, symmetric), values (rows,
-    experts, K, N, group_size, symmetric), as ``config.heuristic_cases`` for the dense kernel."""
-    from nybble.packing import padded_weight_dims
-
-    cases: dict[tuple[TuningConfig, object, bool], tuple[int, int, int, int, int | None, bool]] = {}
-    for (rows, experts, k, n), group_size, symmetric in itertools.product(
-        list(problems), list(group_sizes), (True, False)
-    ):
-        k_pad, n_pad = padded_weight_dims(k, n, group_size)
-        config = grouped_heuristic_config(
-            rows, experts, n_pad, k_pad, group_size, num_sms, has_offsets=not symmetric
-        )
-        structure = group_structure(group_rows(k_pad, group_size), config)
-        cases.setdefault((config, structure, symmetric), (rows, experts, k, n, group_size, symmetric))
-    return cases
