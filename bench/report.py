@@ -112,9 +112,13 @@ def group_cases(rows: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 
 def summary_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
-    """One line per (shape, M): each peer's median time in us, then nybble's best against the rest."""
+    """One line per (shape, M): each peer's median time in us, then nybble's best against the rest.
+
+    "best peer" names the fastest peer with its median time over nybble's best: above 1x nybble is faster.
+    """
     peers = peers_that_ran(rows)
-    header = ["shape", "M", *[f"{p} us" for p in peers], "nybble x bf16", "nybble %roof", "best peer"]
+    best_peer = "best peer (its time / nybble's: >1x = nybble faster)"
+    header = ["shape", "M", *[f"{p} us" for p in peers], "nybble x bf16", "nybble %roof", best_peer]
     body = []
     for case in group_cases(rows):
         by_peer = {r["peer"]: r for r in case}

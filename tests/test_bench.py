@@ -331,6 +331,7 @@ def test_tables():
     rows = _fake_rows()
     text = report.summary_table(rows)
     assert "3.00" in text and "xla:int4-col (1.50x)" in text and "torch" not in text
+    assert ">1x = nybble faster" in text  # the peer took 3.0 us, nybble 2.0 us: 1.50x, nybble faster
     md = report.summary_table(rows, markdown=True)
     assert md.startswith("| shape | M |")
     assert "nybble:xla" in report.detail_table(rows)
