@@ -336,6 +336,17 @@ def test_tables():
     assert md.startswith("| shape | M |")
     assert "nybble:xla" in report.detail_table(rows)
     assert report.skipped_reasons(rows) == {"torch:int4pack (skipped)": ["no torch"]}
+    assert "cache" not in text and "cache" not in report.detail_table(rows)
+
+
+def test_tables_mark_cache_resident_cases():
+    """Above 100% of the DRAM roofline the operands stayed cached: the tables say "cache", not a number."""
+    rows = _fake_rows()
+    rows[0]["pct_roofline"] = 1945.0  # nybble's row, as seen for small weights on a CPU
+    assert "1945" not in report.summary_table(rows) and "cache" in report.summary_table(rows)
+    detail = report.detail_table(rows).splitlines()
+    assert any("nybble:xla" in line and "cache" in line for line in detail)
+    assert not any("xla:int4-col" in line and "cache" in line for line in detail)  # 33%: a number
 
 
 def test_validate_schema():
