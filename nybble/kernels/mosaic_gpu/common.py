@@ -17,6 +17,7 @@ Operands, as the wrapper hands them over (all views by reshape, no copies):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -452,6 +453,55 @@ def scaled_accumulators_step(
                 total = total + offset_term.astype(p.dtype).astype(jnp.float32)
     plgpu.commit_smem()
     return total
+
+
+def k_step(p: Problem, const: Any = None, wg: Any = None) -> Callable[..., Any]:
+    """One K step, as every kernel's pipeline calls it: ``(step, codes, x, s[, o], carry) -> carry``.
+
+    The accumulator route (:func:`scaled_accumulators_step`, ``const`` its constant A tile) carries the
+    running f32 total, a value; exact weights (:func:`exact_weights_step`) accumulate into a WGMMA
+    accumulator ref, the carry, returned as is. ``wg``: a warp-specialized CTA's compute warpgroup, which
+    dequantizes its own A tiles of the step's codes, with their rows of the scales.
+    """
+    c = p.config
+    if c.scales_on == "accumulators":
+
+        def scaled(_: Any, codes: Any, x: Any, s: Any, *rest: Any) -> Any:
+            *o, total = rest
+            return scaled_accumulators_step(p, total, codes, x, const, s, o[0] if o else None)
+
+        return scaled
+
+    def exact(_: Any, codes: Any, x: Any, s: Any, *rest: Any) -> Any:
+        *o, acc_ref = rest
+        row0 = 0
+        if wg is not None:
+            codes = codes.at[pl.ds(wg * c.tiles, c.tiles)]  # this warpgroup's A tiles
+            row0 = wg * c.rows_per_wg
+        exact_weights_step(p, acc_ref, codes, x, s, o[0] if o else None, row0)
+        return acc_ref
+
+    return exact
+
+
+def accumulate(p: Problem, run_pipeline: Callable[[Any], Any], epilogue: Callable[[Any], None]) -> None:
+    """A compute warpgroup's K loop and epilogue: ``run_pipeline(carry)`` runs :func:`k_step` over the
+    steps, ``epilogue(acc)`` stores the accumulators ((64 * tiles, WGMMA N), f32).
+
+    Exact weights: the carry is a WGMMA accumulator ref, read once the loop is done (reading it waits for
+    the last WGMMA). The accumulator route: the carry is the running total, from zeros.
+    """
+    c = p.config
+    shape = (64 * c.tiles, c.wgmma_n)
+    if c.scales_on == "weights":
+
+        def scoped(acc_ref: Any) -> None:
+            run_pipeline(acc_ref)
+            epilogue(acc_ref[...])
+
+        pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32))
+        return
+    epilogue(run_pipeline(plgpu.layout_cast(jnp.zeros(shape, jnp.float32), L.WGMMA)))
 
 
 def reduce_split_k(

@@ -44,13 +44,13 @@ from nybble.kernels.mosaic_gpu.common import (
     DenseWork,
     L,
     Problem,
+    accumulate,
     constant_value,
-    exact_weights_step,
+    k_step,
     kernel_name,
     operand_specs,
     reduce_split_k,
     run_tile,
-    scaled_accumulators_step,
     store_tiles,
 )
 from nybble.kernels.mosaic_gpu.config import CHUNK_K, stores_any_rows, wgmma_k
@@ -69,19 +69,19 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array], work: Any = None) -> 
 
     ``work`` (default ``common.DenseWork()``) gives the grid and each CTA's ``common.CtaTile`` from the
     kernel's input refs (``operands``): the grouped kernel's (grouped.py) reads its tiles from the groups.
+
+    With and without a producer the CTA runs the same K steps (``common.k_step``) into the same epilogue
+    (:func:`_compute`); only the pipeline feeding the steps differs (:func:`_k_loop`).
     """
     c = p.config
     work = DenseWork() if work is None else work
     n_in = len(operands)
+    scratch_types = _scratch(p)
 
     def kernel(*refs):
-        ins, out_gmem, rest = refs[:n_in], refs[n_in], list(refs[n_in + 1 :])
-        scratch = {}
-        for name, n_refs in _scratch_layout(p):
-            if n_refs is None:
-                scratch[name], rest = rest[0], rest[1:]
-            else:  # the split-K reduction's refs
-                scratch[name], rest = rest[:n_refs], rest[n_refs:]
+        ins, out_gmem = refs[:n_in], refs[n_in]
+        # The scratch refs come nested as _scratch lists their types (the split-K slabs: a list of refs).
+        scratch = dict(zip((name for name, _ in scratch_types), refs[n_in + 1 :], strict=True))
 
         def body(tile: CtaTile) -> None:
             run_tile(
@@ -104,7 +104,7 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array], work: Any = None) -> 
         grid_names=("mn", *launch["grid_names_extra"]),
         cluster=launch["cluster"],
         cluster_names=launch["cluster_names"],
-        scratch_types=_scratch_types(p),
+        scratch_types=[types for _, types in scratch_types],
         **(dict(num_threads=2, thread_name="wg") if c.producer else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=active_params(),
@@ -128,128 +128,91 @@ def _store_zeros(p: Problem, tile: CtaTile, scratch: dict[str, Any], out_gmem: A
 
 
 def _compute(p: Problem, tile: CtaTile, scratch: dict[str, Any], out_gmem: Any) -> None:
-    """The CTA's matmul: its K pipeline, the epilogue storing its y tile (or split-K partial)."""
+    """The CTA's matmul: for each K partition its pipeline (:func:`_k_loop`) into the epilogue storing its
+    y tile (or split-K partial), then the cluster's split-K reduction."""
     c = p.config
-    acc_shape = (64 * c.tiles, c.wgmma_n)
-    deferred = c.scales_on == "accumulators"
-    mi, ni, gmem = tile.mi, tile.ni, tile.gmem
-    if c.producer:
-        _with_producer(p, gmem, scratch, out_gmem, tile)
-        return
-    if deferred:
-        const = scratch["const"]
-        const[...] = plgpu.layout_cast(jnp.full(_const_shape(p), constant_value(p), p.dtype), L.WGMMA)
-        plgpu.commit_smem()
+    mi, ni = tile.mi, tile.ni
+    const = scratch.get("const")
+    if c.scales_on == "accumulators" and not c.producer:  # with a producer: warpgroup 0, in _k_loop
+        _fill_const(p, const)
     # One K partition: this CTA's own (split_k.py: all of them, in turn, when interpreting).
     for part in split_k.partitions(c.split_k):
         k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
         # The last WGMMA of a step still reads its x tile while the next step starts, so slots are
         # released one step late (delay_release=1).
         specs = operand_specs(p, mi, ni, k_first, delay_release=1)
-        if deferred:
 
-            def body(_, codes, x, s, *rest):
-                *o, total = rest
-                return scaled_accumulators_step(p, total, codes, x, const, s, o[0] if o else None)
+        def epilogue(acc: Any, part: int | None = part) -> None:
+            store_tiles(p, acc, scratch, out_gmem, mi, ni * c.cta_rows, partition=part, rows=tile.rows)
 
-            # Pallas' pipeline: with constant slots (pipeline.py) ptxas interleaves consecutive steps'
-            # group accumulators and spills (X-ray, Llama-3-8B gate-up at M = 16: 648 bytes).
-            acc = plgpu.emit_pipeline(
-                body,
-                grid=(p.steps_per_split,),
-                in_specs=specs,
-                max_concurrent_steps=c.max_concurrent_steps,
-                init_carry=plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), L.WGMMA),
-            )(*gmem)
-        else:
-
-            def mainloop(acc_ref, specs=specs):
-                def body(_, codes, x, s, *o):
-                    exact_weights_step(p, acc_ref, codes, x, s, o[0] if o else None, 0)
-
-                # Constant SMEM slots where they pay (pipeline.constant_slots), else Pallas' pipeline.
-                constant = pipeline.constant_slots(c, p.group)
-                emit = pipeline.emit_pipeline if constant else plgpu.emit_pipeline
-                emit(
-                    body,
-                    grid=(p.steps_per_split,),
-                    in_specs=specs,
-                    max_concurrent_steps=c.max_concurrent_steps,
-                )(*gmem)
-                return acc_ref[...]  # waits for the last WGMMA
-
-            acc = pl.run_scoped(mainloop, plgpu.ACC(acc_shape, jnp.float32))
-        store_tiles(p, acc, scratch, out_gmem, mi, ni * c.cta_rows, partition=part, rows=tile.rows)
+        _k_loop(p, tile.gmem, specs, const, epilogue)
     if c.split_k > 1:
-        reduce_split_k(p, scratch["split_k"], out_gmem, mi, ni)
+        # With a producer both warpgroups join the cluster's barriers; the compute one sums.
+        wg = dict(wg=lax.axis_index("wg"), wgs=1) if c.producer else {}
+        reduce_split_k(p, scratch["split_k"], out_gmem, mi, ni, **wg)
 
 
-def _with_producer(p: Problem, gmem: list[Any], scratch: dict[str, Any], out_gmem: Any, tile: CtaTile):
-    """The kernel with a producer: warpgroup 1 (40 registers) issues every TMA, warpgroup 0 waits on full
-    slots, computes and stores y (or its split-K partial), with the same steps and epilogue as without.
-    The accumulator route carries its running total through Pallas' warp-specialized pipeline; exact
-    weights accumulate in a WGMMA accumulator ref, with constant slots where they pay (pipeline.py).
-    Under split-K both warpgroups then join the cluster's reduction; the compute one sums."""
+def _k_loop(p: Problem, gmem: list[Any], specs: list[Any], const: Any, epilogue: Any) -> None:
+    """One K partition: ``common.k_step`` over its steps, fed by one of four pipelines, then ``epilogue``
+    on the accumulators (``common.accumulate``, in the compute warpgroup).
+
+    Without a producer the compute warpgroup issues its own copies; with one, warpgroup 1
+    (``pipeline.MEMORY_REGISTERS`` registers) issues every TMA and warpgroup 0 waits on full slots. Exact
+    weights use constant SMEM slots where they pay (``pipeline.constant_slots``), else Pallas' pipelines.
+    The accumulator route always keeps Pallas': with constant slots ptxas interleaves consecutive steps'
+    group accumulators and spills (X-ray, Llama-3-8B gate-up at M = 16: 648 bytes).
+    """
     c = p.config
-    acc_shape = (64 * c.tiles, c.wgmma_n)
-    const = scratch.get("const")
-    mi, ni = tile.mi, tile.ni
+    step = k_step(p, const)
+    grid = (p.steps_per_split,)
+    constant = c.scales_on == "weights" and pipeline.constant_slots(c, p.group)
 
-    def run_partition(part: int | None) -> None:
-        k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
-        args = dict(
-            grid=(p.steps_per_split,),
+    def compute(run_pipeline: Any) -> None:  # in the compute warpgroup: where the accumulators live
+        if c.scales_on == "accumulators" and c.producer:
+            _fill_const(p, const)
+        accumulate(p, run_pipeline, epilogue)
+
+    if c.producer:
+        ws = dict(
+            grid=grid,
             memory_registers=pipeline.MEMORY_REGISTERS,
-            in_specs=operand_specs(p, mi, ni, k_first, delay_release=1),
             wg_axis="wg",
             num_compute_wgs=1,
             max_concurrent_steps=c.max_concurrent_steps,
         )
+        if constant:  # this CTA's one tile, its specs already made
+            pipeline.emit_pipeline_warp_specialized(
+                step,
+                in_specs=lambda _: specs,
+                compute_context=lambda run_pipeline, _: compute(run_pipeline),
+                output_tiles=pipeline.OutputTiles("mn"),
+                **ws,
+            )(*gmem)
+        else:
+            plgpu.emit_pipeline_warp_specialized(step, in_specs=specs, compute_context=compute, **ws)(*gmem)
+        return
 
-        def store(acc: Any) -> None:
-            store_tiles(p, acc, scratch, out_gmem, mi, ni * c.cta_rows, partition=part, rows=tile.rows)
+    def run_pipeline(carry: Any) -> Any:  # the compute warpgroup's own copies
+        if c.scales_on == "accumulators":  # the running total is the pipeline's carry
+            return plgpu.emit_pipeline(
+                step, grid=grid, in_specs=specs, max_concurrent_steps=c.max_concurrent_steps, init_carry=carry
+            )(*gmem)
 
-        if c.scales_on == "weights":
+        def body(indices: Any, *refs: Any) -> None:  # these pipelines carry nothing: pass the ref along
+            step(indices, *refs, carry)
 
-            def compute_exact(run_pipeline: Any) -> None:  # warpgroup 0 only
-                def scoped(acc_ref: Any) -> None:
-                    run_pipeline(acc_ref)
-                    store(acc_ref[...])
+        emit = pipeline.emit_pipeline if constant else plgpu.emit_pipeline
+        emit(body, grid=grid, in_specs=specs, max_concurrent_steps=c.max_concurrent_steps)(*gmem)
+        return carry
 
-                pl.run_scoped(scoped, plgpu.ACC(acc_shape, jnp.float32))
+    compute(run_pipeline)
 
-            def exact_body(_, codes, x, s, *rest):
-                *o, acc_ref = rest
-                exact_weights_step(p, acc_ref, codes, x, s, o[0] if o else None, 0)
-                return acc_ref
 
-            if pipeline.constant_slots(c, p.group):  # this CTA's one tile, its specs already made
-                pipeline.emit_pipeline_warp_specialized(
-                    exact_body,
-                    compute_context=lambda run_pipeline, _: compute_exact(run_pipeline),
-                    output_tiles=pipeline.OutputTiles("mn"),
-                    **dict(args, in_specs=lambda _, specs=args["in_specs"]: specs),
-                )(*gmem)
-            else:
-                plgpu.emit_pipeline_warp_specialized(exact_body, compute_context=compute_exact, **args)(*gmem)
-            return
-
-        def compute(run_pipeline: Any) -> None:  # warpgroup 0 only
-            const[...] = plgpu.layout_cast(jnp.full(_const_shape(p), constant_value(p), p.dtype), L.WGMMA)
-            plgpu.commit_smem()
-            store(run_pipeline(plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), L.WGMMA)))
-
-        def body(_, codes, x, s, *rest):
-            *o, total = rest
-            return scaled_accumulators_step(p, total, codes, x, const, s, o[0] if o else None)
-
-        plgpu.emit_pipeline_warp_specialized(body, compute_context=compute, **args)(*gmem)
-
-    # One K partition: this CTA's own (split_k.py: all of them, in turn, when interpreting).
-    for part in split_k.partitions(c.split_k):
-        run_partition(part)
-    if c.split_k > 1:  # both warpgroups join the cluster's barriers; the compute one sums
-        reduce_split_k(p, scratch["split_k"], out_gmem, mi, ni, wg=lax.axis_index("wg"), wgs=1)
+def _fill_const(p: Problem, const: Any) -> None:
+    """The accumulator route's constant A tile (-136 or ones, ``common.constant_value``), committed for
+    WGMMA: once per CTA, by the warpgroup that runs the steps."""
+    const[...] = plgpu.layout_cast(jnp.full(_const_shape(p), constant_value(p), p.dtype), L.WGMMA)
+    plgpu.commit_smem()
 
 
 def _const_shape(p: Problem) -> tuple[int, int]:
@@ -257,28 +220,17 @@ def _const_shape(p: Problem) -> tuple[int, int]:
     return (64, wgmma_k(p.config, p.group))
 
 
-def _scratch_types(p: Problem) -> list:
+def _scratch(p: Problem) -> list[tuple[str, Any]]:
+    """The kernel's SMEM scratch in allocation order, by name: one type, or a list (the split-K slabs)."""
     c = p.config
-    types = []
+    scratch: list[tuple[str, Any]] = []
     if c.split_k == 1:
-        types.append(y_staging((c.tile_m, c.rows_per_wg), p.out_dtype, any_rows=stores_any_rows(c)))
-    if c.slices > 1:
-        types.append(plgpu.SMEM((c.tiles, 64, c.wgmma_n), jnp.float32))
+        y = y_staging((c.tile_m, c.rows_per_wg), p.out_dtype, any_rows=stores_any_rows(c))
+        scratch.append(("out", y))
+    if c.slices > 1:  # the K slices' partial sums, added in the epilogue (dequant_registers.sum_slices)
+        scratch.append(("slices", plgpu.SMEM((c.tiles, 64, c.wgmma_n), jnp.float32)))
     if c.scales_on == "accumulators":
-        types.append(plgpu.SMEM(_const_shape(p), p.dtype, transforms=_smem_swizzle(p.dtype)))
+        scratch.append(("const", plgpu.SMEM(_const_shape(p), p.dtype, transforms=_smem_swizzle(p.dtype))))
     if c.split_k > 1:
-        types += split_k.scratch_types(c.tile_m, c.split_k, c.tiles)
-    return types
-
-
-def _scratch_layout(p: Problem) -> list[tuple[str, int | None]]:
-    """(name, refs) of the scratch, in _scratch_types' order: one ref (None) or a list of that many."""
-    c = p.config
-    layout: list[tuple[str, int | None]] = [("out", None)] if c.split_k == 1 else []
-    if c.slices > 1:
-        layout.append(("slices", None))
-    if c.scales_on == "accumulators":
-        layout.append(("const", None))
-    if c.split_k > 1:
-        layout.append(("split_k", split_k.scratch_count(c.tile_m, c.split_k, c.tiles)))
-    return layout
+        scratch.append(("split_k", split_k.scratch_types(c.tile_m, c.split_k, c.tiles)))
+    return scratch

@@ -35,7 +35,8 @@ from nybble.kernels.mosaic_gpu import pipeline, split_k
 from nybble.kernels.mosaic_gpu.common import (
     DenseWork,
     Problem,
-    exact_weights_step,
+    accumulate,
+    k_step,
     kernel_name,
     operand_specs,
     reduce_split_k,
@@ -97,16 +98,10 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array], work: Any = No
 
             def compute_context(run_pipeline, tile, part):
                 # Runs in the compute warpgroups only: the accumulators live in their registers.
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(acc_shape, jnp.float32))
-                def _(acc_ref):
-                    run_pipeline(acc_ref)
-                    store(acc_ref[...], part, *(tile_indices(p, tile) if dense else (mine.mi, mine.ni)))
+                def epilogue(acc):
+                    store(acc, part, *(tile_indices(p, tile) if dense else (mine.mi, mine.ni)))
 
-            def body(_, codes, x, s, *rest):
-                *o, acc_ref = rest
-                own = codes.at[pl.ds(wg * c.tiles, c.tiles)]  # this warpgroup's A tiles
-                exact_weights_step(p, acc_ref, own, x, s, o[0] if o else None, wg * c.rows_per_wg)
-                return acc_ref
+                accumulate(p, run_pipeline, epilogue)
 
             def specs(tile, k_first):
                 mi, ni = tile_indices(p, tile) if dense else (mine.mi, mine.ni)
@@ -117,7 +112,7 @@ def w4a16_warp_specialized(p: Problem, operands: list[jax.Array], work: Any = No
                 for part in split_k.partitions(c.split_k):
                     k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
                     pipeline.emit_pipeline_warp_specialized(
-                        body,
+                        k_step(p, wg=wg),  # each compute warpgroup its own A tiles
                         grid=(p.steps_per_split,),
                         memory_registers=pipeline.MEMORY_REGISTERS,
                         in_specs=functools.partial(specs, k_first=k_first),
