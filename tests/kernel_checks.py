@@ -250,13 +250,17 @@ def gpu_tests_mode() -> tuple[str, str]:
     return mode
 
 
-def k_wrapping_the_pipeline(config, group: int | None) -> int:
+def k_wrapping_the_pipeline(config, group: int | None, *, past_k: bool = False) -> int:
     """K_pad of a test problem for ``config`` whose every split-K partition runs one K step more than
     its pipeline slots (``max_concurrent_steps + 1``), so that every slot is released and refilled once,
-    with two groups or more per K slice and whole groups per slice. Shared by the GPU test's smallest
-    problems and the interpret sweep over the heuristic configs."""
+    with two groups or more per K slice and whole groups per slice. ``past_k``: the last step runs past
+    K_pad (one 64-wide chunk of it inside), as the config does at the shape it was picked for
+    (``TuningConfig.runs_past_k``). Shared by the GPU test's smallest problems and the interpret sweep
+    over the heuristic configs."""
     unit = config.k_span() * config.split_k
     k_pad = unit * (config.max_concurrent_steps + 1)
+    if past_k:
+        return k_pad - unit + 64
     while group is not None and (k_pad < 2 * group * config.slices or (k_pad // config.slices) % group):
         k_pad += unit
     return k_pad

@@ -73,6 +73,27 @@ def test_rank_orders_like_its_fields():
     assert a._replace(hidden=False) < b  # then fewer instructions
 
 
+def test_ties_are_relative_to_the_fastest_time(monkeypatch):
+    """Modeled times tie within CostModel.tie_relative of the fastest, not within a fixed number of
+    microseconds: scaling every modeled time by 1000 (a GPU 1000 times slower everywhere) leaves every pick
+    as it was, decode and prefill alike. With ties to the hundredth of a microsecond it moves picks (the
+    tie widens or narrows with the problem's size)."""
+    problems = [
+        (m, n, k, g)
+        for m in (1, 16, 64, 128, 1024, 4096)
+        for n, k in ((4096, 4096), (28672, 4096), (4096, 14336), (576, 576))
+        for g in (128, 32)
+    ]
+    pick = cfg.heuristic_config.__wrapped__
+    before = [pick(m, n, k, g) for m, n, k, g in problems]
+    unscaled = cfg.modeled_times_us
+    monkeypatch.setattr(
+        cfg, "modeled_times_us", lambda *a, **kw: {p: 1000 * t for p, t in unscaled(*a, **kw).items()}
+    )
+    assert [pick(m, n, k, g) for m, n, k, g in problems] == before
+    assert cfg._steps_of(1.0004, 0.001) == cfg._steps_of(1.0, 0.001) != cfg._steps_of(1.0016, 0.001)
+
+
 def test_tag_names_every_field():
     configs = [
         TuningConfig(tiles=t, tile_m=m, tile_k=k, compute_wgs=2, persistent_ctas=p, max_concurrent_steps=s)

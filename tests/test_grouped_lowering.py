@@ -38,12 +38,8 @@ KERNELS = _kernels()
 
 
 def _label(key) -> str:
-    c, _, sym = key
-    route = "acc" if c.scales_on == "accumulators" else "wt"
-    return (
-        f"t{c.tiles}m{c.tile_m}k{c.tile_k}s{c.slices}p{c.max_concurrent_steps}w{c.compute_wgs}"
-        f"{'tma' if c.producer else ''}{route}-{'sym' if sym else 'asym'}"
-    )
+    config, _, symmetric = key
+    return f"{config.tag}-{'sym' if symmetric else 'asym'}"
 
 
 def _lower(rows, experts, k, n, group, symmetric, config=None):

@@ -46,7 +46,7 @@ from nybble.kernels.mosaic_gpu.config import (
 )
 from nybble.kernels.reference import reference_dequantize, rounding_bound
 from nybble.kernels.xla import xla_matmul
-from nybble.packing import get_layout
+from nybble.packing import get_layout, padded_weight_dims
 from nybble.packing.fragments import pack_wgmma_int4
 from nybble.quant import relayout
 from tests.kernel_checks import (
@@ -570,6 +570,51 @@ def test_partial_last_group_exact(group):
     _check(x, qw, None, exact=True)
 
 
+# Partial last K steps (TuningConfig.runs_past_k): K_pad an odd number of 64-wide chunks under steps of
+# 128-512, whose TMA zero-fills the rows past K_pad of codes, x and scale rows. More steps than slots: the
+# partial step lands in a slot an earlier step filled, so stale rows left by a partial fill would show.
+# K = 576 and 1088 at g128 end in half a group; 448 at g32 in a step of four groups, one inside K.
+_DECODE_ACC = dict(tile_m=8, max_concurrent_steps=2, scales_on="accumulators")
+
+
+@pytest.mark.parametrize(
+    "config, k, group, symmetric",
+    [
+        (TuningConfig(tiles=1, tile_k=512, **_DECODE_ACC), 1088, 128, True),
+        (TuningConfig(tiles=1, tile_k=512, **_DECODE_ACC), 1088, 128, False),
+        (TuningConfig(tiles=1, tile_k=256, producer=True, **_DECODE_ACC), 576, 128, False),
+        (TuningConfig(tiles=2, tile_k=128, **_DECODE_ACC), 320, 64, False),
+        (TuningConfig(tiles=1, tile_m=16, tile_k=128, max_concurrent_steps=3), 448, 32, False),
+    ],
+    ids=lambda v: v.tag if isinstance(v, TuningConfig) else str(v),
+)
+def test_partial_last_k_step_exact(config, k, group, symmetric):
+    assert config.runs_past_k(k) and config.k_steps(k) > config.max_concurrent_steps
+    rng = np.random.default_rng(k + group)
+    qw = exact_weight(rng, k, config.cta_rows, group, symmetric)
+    x = activations(rng, 2 * config.tile_m - 3, k, exact=True)
+    _check(x, qw, config, exact=True)
+
+
+@pytest.mark.no_kernel
+def test_partial_last_k_step_rules():
+    """Where a last K step may run past K_pad: the one-warpgroup kernel without slices or split-K, and
+    decode's candidates only where K_pad is an odd number of 64-wide chunks (no deeper step divides it)."""
+    sliced = TuningConfig(tiles=1, tile_m=1, tile_k=128, slices=8, scales_on="accumulators")
+    with pytest.raises(ValueError, match="partial last K step needs slices=1"):
+        sliced.check_problem(1, 64, 576, 128)
+    with pytest.raises(ValueError, match="partial last K step"):
+        TuningConfig(tiles=1, tile_m=128, tile_k=128, compute_wgs=2).check_problem(128, 128, 576, 128)
+    TuningConfig(tiles=1, tile_m=8, tile_k=512, scales_on="accumulators").check_problem(8, 64, 576, 128)
+    gpt_oss = heuristic_config(1, 2880, 2880, 128)  # K = 45 x 64: a 64-deep step divides it, no deeper one
+    assert gpt_oss.tile_k > 64 and gpt_oss.runs_past_k(2880)
+    assert gpt_oss.k_steps(2880) == -(-2880 // gpt_oss.tile_k)
+    for m in (1, 16, 64, 128, 2048):  # K = 4096 and 1536: a dividing step, never a partial one
+        for k in (4096, 1536):
+            assert not heuristic_config(m, 4096, k, 128).runs_past_k(k)
+    assert not heuristic_config(2048, 2880, 2880, 128).runs_past_k(2880)  # prefill: never
+
+
 # Explicit configs: tiles 1..4, tile_k 64..256, pipelines of 2..5 slots, split-K 1..8, several M tiles
 # walked in planar-snake order (21 rows; bands of 2 leave a partial last band).
 @pytest.mark.parametrize(
@@ -705,19 +750,22 @@ def test_race_check_can_fail():
         _smem_store_then_tma(commit=True)  # the fixture checks this one: no race
 
 
-def _distinct_heuristic_configs() -> list[tuple[TuningConfig, int | None, bool]]:
+def _distinct_heuristic_configs() -> list[tuple[TuningConfig, int | None, bool, bool]]:
     """Every TuningConfig the heuristics pick at the lowering tests' real-model shapes, with one group
     size and symmetry it was picked for (the lowering tests cover every combination at full size):
     symmetric where that kernel folds the bias into WGMMA (the asymmetric route runs in other configs)."""
     from tests.test_kernel_lowering import BATCHES, GROUPS, NUM_SMS, WEIGHT_SHAPES
 
     picked: dict[TuningConfig, tuple[int | None, bool]] = {}
+    past_k: set[TuningConfig] = set()  # configs picked where their last K step runs past K_pad
     for (config, _, symmetric), case in heuristic_cases(WEIGHT_SHAPES, BATCHES, GROUPS, NUM_SMS).items():
+        if config.runs_past_k(padded_weight_dims(case[1], case[2])[0]):
+            past_k.add(config)
         if symmetric and folds_bias_config(config, has_offsets=False):
             picked[config] = (case[3], symmetric)
         else:
             picked.setdefault(config, (case[3], symmetric))
-    return [(config, group, symmetric) for config, (group, symmetric) in picked.items()]
+    return [(config, group, symmetric, config in past_k) for config, (group, symmetric) in picked.items()]
 
 
 # Interpret mode checks the numbers of every config the heuristics can choose, on the smallest problem
@@ -727,14 +775,15 @@ def _distinct_heuristic_configs() -> list[tuple[TuningConfig, int | None, bool]]
 # grid runs 4 output tiles on 3 CTAs. (Production shapes would take minutes each in interpret mode; their
 # lowering is checked in test_kernel_lowering.py and their SASS in test_xray.py.)
 @pytest.mark.parametrize(
-    "config, group, symmetric",
+    "config, group, symmetric, past_k",
     _distinct_heuristic_configs(),
     ids=lambda v: v.tag if isinstance(v, TuningConfig) else str(v),
 )
-def test_every_heuristic_config_in_interpret_mode(config, group, symmetric):
+def test_every_heuristic_config_in_interpret_mode(config, group, symmetric, past_k):
     if config.persistent_ctas:  # 4 output tiles over 3 CTAs: one CTA runs two
         config = dataclasses.replace(config, persistent_ctas=3)
-    k = k_wrapping_the_pipeline(config, group)  # every slot reused: the pipeline wraps
+    # Every slot reused: the pipeline wraps; where the pick's last K step ran past K_pad, so does this one's.
+    k = k_wrapping_the_pipeline(config, group, past_k=past_k)
     n = config.cta_rows * (2 if config.persistent_ctas else 1)
     m = config.tile_m if config.slices > 1 else 2 * config.tile_m - 3
     rng = np.random.default_rng(k + n + m)

@@ -236,6 +236,24 @@ def test_model_by_hand():
     assert out["model_pct_hbm"] == pytest.approx(100 * out["t_hbm_us"] / out["t_issue_us"])
 
 
+def test_grouped_kernel_reads_only_the_active_experts_weights():
+    """At decode a grouped kernel reads the weights of the experts that have rows, not the whole stack:
+    4 of 128 experts' codes and scales; x and y in full; an XLA launch's operands in full."""
+    kernel = {
+        "name": "k",
+        "kind": "mosaic_gpu",
+        "result_is_output": True,
+        "operand_bytes": {"qw.codes": 128 * 1000, "qw.scales": 128 * 10, "x": 64},
+        "result_bytes": 32,
+    }
+    plan = {"experts": 128, "active_experts": 4}
+    cats = model.byte_categories([kernel], plan)
+    assert cats["codes"] == 4 * 1000 and cats["scales"] == 4 * 10 and cats["x"] == 64 and cats["output"] == 32
+    assert model.byte_categories([kernel])["codes"] == 128 * 1000  # a dense plan: all of it
+    xla = dict(kernel, kind="fusion")
+    assert model.byte_categories([xla], plan)["codes"] == 128 * 1000
+
+
 def test_resident_ctas_limits():
     assert model.resident_ctas(H200, smem_bytes=1000, registers=32, threads=128) == 16  # threads: 2048/128
     assert model.resident_ctas(H200, smem_bytes=1000, registers=168, threads=384) == 1  # registers
@@ -410,3 +428,60 @@ def test_cli_end_to_end(tmp_path):
     assert (out / "xray.md").read_text().count("smollm2-135m-qo") >= 3
     assert (out / "xray.png").stat().st_size > 10_000
     assert "instr/w" in proc.stdout
+
+
+# ------------------------------------------------- the gate: the grouped (MoE) kernels on sm_90a, issue 36
+
+
+def _moe_gate_cases() -> list:
+    from bench.xray import moe_cases
+
+    return moe_cases.distinct_kernels(moe_cases.build_cases(), H200.sms)
+
+
+_MOE_CASES = _moe_gate_cases()
+
+
+@pytest.fixture(scope="module")
+def moe_compiled() -> dict:
+    from bench.xray.runner import run_cases
+
+    try:
+        return run_cases(_MOE_CASES, gpu="h200", jobs=2, progress=False, worker="bench.xray.moe_worker")
+    except ToolchainMissing as e:
+        pytest.fail(f"the X-ray toolchain is missing: {e}")
+
+
+def instructions_per_weight_of_w(case, record) -> float:
+    """Main-loop instructions per weight of W: a partial last K step's zero-filled rows
+    (``TuningConfig.runs_past_k``) are dequantized too, so the loop's count per dequantized weight is
+    scaled by K covered / K_pad."""
+    from nybble.kernels.mosaic_gpu import TuningConfig
+    from nybble.packing import padded_weight_dims
+
+    config = TuningConfig(**record["plan"]["config"])
+    k_pad = padded_weight_dims(case.k, case.n)[0]
+    covered = config.k_steps(k_pad) * config.k_span()
+    return record["report"]["kernels"][0]["loop"]["instructions_per_weight"] * covered / k_pad
+
+
+@pytest.mark.parametrize("case", _MOE_CASES, ids=lambda c: c.key.removesuffix("/" + MOSAIC))
+def test_moe_kernel_xray_gate(case, moe_compiled, baseline):
+    """Each grouped kernel the heuristics pick at the MoE shapes: one launch, 0 spills, registers in budget,
+    main loop no worse than the baseline; at decode (1, 8, 64 tokens) the issue's static goal, at most 2.0
+    main-loop SASS instructions per weight of W."""
+    from bench.xray.moe_cases import DECODE_TOKENS
+
+    record = moe_compiled[case.key]
+    assert "error" not in record, record.get("traceback", record.get("error"))
+    (k,) = record["report"]["kernels"]
+    assert len(record["report"]["launches"]) == 1
+    assert k["spill_bytes"] == 0 and k["registers"] <= 255
+    assert k["registers"] * k["threads"] <= H200.registers_per_sm
+    assert report.loop_read_whole(k["loop"])
+    base = baseline.get(case.key)
+    assert base is not None, f"{case.key} is not in bench/xray_baseline.json (moe_cases --update-baseline)"
+    limit = base["instructions_per_weight"] * (1 + report.IPW_TOLERANCE)
+    assert k["loop"]["instructions_per_weight"] <= limit
+    if case.tokens in DECODE_TOKENS:
+        assert instructions_per_weight_of_w(case, record) <= 2.0

@@ -54,13 +54,27 @@ def resident_ctas(gpu: GpuSpec, *, smem_bytes: int, registers: int, threads: int
     return max(0, min(limits))
 
 
-def byte_categories(launches: list[dict[str, Any]]) -> dict[str, int]:
+_WEIGHT_SOURCES = ("qw.codes", "qw.scales", "qw.offsets")
+
+
+def read_bytes(launch: dict[str, Any], source: str, size: int, plan: dict[str, Any] | None) -> float:
+    """Bytes a launch reads of one operand: all of it, except a grouped kernel's weight stack, of which it
+    reads the experts that have rows (``plan['active_experts']`` of ``plan['experts']``; an expert
+    without rows costs no weight traffic, grouped.py)."""
+    if plan and plan.get("experts") and launch["kind"] == "mosaic_gpu" and source in _WEIGHT_SOURCES:
+        return size * plan["active_experts"] / plan["experts"]
+    return size
+
+
+def byte_categories(
+    launches: list[dict[str, Any]], plan: dict[str, Any] | None = None
+) -> dict[str, float]:
     """Bytes by what they are: codes, scales (and offsets), x, output, intermediate (written and read)."""
-    out = {"codes": 0, "scales": 0, "x": 0, "w": 0, "output": 0, "intermediate": 0}
+    out: dict[str, float] = {"codes": 0, "scales": 0, "x": 0, "w": 0, "output": 0, "intermediate": 0}
     names = {"qw.codes": "codes", "qw.scales": "scales", "qw.offsets": "scales", "x": "x", "w": "w"}
     for launch in launches:
         for source, size in launch["operand_bytes"].items():
-            out[names.get(source, "intermediate")] += size
+            out[names.get(source, "intermediate")] += read_bytes(launch, source, size, plan)
         out["output" if launch["result_is_output"] else "intermediate"] += launch["result_bytes"]
     return out
 
@@ -69,15 +83,16 @@ def model_case(record: dict[str, Any], gpu: GpuSpec, ceilings: Ceilings) -> dict
     """The static model of one compiled case (a worker record), as a flat dict of numbers."""
     case, report = record["case"], record["report"]
     launches = report["launches"]
-    total_bytes = sum(sum(la["operand_bytes"].values()) + la["result_bytes"] for la in launches)
     plan = record.get("plan")
+    by_kind = byte_categories(launches, plan)
+    total_bytes = sum(by_kind.values())
     m_eff = plan["m_pad"] if plan else case["m"]
     flops = 2.0 * m_eff * case["n"] * case["k"]
     out: dict[str, Any] = {
         "launches": len(launches),
         "launch_names": [f"{la['kind']}:{la['name']}" for la in launches],
         "bytes": total_bytes,
-        "bytes_by_kind": byte_categories(launches),
+        "bytes_by_kind": by_kind,
         "t_hbm_us": total_bytes / ceilings.copy_bytes_per_s * 1e6,
         "t_tc_us": flops / ceilings.bf16_flops_per_s * 1e6,
         "t_issue_us": None,

@@ -134,7 +134,8 @@ def distinct_kernels(cases: list[MoeCase], num_sms: int) -> list[MoeCase]:
 def kernel_plan(case: MoeCase, num_sms: int) -> dict[str, Any]:
     """The launch as the X-ray's model reads it, for the balanced grouping the config was chosen for
     (``grouped_config.planned_rows`` rows on each of ``active_experts``): the CTAs that work, the weights
-    they dequantize, M as the tensor cores see it; ``grid`` is the launch's CTAs (the bound on tiles)."""
+    they dequantize, M as the tensor cores see it, the experts whose weights it reads; ``grid`` is the
+    launch's CTAs (the bound on tiles)."""
     from nybble.kernels.mosaic_gpu.grouped import grouped_plan
     from nybble.kernels.mosaic_gpu.grouped_config import active_experts, planned_rows
 
@@ -152,7 +153,10 @@ def kernel_plan(case: MoeCase, num_sms: int) -> dict[str, Any]:
         "grid": work.ctas(p),
         "threads": p.threads,
         "weight_bytes_in_flight": steps * p.weight_bytes_per_step,
-        "dequantized_weights": m_tiles * p.n_pad * p.k_pad,
+        # Of W: a partial last K step dequantizes its zero-filled rows too (config.runs_past_k).
+        "dequantized_weights": m_tiles * p.n_pad * p.steps_per_split * c.k_span(),
+        "experts": case.experts,
+        "active_experts": active,  # the weights it reads (bench/xray/model.read_bytes)
     }
 
 

@@ -62,7 +62,7 @@ class Problem:
 
     @property
     def m_tiles(self) -> int:
-        return 1 if self.config.slices > 1 else -(-self.m // self.config.tile_m)
+        return self.config.m_tiles(self.m)
 
     @property
     def m_pad(self) -> int:
@@ -75,7 +75,7 @@ class Problem:
 
     @property
     def ctas(self) -> int:
-        return self.m_tiles * self.n_tiles * self.config.split_k
+        return self.config.ctas(self.m, self.n_pad)
 
     @property
     def slice_k(self) -> int:
@@ -83,7 +83,8 @@ class Problem:
 
     @property
     def steps_per_split(self) -> int:
-        return self.slice_k // self.config.tile_k // self.config.split_k
+        """K steps of one CTA; the last one partial where the config runs past K_pad (its TMA zero-fills)."""
+        return self.config.k_steps(self.k_pad)
 
     @property
     def scale_rows(self) -> int:
@@ -112,8 +113,9 @@ class Problem:
 
     @property
     def dequantized_weights(self) -> int:
-        """Weights dequantized over the whole launch: every M tile dequantizes all of W again."""
-        return self.m_tiles * self.n_pad * self.k_pad
+        """Weights dequantized over the whole launch: every M tile dequantizes all of W again (a partial last
+        K step its zero-filled rows too)."""
+        return self.config.dequantized_weights(self.m, self.n_pad, self.k_pad)
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -255,7 +257,7 @@ def operand_specs(p: Problem, mi: Any, ni: Any, k_first: Any, delay_release: int
         if p.group >= c.tile_k:
             row, last = ((k_first + ki) * c.tile_k) // p.group, -(-p.slice_k // p.group) - 1
         else:
-            row, last = k_first + ki, p.slice_k // c.tile_k - 1
+            row, last = k_first + ki, p.steps_per_split - 1
         if faults.injected() == "last-group-scale-row" and last > 0:  # a deliberate bug (faults.py)
             row = jnp.where(row == last, row - 1, row)
         return 0, row, ni

@@ -26,6 +26,10 @@ Families from :func:`heuristic_config`:
     the one issuing least wins: from M ~ 1024 (and at M = 256 of the widest N) that is
     a 256-wide M tile with one A tile per warpgroup, which dequantizes each weight once per 256 rows of x
     (about half the instructions per FLOP of two A tiles at 128-wide M).
+Decode's last K step may run past K_pad (:meth:`TuningConfig.runs_past_k`) where K_pad is an odd number
+of 64-wide chunks, so that no step deeper than 64 divides it (gpt-oss-120b: K = 2880 = 45 x 64): TMA
+zero-fills the step's rows past K_pad (no HBM read), and the candidates are ranked on instructions per
+weight of W, those rows included.
 Prefill launches with more output tiles than SMs run on a persistent grid of one CTA per SM
 (``persistent_ctas``). Either family may split K over ``split_k`` CTAs (2, 4 or 8 where the tile has
 that many 8-row slabs of y, :func:`split_k_shares`; prefill's 128-row tiles down to 16-row slabs, e.g.
@@ -116,8 +120,10 @@ class CostModel:
     # down and q/o at M = 16-32, the X-ray).
     decode_tie: float = 0.03
     decode_ipw_gain: float = 0.10
-    # Modeled times within this many microseconds count as equal (heuristic_config's first ranking).
-    tie_decimals: int = 2
+    # Modeled times within this fraction of the fastest candidate's count as equal (heuristic_config: the
+    # fastest, then prefill's issue and tensor-core times in steps of it). 0.1%: the picks of the former
+    # absolute 0.01 us at every named shape (tests/fixtures/golden_picks), where 0.3% moves 5 of 520.
+    tie_relative: float = 0.001
 
 
 COST_MODEL = CostModel()
@@ -129,8 +135,8 @@ DECODE_IPW_GAIN = COST_MODEL.decode_ipw_gain
 class Rank(NamedTuple):
     """How :func:`heuristic_config` orders candidates of equal modeled time: field by field, larger wins."""
 
-    issue: float  # prefill: minus the issue time (to 0.01 us); decode 0
-    tensor: float  # prefill: minus the tensor-core time (to 0.01 us); decode 0
+    issue: float  # prefill: minus the issue time in steps of CostModel.tie_relative; decode 0
+    tensor: float  # prefill: minus the tensor-core time in those steps; decode 0
     hidden: bool  # decode: latency hidden (a producer, every copy up front, or two CTAs per SM)
     ipw_tenths: float  # minus the estimated instructions per weight, to 0.1
     tiles: int
@@ -257,6 +263,30 @@ class TuningConfig:
         """K one pipeline step covers: tile_k in each of the S slices."""
         return self.tile_k * self.slices
 
+    def m_tiles(self, m: int) -> int:
+        """M tiles of M rows of x: one where K slices fold M into WGMMA's N, else ceil(M / tile_m)."""
+        return 1 if self.slices > 1 else -(-m // self.tile_m)
+
+    def ctas(self, m: int, n_pad: int) -> int:
+        """CTAs of one (M, K_pad) x (K_pad, N_pad) problem: output tiles times split-K."""
+        return n_pad // self.cta_rows * self.m_tiles(m) * self.split_k
+
+    def dequantized_weights(self, m: int, n_pad: int, k_pad: int) -> int:
+        """Weights the launch dequantizes: every M tile all of W again, and a partial last K step its
+        zero-filled rows too."""
+        return self.m_tiles(m) * n_pad * self.k_steps(k_pad) * self.k_span() * self.split_k
+
+    def k_steps(self, k_pad: int) -> int:
+        """Pipeline steps of one CTA over K_pad: the last one partial where the step does not divide K_pad
+        (:func:`runs_past_k`)."""
+        return -(-k_pad // (self.k_span() * self.split_k))
+
+    def runs_past_k(self, k_pad: int) -> bool:
+        """Whether this config's last K step reaches past K_pad: its TMA copies then read the block's rows
+        past K_pad as zeros (codes, x and scale rows alike: TMA zero-fills out-of-bounds boxes and reads no
+        HBM for them), so those rows add 0 * finite weights to every accumulator and 0-scaled groups."""
+        return k_pad % (self.k_span() * self.split_k) != 0
+
     def check_problem(self, m: int, n_pad: int, k_pad: int, group: int) -> None:
         """Raises ValueError naming the rule when this config cannot run (M, K_pad) x (K_pad, N_pad)."""
         if n_pad % self.cta_rows:
@@ -265,10 +295,16 @@ class TuningConfig:
                 f"(64 * tiles / slices * compute_wgs = 64 * {self.tiles} / {self.slices} * "
                 f"{self.compute_wgs})"
             )
-        if k_pad % (self.k_span() * self.split_k):
+        if self.runs_past_k(k_pad) and not (
+            self.slices == 1 and self.split_k == 1 and self.compute_wgs == 1 and k_pad % CHUNK_K == 0
+        ):
+            # A partial last step (TMA zero-fills its rows past K_pad) runs in the one-warpgroup kernel
+            # without K slices (each slice would hold its own ragged end) or split-K (whose CTAs share
+            # steps evenly); the warp-specialized kernel is not compiled or interpreted for it.
             raise ValueError(
                 f"K_pad={k_pad} must be a multiple of tile_k * slices * split_k = {self.tile_k} * "
-                f"{self.slices} * {self.split_k}"
+                f"{self.slices} * {self.split_k} (a partial last K step needs slices=1, split_k=1 and "
+                f"compute_wgs=1, got compute_wgs={self.compute_wgs})"
             )
         if self.slices > 1 and m * self.slices > self.wgmma_n:
             raise ValueError(f"M={m} rows do not fit tile_m={self.tile_m} with slices={self.slices}")
@@ -459,9 +495,8 @@ def modeled_times_us(
     distributed SMEM at ``gpu.dsmem_bytes_per_cycle_per_sm``); an x copy by the wrapper a second launch
     (``gpu.launch_s``).
     """
-    m_tiles = 1 if config.slices > 1 else -(-m // config.tile_m)
-    ctas = n_pad // config.cta_rows * m_tiles * config.split_k
-    weights = n_pad * k_pad * m_tiles
+    ctas = config.ctas(m, n_pad)
+    weights = config.dequantized_weights(m, n_pad, k_pad)  # HBM bytes count K_pad's rows only
     nbytes = n_pad * k_pad / 2 + 2 * (m * k_pad + m * n_pad) + 2 * n_pad * -(-k_pad // group)
     t_reduce = 0.0
     if config.split_k > 1:
@@ -472,7 +507,7 @@ def modeled_times_us(
     t_issue = busiest / (gpu.issue_per_sm_cycle * gpu.clock_hz)
     # The accumulator route runs one more WGMMA a chunk, the constant A tile's, shared by the A tiles.
     hgmma_share = (config.tiles + 1) / config.tiles if config.scales_on == "accumulators" else 1.0
-    t_tensor = 2.0 * m_tiles * config.wgmma_n * n_pad * k_pad * hgmma_share / gpu.bf16_flops
+    t_tensor = 2.0 * config.wgmma_n * weights * hgmma_share / gpu.bf16_flops
     # The wrapper's zero rows of x are a launch; where the kernel cannot store y's M rows itself, the slice
     # of y is another (:func:`stores_any_rows`).
     launch = gpu.launch_s * (x_rows(m, config) != m) * (1 if stores_any_rows(config) else 2)
@@ -502,7 +537,7 @@ def stores_any_rows(config: TuningConfig) -> bool:
 
 def refills(config: TuningConfig, k_pad: int) -> bool:
     """Whether a CTA's pipeline refills slots (more K steps than slots), or issues every copy up front."""
-    return k_pad // config.k_span() // config.split_k > config.max_concurrent_steps
+    return config.k_steps(k_pad) > config.max_concurrent_steps
 
 
 def x_rows(m: int, config: TuningConfig) -> int:
@@ -553,7 +588,7 @@ def heuristic_config(
         raise ValueError(f"heuristic_config: bad problem M={m}, N_pad={n_pad}, K_pad={k_pad}")
     group = group_rows(k_pad, group_size)
     decode = m <= 64
-    scored: list[tuple[float, Rank, TuningConfig]] = []
+    candidates: list[tuple[float, dict[str, float], Rank, TuningConfig]] = []
     for shape in _candidate_shapes(m, n_pad, k_pad, group, decode):
         probe = TuningConfig(**shape)
         if allow is not None and not allow(probe):
@@ -562,7 +597,7 @@ def heuristic_config(
             probe.check_problem(m, n_pad, k_pad, group)
         except ValueError:
             continue
-        k_steps = k_pad // probe.k_span() // probe.split_k
+        k_steps = probe.k_steps(k_pad)
         for steps in range(min(8 if decode else 4, max(2, k_steps)), 1, -1):
             if probe.producer and k_steps <= steps:
                 continue  # every step has a slot: all copies go out up front, a producer saves nothing
@@ -572,36 +607,46 @@ def heuristic_config(
                 continue
             # A producer's CTA takes the whole register file (two warpgroups, up to 256 registers each).
             resident = 1 if config.producer else max(1, SMEM_PER_SM_BYTES // (used + _SMEM_SLACK_BYTES))
-            m_tiles = 1 if config.slices > 1 else -(-m // config.tile_m)
-            ctas = experts * n_pad // config.cta_rows * m_tiles * config.split_k
+            ctas = config.ctas(m, experts * n_pad)
             times = modeled_times_us(config, m, experts * n_pad, k_pad, group, has_offsets, num_sms)
             t = _combined(times)
+            # Per weight of W: a partial last K step's zero-filled rows cost instructions too.
             ipw = estimated_instructions_per_weight(config, group, has_offsets, refills=k_steps > steps)
+            ipw *= k_steps * config.k_span() * config.split_k / k_pad
             # Latency hidden: a producer running TMA ahead, every step's copy issued up front, or a second
             # CTA's warp on each scheduler.
             up_front = k_steps <= steps
             hidden = decode and (config.producer or up_front or min(resident, -(-ctas // num_sms)) >= 2)
-            # Prefill ties go to less issue time (the dequantization hides better behind WGMMA: a 256-wide
-            # M tile halves it per FLOP), then to less tensor-core time (no WGMMA columns wasted on padding).
-            d = COST_MODEL.tie_decimals
-            issue = 0.0 if decode else -round(times["issue"], d)
-            tensor = 0.0 if decode else -round(times["tensor"], d)
-            rank = Rank(issue, tensor, hidden, -round(ipw, 1), config.tiles, config.tile_k, steps, -ipw)
-            scored.append((t, rank, config))
-    if not scored:
+            rank = Rank(0.0, 0.0, hidden, -round(ipw, 1), config.tiles, config.tile_k, steps, -ipw)
+            candidates.append((t, times, rank, config))
+    if not candidates:
         raise ValueError(
             f"heuristic_config: no config fits M={m}, N_pad={n_pad}, K_pad={k_pad}, group={group}"
         )
-    fastest = min(t for t, _, _ in scored)
+    fastest = min(t for t, _, _, _ in candidates)
+    # Times count as equal in steps of CostModel.tie_relative of the fastest. Prefill ties go to less issue
+    # time (the dequantization hides better behind WGMMA: a 256-wide M tile halves it per FLOP), then to
+    # less tensor-core time (no WGMMA columns wasted on padding).
+    quantum = fastest * COST_MODEL.tie_relative
+    scored: list[tuple[float, Rank, TuningConfig]] = []
+    for t, times, rank, config in candidates:
+        if not decode:
+            issue, tensor = _steps_of(times["issue"], quantum), _steps_of(times["tensor"], quantum)
+            rank = rank._replace(issue=-issue, tensor=-tensor)
+        scored.append((t, rank, config))
     best: tuple[Rank, TuningConfig] | None = None
-    d = COST_MODEL.tie_decimals
-    for t, rank, config in scored:  # the fastest to the hundredth of a microsecond, then the best rank
-        if round(t, d) == round(fastest, d) and (best is None or rank > best[0]):  # the first of equal ranks
+    for t, rank, config in scored:  # the fastest (within the tie), then the best rank
+        if t <= fastest + quantum and (best is None or rank > best[0]):  # the first of equal ranks
             best = (rank, config)
     assert best is not None
     if decode:
         best = _fewer_instructions_nearly_as_fast(scored, best, fastest)
     return _persistent_where_it_pays(best[1], m, n_pad, num_sms)
+
+
+def _steps_of(value: float, quantum: float) -> float:
+    """``value`` in whole steps of ``quantum`` (values in one step tie)."""
+    return float(round(value / quantum)) if quantum > 0 else value
 
 
 def _fewer_instructions_nearly_as_fast(
@@ -641,7 +686,7 @@ def _persistent_where_it_pays(config: TuningConfig, m: int, n_pad: int, num_sms:
     overlaps the next one's loads (not in the cost model, which counts the same waves either way)."""
     if config.compute_wgs == 1 or config.split_k > 1:
         return config
-    tiles = -(-m // config.tile_m) * (n_pad // config.cta_rows)
+    tiles = config.m_tiles(m) * (n_pad // config.cta_rows)
     return dataclasses.replace(config, persistent_ctas=num_sms) if tiles > num_sms else config
 
 
@@ -653,6 +698,8 @@ def _candidate_shapes(
         for tiles, tile_k, split_k in itertools.product((2, 1), (128, 64), (1, 2, 4, 8)):
             if split_k > 1 and wgs > 1 and 128 // split_k > MAX_WS_SLAB_ROWS:
                 continue
+            if k_pad % (tile_k * split_k):
+                continue  # partial last K steps are decode's (TuningConfig.runs_past_k)
             yield dict(
                 tiles=tiles, tile_m=128, tile_k=tile_k, compute_wgs=wgs, split_k=split_k, scales_on="weights"
             )
@@ -681,6 +728,11 @@ def _candidate_shapes(
             # 128 columns spill (X-ray, Llama-3-70B gate-up at M = 12, four A tiles at N = 32: 816-856
             # bytes), and 64 split 8 ways spill in the split-K epilogue (Llama-3-8B down at M = 32, two A
             # tiles: 16-48 bytes; q/o: 24 bytes, or 2.19 instructions per weight against 1.92 split 4 ways).
+            continue
+        if k_pad % (tile_k * slices * split_k) and (slices > 1 or split_k > 1 or k_pad % (2 * CHUNK_K) == 0):
+            # Partial last K steps (TuningConfig.runs_past_k) only where K_pad is an odd number of 64-wide
+            # chunks, so that no step deeper than 64 divides it (gpt-oss: K = 2880 = 45 x 64, whose 64-deep
+            # steps issue 2.81-3.25 instructions per weight in the X-ray); elsewhere a dividing step exists.
             continue
         if tile_k == WIDE_STEP_K and (
             scales_on != "accumulators" or group < 2 * CHUNK_K or tiles > 2 or slices > 4
