@@ -91,8 +91,9 @@ PRESETS: dict[str, Preset] = {
             "cpu",
             ("smollm2-135m-qo", "smollm2-135m-gate-up", "smollm2-135m-down"),
             (1, 16, 128),
-            "default without a GPU: the XLA paths on the CPU at small real shapes, then a shrunk MoE layer",
-            "cpu",
+            "default without a GPU: the XLA paths on the CPU at small real shapes, then a shrunk MoE layer "
+            "(MoE preset 'tiny'; --moe cpu for more)",
+            "tiny",
         ),
         Preset(
             "tiny",

@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         return on_row
 
     rows, notes = run_sweep(cfg, peers, ceilings, on_row=on_row_of(max(len(peers), 1)), start=start)
-    if moe_points:
+    if moe_points and grouped_peers:
         on_moe_row = on_row_of(max(len(grouped_peers), 1))
         moe_rows, moe_notes = run_moe_sweep(
             cfg, moe_points, grouped_peers, ceilings, on_row=on_moe_row, start=start
@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     if banner:
         print("\n" + banner)
     print(f"\n{report.ceilings_line(result)}; elapsed {result['elapsed_s']:.0f} s")
-    print(report.summary_table(rows))
+    if report.dense_rows(rows):
+        print(report.summary_table(rows))
     if moe_points:
         print("\nMoE (grouped matmul; %roof over the active experts' bytes):")
         print(report.moe_table(rows))
