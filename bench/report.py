@@ -326,8 +326,9 @@ def markdown_report(result: dict[str, Any]) -> str:
         lines.append("")
     lines += ["## Peers", ""]
     lines += [
-        f"- `{p['name']}`: {p['description']} (checked against: {p['reference']})"
-        for p in [*result["peers"], *result.get("moe_peers", [])]
+        f"- {kind}`{p['name']}`: {p['description']} (checked against: {p['reference']})"
+        for kind, group in (("", result["peers"]), ("MoE ", result.get("moe_peers", [])))
+        for p in group
     ]
     if result.get("host"):
         lines += ["", "## Host-side work", "", host_tables(result["host"], markdown=True)]
