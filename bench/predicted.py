@@ -1,11 +1,13 @@
 """The X-ray's prediction beside the measured time, per case (``python -m bench.predicted BENCH XRAY...``).
 
 For every timed row of a ``python -m bench`` result, the X-ray row of the same case (shape, M, group
-setting, peer) from committed X-ray results (``python -m bench.xray``: nybble's sweep and the peers'): its
-modeled time with the spec sheet's ceilings it was made with, the same model re-evaluated with the
-ceilings measured in that bench run (bytes over the measured copy bandwidth, FLOPs over the measured bf16
-rate, the issue bound unchanged), and measured / predicted. It refits nothing: the comparison is for a
-person to read (``make gpu-check`` writes it as predicted.md / predicted.json).
+setting, peer; a MoE row of bench.moe matches the X-ray's ``moe/<model>-<proj>/T<tokens>/...`` row, for
+the balanced grouping the X-ray models) from committed X-ray results (``python -m bench.xray``: nybble's
+sweep and the peers'; ``python -m bench.xray.moe_cases``: the grouped kernel's): its modeled time with
+the spec sheet's ceilings it was made with, the same model re-evaluated with the ceilings measured in that
+bench run (bytes over the measured copy bandwidth, FLOPs over the measured bf16 rate, the issue bound
+unchanged), and measured / predicted. It refits nothing: the comparison is for a person to read
+(``make gpu-check`` writes it as predicted.md / predicted.json).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.report import format_table, write_json
+from bench.report import format_table, is_moe, write_json
 
 SCHEMA = "nybble-predicted/1"
 # bench's peer names -> the X-ray's, where they differ.
@@ -32,13 +34,27 @@ def _quant(group_size: int | None, symmetric: bool, peer: str) -> str:
     return f"{'col' if group_size is None else f'g{group_size}'}-{'sym' if symmetric else 'asym'}"
 
 
-def xray_index(xray_results: Iterable[dict[str, Any]]) -> dict[tuple[str, int, str, str], dict[str, Any]]:
-    """X-ray rows by (shape, M, quant, peer); a later file's row wins (pass the newest last)."""
-    out: dict[tuple[str, int, str, str], dict[str, Any]] = {}
+MOE_NOTE = (
+    "MoE rows match the X-ray's moe/<model>-<proj>/T<tokens> rows for the balanced grouping only (the one "
+    "the X-ray models; skewed ones are listed as not in the X-ray). Both count the weight bytes of the "
+    "experts that hold rows only (bench/xray/model.read_bytes)."
+)
+
+
+def _kind(xray_row: dict[str, Any]) -> str:
+    return "moe" if str(xray_row.get("key", "")).startswith("moe/") else "dense"
+
+
+def xray_index(
+    xray_results: Iterable[dict[str, Any]],
+) -> dict[tuple[str, str, int, str, str], dict[str, Any]]:
+    """X-ray rows by (kind: dense or moe, shape, M, quant, peer); a later file's row wins (pass the newest
+    last)."""
+    out: dict[tuple[str, str, int, str, str], dict[str, Any]] = {}
     for result in xray_results:
         for r in result["rows"]:
             if "error" not in r and r.get("t_model_us") is not None:
-                out[(r["shape"], r["m"], r["quant"], r["peer"])] = {
+                out[(_kind(r), r["shape"], r["m"], r["quant"], r["peer"])] = {
                     **r,
                     "_ceilings": result["ceilings"],
                     "_commit": result.get("commit"),
@@ -66,18 +82,27 @@ def side_by_side(bench: dict[str, Any], xrays: Sequence[dict[str, Any]]) -> dict
         if r.get("status") != "ok":
             continue
         peer = PEER_NAMES.get(r["peer"], r["peer"])
-        key = (r["shape"], r["m"], _quant(r.get("group_size"), symmetric, r["peer"]), peer)
-        x = index.get(key)
+        moe = is_moe(r)
+        quant = _quant(r.get("group_size"), symmetric, r["peer"])
+        key = ("moe" if moe else "dense", r["shape"], r["m"], quant, peer)
+        # The X-ray models a MoE launch for the balanced grouping of all rows: other groupings do not match.
+        modeled = not moe or (r.get("distribution") == "balanced" and not r.get("dropped_rows"))
+        x = index.get(key) if modeled else None
         measured = r["time"]["median_us"]
         if x is None:
-            missing.append({"shape": r["shape"], "m": r["m"], "peer": r["peer"], "measured_us": measured})
+            missing.append(
+                {"shape": r["shape"], "m": r["m"], "peer": r["peer"], "measured_us": measured}
+                | ({"tokens": r["tokens"], "distribution": r["distribution"]} if moe else {})
+            )
             continue
         now = remodel(x, ceilings["copy_bytes_per_s"], ceilings["bf16_flops_per_s"])
         rows.append(
             {
+                "kind": key[0],
                 "shape": r["shape"],
                 "m": r["m"],
-                "quant": key[2],
+                "tokens": r.get("tokens"),
+                "quant": quant,
                 "peer": r["peer"],
                 "measured_us": measured,
                 "predicted_us": x["t_model_us"],
@@ -86,6 +111,8 @@ def side_by_side(bench: dict[str, Any], xrays: Sequence[dict[str, Any]]) -> dict
                 "remodeled_us": now["t_us"],
                 "remodeled_bound": now["bound"],
                 "measured_over_remodeled": measured / now["t_us"],
+                "xray_bytes": x["bytes"],
+                "bench_bytes": r.get("bytes"),
                 "xray_commit": x["_commit"],
                 "instructions_per_weight": ((x.get("kernel") or {}).get("loop") or {}).get(
                     "instructions_per_weight"
@@ -107,7 +134,7 @@ def table(result: dict[str, Any], *, markdown: bool = False) -> str:
               "bound", "measured / X-ray"]  # fmt: skip
     body = [
         [
-            r["shape"],
+            f"moe/{r['shape']}/T{r['tokens']}" if r.get("kind") == "moe" else r["shape"],
             str(r["m"]),
             r["quant"],
             r["peer"],
@@ -135,6 +162,9 @@ def write(result: dict[str, Any], out: Path) -> list[Path]:
         "",
         f"Timed cases the X-ray results do not have: {len(result['not_in_xray'])}.",
     ]
+    moe_rows = [r for r in result["rows"] if r.get("kind") == "moe"]
+    if moe_rows or any("tokens" in r for r in result["not_in_xray"]):
+        md += ["", MOE_NOTE]
     (out / "predicted.md").write_text("\n".join(md) + "\n")
     return [out / "predicted.json", out / "predicted.md"]
 

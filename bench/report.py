@@ -113,6 +113,20 @@ def best_nybble(case_rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     return min(ok, key=lambda r: r["time"]["median_us"]) if ok else None
 
 
+def is_moe(row: dict[str, Any]) -> bool:
+    """A grouped (mixture-of-experts) row of bench.moe, reported in its own table."""
+    return row.get("kind") == "moe"
+
+
+def dense_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if not is_moe(r)]
+
+
+def case_label(row: dict[str, Any]) -> str:
+    """The shape, and for a MoE row its tokens and grouping: ``qwen3-30b-a3b-gate T64 skewed``."""
+    return f"{row['shape']} T{row['tokens']} {row['distribution']}" if is_moe(row) else row["shape"]
+
+
 def group_cases(rows: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """Rows grouped by (shape, M), in order."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
@@ -121,14 +135,17 @@ def group_cases(rows: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return list(groups.values())
 
 
+BEST_PEER = "best peer (its time / nybble's: >1x = nybble faster)"
+
+
 def summary_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
     """One line per (shape, M): each peer's median time in us, then nybble's best against the rest.
 
     "best peer" names the fastest peer with its median time over nybble's best: above 1x nybble is faster.
     """
+    rows = dense_rows(rows)
     peers = peers_that_ran(rows)
-    best_peer = "best peer (its time / nybble's: >1x = nybble faster)"
-    header = ["shape", "M", *[f"{p} us" for p in peers], "nybble x bf16", "nybble %roof", best_peer]
+    header = ["shape", "M", *[f"{p} us" for p in peers], "nybble x bf16", "nybble %roof", BEST_PEER]
     body = []
     for case in group_cases(rows):
         by_peer = {r["peer"]: r for r in case}
@@ -138,12 +155,7 @@ def summary_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str
             continue
         cells = [_status_cell(by_peer[p]) if p in by_peer else "" for p in peers]
         best = best_nybble(case)
-        others = [r for r in case if r["status"] == "ok" and not r["peer"].startswith("nybble:")]
-        fastest_peer = min(others, key=lambda r: r["time"]["median_us"]) if others else None
-        vs_peer = ""
-        if best is not None and fastest_peer is not None:
-            ratio = fastest_peer["time"]["median_us"] / best["time"]["median_us"]
-            vs_peer = f"{fastest_peer['peer']} ({ratio:.2f}x)"
+        vs_peer = best_peer_cell(case, best)
         body.append(
             [
                 case[0]["shape"],
@@ -155,6 +167,50 @@ def summary_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str
             ]
         )
     return format_table(header, body, markdown)
+
+
+def best_peer_cell(case: Sequence[dict[str, Any]], best: dict[str, Any] | None) -> str:
+    """The fastest non-nybble peer of a case and its median over nybble's best, e.g. ``xla:bf16 (1.50x)``."""
+    others = [r for r in case if r["status"] == "ok" and not r["peer"].startswith("nybble:")]
+    fastest_peer = min(others, key=lambda r: r["time"]["median_us"]) if others else None
+    if best is None or fastest_peer is None:
+        return ""
+    return f"{fastest_peer['peer']} ({fastest_peer['time']['median_us'] / best['time']['median_us']:.2f}x)"
+
+
+def moe_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
+    """One line per MoE point: model, projection, tokens, rows, experts with rows / experts, grouping,
+    each peer's median in us, nybble's best over the bf16 ragged_dot, its % of the roofline (active
+    experts' bytes), and the best peer's time over nybble's."""
+    rows = [r for r in rows if is_moe(r)]
+    peers = peers_that_ran(rows)
+    header = ["model", "proj", "T", "rows", "experts", "groups", *[f"{p} us" for p in peers],
+              "nybble x bf16", "nybble %roof", BEST_PEER]  # fmt: skip
+    cases: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        cases.setdefault((r["shape"], r["tokens"], r["distribution"], r["dropped_rows"]), []).append(r)
+    body = []
+    for case in cases.values():
+        if all(r["status"] == "skipped" for r in case) and "budget" not in (case[0].get("reason") or ""):
+            continue
+        by_peer = {r["peer"]: r for r in case}
+        best = best_nybble(case)
+        first = case[0]
+        body.append(
+            [first["model"], first["proj"], str(first["tokens"]), str(first["m"]),
+             f"{first['active_experts']}/{first['experts']}", first["distribution"],
+             *[_status_cell(by_peer[p]) if p in by_peer else "" for p in peers],
+             _num(best and best.get("speedup_vs_bf16"), ".2f"), _roof(best and best.get("pct_roofline")),
+             best_peer_cell(case, best)]
+        )  # fmt: skip
+    return format_table(header, body, markdown)
+
+
+MOE_NOTE = (
+    "MoE rows: `ragged_dot(x, W (E, K, N), group_sizes)` with rows = T x top-k sorted by expert; "
+    "x bf16 = time of xla:ragged_dot-bf16 / nybble's; the weight bytes behind %roof count only the experts "
+    "that hold rows (an expert with no rows is not read), plus x read and y written."
+)
 
 
 def detail_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
@@ -170,7 +226,7 @@ def detail_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
         ok = r["status"] == "ok"
         body.append(
             [
-                r["shape"],
+                case_label(r),
                 str(r["m"]),
                 r["peer"],
                 r["status"],
@@ -260,6 +316,8 @@ def markdown_report(result: dict[str, Any]) -> str:
         lines.append(f"- note: {note}")
     lines += ["", "Times are medians in microseconds per matmul (us); x bf16 = time of xla:bf16 / time.", ""]
     lines += ["## Summary", "", summary_table(result["rows"], markdown=True), ""]
+    if any(is_moe(r) for r in result["rows"]):
+        lines += ["## MoE (grouped matmul)", "", MOE_NOTE, "", moe_table(result["rows"], markdown=True), ""]
     lines += ["## All rows", "", detail_table(result["rows"], markdown=True), ""]
     reasons = skipped_reasons(result["rows"])
     if reasons:
@@ -268,7 +326,9 @@ def markdown_report(result: dict[str, Any]) -> str:
         lines.append("")
     lines += ["## Peers", ""]
     lines += [
-        f"- `{p['name']}`: {p['description']} (checked against: {p['reference']})" for p in result["peers"]
+        f"- {kind}`{p['name']}`: {p['description']} (checked against: {p['reference']})"
+        for kind, group in (("", result["peers"]), ("MoE ", result.get("moe_peers", [])))
+        for p in group
     ]
     if result.get("host"):
         lines += ["", "## Host-side work", "", host_tables(result["host"], markdown=True)]
@@ -290,7 +350,7 @@ def xray_peers_section(rows: Sequence[dict[str, Any]], path: Path = XRAY_PEERS_J
         xray = json.loads(path.read_text())
     except (OSError, ValueError):
         return []
-    timed = {(r["shape"], r["m"]) for r in rows}
+    timed = {(r["shape"], r["m"]) for r in dense_rows(rows)}
     cases = [r for r in xray.get("rows", []) if (r["shape"], r["m"]) in timed]
     if not cases:
         return []

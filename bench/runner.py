@@ -55,10 +55,18 @@ class Config:
     rotate_bytes: int = 256 * 2**20
     max_sets: int = MAX_SETS
     budget_s: float | None = None
+    # Seconds of budget_s kept for the MoE points that follow the dense ones (bench.moe): the dense points
+    # stop starting after budget_s - moe_reserve_s.
+    moe_reserve_s: float = 0.0
     # Limits for runs without a GPU: larger weights (K*N) or points (2MKN) are skipped with a reason.
     max_params: int | None = None
     max_flops: float | None = None
     seed: int = 0
+
+    @property
+    def dense_budget_s(self) -> float | None:
+        """When the dense points stop starting: the budget less what the MoE points keep."""
+        return None if self.budget_s is None else max(0.0, self.budget_s - self.moe_reserve_s)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -73,6 +81,7 @@ class Config:
             "rotate_bytes": self.rotate_bytes,
             "max_sets": self.max_sets,
             "budget_s": self.budget_s,
+            "moe_reserve_s": self.moe_reserve_s,
             "max_params": self.max_params,
             "max_flops": self.max_flops,
             "tolerance": BF16_TOLERANCE,
@@ -264,10 +273,11 @@ def run_sweep(
     notes: list[str] = []
     budget_cut = 0
     key = jax.random.key(cfg.seed)
-    budget_reason = f"time budget ({cfg.budget_s} s) spent"
+    budget = cfg.dense_budget_s
+    budget_reason = f"time budget ({budget} s) spent"
     too_big = 0
     for si, shape in enumerate(cfg.shapes):
-        if cfg.budget_s is not None and time.monotonic() - start > cfg.budget_s:
+        if budget is not None and time.monotonic() - start > budget:
             budget_cut += _skip_rest(rows, shape, cfg.ms, cfg, peers, on_row, budget_reason)
             continue
         if cfg.max_params is not None and shape.k * shape.n > cfg.max_params:
@@ -285,7 +295,7 @@ def run_sweep(
             return cache[kind]
 
         for mi, m in enumerate(cfg.ms):
-            if cfg.budget_s is not None and time.monotonic() - start > cfg.budget_s:
+            if budget is not None and time.monotonic() - start > budget:
                 budget_cut += _skip_rest(rows, shape, cfg.ms[mi:], cfg, peers, on_row, budget_reason)
                 continue
             if cfg.max_flops is not None and matmul_flops(m, shape.k, shape.n) > cfg.max_flops:
@@ -317,7 +327,7 @@ def run_sweep(
     if too_big:
         notes.append(f"{too_big} row(s) too large for a run without a GPU were not run (status skipped)")
     if budget_cut:
-        notes.append(f"time budget of {cfg.budget_s:g} s spent: {budget_cut} row(s) not run (status skipped)")
+        notes.append(f"time budget of {budget:g} s spent: {budget_cut} row(s) not run (status skipped)")
     return rows, notes
 
 

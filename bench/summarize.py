@@ -25,6 +25,11 @@ def summarize(path: Path) -> str:
         lines.append(f"not timed: {peer}: {'; '.join(reasons)}"[:400])
     lines += [f"note: {n}" for n in result.get("notes", [])]
     lines.append(report.summary_table(result["rows"]))
+    if any(report.is_moe(r) for r in result["rows"]):
+        lines += [
+            "MoE (grouped matmul; %roof over the active experts' bytes):",
+            report.moe_table(result["rows"]),
+        ]
     return "\n".join(lines)
 
 

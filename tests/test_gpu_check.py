@@ -71,7 +71,8 @@ def test_side_by_side_by_hand():
 
 def test_gpu_check_dry_run_end_to_end(tmp_path):
     """bash bench/gpu_check.sh with DRY_RUN=1: the GPU tests collected (not run), the benchmark's tiny CPU
-    preset, the X-ray side by side written; exit 0 and the files of a real run but the model benchmark's."""
+    preset (its dense shape, then its three shrunk MoE points), the X-ray side by side written; exit 0 and
+    the files of a real run but the model benchmark's."""
     out = tmp_path / "check"
     env = {
         **os.environ,
@@ -79,7 +80,8 @@ def test_gpu_check_dry_run_end_to_end(tmp_path):
         "OUT": str(out),
         "PYTHON": sys.executable,
         "DRY_RUN_BENCH_ARGS": (
-            "--preset tiny --ms 1 --peers xla:bf16 --max-time-per-row 0.01 --no-host --no-plot"
+            "--preset tiny --ms 1 --peers xla:bf16 xla:ragged_dot nybble tokamax --max-time-per-row 0.01 "
+            "--no-host --no-plot"
         ),
     }
     env.pop("JAX_PLATFORMS", None)
@@ -100,10 +102,29 @@ def test_gpu_check_dry_run_end_to_end(tmp_path):
     }
     bench = json.loads((out / "bench.json").read_text())
     assert bench["ceilings"]["copy_bytes_per_s"] > 0 and bench["ceilings"]["bf16_flops_per_s"] > 0
-    assert [r["peer"] for r in bench["rows"] if r["status"] == "ok"] == ["xla:bf16"]
+    dense = [r for r in bench["rows"] if r.get("kind") != "moe"]
+    assert [r["peer"] for r in dense if r["status"] == "ok"] == ["nybble:xla", "xla:bf16"]
+    # The MoE points ran after the dense ones, every XLA peer checked against float64 and timed on the CPU;
+    # the kernel and tokamax say why they cannot run here.
+    moe_rows = [r for r in bench["rows"] if r.get("kind") == "moe"]
+    from bench.moe import MOE_PRESETS
+
+    assert [(r["shape"], r["tokens"], r["distribution"]) for r in moe_rows[::5]] == [
+        (p.shape, p.tokens, p.distribution) for p in MOE_PRESETS["tiny"].points
+    ]
+    for r in moe_rows:
+        if r["peer"] in ("nybble:xla", "xla:ragged_dot-bf16", "xla:ragged_dot-deq-int4"):
+            assert r["status"] == "ok" and r["rel_err"] < 1e-2 and r["time"]["median_us"] > 0, r
+            assert 0 < r["weight_bytes"] and r["flops"] == 2 * sum(r["group_sizes"]) * r["k"] * r["n"]
+        else:
+            assert r["peer"] in ("nybble:mosaic_gpu", "tokamax:int4") and r["status"] == "skipped", r
+            assert r["reason"]
+    assert "## MoE (grouped matmul)" in (out / "bench.md").read_text()
     side = json.loads((out / "predicted.json").read_text())
     assert side["schema"] == predicted.SCHEMA and side["ceilings_measured"] == {
         k: bench["ceilings"][k] for k in ("copy_bytes_per_s", "bf16_flops_per_s")
     }
-    # The CPU's smollm2 case has no X-ray row (the X-ray compiles for Hopper): listed, not invented.
-    assert side["rows"] == [] and [r["peer"] for r in side["not_in_xray"]] == ["xla:bf16"]
+    # The CPU's smollm2 case and shrunk MoE layer have no X-ray row (the X-ray compiles real shapes for
+    # Hopper): listed, not invented.
+    assert side["rows"] == [] and [r["peer"] for r in side["not_in_xray"][:2]] == ["nybble:xla", "xla:bf16"]
+    assert len(side["not_in_xray"]) == 2 + 3 * 3 and all("tokens" in r for r in side["not_in_xray"][2:])
