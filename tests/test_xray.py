@@ -485,3 +485,34 @@ def test_moe_kernel_xray_gate(case, moe_compiled, baseline):
     assert k["loop"]["instructions_per_weight"] <= limit
     if case.tokens in DECODE_TOKENS:
         assert instructions_per_weight_of_w(case, record) <= 2.0
+
+
+def test_moe_xla_peers_compile_to_launches_and_bytes():
+    """The XLA programs bench/moe.py times beside the grouped kernel (ragged_dot on the bf16 stack, on the
+    dequantized int4 stack, nybble's XLA path) have X-ray rows: their launches and bytes, no main loop; the
+    kernel reads less than any of them at decode (4 of 128 experts' weights)."""
+    import dataclasses
+
+    from bench.xray import moe_cases
+    from bench.xray.runner import run_cases
+
+    (kernel,) = [
+        c
+        for c in moe_cases.build_cases({"qwen3-30b-a3b": moe_cases.MOE_SHAPES["qwen3-30b-a3b"]}, (1,))
+        if c.shape.endswith("down") and c.symmetric
+    ]
+    cases = [kernel] + [dataclasses.replace(kernel, peer=p) for p in moe_cases.XLA_PEERS]
+    records = run_cases(cases, gpu="h200", jobs=2, progress=False, worker="bench.xray.moe_worker")
+    ceilings = model.ceilings_for(H200)
+    rows = {
+        r["peer"]: r
+        for r in report.build_rows(
+            records, {k: model.model_case(r, H200, ceilings) for k, r in records.items()}
+        )
+    }
+    assert set(rows) == {MOSAIC, *moe_cases.XLA_PEERS}
+    for peer in moe_cases.XLA_PEERS:
+        assert rows[peer]["launches"] >= 1 and rows[peer]["t_issue_us"] is None
+        assert rows[peer]["key"] == f"moe/qwen3-30b-a3b-down/T1/g128-sym/{peer}"
+        assert rows[peer]["bytes"] > 4 * rows[MOSAIC]["bytes"]
+    assert rows[MOSAIC]["launches"] == 1 and rows[MOSAIC]["kernel"]["loop"]["instructions_per_weight"] > 0

@@ -3,8 +3,9 @@
 ``python -m bench.xray.moe_cases`` compiles, for an H200 on this CPU, one case per distinct grouped
 kernel the heuristics pick (``grouped_config.grouped_heuristic_config``) at the MoE shapes below, for
 every tokens-per-step value, both projections (gate and up: K = hidden, N = expert intermediate; down:
-K = intermediate, N = hidden) and g128 symmetric and asymmetric; ``--all`` compiles every case. Rows are
-X-ray rows (bench/xray/report.py) keyed ``moe/<shape>-<proj>/T<tokens>/<quant>/nybble:mosaic_gpu``, M being
+K = intermediate, N = hidden) and g128 symmetric and asymmetric; ``--all`` compiles every case;
+``--xla-peers`` adds the XLA programs bench/moe.py times beside it (``XLA_PEERS``: launches and bytes).
+Rows are X-ray rows (bench/xray/report.py) keyed ``moe/<shape>-<proj>/T<tokens>/<quant>/<peer>``, M being
 the grouped matmul's rows (tokens x top-k). ``--check`` compares with the MoE rows of
 bench/xray_baseline.json, ``--update-baseline`` adds or refreshes them there (the dense rows untouched).
 
@@ -26,6 +27,13 @@ from pathlib import Path
 from typing import Any
 
 MOSAIC = "nybble:mosaic_gpu"
+# The XLA programs beside the kernel (bench/moe.py times the same ones): launches and bytes, no main loop.
+# Their bytes are every operand of every launch in full (bench/xray/model.py), a gather's whole expert stack
+# included, where the GPU reads the gathered experts only: an upper bound at decode.
+NYBBLE_XLA = "nybble:xla"  # nybble.ragged_matmul(..., implementation="xla")
+RAGGED_BF16 = "xla:ragged_dot-bf16"  # jax.lax.ragged_dot on the bf16 expert stack
+RAGGED_DEQ_INT4 = "xla:ragged_dot-deq-int4"  # the int4 stack dequantized to bf16, then ragged_dot
+XLA_PEERS = (NYBBLE_XLA, RAGGED_BF16, RAGGED_DEQ_INT4)
 # name: (hidden, expert intermediate, experts, top-k). DeepSeek-V3's shared expert is a dense matmul.
 MOE_SHAPES: dict[str, tuple[int, int, int, int]] = {
     "mixtral-8x7b": (4096, 14336, 8, 2),
@@ -98,16 +106,28 @@ def abstract_weight(experts: int, k: int, n: int, group_size: int | None, symmet
 
 
 def program(case: MoeCase) -> tuple[Any, tuple[Any, ...]]:
-    """(function, abstract arguments): the grouped kernel as a user would jit it."""
+    """(function, abstract arguments): the grouped kernel, or an XLA peer (``XLA_PEERS``), as a user would
+    jit it."""
     import jax
     import jax.numpy as jnp
 
+    import nybble
     from nybble.kernels.mosaic_gpu.grouped import grouped_matmul
 
     x = jax.ShapeDtypeStruct((case.m, case.k), jnp.bfloat16)
     sizes = jax.ShapeDtypeStruct((case.experts,), jnp.int32)
     qw = abstract_weight(case.experts, case.k, case.n, case.group_size, case.symmetric)
-    return grouped_matmul, (x, qw, sizes)
+    if case.peer == MOSAIC:
+        return grouped_matmul, (x, qw, sizes)
+    if case.peer == NYBBLE_XLA:
+        return (lambda x, qw, s: nybble.ragged_matmul(x, qw, s, implementation="xla")), (x, qw, sizes)
+    if case.peer == RAGGED_BF16:
+        w = jax.ShapeDtypeStruct((case.experts, case.k, case.n), jnp.bfloat16)
+        return jax.lax.ragged_dot, (x, w, sizes)
+    if case.peer == RAGGED_DEQ_INT4:
+        dequantized = lambda x, qw, s: jax.lax.ragged_dot(x, nybble.dequantize(qw, jnp.bfloat16), s)
+        return dequantized, (x, qw, sizes)
+    raise ValueError(f"moe_cases: unknown peer {case.peer!r} (one of {(MOSAIC, *XLA_PEERS)})")
 
 
 def kernel_key(case: MoeCase, num_sms: int) -> tuple[Any, Any, bool]:
@@ -170,7 +190,8 @@ def worker_main() -> int:
     def compile_case(case: MoeCase, out: dict) -> None:
         fn, args = program(case)
         out["report"] = xray_compile(fn, *args, gpu=gpu.name).to_dict()
-        out["plan"] = kernel_plan(case, gpu.sms)
+        if case.peer == MOSAIC:  # an XLA program has no kernel plan (launches and bytes only)
+            out["plan"] = kernel_plan(case, gpu.sms)
 
     return serve(lambda d: MoeCase(**d), compile_case)
 
@@ -202,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 on a regression against the baseline")
     p.add_argument("--update-baseline", action="store_true")
     p.add_argument("--list", action="store_true", help="print the cases and exit")
+    p.add_argument(
+        "--xla-peers",
+        action="store_true",
+        help=f"also compile {', '.join(XLA_PEERS)} at every case's shape (g128 symmetric only)",
+    )
     args = p.parse_args(argv)
     from bench.kernel_xray import get_gpu
     from bench.xray import model, report
@@ -209,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
 
     gpu = get_gpu("h200")
     cases = build_cases({s: MOE_SHAPES[s] for s in args.shapes}, tuple(args.tokens))
+    peer_cases = [
+        dataclasses.replace(c, peer=peer)
+        for c in cases
+        for peer in (XLA_PEERS if args.xla_peers and c.symmetric else ())
+    ]
     if not args.all:
         cases = distinct_kernels(cases, gpu.sms)
     if args.list:
@@ -216,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             print(c.key, report.short_config(dataclasses.asdict(kernel_key(c, gpu.sms)[0])))
         return 0
     started = time.time()
-    records = run_cases(cases, gpu=gpu.name, jobs=args.jobs, worker="bench.xray.moe_worker")
+    records = run_cases(cases + peer_cases, gpu=gpu.name, jobs=args.jobs, worker="bench.xray.moe_worker")
     ceilings = model.ceilings_for(gpu)
     models = {k: model.model_case(r, gpu, ceilings) for k, r in records.items() if "error" not in r}
     rows = report.build_rows(records, models)
