@@ -25,20 +25,19 @@ import jax.numpy as jnp
 import numpy as np
 
 import nybble
-from bench.metrics import Ceilings, activation_bytes, rates, speedups
+from bench.metrics import Ceilings, activation_bytes
 from bench.peers import REF_BF16, REF_GROUPED, Prepared, _jax_prepared, tokamax_unavailable
 from bench.runner import (
     BF16_TOLERANCE,
-    STATUS_ERROR,
     STATUS_FAILED,
     STATUS_OK,
     STATUS_SKIPPED,
     Config,
-    _amortize_dispatch,
-    _fmt_exc,
+    fill_speedups,
     n_sets_for,
+    run_once,
+    time_checked,
 )
-from bench.timing import measure
 from bench.xray.moe_cases import MOE_SHAPES, TOKENS
 from nybble.kernels import reference_dequantize, relative_error
 from nybble.kernels.ragged import available_ragged_implementations
@@ -451,16 +450,10 @@ def run_grouped_case(case: GroupedCase, peers: Sequence[Any], cfg: Config, ceili
             row["reason"] = reason
             continue
         n_sets = n_sets_for(peer.weight_bytes(case) + act, cfg.rotate_bytes, cfg.max_sets)
-        try:
-            prep = peer.prepare(case, n_sets)
-            result = prep.call()
-            prep.sync(result)
-            got = prep.output_rows(result, rows_idx)
-            finite = prep.all_finite(result) if prep.all_finite is not None else True
-            del result
-        except Exception as e:
-            row.update(status=STATUS_ERROR, reason=_fmt_exc(e))
+        ran = run_once(peer, case, n_sets, rows_idx, row)
+        if ran is None:
             continue
+        prep, got, finite = ran
         if peer.reference not in refs:
             kind = peer.reference
             weight = functools.partial(reference_expert, case, kind)
@@ -487,34 +480,9 @@ def run_grouped_case(case: GroupedCase, peers: Sequence[Any], cfg: Config, ceili
         if row["status"] == STATUS_FAILED:
             prep.cleanup()
             continue
-        call, reps = prep.call, 1
-        try:
-            call, reps = _amortize_dispatch(prep, rows_idx, refs[peer.reference], row)
-        except Exception as e:  # the looped program is an optimization: fall back to plain launches
-            row["repeat_error"] = _fmt_exc(e)
-        row["reps"] = reps
-        try:
-            t = measure(
-                call,
-                prep.sync,
-                ops_per_call=prep.n_sets * reps,
-                sample_s=cfg.sample_s,
-                min_samples=cfg.min_samples,
-                max_time_s=cfg.max_time_s,
-            )
-        except Exception as e:
-            row.update(status=STATUS_ERROR, reason=_fmt_exc(e))
-            continue
-        finally:
-            prep.cleanup()
-            del prep, call
-        r = rates(t.median_s, row["flops"], nbytes, ceilings)
-        row.update(status=STATUS_OK, time=t.as_dict(), **dataclasses.asdict(r))
-    times = {r["peer"]: r["time"]["median_us"] for r in out if r["status"] == STATUS_OK}
-    for r in out:
-        if r["status"] == STATUS_OK:
-            r["speedup"] = speedups(times, r["peer"])
-            r["speedup_vs_bf16"] = r["speedup"].get(MOE_BF16_BASELINE)
+        time_checked(prep, rows_idx, refs[peer.reference], row, cfg, nbytes, ceilings)
+        del prep
+    fill_speedups(out, MOE_BF16_BASELINE)
     return out
 
 

@@ -22,6 +22,7 @@ from bench.peers import (
     REF_PER_COLUMN,
     Case,
     Peer,
+    Prepared,
 )
 from bench.timing import measure
 from nybble.kernels import reference_dequantize, relative_error
@@ -160,16 +161,10 @@ def run_case(
         wbytes = peer.weight_bytes(case)
         act = activation_bytes(case.m, case.k, case.n)
         n_sets = n_sets_for(wbytes + act, cfg.rotate_bytes, cfg.max_sets)
-        try:
-            prep = peer.prepare(case, n_sets)
-            result = prep.call()
-            prep.sync(result)
-            got = prep.output_rows(result, rows_idx)
-            finite = prep.all_finite(result) if prep.all_finite is not None else True
-            del result
-        except Exception as e:
-            row.update(status=STATUS_ERROR, reason=_fmt_exc(e))
+        ran = run_once(peer, case, n_sets, rows_idx, row)
+        if ran is None:
             continue
+        prep, got, finite = ran
         if peer.reference not in refs:
             refs[peer.reference] = x0 @ ref_weights(peer.reference)
         err = relative_error(got, refs[peer.reference])
@@ -188,38 +183,77 @@ def run_case(
                 status=STATUS_FAILED,
                 reason=f"relative error {err:.3g} > {BF16_TOLERANCE:g} against the float64 reference",
             )
-            continue
-        if not finite:
+        elif not finite:
             row.update(status=STATUS_FAILED, reason="NaN or Inf in the output (outside the rows compared)")
-            continue
-        call, reps = prep.call, 1
-        try:
-            call, reps = _amortize_dispatch(prep, rows_idx, refs[peer.reference], row)
-        except Exception as e:  # the looped program is an optimization: fall back to plain launches
-            row["repeat_error"] = _fmt_exc(e)
-        row["reps"] = reps
-        try:
-            t = measure(
-                call,
-                prep.sync,
-                ops_per_call=prep.n_sets * reps,
-                sample_s=cfg.sample_s,
-                min_samples=cfg.min_samples,
-                max_time_s=cfg.max_time_s,
-            )
-        except Exception as e:
-            row.update(status=STATUS_ERROR, reason=_fmt_exc(e))
-            continue
-        finally:
+        if row["status"] == STATUS_FAILED:
             prep.cleanup()
-        r = rates(t.median_s, row["flops"], nbytes, ceilings)
-        row.update(status=STATUS_OK, time=t.as_dict(), **dataclasses.asdict(r))
+            continue
+        time_checked(prep, rows_idx, refs[peer.reference], row, cfg, nbytes, ceilings)
+        del prep
+    fill_speedups(out, BF16_BASELINE)
+    return out
+
+
+def run_once(
+    peer: Any, case: Any, n_sets: int, rows_idx: np.ndarray, row: dict[str, Any]
+) -> tuple[Prepared, np.ndarray, bool] | None:
+    """Prepares ``peer`` for ``case`` and runs it once: (prepared, set 0's checked rows as float64, whether
+    every output is finite), or None with the error in ``row``."""
+    try:
+        prep = peer.prepare(case, n_sets)
+        result = prep.call()
+        prep.sync(result)
+        got = prep.output_rows(result, rows_idx)
+        finite = prep.all_finite(result) if prep.all_finite is not None else True
+        del result
+    except Exception as e:
+        row.update(status=STATUS_ERROR, reason=_fmt_exc(e))
+        return None
+    return prep, got, finite
+
+
+def time_checked(
+    prep: Prepared,
+    rows_idx: np.ndarray,
+    ref: np.ndarray,
+    row: dict[str, Any],
+    cfg: Config,
+    nbytes: int,
+    ceilings: Ceilings,
+) -> None:
+    """Times a peer whose output passed the check into ``row`` (status, time, rates), one launch running
+    the S sets ``reps`` times where the peer has such a mode; ``prep`` is cleaned up either way."""
+    call, reps = prep.call, 1
+    try:
+        call, reps = _amortize_dispatch(prep, rows_idx, ref, row)
+    except Exception as e:  # the looped program is an optimization: fall back to plain launches
+        row["repeat_error"] = _fmt_exc(e)
+    row["reps"] = reps
+    try:
+        t = measure(
+            call,
+            prep.sync,
+            ops_per_call=prep.n_sets * reps,
+            sample_s=cfg.sample_s,
+            min_samples=cfg.min_samples,
+            max_time_s=cfg.max_time_s,
+        )
+    except Exception as e:
+        row.update(status=STATUS_ERROR, reason=_fmt_exc(e))
+        return
+    finally:
+        prep.cleanup()
+    r = rates(t.median_s, row["flops"], nbytes, ceilings)
+    row.update(status=STATUS_OK, time=t.as_dict(), **dataclasses.asdict(r))
+
+
+def fill_speedups(out: list[dict[str, Any]], baseline: str) -> None:
+    """Each timed row's speedups over the other timed rows of its case, and over ``baseline``."""
     times = {r["peer"]: r["time"]["median_us"] for r in out if r["status"] == STATUS_OK}
     for r in out:
         if r["status"] == STATUS_OK:
             r["speedup"] = speedups(times, r["peer"])
-            r["speedup_vs_bf16"] = r["speedup"].get(BF16_BASELINE)
-    return out
+            r["speedup_vs_bf16"] = r["speedup"].get(baseline)
 
 
 def dispatch_cost(call: Callable[[], Any], sync: Callable[[Any], None], n: int = 5) -> tuple[float, float]:
