@@ -44,6 +44,7 @@ from bench.xray.heuristic_cases import heuristic_cases
 from nybble.kernels import available_implementations, interpret
 from nybble.kernels.mosaic_gpu import TuningConfig, faults, mosaic_gpu_matmul, plan
 from nybble.kernels.reference import reference_dequantize, rounding_bound
+from nybble.packing import padded_weight_dims
 from tests.kernel_checks import (
     activations,
     assert_exact,
@@ -106,12 +107,15 @@ def _run_exact(config, m, k, n, group, symmetric, *, x_dtype, scale_dtype, seed)
 # ---------------------------------------------------------------- every config the heuristics pick
 
 
-def _smallest_problem(config: TuningConfig, group: int | None, odd: bool) -> tuple[int, int, int]:
+def _smallest_problem(
+    config: TuningConfig, group: int | None, odd: bool, past_k: bool = False
+) -> tuple[int, int, int]:
     """(M, K, N) with the config's structure: two M tiles, the last partial (or, with K slices, every
     slice's rows), two CTA columns or more (the last one real outputs), each split's pipeline running one
     step more than its slots, and two groups or more per slice (a partial last one when G does not divide
-    K_pad). ``odd``: K and N 5 and 3 short of their padded sizes (K a multiple of 64 again once padded)."""
-    k_pad = k_wrapping_the_pipeline(config, group)
+    K_pad). ``odd``: K and N 5 and 3 short of their padded sizes (K a multiple of 64 again once padded).
+    ``past_k``: the last K step runs past K_pad, where TMA zero-fills (as at the shape it was picked for)."""
+    k_pad = k_wrapping_the_pipeline(config, group, past_k=past_k)
     n_pad = max(2 * config.cta_rows, 64)  # N pads to 64: the last CTA column must hold real outputs
     m = config.tile_m if config.slices > 1 else max(1, 2 * config.tile_m - 3)
     return m, k_pad - 5 * odd, n_pad - 3 * odd
@@ -125,14 +129,17 @@ def _heuristic_rows():
     if not ALL_CASES:  # interpret mode runs a few: pick them among fewer problems (seconds, not ten)
         shapes, ms = [(576, 1536), (1536, 576), (4096, 4096)], (1, 16, 4096)
     picks: dict[tuple[TuningConfig, bool], list[tuple[object, int | None]]] = {}
+    past_k: set[TuningConfig] = set()  # picked where the last K step runs past K_pad
     for (config, structure, symmetric), case in heuristic_cases(shapes, ms, GROUPS, NUM_SMS).items():
         picks.setdefault((config, symmetric), []).append((structure, case[3]))
+        if config.runs_past_k(padded_weight_dims(case[1], case[2])[0]):
+            past_k.add(config)
     used: dict[object, int] = {}
     rows, cheapest = [], {}
     for i, ((config, symmetric), candidates) in enumerate(picks.items()):
         structure, group = min(candidates, key=lambda c: used.get(c[0], 0))
         used[structure] = used.get(structure, 0) + 1
-        m, k, n = _smallest_problem(config, group, odd=i % 2 == 1)
+        m, k, n = _smallest_problem(config, group, odd=i % 2 == 1, past_k=config in past_k)
         name = f"{i:03d}-{_config_id(config)}-g{group}-{'sym' if symmetric else 'asym'}"
         rows.append([False, name, config, m, k, n, group, symmetric])
         family = (config.compute_wgs, config.slices > 1, config.scales_on, symmetric)
