@@ -104,6 +104,28 @@ def test_groups(config, sizes, rows, symmetric):
     assert_exact(run(x, qw, sizes, config), reference(x, ws, sizes))
 
 
+@pytest.mark.parametrize(
+    "config, k, symmetric",
+    [
+        # Three 256-deep steps through 2 slots over K = 576 (9 chunks): the last step's 64 rows are inside.
+        (dataclasses.replace(DECODE_PRODUCER, tiles=1, tile_k=256), 576, False),
+        (dataclasses.replace(SMALL_TILES, tile_k=256), 576, True),
+        (None, 2880, False),  # gpt-oss-120b's K = 45 chunks: the heuristic's 512-deep steps, 6 of them
+    ],
+    ids=["producer-k256", "weights-k256", "heuristic-k2880"],
+)
+def test_partial_last_k_step(config, k, symmetric):
+    """The last K step runs past K_pad (TuningConfig.runs_past_k; TMA zero-fills) in every expert's tiles,
+    with groups of every kind: empty, several M tiles, rows past the sum."""
+    sizes, rows = [3, 0, 9, 1], 15
+    rng = np.random.default_rng(k)
+    qw, ws = stacked(rng, len(sizes), k, 64, symmetric=symmetric)
+    used = config or grouped_plan(rows, qw)[0].config
+    assert used.runs_past_k(k), used.tag
+    x = activations(rng, rows, k, exact=True)
+    assert_exact(run(x, qw, sizes, config), reference(x, ws, sizes))
+
+
 def test_heuristic_config_and_odd_shapes():
     """The heuristic's own pick, K and N not multiples of 64 (the wrapper pads K and slices N), per column."""
     rng = np.random.default_rng(5)
