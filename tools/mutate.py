@@ -189,6 +189,17 @@ def mutants(module: str) -> list[Mutant]:
     ]
 
 
+def sampled(module: str, count: int, seed: int) -> list[Mutant]:
+    """A uniform random sample of the module's mutants, in index order. Each module is shuffled on its own
+    (seed and module name), and the sample is a prefix of that order: a larger count extends a smaller one,
+    so a resumed run with a larger --sample only adds mutants."""
+    import random
+
+    order = mutants(module)
+    random.Random(f"{seed}:{module}").shuffle(order)
+    return sorted(order[:count], key=lambda m: m.index)
+
+
 def mutated_source(module: str, index: int) -> str:
     tree = ast.parse(_source(module))
     node, _, how = _points(tree)[index]
@@ -215,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--module", action="append", help="a target module (repeatable); default: all")
     ap.add_argument("--list", action="store_true", help="print the mutants and stop")
     default_out = Path(tempfile.gettempdir()) / "nybble-mutants.jsonl"
-    ap.add_argument("--out", default=str(default_out), help="results, one JSON a line (resumable)")
+    ap.add_argument(
+        "--out", action="append", help=f"results, a JSON a line (resumable; {default_out}); --summary merges"
+    )
     ap.add_argument("--timeout-factor", type=float, default=5.0, help="x the unmutated run's time")
     ap.add_argument("--retry", action="store_true", help="run the survivors and timeouts in --out again")
     ap.add_argument("--summary", action="store_true", help="summarize --out and stop")
@@ -227,25 +240,19 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown module(s) {unknown}; choose from {list(TARGETS)}")
     todo = [m for module in modules for m in mutants(module)]
-    if args.sample is not None:  # a few a module, the same ones for the same seed
-        import random
-
-        rng = random.Random(args.seed)
-        todo = [
-            m
-            for module in modules
-            for m in sorted(
-                rng.sample(mutants(module), min(args.sample, len(mutants(module)))), key=lambda m: m.index
-            )
-        ]
+    if args.sample is not None:
+        todo = [m for module in modules for m in sampled(module, args.sample, args.seed)]
     if args.list:
         for m in todo:
             print(f"{m.module}:{m.line} #{m.index}: {m.what}    {m.source_line}")
         print(f"{len(todo)} mutants")
         return 0
-    out = Path(args.out)
+    outs = [Path(o) for o in args.out or [default_out]]
     if args.summary:
-        return summarize(out)
+        return summarize(outs)
+    if len(outs) > 1:
+        ap.error("one --out for a run (several only with --summary)")
+    out = outs[0]
     done = set()
     if out.exists():
         rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -296,18 +303,103 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{status:8s} {seconds:5.0f}s {where}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return summarize(out)
+    return summarize([out])
 
 
-def summarize(out: Path) -> int:
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    by_status: dict[str, int] = {}
+# Survivors that no test can kill: the mutant behaves as the original for every input the module accepts.
+# Matched on (module, the line's text, the mutation): every such mutant of that line is equivalent.
+EQUIVALENT: list[tuple[str, str, str, str]] = [
+    # (module, source line, mutation, why no behaviour changes)
+]
+
+
+def is_equivalent(row: dict) -> str | None:
+    """The recorded reason when the row's mutant is in EQUIVALENT, else None."""
+    for module, line, what, reason in EQUIVALENT:
+        if (row["module"], row["source_line"], row["what"]) == (module, line, what):
+            return reason
+    return None
+
+
+@dataclasses.dataclass
+class ModuleTally:
+    module: str
+    mutants: int  # all of the module's mutants (a sample runs fewer)
+    run: int = 0
+    killed: int = 0
+    survived: int = 0
+    equivalent: int = 0
+    timeouts: int = 0  # counted as killed in the rate: the tests do not pass
+
+    @property
+    def detected(self) -> int:
+        return self.killed + self.timeouts
+
+    @property
+    def rate(self) -> float:
+        """Killed (timeouts included) over the run mutants that are not equivalent."""
+        return self.detected / max(1, self.run - self.equivalent)
+
+
+def tally(rows: list[dict], totals: dict[str, int]) -> list[ModuleTally]:
+    tallies = {module: ModuleTally(module, count) for module, count in totals.items()}
     for r in rows:
-        by_status[r["status"]] = by_status.get(r["status"], 0) + 1
-    print(f"\n{len(rows)} mutants: " + ", ".join(f"{v} {k}" for k, v in sorted(by_status.items())))
-    for r in rows:
+        t = tallies.setdefault(r["module"], ModuleTally(r["module"], 0))
+        t.run += 1
+        if r["status"] == "killed":
+            t.killed += 1
+        elif r["status"] == "timeout":
+            t.timeouts += 1
+        elif is_equivalent(r) is not None:
+            t.equivalent += 1
+        else:
+            t.survived += 1
+    return [t for t in tallies.values() if t.run]
+
+
+def overall_rate(tallies: list[ModuleTally]) -> tuple[float, float, float]:
+    """(estimate, low, high): the kill rate over all the modules' mutants, each module weighted by its
+    estimated count of non-equivalent mutants. A fully run module adds no uncertainty; a sampled one adds
+    the variance of a proportion drawn without replacement (finite population correction), taken at the
+    Agresti-Coull proportion (k + 2) / (n + 4) so that a sample with no survivors still has some. 95%."""
+    weights, rates, variances = [], [], []
+    for t in tallies:
+        n = t.run - t.equivalent
+        weights.append(t.mutants * n / max(1, t.run))
+        rates.append(t.rate)
+        p = (t.detected + 2) / (n + 4)
+        population = weights[-1]
+        fpc = max(0.0, (population - n) / max(1.0, population - 1))
+        variances.append(p * (1 - p) / (n + 4) * fpc if n else 0.0)
+    total = sum(weights)
+    estimate = sum(w * r for w, r in zip(weights, rates, strict=True)) / total
+    half = 1.96 * sum(w * w * v for w, v in zip(weights, variances, strict=True)) ** 0.5 / total
+    return estimate, max(0.0, estimate - half), min(1.0, estimate + half)
+
+
+def summarize(outs: list[Path]) -> int:
+    rows: dict[tuple[str, int], dict] = {}
+    for out in outs:  # several runs' files merged; a later row of the same mutant wins
+        for line in out.read_text().splitlines():
+            r = json.loads(line)
+            rows[r["module"], r["index"]] = r
+    totals = {module: len(mutants(module)) for module in TARGETS}
+    tallies = tally(list(rows.values()), totals)
+    print(f"\n{'module':48s} {'mutants':>7s} {'run':>4s} {'killed':>6s} {'surv':>4s} {'equiv':>5s} "
+          f"{'tmout':>5s} {'rate':>6s}")  # fmt: skip
+    for t in tallies:
+        print(f"{t.module:48s} {t.mutants:7d} {t.run:4d} {t.killed:6d} {t.survived:4d} {t.equivalent:5d} "
+              f"{t.timeouts:5d} {100 * t.rate:5.1f}%")  # fmt: skip
+    estimate, low, high = overall_rate(tallies)
+    sampled = any(t.run < t.mutants for t in tallies)
+    interval = f" (sample estimate, 95% interval {100 * low:.1f}-{100 * high:.1f}%)" if sampled else ""
+    print(f"overall kill rate {100 * estimate:.1f}%{interval}")
+    for r in sorted(rows.values(), key=lambda r: (r["module"], r["line"])):
+        reason = is_equivalent(r) if r["status"] == "survived" else None
         if r["status"] == "survived":
-            print(f"  SURVIVED {r['module']}:{r['line']} #{r['index']} {r['what']}    {r['source_line']}")
+            tag = "EQUIVALENT" if reason else "SURVIVED"
+            print(f"  {tag} {r['module']}:{r['line']} #{r['index']} {r['what']}    {r['source_line']}"
+                  + (f"    ({reason})" if reason else ""))  # fmt: skip
     return 0
 
 
