@@ -29,7 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import nybble.kernels.mosaic_gpu as mg
 from bench.xray.heuristic_cases import heuristic_cases
-from nybble.kernels.mosaic_gpu import dequant_registers, pipeline
+from nybble.kernels.mosaic_gpu import dequant_registers, faults, pipeline
 from nybble.kernels.mosaic_gpu import interpret as mgpu_interpret
 from nybble.kernels.mosaic_gpu.common import folds_bias
 from nybble.kernels.mosaic_gpu.config import (
@@ -48,7 +48,7 @@ from nybble.kernels.reference import reference_dequantize, rounding_bound
 from nybble.kernels.xla import xla_matmul
 from nybble.packing import get_layout, padded_weight_dims
 from nybble.packing.fragments import pack_wgmma_int4
-from nybble.quant import relayout
+from nybble.quant import QuantizedWeight, relayout
 from tests.kernel_checks import (
     activations,
     assert_exact,
@@ -710,6 +710,61 @@ def test_nk_int4_weight_is_refused_with_the_fix():
     with pytest.raises(NotImplementedError, match="relayout"):
         mg.mosaic_gpu_matmul(x, qw)
     assert get_layout(relayout(qw, "wgmma_int4").layout).name == "wgmma_int4"
+
+
+# ------------------------------------------------------------------------------ the injected bugs
+
+
+def _with_scale_rows_of(qw: QuantizedWeight, rows: dict[int, int]) -> QuantizedWeight:
+    """``qw`` with scale (and offset) row r replaced by row ``rows[r]``: what a kernel reading the wrong
+    rows computes, for the float64 reference."""
+    index = np.arange(qw.scales.shape[0])
+    for row, source in rows.items():
+        index[row] = source
+    offsets = None if qw.offsets is None else qw.offsets[index]
+    return dataclasses.replace(qw, scales=qw.scales[index], offsets=offsets)
+
+
+_BUG_CONFIG = TuningConfig(tiles=1, tile_m=16, tile_k=128, max_concurrent_steps=2)
+
+
+@pytest.mark.parametrize(
+    "bug, config, k, group, symmetric",
+    [
+        ("last-n-tile-zero", _BUG_CONFIG, 256, 64, True),
+        ("split-k-partial-sum", dataclasses.replace(_BUG_CONFIG, tile_m=32, split_k=4), 1024, 128, False),
+        ("last-group-scale-row", _BUG_CONFIG, 384, 64, False),  # 2 groups a step: a step's block of rows
+        ("last-group-scale-row", _BUG_CONFIG, 768, 256, True),  # 2 steps a group: the group's row
+        ("asym-bf16-dequant", dataclasses.replace(_BUG_CONFIG, scales_on=_ACC), 512, 128, False),
+    ],
+    ids=["last-n-tile", "split-k4", "scale-row-g64", "scale-row-g256", "asym-bf16"],
+)
+def test_injected_bugs_change_exactly_what_they_name(bug, config, k, group, symmetric):
+    """Each deliberate bug of faults.py (the GPU tests' proof that they fail) turns the bit-exact result
+    into the float64 reference of the mistake it names, so that an injected run on the GPU fails for that
+    reason: the last N tile zero; the last of 4 K partitions left out (x zero there); the last step's
+    scale rows read from the step before (groups of 64: rows 4, 5 from 2, 3; of 256: group 2 from 1);
+    the accumulator route's offset term rounded to bf16 (not exact; the symmetric weight, without
+    offsets, stays exact). The same kernel without the bug is exact (the tests above)."""
+    rng = np.random.default_rng(len(bug) + k)
+    m, n = 5, 2 * config.cta_rows
+    qw = exact_weight(rng, k, n, group, symmetric)
+    x = activations(rng, m, k, exact=True)
+    with faults.injecting(bug), interpret(detect_races=True):
+        y = mg.mosaic_gpu_matmul(x, qw, config=config)
+    if bug == "last-n-tile-zero":
+        zero_last_tile = dataclasses.replace(qw, scales=qw.scales.at[:, n - config.cta_rows :].set(0))
+        assert_exact(y, x, zero_last_tile)  # symmetric: no offsets, so zero scales make zero columns
+    elif bug == "split-k-partial-sum":
+        assert_exact(y, x.at[:, 3 * k // 4 :].set(0), qw)
+    elif bug == "last-group-scale-row":
+        assert_exact(y, x, _with_scale_rows_of(qw, {4: 2, 5: 3} if group == 64 else {2: 1}))
+    else:
+        with pytest.raises(AssertionError, match="differ from the exact reference"):
+            assert_exact(y, x, qw)
+        sym = exact_weight(rng, k, n, group, True)
+        with faults.injecting(bug), interpret(detect_races=True):
+            assert_exact(mg.mosaic_gpu_matmul(x, sym, config=config), x, sym)
 
 
 def _smem_store_then_tma(commit: bool) -> jax.Array:

@@ -55,12 +55,13 @@ TARGETS: dict[str, list[str]] = {
     "nybble/kernels/mosaic_gpu/common.py": [
         "tests/test_kernel_interpret.py",
         "-k",
-        "bias_folded or producer_warpgroup_exact or partial_last_group_exact or groups_exact",
+        "bias_folded or producer_warpgroup_exact or partial_last_group_exact or groups_exact"
+        " or injected_bugs",
     ],
     "nybble/kernels/mosaic_gpu/split_k.py": [
         "tests/test_kernel_interpret.py",
         "-k",
-        "producer_warpgroup_exact or 512_deep_steps_exact",
+        "producer_warpgroup_exact or 512_deep_steps_exact or injected_bugs",
     ],
 }
 COPY = ["nybble", "tests", "bench", "pyproject.toml"]
