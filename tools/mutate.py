@@ -54,9 +54,10 @@ TARGETS: dict[str, list[str]] = {
     ],
     "nybble/kernels/mosaic_gpu/common.py": [
         "tests/test_kernel_interpret.py",
+        "tests/test_grouped_interpret.py",  # the grouped kernel's row windows (StashedRows, store_rows)
         "-k",
         "bias_folded or producer_warpgroup_exact or partial_last_group_exact or groups_exact"
-        " or injected_bugs",
+        " or injected_bugs or test_groups",
     ],
     "nybble/kernels/mosaic_gpu/split_k.py": [
         "tests/test_kernel_interpret.py",
@@ -235,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summary", action="store_true", help="summarize --out and stop")
     ap.add_argument("--sample", type=int, default=None, help="only this many mutants a module, at random")
     ap.add_argument("--seed", type=int, default=0, help="the --sample draw's seed")
+    ap.add_argument("--index", type=int, action="append", help="only these mutants (with one --module)")
     args = ap.parse_args(argv)
     modules = args.module or list(TARGETS)
     unknown = [m for m in modules if m not in TARGETS]
@@ -243,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     todo = [m for module in modules for m in mutants(module)]
     if args.sample is not None:
         todo = [m for module in modules for m in sampled(module, args.sample, args.seed)]
+    if args.index is not None:
+        if len(modules) != 1:
+            ap.error("--index needs exactly one --module")
+        todo = [m for m in todo if m.index in args.index]
     if args.list:
         for m in todo:
             print(f"{m.module}:{m.line} #{m.index}: {m.what}    {m.source_line}")
