@@ -326,6 +326,12 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
         )
         for what in (">= -> >", "<= -> <")
     ],
+    (
+        "nybble/packing/layouts.py",
+        "return pack_int4(codes_kn.T, axis=-1, signed=True)",
+        "drop unary -",
+        "a layout packs 2-D (K_pad, N_pad) codes: axis 1 is axis -1",
+    ),
 ]
 
 
