@@ -57,7 +57,7 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_grouped_interpret.py",  # the grouped kernel's row windows (StashedRows, store_rows)
         "-k",
         "bias_folded or producer_warpgroup_exact or partial_last_group_exact or groups_exact"
-        " or injected_bugs or test_groups",
+        " or injected_bugs or test_groups or partial_last_k_step_exact or persistent_grid_exact",
     ],
     "nybble/kernels/mosaic_gpu/split_k.py": [
         "tests/test_kernel_interpret.py",
@@ -331,6 +331,12 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
         "return pack_int4(codes_kn.T, axis=-1, signed=True)",
         "drop unary -",
         "a layout packs 2-D (K_pad, N_pad) codes: axis 1 is axis -1",
+    ),
+    (
+        "nybble/packing/layouts.py",
+        "return unpack_int4(packed, k_pad, axis=-1, signed=True).T",
+        "drop unary -",
+        "a layout stores nk_int4 codes 2-D (N_pad, K_pad / 2): axis 1 is axis -1",
     ),
 ]
 
