@@ -49,8 +49,10 @@ TARGETS: dict[str, list[str]] = {
     # producer, partial last groups and offsets. Minutes a mutant: sample them (--sample).
     "nybble/kernels/mosaic_gpu/dequant_registers.py": [
         "tests/test_kernel_interpret.py",
+        "tests/test_kernel_lowering.py",  # the GPU path's inline Mosaic GPU, lowered for CUDA: its IR checks
         "-k",
-        "every_nibble or twin_places or slice_sum_twins or bias_folded or producer_warpgroup_exact",
+        "every_nibble or twin_places or slice_sum_twins or bias_folded or producer_warpgroup_exact"
+        " or lower_float16_activations or lower_one_step_per_split",
     ],
     "nybble/kernels/mosaic_gpu/common.py": [
         "tests/test_kernel_interpret.py",
