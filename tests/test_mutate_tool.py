@@ -50,3 +50,13 @@ def test_a_sampled_module_is_weighted_by_its_mutant_count_and_widens_the_interva
     assert low == pytest.approx(estimate - half, rel=1e-12)
     assert high == 1.0  # clipped
     assert low < estimate
+
+
+def test_gpu_only_marks_the_lines_of_the_gpu_functions():
+    module = "nybble/kernels/mosaic_gpu/dequant_registers.py"
+    lines = (mutate.ROOT / module).read_text().splitlines()
+    gpu = next(i for i, s in enumerate(lines, 1) if s.startswith("def _gpu_dequantize("))
+    twin = next(i for i, s in enumerate(lines, 1) if s.startswith("def _twin_dequantize("))
+    assert mutate.is_gpu_only({"module": module, "line": gpu + 1})
+    assert not mutate.is_gpu_only({"module": module, "line": twin + 1})
+    assert not mutate.is_gpu_only({"module": "nybble/packing/nibbles.py", "line": gpu + 1})

@@ -343,6 +343,35 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
 ]
 
 
+# Functions whose bodies run only when lowering for the GPU (interpret mode takes their jax.numpy twins):
+# a mutant there that still lowers can only be killed by tests/test_kernel_gpu.py on a Hopper GPU. Their
+# survivors are counted as survivors and listed apart, for a GPU run to settle.
+GPU_ONLY: dict[str, tuple[str, ...]] = {
+    "nybble/kernels/mosaic_gpu/dequant_registers.py": (
+        "words_layout",
+        "_gpu_dequantize",
+        "_gpu_slot_rows",
+        "_gpu_sum_slices",
+    ),
+    "nybble/kernels/mosaic_gpu/split_k.py": ("cluster_sync",),
+}
+
+
+@functools.cache
+def _gpu_only_lines(module: str) -> frozenset[int]:
+    names = GPU_ONLY.get(module, ())
+    return frozenset(
+        line
+        for node in ast.walk(ast.parse(_source(module)))
+        if isinstance(node, ast.FunctionDef) and node.name in names
+        for line in range(node.lineno, node.end_lineno + 1)
+    )
+
+
+def is_gpu_only(row: dict) -> bool:
+    return row["line"] in _gpu_only_lines(row["module"])
+
+
 def is_equivalent(row: dict) -> str | None:
     """The recorded reason when the row's mutant is in EQUIVALENT, else None."""
     for module, line, what, reason in EQUIVALENT:
@@ -359,6 +388,7 @@ class ModuleTally:
     killed: int = 0
     survived: int = 0
     equivalent: int = 0
+    gpu_only: int = 0  # of the survivors: in GPU_ONLY code
     timeouts: int = 0  # counted as killed in the rate: the tests do not pass
 
     @property
@@ -384,6 +414,7 @@ def tally(rows: list[dict], totals: dict[str, int]) -> list[ModuleTally]:
             t.equivalent += 1
         else:
             t.survived += 1
+            t.gpu_only += is_gpu_only(r)
     return [t for t in tallies.values() if t.run]
 
 
@@ -415,11 +446,11 @@ def summarize(outs: list[Path]) -> int:
             rows[r["module"], r["index"]] = r
     totals = {module: len(mutants(module)) for module in TARGETS}
     tallies = tally(list(rows.values()), totals)
-    print(f"\n{'module':48s} {'mutants':>7s} {'run':>4s} {'killed':>6s} {'surv':>4s} {'equiv':>5s} "
-          f"{'tmout':>5s} {'rate':>6s}")  # fmt: skip
+    print(f"\n{'module':48s} {'mutants':>7s} {'run':>4s} {'killed':>6s} {'surv':>4s} {'(gpu)':>5s} "
+          f"{'equiv':>5s} {'tmout':>5s} {'rate':>6s}")  # fmt: skip
     for t in tallies:
-        print(f"{t.module:48s} {t.mutants:7d} {t.run:4d} {t.killed:6d} {t.survived:4d} {t.equivalent:5d} "
-              f"{t.timeouts:5d} {100 * t.rate:5.1f}%")  # fmt: skip
+        print(f"{t.module:48s} {t.mutants:7d} {t.run:4d} {t.killed:6d} {t.survived:4d} {t.gpu_only:5d} "
+              f"{t.equivalent:5d} {t.timeouts:5d} {100 * t.rate:5.1f}%")  # fmt: skip
     estimate, low, high = overall_rate(tallies)
     sampled = any(t.run < t.mutants for t in tallies)
     interval = f" (sample estimate, 95% interval {100 * low:.1f}-{100 * high:.1f}%)" if sampled else ""
@@ -427,7 +458,7 @@ def summarize(outs: list[Path]) -> int:
     for r in sorted(rows.values(), key=lambda r: (r["module"], r["line"])):
         reason = is_equivalent(r) if r["status"] == "survived" else None
         if r["status"] == "survived":
-            tag = "EQUIVALENT" if reason else "SURVIVED"
+            tag = "EQUIVALENT" if reason else "SURVIVED (GPU only)" if is_gpu_only(r) else "SURVIVED"
             print(f"  {tag} {r['module']}:{r['line']} #{r['index']} {r['what']}    {r['source_line']}"
                   + (f"    ({reason})" if reason else ""))  # fmt: skip
     return 0
