@@ -21,7 +21,7 @@ def test_a_larger_sample_extends_a_smaller_one():
 
 
 def _row(module: str, status: str, line: str = "x = 1", what: str = "1 -> 2") -> dict:
-    return {"module": module, "status": status, "source_line": line, "what": what}
+    return {"module": module, "line": 1, "status": status, "source_line": line, "what": what}
 
 
 def test_equivalent_survivors_leave_the_rate(monkeypatch: pytest.MonkeyPatch):
