@@ -360,6 +360,8 @@ GPU_ONLY: dict[str, tuple[str, ...]] = {
 @functools.cache
 def _gpu_only_lines(module: str) -> frozenset[int]:
     names = GPU_ONLY.get(module, ())
+    if not names:
+        return frozenset()
     return frozenset(
         line
         for node in ast.walk(ast.parse(_source(module)))
