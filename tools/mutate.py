@@ -340,6 +340,12 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
         "drop unary -",
         "a layout stores nk_int4 codes 2-D (N_pad, K_pad / 2): axis 1 is axis -1",
     ),
+    (
+        "nybble/packing/groups.py",
+        "power_of_two = isinstance(group_size, int | np.integer) and not group_size & (group_size - 1)",
+        "1 -> 2",
+        "g & (g - 2) == 0 iff g & (g - 1) == 0 for g >= 2 (g = 2m: 2 (m & (m - 1))); smaller g fail >= 16",
+    ),
 ]
 
 
