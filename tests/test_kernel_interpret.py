@@ -29,7 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import nybble.kernels.mosaic_gpu as mg
 from bench.xray.heuristic_cases import heuristic_cases
-from nybble.kernels.mosaic_gpu import dequant_registers, faults, pipeline
+from nybble.kernels.mosaic_gpu import dequant_registers, faults, pipeline, split_k
 from nybble.kernels.mosaic_gpu import interpret as mgpu_interpret
 from nybble.kernels.mosaic_gpu.common import folds_bias
 from nybble.kernels.mosaic_gpu.config import (
@@ -710,6 +710,24 @@ def test_nk_int4_weight_is_refused_with_the_fix():
     with pytest.raises(NotImplementedError, match="relayout"):
         mg.mosaic_gpu_matmul(x, qw)
     assert get_layout(relayout(qw, "wgmma_int4").layout).name == "wgmma_int4"
+
+
+@pytest.mark.no_kernel  # the split-K scratch's shapes; the split-K kernels above use it
+@pytest.mark.parametrize("wgs", [1, 2])
+def test_split_k_scratch_is_the_slabs_smem_bytes_counts(wgs):
+    """tile_m 64 over split_k 8: 8 slabs of (8, 64) f32 per warpgroup, 16 KiB (config.smem_bytes counts
+    them so, tests/test_kernel_lowering.py); in interpret mode a copy for each of the 8 partitions (one CTA
+    computes them all); each warpgroup gets its own run of them."""
+    args = (64, 8, 1) if wgs == 1 else (64, 8, 1, wgs)  # one warpgroup: the callers' default
+    slabs = split_k.scratch_types(*args)
+    assert [(s.shape, s.dtype) for s in slabs] == [((8, 64), jnp.float32)] * 8 * wgs
+    assert split_k.scratch_count(64, 8, 1, wgs) == 8 * wgs
+    with interpret():
+        assert len(split_k.scratch_types(*args)) == 64 * wgs
+    refs = list(range(8 * wgs))
+    assert [split_k.warpgroup_slabs(refs, w, wgs) for w in range(wgs)] == [
+        refs[8 * w : 8 * (w + 1)] for w in range(wgs)
+    ]
 
 
 # ------------------------------------------------------------------------------ the injected bugs
