@@ -348,6 +348,12 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
         "1 -> 2",
         "g & (g - 2) == 0 iff g & (g - 1) == 0 for g >= 2 (g = 2m: 2 (m & (m - 1))); smaller g fail >= 16",
     ),
+    (
+        "nybble/packing/padding.py",
+        "widths = [(0, t - s) for s, t in zip(x.shape, shape, strict=True)]",
+        "True -> False",
+        "the line above raises unless len(shape) == x.ndim: the zip's lengths are always equal",
+    ),
 ]
 
 
