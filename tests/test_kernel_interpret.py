@@ -728,6 +728,21 @@ def test_split_k_scratch_is_the_slabs_smem_bytes_counts(wgs):
     assert [split_k.warpgroup_slabs(refs, w, wgs) for w in range(wgs)] == [
         refs[8 * w : 8 * (w + 1)] for w in range(wgs)
     ]
+    # One A tile by default: an 8-row tile has one slab, too few for 2 CTAs; two A tiles have two.
+    with pytest.raises(ValueError, match="8-row slabs"):
+        split_k.slab_rows(8, 2)
+    assert split_k.slab_rows(8, 2, 2) == 8
+
+
+@pytest.mark.parametrize("m", [8, 16])
+def test_split_k_slabs_from_m_on_are_not_stored(m):
+    """Split-K 4 of a 32-row tile: four 8-row slabs, one a CTA; a slab starting at row m (8 or 16) is
+    past y and left out, and the rows before are exact."""
+    config = TuningConfig(tiles=1, tile_m=32, tile_k=128, max_concurrent_steps=2, split_k=4)
+    rng = np.random.default_rng(m)
+    k = 4 * 128
+    qw = exact_weight(rng, k, config.cta_rows, 64, True)
+    _check(activations(rng, m, k, exact=True), qw, config, exact=True)
 
 
 # ------------------------------------------------------------------------------ the injected bugs

@@ -425,3 +425,25 @@ def test_quantized_weight_refuses_inconsistent_fields():
     per_column = nybble.quantize(np.ones((200, 160), np.float32), group_size=None)
     with pytest.raises(ValueError, match=r"at per column: expected \(num_groups, N_pad\) = \(1, 192\)"):
         nybble.QuantizedWeight(**{**fields, "scales": per_column.scales[:, :64], "group_size": None})
+
+
+def test_stacked_weight_dequantizes_and_counts_bits_per_expert():
+    """A stack of 2 experts (nybble.quant.stacked): dequantize gives each expert's float64 reference, and
+    bits per weight are one expert's, counted by hand (the padding included: K, N = 96, 80 pad to 128)."""
+    from nybble.quant.stacked import stack_weights
+
+    rng = np.random.default_rng(38)
+    experts = [
+        nybble.quantize(rng.standard_normal((96, 80)).astype(np.float32), group_size=32, symmetric=False)
+        for _ in range(2)
+    ]
+    stacked = stack_weights(experts)
+    assert np.ndim(stacked.codes) == 3
+    deq = np.asarray(nybble.dequantize(stacked), np.float64)
+    assert deq.shape == (2, 96, 80)
+    for e, one in enumerate(experts):
+        np.testing.assert_array_equal(deq[e], reference_dequantize(one))
+    # codes 128 x 128 / 2 B, scales and offsets 4 groups x 128 columns x 2 B (bf16), per 96 x 80 weights
+    bits = 8 * (128 * 128 // 2 + 2 * 4 * 128 * 2) / (96 * 80)
+    assert experts[0].bits_per_weight == bits
+    assert stacked.bits_per_weight == bits

@@ -65,8 +65,8 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_kernel_interpret.py",
         "tests/test_kernel_lowering.py",  # the slab rows and the cluster launch, lowered for CUDA
         "-k",
-        "split_k_scratch or producer_warpgroup_exact or 512_deep_steps_exact or injected_bugs"
-        " or split_k_shares or split_k_is_one_launch or lower_one_step_per_split",
+        "split_k_scratch or split_k_slabs or producer_warpgroup_exact or 512_deep_steps_exact"
+        " or injected_bugs or split_k_shares or split_k_is_one_launch or lower_one_step_per_split",
     ],
 }
 COPY = ["nybble", "tests", "bench", "pyproject.toml"]
@@ -354,12 +354,24 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
         "True -> False",
         "the line above raises unless len(shape) == x.ndim: the zip's lengths are always equal",
     ),
+    (  # both of the line's unary minuses
+        "nybble/quant/qweight.py",
+        "shape = (*shape[:-1], 2 * shape[-1])",
+        "drop unary -",
+        "every layout's stored shape is 2-D (layouts.py): shape[:1] is shape[:-1], shape[1] is shape[-1]",
+    ),
+    (
+        "nybble/quant/qweight.py",
+        "stacked = int(np.prod(self.codes.shape[:-2])) if np.ndim(self.codes) > 2 else 1  # experts",
+        "> -> >=",
+        "2-D codes: the product over codes.shape[:-2] = () is 1 as well",
+    ),
 ]
 
 
-# Functions whose bodies run only when lowering for the GPU (interpret mode takes their jax.numpy twins):
-# a mutant there that still lowers can only be killed by tests/test_kernel_gpu.py on a Hopper GPU. Their
-# survivors are counted as survivors and listed apart, for a GPU run to settle.
+# Functions (or single lines) that run only when lowering for the GPU (interpret mode takes their jax.numpy
+# twins): a mutant there that still lowers can only be killed by tests/test_kernel_gpu.py on a Hopper GPU.
+# Their survivors are counted as survivors and listed apart, for a GPU run to settle.
 GPU_ONLY: dict[str, tuple[str, ...]] = {
     "nybble/kernels/mosaic_gpu/dequant_registers.py": (
         "words_layout",
@@ -367,7 +379,8 @@ GPU_ONLY: dict[str, tuple[str, ...]] = {
         "_gpu_slot_rows",
         "_gpu_sum_slices",
     ),
-    "nybble/kernels/mosaic_gpu/split_k.py": ("cluster_sync",),
+    # and a line: a CTA's own share on the GPU (interpret mode's one CTA sums every share, me is None)
+    "nybble/kernels/mosaic_gpu/split_k.py": ("cluster_sync", "mine = mine & (me == q)"),
 }
 
 
@@ -376,12 +389,14 @@ def _gpu_only_lines(module: str) -> frozenset[int]:
     names = GPU_ONLY.get(module, ())
     if not names:
         return frozenset()
-    return frozenset(
+    functions = {
         line
         for node in ast.walk(ast.parse(_source(module)))
         if isinstance(node, ast.FunctionDef) and node.name in names
         for line in range(node.lineno, node.end_lineno + 1)
-    )
+    }
+    lines = {i for i, text in enumerate(_source(module).splitlines(), 1) if text.strip() in names}
+    return frozenset(functions | lines)
 
 
 def is_gpu_only(row: dict) -> bool:
