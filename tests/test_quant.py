@@ -447,3 +447,19 @@ def test_stacked_weight_dequantizes_and_counts_bits_per_expert():
     bits = 8 * (128 * 128 // 2 + 2 * 4 * 128 * 2) / (96 * 80)
     assert experts[0].bits_per_weight == bits
     assert stacked.bits_per_weight == bits
+
+
+def test_integer_zero_point_scales_by_hand():
+    """zero_point="integer": a group with min -1, max 20 takes s = bf16(21 / 15) (1.3984375, rounded down
+    and kept: only a group without negative values is widened), z = round(1 / s) = 1, offset (8 - 1) s; a
+    group of 0..14 takes s = 14 / 14 = 1, z = 1, offset 7. The float zero point differs (for contrast)."""
+    w = np.zeros((16, 64), np.float32)
+    w[:, 0] = np.linspace(-1, 20, 16)
+    w[:, 1] = np.arange(16) * 14 / 15
+    qw = nybble.quantize(w, group_size=16, symmetric=False, zero_point="integer")
+    s0 = float(np.float32(jnp.bfloat16(21 / 15)))
+    assert s0 == 1.3984375
+    np.testing.assert_array_equal(np.asarray(qw.scales[0, :2], np.float64), [s0, 1.0])
+    np.testing.assert_array_equal(np.asarray(qw.offsets[0, :2], np.float64), [7 * s0, 7.0])
+    float_zero = nybble.quantize(w, group_size=16, symmetric=False)
+    assert float(np.float32(float_zero.scales[0, 0])) == 1.40625  # 21 / 15 rounded up: [min, max] fits

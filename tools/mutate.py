@@ -366,6 +366,12 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
         "> -> >=",
         "2-D codes: the product over codes.shape[:-2] = () is 1 as well",
     ),
+    (
+        "nybble/quant/rtn.py",
+        "wg: jax.Array, valid: jax.Array, symmetric: bool, scale_dtype: Any, shrink: float, integer: bool = False",
+        "False -> True",
+        "_range_params is private and both its calls pass integer",
+    ),
 ]
 
 
