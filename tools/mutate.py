@@ -368,7 +368,8 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
     ),
     (
         "nybble/quant/rtn.py",
-        "wg: jax.Array, valid: jax.Array, symmetric: bool, scale_dtype: Any, shrink: float, integer: bool = False",
+        "wg: jax.Array, valid: jax.Array, symmetric: bool, scale_dtype: Any, shrink: float,"
+        " integer: bool = False",
         "False -> True",
         "_range_params is private and both its calls pass integer",
     ),
