@@ -463,3 +463,26 @@ def test_integer_zero_point_scales_by_hand():
     np.testing.assert_array_equal(np.asarray(qw.offsets[0, :2], np.float64), [7 * s0, 7.0])
     float_zero = nybble.quantize(w, group_size=16, symmetric=False)
     assert float(np.float32(float_zero.scales[0, 0])) == 1.40625  # 21 / 15 rounded up: [min, max] fits
+
+
+def test_integer_zero_factor_and_stacked_quantize():
+    """integer_zero_factor: 8 - z = offset / s, rounded, and 0 where s = 0; a float (E, K, N) stack is
+    quantized expert by expert (the same codes and scales as one expert alone)."""
+    from nybble.quant.rtn import integer_zero_factor
+
+    scales = jnp.asarray([0.0, 2.0, 0.5], jnp.bfloat16)
+    offsets = jnp.asarray([3.0, 14.0, -3.0], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(integer_zero_factor(scales, offsets)), [0.0, 7.0, -6.0])
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((2, 64, 64)).astype(np.float32)
+    stacked = nybble.quantize(w, group_size=32)
+    for e in range(2):
+        one = nybble.quantize(w[e], group_size=32)
+        np.testing.assert_array_equal(np.asarray(stacked.codes[e]), np.asarray(one.codes))
+        np.testing.assert_array_equal(np.asarray(stacked.scales[e]), np.asarray(one.scales))
+
+
+def test_a_params_dict_gets_the_pytree_hint():
+    with pytest.raises(TypeError) as refused:
+        nybble.quantize({"kernel": np.zeros((64, 64), np.float32)})
+    assert "quantize_params" in str(refused.value) and "Flax model" not in str(refused.value)
