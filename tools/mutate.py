@@ -367,6 +367,12 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
         "2-D codes: the product over codes.shape[:-2] = () is 1 as well",
     ),
     (
+        "nybble/kernels/mosaic_gpu/common.py",
+        "if k1 + width < g0 + span:  # the group's last call is awaited by reading its accumulators",
+        "+ -> -",
+        "adds a wgmma_wait(1) after a group's last call: no value changes (reading acc waits), only timing",
+    ),
+    (
         "nybble/quant/rtn.py",
         "wg: jax.Array, valid: jax.Array, symmetric: bool, scale_dtype: Any, shrink: float,"
         " integer: bool = False",
