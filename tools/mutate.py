@@ -372,6 +372,21 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
         "+ -> -",
         "adds a wgmma_wait(1) after a group's last call: no value changes (reading acc waits), only timing",
     ),
+    *[
+        (
+            "nybble/kernels/mosaic_gpu/split_k.py",
+            "mine = row0 + r * rows < m",
+            what,
+            "only adds stores of slabs that start at or past row m: the y store clips rows past M (TMA)",
+        )
+        for what in ("< -> <=", "* -> /")
+    ],
+    (
+        "nybble/kernels/mosaic_gpu/split_k.py",
+        "return slabs[base + t * row_slabs + r]",
+        "+ -> -",
+        "stores and loads share _slab: any bijection works, and with negative indices either one is one",
+    ),
     (
         "nybble/quant/rtn.py",
         "wg: jax.Array, valid: jax.Array, symmetric: bool, scale_dtype: Any, shrink: float,"
