@@ -451,16 +451,19 @@ def test_stacked_weight_dequantizes_and_counts_bits_per_expert():
 
 def test_integer_zero_point_scales_by_hand():
     """zero_point="integer": a group with min -1, max 20 takes s = bf16(21 / 15) (1.3984375, rounded down
-    and kept: only a group without negative values is widened), z = round(1 / s) = 1, offset (8 - 1) s; a
-    group of 0..14 takes s = 14 / 14 = 1, z = 1, offset 7. The float zero point differs (for contrast)."""
+    and kept: only a group whose zero would round to 0 is widened), z = round(1 / s) = 1, offset (8 - 1) s;
+    a group of 0..14 takes s = 14 / 14 = 1 (exact: no ulp more), z = 1, offset 7; one of -0.1..1.4 takes
+    s = bf16(0.1), z = 1. The float zero point differs (for contrast)."""
     w = np.zeros((16, 64), np.float32)
     w[:, 0] = np.linspace(-1, 20, 16)
     w[:, 1] = np.arange(16) * 14 / 15
+    w[:, 2] = np.linspace(-0.1, 1.4, 16)  # -min = 0.1 > s / 2 = 0.05: no widening either
     qw = nybble.quantize(w, group_size=16, symmetric=False, zero_point="integer")
-    s0 = float(np.float32(jnp.bfloat16(21 / 15)))
+    s0, s2 = (float(np.float32(jnp.bfloat16(v))) for v in (21 / 15, 1.5 / 15))
     assert s0 == 1.3984375
-    np.testing.assert_array_equal(np.asarray(qw.scales[0, :2], np.float64), [s0, 1.0])
-    np.testing.assert_array_equal(np.asarray(qw.offsets[0, :2], np.float64), [7 * s0, 7.0])
+    assert round(0.1 / s2) == 1
+    np.testing.assert_array_equal(np.asarray(qw.scales[0, :3], np.float64), [s0, 1.0, s2])
+    np.testing.assert_array_equal(np.asarray(qw.offsets[0, :3], np.float64), [7 * s0, 7.0, 7 * s2])
     float_zero = nybble.quantize(w, group_size=16, symmetric=False)
     assert float(np.float32(float_zero.scales[0, 0])) == 1.40625  # 21 / 15 rounded up: [min, max] fits
 
