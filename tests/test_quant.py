@@ -464,6 +464,14 @@ def test_integer_zero_point_scales_by_hand():
     assert round(0.1 / s2) == 1
     np.testing.assert_array_equal(np.asarray(qw.scales[0, :3], np.float64), [s0, 1.0, s2])
     np.testing.assert_array_equal(np.asarray(qw.offsets[0, :3], np.float64), [7 * s0, 7.0, 7 * s2])
+    # Column 3 zeros: s = 0 and offset 0. Column 4, 2..16: widened to [0, 16], z would round to 0, so
+    # s = 16 / 14 = 1.142857 -> bf16 1.140625, and 14 s < 16 takes one ulp more: 1.1484375, z = 1.
+    # Column 5, -3..-1: widened to [-3, 0], s = bf16(0.2) = 0.2001953125, z = round(14.99) = 15.
+    w[:, 4], w[:, 5] = np.linspace(2, 16, 16), np.linspace(-3, -1, 16)
+    qw = nybble.quantize(w, group_size=16, symmetric=False, zero_point="integer")
+    s5 = 0.2001953125
+    np.testing.assert_array_equal(np.asarray(qw.scales[0, 3:6], np.float64), [0.0, 1.1484375, s5])
+    np.testing.assert_array_equal(np.asarray(qw.offsets[0, 3:6], np.float64), [0.0, 7 * 1.1484375, -7 * s5])
     float_zero = nybble.quantize(w, group_size=16, symmetric=False)
     assert float(np.float32(float_zero.scales[0, 0])) == 1.40625  # 21 / 15 rounded up: [min, max] fits
 
