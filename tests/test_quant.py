@@ -452,18 +452,18 @@ def test_stacked_weight_dequantizes_and_counts_bits_per_expert():
 def test_integer_zero_point_scales_by_hand():
     """zero_point="integer": a group with min -1, max 20 takes s = bf16(21 / 15) (1.3984375, rounded down
     and kept: only a group whose zero would round to 0 is widened), z = round(1 / s) = 1, offset (8 - 1) s;
-    a group of 0..14 takes s = 14 / 14 = 1 (exact: no ulp more), z = 1, offset 7; one of -0.1..1.4 takes
-    s = bf16(0.1), z = 1. The float zero point differs (for contrast)."""
+    a group of 0..14 takes s = 14 / 14 = 1 (exact: no ulp more), z = 1, offset 7; one of -0.2..1.4 takes
+    s = bf16(1.6 / 15), z = 2. The float zero point differs (for contrast)."""
     w = np.zeros((16, 64), np.float32)
     w[:, 0] = np.linspace(-1, 20, 16)
     w[:, 1] = np.arange(16) * 14 / 15
-    w[:, 2] = np.linspace(-0.1, 1.4, 16)  # -min = 0.1 > s / 2 = 0.05: no widening either
+    w[:, 2] = np.linspace(-0.2, 1.4, 16)  # -min = 0.2 > s / 2 = 0.053: no widening either
     qw = nybble.quantize(w, group_size=16, symmetric=False, zero_point="integer")
-    s0, s2 = (float(np.float32(jnp.bfloat16(v))) for v in (21 / 15, 1.5 / 15))
-    assert s0 == 1.3984375
-    assert round(0.1 / s2) == 1
+    s0, s2 = (float(np.float32(jnp.bfloat16(v))) for v in (21 / 15, 1.6 / 15))
+    assert s0 == 1.3984375 and s2 == 0.1064453125
+    assert round(0.2 / s2) == 2
     np.testing.assert_array_equal(np.asarray(qw.scales[0, :3], np.float64), [s0, 1.0, s2])
-    np.testing.assert_array_equal(np.asarray(qw.offsets[0, :3], np.float64), [7 * s0, 7.0, 7 * s2])
+    np.testing.assert_array_equal(np.asarray(qw.offsets[0, :3], np.float64), [7 * s0, 7.0, 6 * s2])
     # Column 3 zeros: s = 0 and offset 0. Column 4, 2..16: widened to [0, 16], z would round to 0, so
     # s = 16 / 14 = 1.142857 -> bf16 1.140625, and 14 s < 16 takes one ulp more: 1.1484375, z = 1.
     # Column 5, -3..-1: widened to [-3, 0], s = bf16(0.2) = 0.2001953125, z = round(14.99) = 15.

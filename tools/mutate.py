@@ -389,12 +389,6 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
     ),
     (
         "nybble/quant/rtn.py",
-        "return jnp.where(s == 0, 0.0, jnp.round(offsets.astype(jnp.float32) / jnp.where(s == 0, 1.0, s)))",
-        "0 -> 1",
-        "the inner where only guards a division by s = 0 whose result the outer where drops",
-    ),
-    (
-        "nybble/quant/rtn.py",
         "wg: jax.Array, valid: jax.Array, symmetric: bool, scale_dtype: Any, shrink: float,"
         " integer: bool = False",
         "False -> True",
