@@ -259,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(todo)} mutants")
         return 0
     outs = [Path(o) for o in args.out or [default_out]]
-    if args.summary:
-        return summarize(outs)
+    if args.summary:  # with --sample: only the sampled mutants of the --module modules count
+        sample = None if args.sample is None else {(m.module, m.index) for m in todo}
+        return summarize(outs, sample if args.module else None, set(modules))
     if len(outs) > 1:
         ap.error("one --out for a run (several only with --summary)")
     out = outs[0]
@@ -497,12 +498,16 @@ def overall_rate(tallies: list[ModuleTally]) -> tuple[float, float, float]:
     return estimate, max(0.0, estimate - half), min(1.0, estimate + half)
 
 
-def summarize(outs: list[Path]) -> int:
+def summarize(
+    outs: list[Path], sample: set[tuple[str, int]] | None = None, sampled: set[str] | None = None
+) -> int:
+    """The results of ``outs`` by module; ``sample``: only those mutants of the ``sampled`` modules."""
     rows: dict[tuple[str, int], dict] = {}
     for out in outs:  # several runs' files merged; a later row of the same mutant wins
         for line in out.read_text().splitlines():
             r = json.loads(line)
-            rows[r["module"], r["index"]] = r
+            if sample is None or r["module"] not in (sampled or ()) or (r["module"], r["index"]) in sample:
+                rows[r["module"], r["index"]] = r
     totals = {module: len(mutants(module)) for module in TARGETS}
     tallies = tally(list(rows.values()), totals)
     print(f"\n{'module':48s} {'mutants':>7s} {'run':>4s} {'killed':>6s} {'surv':>4s} {'(gpu)':>5s} "
