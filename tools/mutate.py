@@ -388,6 +388,12 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
         "+ -> -",
         "stores and loads share _slab: any bijection works, and with negative indices either one is one",
     ),
+    (  # the first of the line's two (ast.walk order: jnp.minimum's); the second is killed
+        "nybble/quant/rtn.py",
+        "wmin, wmax = jnp.minimum(wmin, 0.0), jnp.maximum(wmax, 0.0)",
+        "0.0 -> 1.0",
+        "a group with min > 0 is low either way (-wmin < s / 2): s = max / 14 and z = 1, whatever wmin",
+    ),
     (
         "nybble/quant/rtn.py",
         "wg: jax.Array, valid: jax.Array, symmetric: bool, scale_dtype: Any, shrink: float,"
