@@ -1,5 +1,6 @@
 """tools/mutate.py's bookkeeping: the prefix-extending sample, the equivalent list and the weighted rate."""
 
+import json
 import math
 
 import pytest
@@ -60,3 +61,15 @@ def test_gpu_only_marks_the_lines_of_the_gpu_functions():
     assert mutate.is_gpu_only({"module": module, "line": gpu + 1})
     assert not mutate.is_gpu_only({"module": module, "line": twin + 1})
     assert not mutate.is_gpu_only({"module": "nybble/packing/nibbles.py", "line": gpu + 1})
+
+
+def test_summary_merges_files_and_keeps_only_the_sample(tmp_path, capsys):
+    """Later files win for the same mutant; with a sample, other mutants of the sampled module drop out."""
+    row = {"module": KERNEL_MODULE, "line": 1, "what": "1 -> 2", "source_line": "x", "seconds": 1.0}
+    first, retry = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("".join(json.dumps({**row, "index": i, "status": "survived"}) + "\n" for i in (0, 1, 2)))
+    retry.write_text(json.dumps({**row, "index": 1, "status": "killed"}) + "\n")
+    mutate.summarize([first, retry])
+    assert "   3      1    2 " in capsys.readouterr().out  # run 3: 1 killed, 2 survived
+    mutate.summarize([first, retry], {(KERNEL_MODULE, 1), (KERNEL_MODULE, 2)}, {KERNEL_MODULE})
+    assert "   2      1    1 " in capsys.readouterr().out
