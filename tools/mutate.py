@@ -388,6 +388,18 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
         "+ -> -",
         "stores and loads share _slab: any bijection works, and with negative indices either one is one",
     ),
+    (
+        "nybble/quant/rtn.py",
+        "return jnp.where(s == 0, 0.0, jnp.round(offsets.astype(jnp.float32) / jnp.where(s == 0, 1.0, s)))",
+        "1.0 -> 2.0",
+        "the inner where only guards a division by s = 0 whose result the outer where drops",
+    ),
+    (
+        "nybble/quant/rtn.py",
+        "neg = -jnp.min(jnp.where(valid, wg, 0.0), axis=-2)",
+        "0.0 -> 1.0",
+        "padded rows: -min changes only where every valid w > 0, to below 0, and max(-min/8, max/7) >= 0",
+    ),
     (  # the first of the line's two (ast.walk order: jnp.minimum's); the second is killed
         "nybble/quant/rtn.py",
         "wmin, wmax = jnp.minimum(wmin, 0.0), jnp.maximum(wmax, 0.0)",
