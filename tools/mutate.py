@@ -394,12 +394,27 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
         "1.0 -> 2.0",
         "the inner where only guards a division by s = 0 whose result the outer where drops",
     ),
+    (  # the inner s == 0 (the outer one's 0 -> 1 is killed by test_integer_zero_factor_and_stacked_quantize)
+        "nybble/quant/rtn.py",
+        "return jnp.where(s == 0, 0.0, jnp.round(offsets.astype(jnp.float32) / jnp.where(s == 0, 1.0, s)))",
+        "0 -> 1",
+        "only guards a division by s = 0 (s == 1 divides by 1 either way), whose result the outer drops",
+    ),
     (
         "nybble/quant/rtn.py",
         "neg = -jnp.min(jnp.where(valid, wg, 0.0), axis=-2)",
         "0.0 -> 1.0",
         "padded rows: -min changes only where every valid w > 0, to below 0, and max(-min/8, max/7) >= 0",
     ),
+    *[
+        (
+            "nybble/quant/rtn.py",
+            "z = jnp.clip(jnp.round(-wmin / jnp.where(s == 0, 1.0, s)), 1, 15)",
+            what,
+            "only guards a division by s = 0, where the offset returned is 0 whatever z is",
+        )
+        for what in ("0 -> 1", "1.0 -> 2.0")
+    ],
     (  # the first of the line's two (ast.walk order: jnp.minimum's); the second is killed
         "nybble/quant/rtn.py",
         "wmin, wmax = jnp.minimum(wmin, 0.0), jnp.maximum(wmax, 0.0)",
