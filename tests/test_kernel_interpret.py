@@ -29,7 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import nybble.kernels.mosaic_gpu as mg
 from bench.xray.heuristic_cases import heuristic_cases
-from nybble.kernels.mosaic_gpu import dequant_registers, pipeline
+from nybble.kernels.mosaic_gpu import dequant_registers, faults, pipeline, split_k
 from nybble.kernels.mosaic_gpu import interpret as mgpu_interpret
 from nybble.kernels.mosaic_gpu.common import folds_bias
 from nybble.kernels.mosaic_gpu.config import (
@@ -48,7 +48,7 @@ from nybble.kernels.reference import reference_dequantize, rounding_bound
 from nybble.kernels.xla import xla_matmul
 from nybble.packing import get_layout, padded_weight_dims
 from nybble.packing.fragments import pack_wgmma_int4
-from nybble.quant import relayout
+from nybble.quant import QuantizedWeight, relayout
 from tests.kernel_checks import (
     activations,
     assert_exact,
@@ -710,6 +710,94 @@ def test_nk_int4_weight_is_refused_with_the_fix():
     with pytest.raises(NotImplementedError, match="relayout"):
         mg.mosaic_gpu_matmul(x, qw)
     assert get_layout(relayout(qw, "wgmma_int4").layout).name == "wgmma_int4"
+
+
+@pytest.mark.no_kernel  # the split-K scratch's shapes; the split-K kernels above use it
+@pytest.mark.parametrize("wgs", [1, 2])
+def test_split_k_scratch_is_the_slabs_smem_bytes_counts(wgs):
+    """tile_m 64 over split_k 8: 8 slabs of (8, 64) f32 per warpgroup, 16 KiB (config.smem_bytes counts
+    them so, tests/test_kernel_lowering.py); in interpret mode a copy for each of the 8 partitions (one CTA
+    computes them all); each warpgroup gets its own run of them."""
+    args = (64, 8, 1) if wgs == 1 else (64, 8, 1, wgs)  # one warpgroup: the callers' default
+    slabs = split_k.scratch_types(*args)
+    assert [(s.shape, s.dtype) for s in slabs] == [((8, 64), jnp.float32)] * 8 * wgs
+    assert split_k.scratch_count(64, 8, 1, wgs) == 8 * wgs
+    with interpret():
+        assert len(split_k.scratch_types(*args)) == 64 * wgs
+    refs = list(range(8 * wgs))
+    assert [split_k.warpgroup_slabs(refs, w, wgs) for w in range(wgs)] == [
+        refs[8 * w : 8 * (w + 1)] for w in range(wgs)
+    ]
+    # One A tile by default: an 8-row tile has one slab, too few for 2 CTAs; two A tiles have two.
+    with pytest.raises(ValueError, match="8-row slabs"):
+        split_k.slab_rows(8, 2)
+    assert split_k.slab_rows(8, 2, 2) == 8
+
+
+@pytest.mark.parametrize("m", [8, 16])
+def test_split_k_slabs_from_m_on_are_not_stored(m):
+    """Split-K 4 of a 32-row tile: four 8-row slabs, one a CTA; a slab starting at row m (8 or 16) is
+    past y and left out, and the rows before are exact."""
+    config = TuningConfig(tiles=1, tile_m=32, tile_k=128, max_concurrent_steps=2, split_k=4)
+    rng = np.random.default_rng(m)
+    k = 4 * 128
+    qw = exact_weight(rng, k, config.cta_rows, 64, True)
+    _check(activations(rng, m, k, exact=True), qw, config, exact=True)
+
+
+# ------------------------------------------------------------------------------ the injected bugs
+
+
+def _with_scale_rows_of(qw: QuantizedWeight, rows: dict[int, int]) -> QuantizedWeight:
+    """``qw`` with scale (and offset) row r replaced by row ``rows[r]``: what a kernel reading the wrong
+    rows computes, for the float64 reference."""
+    index = np.arange(qw.scales.shape[0])
+    for row, source in rows.items():
+        index[row] = source
+    offsets = None if qw.offsets is None else qw.offsets[index]
+    return dataclasses.replace(qw, scales=qw.scales[index], offsets=offsets)
+
+
+_BUG_CONFIG = TuningConfig(tiles=1, tile_m=16, tile_k=128, max_concurrent_steps=2)
+
+
+@pytest.mark.parametrize(
+    "bug, config, k, group, symmetric",
+    [
+        ("last-n-tile-zero", _BUG_CONFIG, 256, 64, True),
+        ("split-k-partial-sum", dataclasses.replace(_BUG_CONFIG, tile_m=32, split_k=4), 1024, 128, False),
+        ("last-group-scale-row", _BUG_CONFIG, 384, 64, False),  # 2 groups a step: a step's block of rows
+        ("last-group-scale-row", _BUG_CONFIG, 768, 256, True),  # 2 steps a group: the group's row
+        ("asym-bf16-dequant", dataclasses.replace(_BUG_CONFIG, scales_on=_ACC), 512, 128, False),
+    ],
+    ids=["last-n-tile", "split-k4", "scale-row-g64", "scale-row-g256", "asym-bf16"],
+)
+def test_injected_bugs_change_exactly_what_they_name(bug, config, k, group, symmetric):
+    """Each deliberate bug of faults.py (the GPU tests' proof that they fail) turns the bit-exact result
+    into the float64 reference of the mistake it names, so that an injected run on the GPU fails for that
+    reason: the last N tile zero; the last of 4 K partitions left out (x zero there); the last step's
+    scale rows read from the step before (groups of 64: rows 4, 5 from 2, 3; of 256: group 2 from 1);
+    the accumulator route's offset term rounded to bf16 (not exact; the symmetric weight, without
+    offsets, stays exact). The same kernel without the bug is exact (the tests above)."""
+    rng = np.random.default_rng(len(bug) + k)
+    m, n = 5, 2 * config.cta_rows
+    qw = exact_weight(rng, k, n, group, symmetric)
+    x = activations(rng, m, k, exact=True)
+    with faults.injecting(bug), interpret(detect_races=True):
+        y = mg.mosaic_gpu_matmul(x, qw, config=config)
+    if bug == "last-n-tile-zero":
+        zero_last_tile = dataclasses.replace(qw, scales=qw.scales.at[:, n - config.cta_rows :].set(0))
+        assert_exact(y, x, zero_last_tile)  # symmetric: no offsets, so zero scales make zero columns
+    elif bug == "split-k-partial-sum":
+        assert_exact(y, x.at[:, 3 * k // 4 :].set(0), qw)
+    elif bug == "last-group-scale-row":
+        assert_exact(y, x, _with_scale_rows_of(qw, {4: 2, 5: 3} if group == 64 else {2: 1}))
+    else:
+        with pytest.raises(AssertionError, match="differ from the exact reference"):
+            assert_exact(y, x, qw)
+        sym = exact_weight(rng, k, n, group, True)
+        with faults.injecting(bug), interpret(detect_races=True):
+            assert_exact(mg.mosaic_gpu_matmul(x, sym, config=config), x, sym)
 
 
 def _smem_store_then_tma(commit: bool) -> jax.Array:

@@ -425,3 +425,75 @@ def test_quantized_weight_refuses_inconsistent_fields():
     per_column = nybble.quantize(np.ones((200, 160), np.float32), group_size=None)
     with pytest.raises(ValueError, match=r"at per column: expected \(num_groups, N_pad\) = \(1, 192\)"):
         nybble.QuantizedWeight(**{**fields, "scales": per_column.scales[:, :64], "group_size": None})
+
+
+def test_stacked_weight_dequantizes_and_counts_bits_per_expert():
+    """A stack of 2 experts (nybble.quant.stacked): dequantize gives each expert's float64 reference, and
+    bits per weight are one expert's, counted by hand (the padding included: K, N = 96, 80 pad to 128)."""
+    from nybble.quant.stacked import stack_weights
+
+    rng = np.random.default_rng(38)
+    experts = [
+        nybble.quantize(rng.standard_normal((96, 80)).astype(np.float32), group_size=32, symmetric=False)
+        for _ in range(2)
+    ]
+    stacked = stack_weights(experts)
+    assert np.ndim(stacked.codes) == 3
+    deq = np.asarray(nybble.dequantize(stacked), np.float64)
+    assert deq.shape == (2, 96, 80)
+    for e, one in enumerate(experts):
+        np.testing.assert_array_equal(deq[e], reference_dequantize(one))
+    # codes 128 x 128 / 2 B, scales and offsets 4 groups x 128 columns x 2 B (bf16), per 96 x 80 weights
+    bits = 8 * (128 * 128 // 2 + 2 * 4 * 128 * 2) / (96 * 80)
+    assert experts[0].bits_per_weight == bits
+    assert stacked.bits_per_weight == bits
+
+
+def test_integer_zero_point_scales_by_hand():
+    """zero_point="integer": a group with min -1, max 20 takes s = bf16(21 / 15) (1.3984375, rounded down
+    and kept: only a group whose zero would round to 0 is widened), z = round(1 / s) = 1, offset (8 - 1) s;
+    a group of 0..14 takes s = 14 / 14 = 1 (exact: no ulp more), z = 1, offset 7; one of -0.2..1.4 takes
+    s = bf16(1.6 / 15), z = 2. The float zero point differs (for contrast)."""
+    w = np.zeros((16, 64), np.float32)
+    w[:, 0] = np.linspace(-1, 20, 16)
+    w[:, 1] = np.arange(16) * 14 / 15
+    w[:, 2] = np.linspace(-0.2, 1.4, 16)  # -min = 0.2 > s / 2 = 0.053: no widening either
+    qw = nybble.quantize(w, group_size=16, symmetric=False, zero_point="integer")
+    s0, s2 = (float(np.float32(jnp.bfloat16(v))) for v in (21 / 15, 1.6 / 15))
+    assert s0 == 1.3984375 and s2 == 0.1064453125
+    assert round(0.2 / s2) == 2
+    np.testing.assert_array_equal(np.asarray(qw.scales[0, :3], np.float64), [s0, 1.0, s2])
+    np.testing.assert_array_equal(np.asarray(qw.offsets[0, :3], np.float64), [7 * s0, 7.0, 6 * s2])
+    # Column 3 zeros: s = 0 and offset 0. Column 4, 2..16: widened to [0, 16], z would round to 0, so
+    # s = 16 / 14 = 1.142857 -> bf16 1.140625, and 14 s < 16 takes one ulp more: 1.1484375, z = 1.
+    # Column 5, -3..-1: widened to [-3, 0], s = bf16(0.2) = 0.2001953125, z = round(14.99) = 15.
+    w[:, 4], w[:, 5] = np.linspace(2, 16, 16), np.linspace(-3, -1, 16)
+    qw = nybble.quantize(w, group_size=16, symmetric=False, zero_point="integer")
+    s5 = 0.2001953125
+    np.testing.assert_array_equal(np.asarray(qw.scales[0, 3:6], np.float64), [0.0, 1.1484375, s5])
+    np.testing.assert_array_equal(np.asarray(qw.offsets[0, 3:6], np.float64), [0.0, 7 * 1.1484375, -7 * s5])
+    float_zero = nybble.quantize(w, group_size=16, symmetric=False)
+    assert float(np.float32(float_zero.scales[0, 0])) == 1.40625  # 21 / 15 rounded up: [min, max] fits
+
+
+def test_integer_zero_factor_and_stacked_quantize():
+    """integer_zero_factor: 8 - z = offset / s, rounded, and 0 where s = 0; a float (E, K, N) stack is
+    quantized expert by expert (the same codes and scales as one expert alone)."""
+    from nybble.quant.rtn import integer_zero_factor
+
+    scales = jnp.asarray([0.0, 2.0, 0.5], jnp.bfloat16)
+    offsets = jnp.asarray([3.0, 14.0, -3.0], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(integer_zero_factor(scales, offsets)), [0.0, 7.0, -6.0])
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((2, 64, 64)).astype(np.float32)
+    stacked = nybble.quantize(w, group_size=32)
+    for e in range(2):
+        one = nybble.quantize(w[e], group_size=32)
+        np.testing.assert_array_equal(np.asarray(stacked.codes[e]), np.asarray(one.codes))
+        np.testing.assert_array_equal(np.asarray(stacked.scales[e]), np.asarray(one.scales))
+
+
+def test_a_params_dict_gets_the_pytree_hint():
+    with pytest.raises(TypeError) as refused:
+        nybble.quantize({"kernel": np.zeros((64, 64), np.float32)})
+    assert "quantize_params" in str(refused.value) and "Flax model" not in str(refused.value)

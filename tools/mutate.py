@@ -49,18 +49,24 @@ TARGETS: dict[str, list[str]] = {
     # producer, partial last groups and offsets. Minutes a mutant: sample them (--sample).
     "nybble/kernels/mosaic_gpu/dequant_registers.py": [
         "tests/test_kernel_interpret.py",
+        "tests/test_kernel_lowering.py",  # the GPU path's inline Mosaic GPU, lowered for CUDA: its IR checks
         "-k",
-        "every_nibble or twin_places or slice_sum_twins or bias_folded or producer_warpgroup_exact",
+        "every_nibble or twin_places or slice_sum_twins or bias_folded or producer_warpgroup_exact"
+        " or lower_float16_activations or lower_one_step_per_split",
     ],
     "nybble/kernels/mosaic_gpu/common.py": [
         "tests/test_kernel_interpret.py",
+        "tests/test_grouped_interpret.py",  # the grouped kernel's row windows (StashedRows, store_rows)
         "-k",
-        "bias_folded or producer_warpgroup_exact or partial_last_group_exact or groups_exact",
+        "bias_folded or producer_warpgroup_exact or partial_last_group_exact or groups_exact"
+        " or injected_bugs or test_groups or partial_last_k_step_exact or persistent_grid_exact",
     ],
     "nybble/kernels/mosaic_gpu/split_k.py": [
         "tests/test_kernel_interpret.py",
+        "tests/test_kernel_lowering.py",  # the slab rows and the cluster launch, lowered for CUDA
         "-k",
-        "producer_warpgroup_exact or 512_deep_steps_exact",
+        "split_k_scratch or split_k_slabs or producer_warpgroup_exact or 512_deep_steps_exact"
+        " or injected_bugs or split_k_shares or split_k_is_one_launch or lower_one_step_per_split",
     ],
 }
 COPY = ["nybble", "tests", "bench", "pyproject.toml"]
@@ -189,6 +195,17 @@ def mutants(module: str) -> list[Mutant]:
     ]
 
 
+def sampled(module: str, count: int, seed: int) -> list[Mutant]:
+    """A uniform random sample of the module's mutants, in index order. Each module is shuffled on its own
+    (seed and module name), and the sample is a prefix of that order: a larger count extends a smaller one,
+    so a resumed run with a larger --sample only adds mutants."""
+    import random
+
+    order = mutants(module)
+    random.Random(f"{seed}:{module}").shuffle(order)
+    return sorted(order[:count], key=lambda m: m.index)
+
+
 def mutated_source(module: str, index: int) -> str:
     tree = ast.parse(_source(module))
     node, _, how = _points(tree)[index]
@@ -215,37 +232,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--module", action="append", help="a target module (repeatable); default: all")
     ap.add_argument("--list", action="store_true", help="print the mutants and stop")
     default_out = Path(tempfile.gettempdir()) / "nybble-mutants.jsonl"
-    ap.add_argument("--out", default=str(default_out), help="results, one JSON a line (resumable)")
+    ap.add_argument(
+        "--out", action="append", help=f"results, a JSON a line (resumable; {default_out}); --summary merges"
+    )
     ap.add_argument("--timeout-factor", type=float, default=5.0, help="x the unmutated run's time")
     ap.add_argument("--retry", action="store_true", help="run the survivors and timeouts in --out again")
     ap.add_argument("--summary", action="store_true", help="summarize --out and stop")
     ap.add_argument("--sample", type=int, default=None, help="only this many mutants a module, at random")
     ap.add_argument("--seed", type=int, default=0, help="the --sample draw's seed")
+    ap.add_argument("--index", type=int, action="append", help="only these mutants (with one --module)")
     args = ap.parse_args(argv)
     modules = args.module or list(TARGETS)
     unknown = [m for m in modules if m not in TARGETS]
     if unknown:
         ap.error(f"unknown module(s) {unknown}; choose from {list(TARGETS)}")
     todo = [m for module in modules for m in mutants(module)]
-    if args.sample is not None:  # a few a module, the same ones for the same seed
-        import random
-
-        rng = random.Random(args.seed)
-        todo = [
-            m
-            for module in modules
-            for m in sorted(
-                rng.sample(mutants(module), min(args.sample, len(mutants(module)))), key=lambda m: m.index
-            )
-        ]
+    if args.sample is not None:
+        todo = [m for module in modules for m in sampled(module, args.sample, args.seed)]
+    if args.index is not None:
+        if len(modules) != 1:
+            ap.error("--index needs exactly one --module")
+        todo = [m for m in todo if m.index in args.index]
     if args.list:
         for m in todo:
             print(f"{m.module}:{m.line} #{m.index}: {m.what}    {m.source_line}")
         print(f"{len(todo)} mutants")
         return 0
-    out = Path(args.out)
-    if args.summary:
-        return summarize(out)
+    outs = [Path(o) for o in args.out or [default_out]]
+    if args.summary:  # with --sample: only the sampled mutants of the --module modules count
+        sample = None if args.sample is None else {(m.module, m.index) for m in todo}
+        return summarize(outs, sample if args.module else None, set(modules))
+    if len(outs) > 1:
+        ap.error("one --out for a run (several only with --summary)")
+    out = outs[0]
     done = set()
     if out.exists():
         rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -296,18 +315,249 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{status:8s} {seconds:5.0f}s {where}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return summarize(out)
+    return summarize([out])
 
 
-def summarize(out: Path) -> int:
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    by_status: dict[str, int] = {}
+# Survivors that no test can kill: the mutant behaves as the original for every input the module accepts.
+# Matched on (module, the line's text, the mutation): every such mutant of that line is equivalent.
+EQUIVALENT: list[tuple[str, str, str, str]] = [
+    # (module, source line, mutation, why no behaviour changes)
+    *[
+        (
+            "nybble/packing/nibbles.py",
+            "if v.size == 0 or (v.min() >= lo and v.max() <= hi):  # the fast path: two reductions",
+            what,
+            "a stricter fast path only sends in-range codes at the range's ends to the exact check below",
+        )
+        for what in (">= -> >", "<= -> <")
+    ],
+    (
+        "nybble/packing/layouts.py",
+        "return pack_int4(codes_kn.T, axis=-1, signed=True)",
+        "drop unary -",
+        "a layout packs 2-D (K_pad, N_pad) codes: axis 1 is axis -1",
+    ),
+    (
+        "nybble/packing/layouts.py",
+        "return unpack_int4(packed, k_pad, axis=-1, signed=True).T",
+        "drop unary -",
+        "a layout stores nk_int4 codes 2-D (N_pad, K_pad / 2): axis 1 is axis -1",
+    ),
+    (
+        "nybble/packing/groups.py",
+        "power_of_two = isinstance(group_size, int | np.integer) and not group_size & (group_size - 1)",
+        "1 -> 2",
+        "g & (g - 2) == 0 iff g & (g - 1) == 0 for g >= 2 (g = 2m: 2 (m & (m - 1))); smaller g fail >= 16",
+    ),
+    (
+        "nybble/packing/padding.py",
+        "widths = [(0, t - s) for s, t in zip(x.shape, shape, strict=True)]",
+        "True -> False",
+        "the line above raises unless len(shape) == x.ndim: the zip's lengths are always equal",
+    ),
+    (  # both of the line's unary minuses
+        "nybble/quant/qweight.py",
+        "shape = (*shape[:-1], 2 * shape[-1])",
+        "drop unary -",
+        "every layout's stored shape is 2-D (layouts.py): shape[:1] is shape[:-1], shape[1] is shape[-1]",
+    ),
+    (
+        "nybble/quant/qweight.py",
+        "stacked = int(np.prod(self.codes.shape[:-2])) if np.ndim(self.codes) > 2 else 1  # experts",
+        "> -> >=",
+        "2-D codes: the product over codes.shape[:-2] = () is 1 as well",
+    ),
+    (
+        "nybble/kernels/mosaic_gpu/common.py",
+        "if k1 + width < g0 + span:  # the group's last call is awaited by reading its accumulators",
+        "+ -> -",
+        "adds a wgmma_wait(1) after a group's last call: no value changes (reading acc waits), only timing",
+    ),
+    *[
+        (
+            "nybble/kernels/mosaic_gpu/split_k.py",
+            "mine = row0 + r * rows < m",
+            what,
+            "only adds stores of slabs that start at or past row m: the y store clips rows past M (TMA)",
+        )
+        for what in ("< -> <=", "* -> /")
+    ],
+    (
+        "nybble/kernels/mosaic_gpu/split_k.py",
+        "return slabs[base + t * row_slabs + r]",
+        "+ -> -",
+        "stores and loads share _slab: any bijection works, and with negative indices either one is one",
+    ),
+    (
+        "nybble/quant/rtn.py",
+        "return jnp.where(s == 0, 0.0, jnp.round(offsets.astype(jnp.float32) / jnp.where(s == 0, 1.0, s)))",
+        "1.0 -> 2.0",
+        "the inner where only guards a division by s = 0 whose result the outer where drops",
+    ),
+    (  # the inner s == 0 (the outer one's 0 -> 1 is killed by test_integer_zero_factor_and_stacked_quantize)
+        "nybble/quant/rtn.py",
+        "return jnp.where(s == 0, 0.0, jnp.round(offsets.astype(jnp.float32) / jnp.where(s == 0, 1.0, s)))",
+        "0 -> 1",
+        "only guards a division by s = 0 (s == 1 divides by 1 either way), whose result the outer drops",
+    ),
+    (
+        "nybble/quant/rtn.py",
+        "neg = -jnp.min(jnp.where(valid, wg, 0.0), axis=-2)",
+        "0.0 -> 1.0",
+        "padded rows: -min changes only where every valid w > 0, to below 0, and max(-min/8, max/7) >= 0",
+    ),
+    *[
+        (
+            "nybble/quant/rtn.py",
+            "z = jnp.clip(jnp.round(-wmin / jnp.where(s == 0, 1.0, s)), 1, 15)",
+            what,
+            "only guards a division by s = 0, where the offset returned is 0 whatever z is",
+        )
+        for what in ("0 -> 1", "1.0 -> 2.0")
+    ],
+    (  # the first of the line's two (ast.walk order: jnp.minimum's); the second is killed
+        "nybble/quant/rtn.py",
+        "wmin, wmax = jnp.minimum(wmin, 0.0), jnp.maximum(wmax, 0.0)",
+        "0.0 -> 1.0",
+        "a group with min > 0 is low either way (-wmin < s / 2): s = max / 14 and z = 1, whatever wmin",
+    ),
+    (
+        "nybble/quant/rtn.py",
+        "wg: jax.Array, valid: jax.Array, symmetric: bool, scale_dtype: Any, shrink: float,"
+        " integer: bool = False",
+        "False -> True",
+        "_range_params is private and both its calls pass integer",
+    ),
+]
+
+
+# Functions (or single lines) that run only when lowering for the GPU (interpret mode takes their jax.numpy
+# twins): a mutant there that still lowers can only be killed by tests/test_kernel_gpu.py on a Hopper GPU.
+# Their survivors are counted as survivors and listed apart, for a GPU run to settle.
+GPU_ONLY: dict[str, tuple[str, ...]] = {
+    "nybble/kernels/mosaic_gpu/dequant_registers.py": (
+        "words_layout",
+        "_gpu_dequantize",
+        "_gpu_slot_rows",
+        "_gpu_sum_slices",
+    ),
+    # and a line: a CTA's own share on the GPU (interpret mode's one CTA sums every share, me is None)
+    "nybble/kernels/mosaic_gpu/split_k.py": ("cluster_sync", "mine = mine & (me == q)"),
+}
+
+
+@functools.cache
+def _gpu_only_lines(module: str) -> frozenset[int]:
+    names = GPU_ONLY.get(module, ())
+    if not names:
+        return frozenset()
+    functions = {
+        line
+        for node in ast.walk(ast.parse(_source(module)))
+        if isinstance(node, ast.FunctionDef) and node.name in names
+        for line in range(node.lineno, node.end_lineno + 1)
+    }
+    lines = {i for i, text in enumerate(_source(module).splitlines(), 1) if text.strip() in names}
+    return frozenset(functions | lines)
+
+
+def is_gpu_only(row: dict) -> bool:
+    return row["line"] in _gpu_only_lines(row["module"])
+
+
+def is_equivalent(row: dict) -> str | None:
+    """The recorded reason when the row's mutant is in EQUIVALENT, else None."""
+    for module, line, what, reason in EQUIVALENT:
+        if (row["module"], row["source_line"], row["what"]) == (module, line, what):
+            return reason
+    return None
+
+
+@dataclasses.dataclass
+class ModuleTally:
+    module: str
+    mutants: int  # all of the module's mutants (a sample runs fewer)
+    run: int = 0
+    killed: int = 0
+    survived: int = 0
+    equivalent: int = 0
+    gpu_only: int = 0  # of the survivors: in GPU_ONLY code
+    timeouts: int = 0  # counted as killed in the rate: the tests do not pass
+
+    @property
+    def detected(self) -> int:
+        return self.killed + self.timeouts
+
+    @property
+    def rate(self) -> float:
+        """Killed (timeouts included) over the run mutants that are not equivalent."""
+        return self.detected / max(1, self.run - self.equivalent)
+
+
+def tally(rows: list[dict], totals: dict[str, int]) -> list[ModuleTally]:
+    tallies = {module: ModuleTally(module, count) for module, count in totals.items()}
     for r in rows:
-        by_status[r["status"]] = by_status.get(r["status"], 0) + 1
-    print(f"\n{len(rows)} mutants: " + ", ".join(f"{v} {k}" for k, v in sorted(by_status.items())))
-    for r in rows:
+        t = tallies.setdefault(r["module"], ModuleTally(r["module"], 0))
+        t.run += 1
+        if r["status"] == "killed":
+            t.killed += 1
+        elif r["status"] == "timeout":
+            t.timeouts += 1
+        elif is_equivalent(r) is not None:
+            t.equivalent += 1
+        else:
+            t.survived += 1
+            t.gpu_only += is_gpu_only(r)
+    return [t for t in tallies.values() if t.run]
+
+
+def overall_rate(tallies: list[ModuleTally]) -> tuple[float, float, float]:
+    """(estimate, low, high): the kill rate over all the modules' mutants, each module weighted by its
+    estimated count of non-equivalent mutants. A fully run module adds no uncertainty; a sampled one adds
+    the variance of a proportion drawn without replacement (finite population correction), taken at the
+    Agresti-Coull proportion (k + 2) / (n + 4) so that a sample with no survivors still has some. 95%."""
+    weights, rates, variances = [], [], []
+    for t in tallies:
+        n = t.run - t.equivalent
+        weights.append(t.mutants * n / max(1, t.run))
+        rates.append(t.rate)
+        p = (t.detected + 2) / (n + 4)
+        population = weights[-1]
+        fpc = max(0.0, (population - n) / max(1.0, population - 1))
+        variances.append(p * (1 - p) / (n + 4) * fpc if n else 0.0)
+    total = sum(weights)
+    estimate = sum(w * r for w, r in zip(weights, rates, strict=True)) / total
+    half = 1.96 * sum(w * w * v for w, v in zip(weights, variances, strict=True)) ** 0.5 / total
+    return estimate, max(0.0, estimate - half), min(1.0, estimate + half)
+
+
+def summarize(
+    outs: list[Path], sample: set[tuple[str, int]] | None = None, sampled: set[str] | None = None
+) -> int:
+    """The results of ``outs`` by module; ``sample``: only those mutants of the ``sampled`` modules."""
+    rows: dict[tuple[str, int], dict] = {}
+    for out in outs:  # several runs' files merged; a later row of the same mutant wins
+        for line in out.read_text().splitlines():
+            r = json.loads(line)
+            if sample is None or r["module"] not in (sampled or ()) or (r["module"], r["index"]) in sample:
+                rows[r["module"], r["index"]] = r
+    totals = {module: len(mutants(module)) for module in TARGETS}
+    tallies = tally(list(rows.values()), totals)
+    print(f"\n{'module':48s} {'mutants':>7s} {'run':>4s} {'killed':>6s} {'surv':>4s} {'(gpu)':>5s} "
+          f"{'equiv':>5s} {'tmout':>5s} {'rate':>6s}")  # fmt: skip
+    for t in tallies:
+        print(f"{t.module:48s} {t.mutants:7d} {t.run:4d} {t.killed:6d} {t.survived:4d} {t.gpu_only:5d} "
+              f"{t.equivalent:5d} {t.timeouts:5d} {100 * t.rate:5.1f}%")  # fmt: skip
+    estimate, low, high = overall_rate(tallies)
+    sampled = any(t.run < t.mutants for t in tallies)
+    interval = f" (sample estimate, 95% interval {100 * low:.1f}-{100 * high:.1f}%)" if sampled else ""
+    print(f"overall kill rate {100 * estimate:.1f}%{interval}")
+    for r in sorted(rows.values(), key=lambda r: (r["module"], r["line"])):
+        reason = is_equivalent(r) if r["status"] == "survived" else None
         if r["status"] == "survived":
-            print(f"  SURVIVED {r['module']}:{r['line']} #{r['index']} {r['what']}    {r['source_line']}")
+            tag = "EQUIVALENT" if reason else "SURVIVED (GPU only)" if is_gpu_only(r) else "SURVIVED"
+            print(f"  {tag} {r['module']}:{r['line']} #{r['index']} {r['what']}    {r['source_line']}"
+                  + (f"    ({reason})" if reason else ""))  # fmt: skip
     return 0
 
 
