@@ -73,3 +73,14 @@ def test_summary_merges_files_and_keeps_only_the_sample(tmp_path, capsys):
     assert "   3      1    2 " in capsys.readouterr().out  # run 3: 1 killed, 2 survived
     mutate.summarize([first, retry], {(KERNEL_MODULE, 1), (KERNEL_MODULE, 2)}, {KERNEL_MODULE})
     assert "   2      1    1 " in capsys.readouterr().out
+
+
+def test_retry_reruns_only_the_selected_modules_unsettled_mutants():
+    rows = [
+        {"module": "a.py", "index": 0, "status": "killed"},
+        {"module": "a.py", "index": 1, "status": "survived"},
+        {"module": "a.py", "index": 2, "status": "timeout"},
+        {"module": "b.py", "index": 0, "status": "survived"},  # another module: kept for its summary
+    ]
+    kept = mutate.rows_kept_for_retry(rows, {("a.py", 0), ("a.py", 1), ("a.py", 2)})
+    assert kept == [rows[0], rows[3]]

@@ -476,6 +476,49 @@ def test_integer_zero_point_scales_by_hand():
     assert float(np.float32(float_zero.scales[0, 0])) == 1.40625  # 21 / 15 rounded up: [min, max] fits
 
 
+def test_integer_zero_point_at_half_a_step_widens():
+    """A group with min -1, max 29: s = 30 / 15 = 2 and -min = s / 2 exactly, which rounds (half to even)
+    to z = 0, as for any -min below s / 2: the range is widened (s = 29 / 14, z = 1), so every value stays
+    within half a step of its dequantized value (a z of 1 on s = 2 would leave 29 a whole step out)."""
+    w = np.zeros((16, 64), np.float32)
+    w[:, 0] = np.concatenate([[-1.0], np.linspace(0, 28, 14), [29.0]])
+    qw = nybble.quantize(w, group_size=16, symmetric=False, zero_point="integer", scale_dtype=jnp.float32)
+    s = float(qw.scales[0, 0])
+    assert s * 14 >= 29 and s - 29 / 14 < 1e-6  # 29 / 14, or an ulp more where 14 s fell short
+    assert float(qw.offsets[0, 0]) == np.float32(7 * s)  # z = 1
+    err = np.abs(np.asarray(nybble.dequantize(qw), np.float64)[:, 0] - w[:, 0])
+    assert err.max() <= s / 2 + 1e-6, err.max()
+
+
+def test_integer_zero_point_stays_in_one_to_fifteen_on_subnormal_scales():
+    """An all-negative group so small that its float16 scale is subnormal (rounded well below -min / 15):
+    round(-min / s) would be 17, and z is clipped to 15, what GPTQ v1 can store (z - 1 in 4 bits):
+    offset / scale = 8 - z >= -7."""
+    w = np.zeros((16, 64), np.float32)
+    w[:, 0] = np.linspace(-1e-6, -1e-7, 16)
+    qw = nybble.quantize(w, group_size=16, symmetric=False, zero_point="integer", scale_dtype=jnp.float16)
+    s, o = float(qw.scales[0, 0]), float(qw.offsets[0, 0])
+    assert 0 < s < 1e-6 / 15 and round(1e-6 / s) >= 16  # the subnormal scale: z would pass 15
+    assert o / s == -7.0  # z = 15
+
+
+def test_clip_search_is_invariant_to_power_of_two_scaling():
+    """Clip search compares each candidate's squared error over a group's real rows: scaling the weight by
+    2^-12 scales every error by 2^-24, exactly, so the same shrink wins in every group (the last group of
+    K = 576 at g128 is half padding, which must not enter the errors)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((576, 64)).astype(np.float32) * 0.02
+    for symmetric in (True, False):
+        a = nybble.quantize(w, group_size=128, symmetric=symmetric, clip_search=True, scale_dtype=jnp.float32)
+        b = nybble.quantize(
+            w * 2.0**-12, group_size=128, symmetric=symmetric, clip_search=True, scale_dtype=jnp.float32
+        )
+        np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
+        np.testing.assert_array_equal(np.asarray(a.scales) * 2.0**-12, np.asarray(b.scales))
+        plain = nybble.quantize(w, group_size=128, symmetric=symmetric, scale_dtype=jnp.float32)
+        assert not np.array_equal(np.asarray(a.scales), np.asarray(plain.scales))  # the search did clip
+
+
 def test_integer_zero_factor_and_stacked_quantize():
     """integer_zero_factor: 8 - z = offset / s, rounded, and 0 where s = 0; a float (E, K, N) stack is
     quantized expert by expert (the same codes and scales as one expert alone)."""

@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists():
         rows = [json.loads(line) for line in out.read_text().splitlines()]
         if args.retry:
-            rows = [r for r in rows if r["status"] not in ("survived", "timeout")]
+            rows = rows_kept_for_retry(rows, {(m.module, m.index) for m in todo})
             out.write_text("".join(json.dumps(r) + "\n" for r in rows))
         done = {(r["module"], r["index"]) for r in rows}
     todo = [m for m in todo if (m.module, m.index) not in done]
@@ -419,8 +419,17 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
         "nybble/quant/rtn.py",
         "wmin, wmax = jnp.minimum(wmin, 0.0), jnp.maximum(wmax, 0.0)",
         "0.0 -> 1.0",
-        "a group with min > 0 is low either way (-wmin < s / 2): s = max / 14 and z = 1, whatever wmin",
+        "a group with min > 0 is low either way (-wmin <= s / 2): s = max / 14 and z = 1, whatever wmin",
     ),
+    *[
+        (
+            "nybble/quant/rtn.py",
+            "q = jnp.clip(jnp.round((w - b) / jnp.where(s == 0, 1, s)), -8, 7)",
+            what,
+            "the next line sets q = 0 where s = 0, and where s = 1 the guard divides by 1 either way",
+        )
+        for what in ("1 -> 2", "0 -> 1")
+    ],
     (
         "nybble/quant/rtn.py",
         "wg: jax.Array, valid: jax.Array, symmetric: bool, scale_dtype: Any, shrink: float,"
@@ -529,6 +538,13 @@ def overall_rate(tallies: list[ModuleTally]) -> tuple[float, float, float]:
     estimate = sum(w * r for w, r in zip(weights, rates, strict=True)) / total
     half = 1.96 * sum(w * w * v for w, v in zip(weights, variances, strict=True)) ** 0.5 / total
     return estimate, max(0.0, estimate - half), min(1.0, estimate + half)
+
+
+def rows_kept_for_retry(rows: list[dict], again: set[tuple[str, int]]) -> list[dict]:
+    """``--retry``: the rows to keep, all but the survivors and timeouts among the mutants run again
+    (``again``: (module, index)); other modules' rows stay as they are."""
+    unsettled = ("survived", "timeout")
+    return [r for r in rows if r["status"] not in unsettled or (r["module"], r["index"]) not in again]
 
 
 def summarize(

@@ -243,7 +243,7 @@ def _range_params(
         wmin, wmax = jnp.minimum(wmin, 0.0), jnp.maximum(wmax, 0.0)
         scales = ((wmax - wmin) / 15).astype(scale_dtype)
         s = scales.astype(jnp.float32)
-        low = -wmin < 0.5 * s  # would round to z = 0
+        low = -wmin <= 0.5 * s  # would round to z = 0 (round half to even: -min = s / 2 rounds to 0 too)
         scales = jnp.where(low, (wmax / 14).astype(scale_dtype), scales)
         short = low & (scales.astype(jnp.float32) * 14 < wmax)
         scales = jnp.where(short, jnp.nextafter(scales, jnp.asarray(jnp.inf, scales.dtype)), scales)
