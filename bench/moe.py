@@ -28,13 +28,12 @@ import nybble
 from bench.metrics import Ceilings, activation_bytes
 from bench.peers import REF_BF16, REF_GROUPED, Prepared, _jax_prepared, tokamax_unavailable
 from bench.runner import (
-    BF16_TOLERANCE,
-    STATUS_FAILED,
     STATUS_OK,
     STATUS_SKIPPED,
     Config,
     fill_speedups,
     n_sets_for,
+    record_check,
     run_once,
     time_checked,
 )
@@ -459,26 +458,9 @@ def run_grouped_case(case: GroupedCase, peers: Sequence[Any], cfg: Config, ceili
             weight = functools.partial(reference_expert, case, kind)
             refs[kind] = reference_rows(x0, owners, weight, case.n)
         err = relative_error(got, refs[peer.reference])
-        nbytes = prep.weight_bytes + act
-        row.update(prep.extra)
-        row.update(
-            rel_err=err,
-            weight_bytes=prep.weight_bytes,
-            bytes=nbytes,
-            n_sets=prep.n_sets,
-            rotated_bytes=prep.n_sets * nbytes,
-        )
-        if not err <= BF16_TOLERANCE:
-            row.update(
-                status=STATUS_FAILED,
-                reason=f"relative error {err:.3g} > {BF16_TOLERANCE:g} against the float64 reference",
-            )
-        elif np.any(got[tail] != 0):
-            row.update(status=STATUS_FAILED, reason="rows past sum(group_sizes) are not zero")
-        elif not finite:
-            row.update(status=STATUS_FAILED, reason="NaN or Inf in the output (outside the rows compared)")
-        if row["status"] == STATUS_FAILED:
-            prep.cleanup()
+        tail_written = "rows past sum(group_sizes) are not zero" if np.any(got[tail] != 0) else None
+        nbytes = record_check(row, prep, err, act, finite, tail_written)
+        if nbytes is None:
             continue
         time_checked(prep, rows_idx, refs[peer.reference], row, cfg, nbytes, ceilings)
         del prep

@@ -167,31 +167,39 @@ def run_case(
         prep, got, finite = ran
         if peer.reference not in refs:
             refs[peer.reference] = x0 @ ref_weights(peer.reference)
-        err = relative_error(got, refs[peer.reference])
-        row.update(prep.extra)
-        wbytes = prep.weight_bytes
-        nbytes = wbytes + act
-        row.update(
-            rel_err=err,
-            weight_bytes=wbytes,
-            bytes=nbytes,
-            n_sets=prep.n_sets,
-            rotated_bytes=prep.n_sets * nbytes,
-        )
-        if not err <= BF16_TOLERANCE:
-            row.update(
-                status=STATUS_FAILED,
-                reason=f"relative error {err:.3g} > {BF16_TOLERANCE:g} against the float64 reference",
-            )
-        elif not finite:
-            row.update(status=STATUS_FAILED, reason="NaN or Inf in the output (outside the rows compared)")
-        if row["status"] == STATUS_FAILED:
-            prep.cleanup()
+        nbytes = record_check(row, prep, relative_error(got, refs[peer.reference]), act, finite)
+        if nbytes is None:
             continue
         time_checked(prep, rows_idx, refs[peer.reference], row, cfg, nbytes, ceilings)
         del prep
     fill_speedups(out, BF16_BASELINE)
     return out
+
+
+def record_check(
+    row: dict[str, Any], prep: Prepared, err: float, act: int, finite: bool, failure: str | None = None
+) -> int | None:
+    """Records a peer's check in ``row`` (its error, bytes and input sets) and its verdict: failed on the
+    relative error, then on ``failure`` (a check of the caller's own), then on a NaN or Inf anywhere in the
+    output. Returns the bytes one call moves, or None where it failed (``prep`` is then cleaned up)."""
+    nbytes = prep.weight_bytes + act
+    row.update(prep.extra)
+    row.update(
+        rel_err=err,
+        weight_bytes=prep.weight_bytes,
+        bytes=nbytes,
+        n_sets=prep.n_sets,
+        rotated_bytes=prep.n_sets * nbytes,
+    )
+    if not err <= BF16_TOLERANCE:
+        failure = f"relative error {err:.3g} > {BF16_TOLERANCE:g} against the float64 reference"
+    elif failure is None and not finite:
+        failure = "NaN or Inf in the output (outside the rows compared)"
+    if failure is None:
+        return nbytes
+    row.update(status=STATUS_FAILED, reason=failure)
+    prep.cleanup()
+    return None
 
 
 def run_once(

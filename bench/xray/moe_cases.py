@@ -163,7 +163,8 @@ def kernel_plan(case: MoeCase, num_sms: int) -> dict[str, Any]:
     p, work = grouped_plan(case.m, qw, num_sms=num_sms)
     c = p.config
     active = active_experts(case.m, case.experts)
-    m_tiles = active * -(-planned_rows(case.m, case.experts) // c.tile_m)
+    rows = planned_rows(case.m, case.experts)
+    m_tiles = active * c.m_tiles(rows)
     steps = min(c.max_concurrent_steps, p.steps_per_split)
     return {
         "config": dataclasses.asdict(c),
@@ -174,7 +175,7 @@ def kernel_plan(case: MoeCase, num_sms: int) -> dict[str, Any]:
         "threads": p.threads,
         "weight_bytes_in_flight": steps * p.weight_bytes_per_step,
         # Of W: a partial last K step dequantizes its zero-filled rows too (config.runs_past_k).
-        "dequantized_weights": m_tiles * p.n_pad * p.steps_per_split * c.k_span(),
+        "dequantized_weights": active * c.dequantized_weights(rows, p.n_pad, p.k_pad),
         "experts": case.experts,
         "active_experts": active,  # the weights it reads (bench/xray/model.read_bytes)
     }
