@@ -17,13 +17,17 @@ XRAY_STAMP := $(VENV)/.xray-installed
 # does in ordinary (CPU-only) processes; `python -m bench.xray` starts its compile workers with it.
 XRAY_SITE := $(VENV)/nybble-xray
 XRAY_PACKAGES = $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['xray']))")
+# The same packages for the newest jax of the range: its CUDA plugin and PJRT, the same ptxas and nvdisasm.
+LATEST_XRAY_SITE := $(LATEST_VENV)/nybble-xray
+LATEST_XRAY_STAMP := $(LATEST_VENV)/.xray-installed
+LATEST_XRAY_PACKAGES = $$($(LATEST_PY) -c "import tomllib; print(' '.join(p.replace('==$(JAX_PIN)', '==$(JAX_LATEST)') for p in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['xray']))")
 # First Python >= 3.12 found: pyenv users get 3.12 from .python-version through `python3`.
 PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.14; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
 	&& { echo $$p; break; }; done)
 
 .PHONY: install xray-install bench bench-full bench-checkpoints test test-fast test-jax-latest lint gpu-check quickstart \
-	xray xray-peers clean
+	xray xray-jax-latest xray-peers clean
 
 # With an NVIDIA GPU (`nvidia-smi -L` lists one) jax's CUDA plugin comes too: the cuda13 extra when the
 # driver supports CUDA 13 (`nvidia-smi` says "CUDA Version: 13.x" or later), else cuda12. Override with
@@ -53,6 +57,10 @@ $(XRAY_STAMP): $(STAMP)
 	$(PY) -m pip install -q --no-deps --upgrade --target $(XRAY_SITE) $(XRAY_PACKAGES)
 	touch $(XRAY_STAMP)
 
+$(LATEST_XRAY_STAMP): $(LATEST_STAMP)
+	$(LATEST_PY) -m pip install -q --no-deps --upgrade --target $(LATEST_XRAY_SITE) $(LATEST_XRAY_PACKAGES)
+	touch $(LATEST_XRAY_STAMP)
+
 install: $(STAMP)
 
 xray-install: $(XRAY_STAMP)
@@ -69,6 +77,11 @@ bench-checkpoints: $(STAMP)
 
 xray: $(XRAY_STAMP)
 	$(PY) -m bench.xray
+
+# The X-ray on the newest jax of the range (its own toolchain; `make xray` is the pinned end's, the one
+# bench/xray_baseline.json holds): compare the two tables per kernel case (docs/performance-log.md).
+xray-jax-latest: $(LATEST_XRAY_STAMP)
+	$(LATEST_PY) -m bench.xray --peers nybble:mosaic_gpu --no-plot --out bench/results/xray-jax-$(JAX_LATEST)
 
 # nybble beside Marlin (vLLM), tokamax, JAX's int8 example and XLA at the Llama-3 shapes and the MoE shapes;
 # the peers' toolchains install into nybble's cache (~/.cache/nybble/peers) on first use, never into .venv.

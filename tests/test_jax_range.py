@@ -102,3 +102,22 @@ def test_mosaic_gpu_refuses_outside_the_range_with_the_same_words(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         np.testing.assert_array_equal(np.asarray(nybble.matmul(x, qw)), want)
+
+
+def test_xray_compare_flags_changed_sass():
+    """bench/xray/compare.py (the two ends' X-ray side by side): a case whose loop differs is marked
+    changed, one with the same figures is not, cases in one run only are left out."""
+    from bench.xray.compare import compare, table
+
+    def row(key, ipw, regs=168, mix=(("LOP3", 8),), peer="nybble:mosaic_gpu"):
+        loop = {"instructions_per_weight": ipw, "instructions": 100, "opcode_mix": [list(m) for m in mix]}
+        kernel = {"registers": regs, "spill_bytes": 0, "loop": loop, "sass_instructions": 900}
+        return {"key": f"{key}/{peer}", "peer": peer, "kernel": kernel, "launches": 1}
+
+    a = {"rows": [row("s/M1/g128-sym", 1.5), row("s/M16/g128-sym", 1.7), row("only-a/M1/g128-sym", 1.0)]}
+    b = {"rows": [row("s/M1/g128-sym", 1.5), row("s/M16/g128-sym", 1.7, mix=(("LOP3", 9),))]}
+    entries = compare(a, b)
+    assert [(e["key"], e["changed"]) for e in entries] == [("s/M1/g128-sym", False), ("s/M16/g128-sym", True)]
+    text = table(entries, "jax A", "jax B")
+    assert text.splitlines()[2].startswith("| s/M16/g128-sym | 1.700 | 1.700 | 168 | 168 |")
+    assert text.splitlines()[2].endswith("| yes |")
