@@ -16,6 +16,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
+from nybble.jax_range import outside_reason
 from nybble.kernels.mosaic_gpu.common import Problem
 from nybble.kernels.mosaic_gpu.config import (
     DEFAULT_NUM_SMS,
@@ -40,8 +41,11 @@ def is_interpret_active() -> bool:
 def is_supported(x: Any, qw: QuantizedWeight) -> str | None:
     """None when the kernel can compute ``x @ dequantize(qw)``, else the reason it cannot (one sentence).
 
-    Says nothing about the device: the dispatcher checks for a Hopper GPU (or interpret mode).
+    Says nothing about the device: the dispatcher checks for a Hopper GPU (or interpret mode). Refuses
+    every argument under a jax outside nybble's range (``nybble.jax_range``).
     """
+    if (reason := outside_reason()) is not None:
+        return reason
     if not isinstance(qw, QuantizedWeight):
         return f"the weight is a {type(qw).__name__}, not a nybble.QuantizedWeight"
     if qw.layout not in SUPPORTED_LAYOUTS:
