@@ -43,6 +43,42 @@ def test_lower_layers_never_import_upper_ones(package):
     assert not {k: v for k, v in bad.items() if v}
 
 
+SEAM = {
+    "unsupported": ["x", "qw"],
+    "not_here": [],
+    "matmul": ["x2d", "qw"],
+    "describe": ["m", "qw"],
+    "ragged_unsupported": ["x", "qw", "group_sizes"],
+    "ragged_matmul": ["x", "qw", "group_sizes"],
+}
+
+
+@pytest.mark.parametrize("name", list(nybble.kernels.backends.BACKENDS))
+def test_every_registered_backend_plugs_into_the_seam(name):
+    """Each backend module defines the six functions the registry calls, taking the seam's arguments
+    (positionally: their names are the backend's)."""
+    import inspect
+
+    backend = nybble.kernels.backends.load(name)
+    assert not isinstance(backend, str), backend
+    for function, params in SEAM.items():
+        signature = inspect.signature(getattr(backend, function))
+        signature.bind(*params)
+        with pytest.raises(TypeError):
+            signature.bind(*params, "one too many")
+
+
+def test_ops_reach_backends_only_through_the_registry():
+    """The ops (``kernels/ops``) and the registry import no backend's package: a backend is one line of
+    ``backends.BACKENDS``. And no backend imports an op's face (``api.py``): the op calls the backend."""
+    kernels = ROOT / "nybble" / "kernels"
+    packages = ("nybble.kernels.mosaic_gpu", "nybble.kernels.triton")
+    for path in [kernels / "backends.py", *(kernels / "ops").rglob("*.py")]:
+        assert not [m for m in _nybble_imports(path) if m.startswith(packages)], path
+    for path in [p for p in kernels.rglob("*.py") if "ops" not in p.parts and p.name != "__init__.py"]:
+        assert not [m for m in _nybble_imports(path) if m.endswith(".api")], path
+
+
 def test_ops_dispatches_by_weight_type():
     from jax.sharding import Mesh
 

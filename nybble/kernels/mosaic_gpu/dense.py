@@ -1,7 +1,8 @@
 """The Mosaic GPU W4A16 kernel as an op: argument checks, padding, config choice, split-K sum, gradient.
 
-``mosaic_gpu_matmul(x2d, qw)`` is what ``nybble.kernels.api`` dispatches to. The SM count is a parameter
-(resolved once by the dispatcher; a CPU device has none), so tracing never touches a device.
+``mosaic_gpu_matmul(x2d, qw)``; ``backend.py`` hands ``nybble.matmul``'s calls to ``matmul_supported``. The
+SM count is a parameter (resolved once by the backend; a CPU device has none), so tracing never touches a
+device.
 """
 
 from __future__ import annotations
