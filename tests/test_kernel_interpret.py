@@ -34,18 +34,18 @@ from bench.xray.launch import threads
 from nybble.kernels.mosaic_gpu import dequant_registers, pipeline, split_k
 from nybble.kernels.mosaic_gpu import interpret as mgpu_interpret
 from nybble.kernels.mosaic_gpu.common import folds_bias
-from nybble.kernels.mosaic_gpu.config import (
-    DECODE_IPW_GAIN,
-    DECODE_TIE,
-    TuningConfig,
-    estimated_instructions_per_weight,
-    heuristic_config,
-    modeled_time_us,
-    modeled_times_us,
-)
+from nybble.kernels.mosaic_gpu.config import TuningConfig
 from nybble.kernels.mosaic_gpu.config import (
     folds_bias as folds_bias_config,
 )
+from nybble.kernels.mosaic_gpu.cost_model import (
+    DECODE_IPW_GAIN,
+    DECODE_TIE,
+    estimated_instructions_per_weight,
+    modeled_time_us,
+    modeled_times_us,
+)
+from nybble.kernels.mosaic_gpu.heuristics import heuristic_config
 from nybble.kernels.ops.matmul.reference import reference_dequantize, rounding_bound
 from nybble.kernels.ops.matmul.xla import xla_matmul
 from nybble.packing import get_layout, padded_weight_dims

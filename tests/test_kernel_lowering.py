@@ -27,13 +27,13 @@ from nybble.kernels.mosaic_gpu.config import (
     TuningConfig,
     fits_smem,
     folds_bias,
-    heuristic_config,
     smem_bytes,
     split_k_shares,
     splits_k,
     stores_any_rows,
     wgmma_k,
 )
+from nybble.kernels.mosaic_gpu.heuristics import heuristic_config
 from nybble.packing import padded_weight_dims
 from nybble.quant import QuantizedWeight, quantize, relayout
 from tests import kernel_faults as faults

@@ -16,14 +16,10 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
+from nybble.kernels.device import DEFAULT_NUM_SMS
 from nybble.kernels.mosaic_gpu.common import Problem
-from nybble.kernels.mosaic_gpu.config import (
-    DEFAULT_NUM_SMS,
-    TuningConfig,
-    heuristic_config,
-    stores_any_rows,
-    x_rows,
-)
+from nybble.kernels.mosaic_gpu.config import TuningConfig, stores_any_rows, x_rows
+from nybble.kernels.mosaic_gpu.heuristics import heuristic_config
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.kernels.mosaic_gpu.kernel import w4a16
 from nybble.quant.qweight import QuantizedWeight, dequantize

@@ -49,8 +49,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from nybble.kernels.device import DEFAULT_NUM_SMS
 from nybble.kernels.mosaic_gpu.common import CtaTile, Problem, RowWindow, StashedRows
-from nybble.kernels.mosaic_gpu.config import DEFAULT_NUM_SMS, TuningConfig, x_rows
+from nybble.kernels.mosaic_gpu.config import TuningConfig, x_rows
 from nybble.kernels.mosaic_gpu.dense import KERNEL_X_DTYPES, SUPPORTED_LAYOUTS, _requires_gpu_p
 from nybble.kernels.mosaic_gpu.grouped_config import (
     grouped_allows,
