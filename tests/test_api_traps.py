@@ -157,6 +157,15 @@ def blackwell(monkeypatch):
     monkeypatch.setattr(backends, "_WARNED", set())
 
 
+@pytest.fixture
+def cpu_machine(monkeypatch):
+    """A machine with no GPU, whatever runs the test: the dispatcher's view of a CPU-only host (on a Hopper
+    the same arguments would go to the kernel, which is not what these tests are about)."""
+    monkeypatch.setattr(device, "gpu_device", lambda: None)
+    monkeypatch.setattr(device, "hopper_device", lambda: None)
+    monkeypatch.setattr(backends, "_WARNED", set())
+
+
 def _weight(layout="wgmma_int4"):
     w = np.random.default_rng(0).standard_normal((256, 128)).astype(np.float32)
     return nybble.quantize(w, group_size=64, layout=layout)
@@ -181,7 +190,7 @@ def test_fallback_warns_once_per_reason_on_a_gpu_machine(blackwell):
     assert _fallback_warnings(x, qw) == [] and nybble.matmul(x, qw, implementation="xla").shape == (2, 128)
 
 
-def test_no_fallback_warning_on_a_cpu():
+def test_no_fallback_warning_on_a_cpu(cpu_machine):
     qw, x = _weight(), jnp.ones((2, 256), jnp.float32)
     assert _fallback_warnings(x, qw) == []
 
@@ -216,7 +225,7 @@ def test_xla_path_holds_no_float32_weight(layout, dtype):
 # ------------------------------------------------------------------------------- what runs here, and why
 
 
-def test_available_implementations_read_right():
+def test_available_implementations_read_right(cpu_machine):
     qw, x = _weight(), jnp.ones((2, 256), jnp.bfloat16)
     avail = nybble.kernels.available_implementations(x, qw)
     assert list(avail) == list(nybble.kernels.IMPLEMENTATIONS)
@@ -227,7 +236,7 @@ def test_available_implementations_read_right():
         assert nybble.kernels.available_implementations(x, qw)["mosaic_gpu"]
 
 
-def test_explain_says_what_runs_and_why():
+def test_explain_says_what_runs_and_why(cpu_machine):
     qw, x = _weight(), jnp.ones((16, 256), jnp.bfloat16)
     text = nybble.kernels.explain(x, qw)
     assert "runs 'xla' (implementation=None)" in text and "dequantized to x's dtype in the program" in text

@@ -126,16 +126,30 @@ def test_kernel_modules_hold_no_test_machinery():
     assert not {k: v for k, v in found.items() if v}
 
 
-def test_interpret_refuses_another_jax(monkeypatch):
+def test_interpret_refuses_a_jax_outside_the_range(monkeypatch):
     from nybble.kernels.mosaic_gpu import interpret as interp
 
-    interp.check_jax_version("0.11.2")
-    with pytest.raises(
-        RuntimeError, match=r"patches jax 0\.11\.2's .* this is jax 0\.12\.0: install jax==0\.11\.2"
-    ):
-        interp.check_jax_version("0.12.0")
-    monkeypatch.setattr(jax, "__version__", "0.12.0")
+    for inside in ("0.11.2", "0.12.0.1", "0.12.1"):
+        interp.check_jax_version(inside)
+    for outside in ("0.11.1", "0.13.0", "0.13.0.dev20270101", "1.0"):
+        with pytest.raises(
+            RuntimeError,
+            match=rf"patches private functions .* nybble supports jax>=0\.11\.2,<0\.13 \(tested with jax "
+            rf"0\.11\.2 and 0\.12\.0\.1\) and this is jax {re.escape(outside)}",
+        ):
+            interp.check_jax_version(outside)
+    monkeypatch.setattr(jax, "__version__", "0.13.0")
     qw = nybble.quantize(np.ones((128, 64), np.float32), group_size=64)
-    with pytest.raises(RuntimeError, match=r"this is jax 0\.12\.0"):
+    with pytest.raises(RuntimeError, match=r"this is jax 0\.13\.0"):
         with nybble.kernels.interpret():
             nybble.matmul(jnp.ones((8, 128), jnp.bfloat16), qw, implementation="mosaic_gpu")
+
+
+def test_interpret_refuses_an_interpreter_without_its_patch_targets(monkeypatch):
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    from nybble.kernels.mosaic_gpu import interpret as interp
+
+    monkeypatch.delattr(gpu_callbacks, "call_allocate_buffer")
+    with pytest.raises(RuntimeError, match=r"lacks gpu_callbacks\.call_allocate_buffer: install one of"):
+        interp.check_jax_version()

@@ -16,6 +16,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
+from nybble.jax_range import outside_reason
 from nybble.kernels.device import DEFAULT_NUM_SMS
 from nybble.kernels.mosaic_gpu.common import Problem
 from nybble.kernels.mosaic_gpu.config import TuningConfig, stores_any_rows, x_rows
@@ -36,9 +37,10 @@ def is_interpret_active() -> bool:
 def is_supported(x: Any, qw: QuantizedWeight) -> str | None:
     """None when the kernel can compute ``x @ dequantize(qw)``, else the reason it cannot (one sentence).
 
-    Says nothing about the device: the dispatcher checks for a Hopper GPU (or interpret mode).
+    Says nothing about the device: the dispatcher checks for a Hopper GPU (or interpret mode). Refuses
+    every argument under a jax outside nybble's range (``nybble.jax_range``).
     """
-    return weight_reason(qw) or x_reason(x, qw)
+    return outside_reason() or weight_reason(qw) or x_reason(x, qw)
 
 
 def weight_reason(qw: Any) -> str | None:
