@@ -7,11 +7,12 @@
 from nybble.checkpoint import load, save
 from nybble.ops import matmul, ragged_matmul
 from nybble.packing import pack_int4, unpack_int4
-from nybble.quant import QuantizedWeight, dequantize, quantize
+from nybble.quant import QuantFormat, QuantizedWeight, dequantize, quantize
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "QuantFormat",
     "QuantizedWeight",
     "__version__",
     "dequantize",
