@@ -25,7 +25,7 @@ from nybble.models.quant_plan import (
     report_skipped_general,
 )
 from nybble.models.rules import Decision, QuantRule, check_rules, decide, warn_unmatched
-from nybble.packing import check_group_size
+from nybble.quant.qformat import QuantFormat
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.rtn import quantize as quantize_weight
 
@@ -104,7 +104,7 @@ def quantize(
             "nybble.models.quantize: got a bare nnx.Linear; use QLinear.from_linear(linear) to quantize "
             "a single layer"
         )
-    fmt = dict(group_size=config.group_size, symmetric=config.symmetric, scale_dtype=config.scale_dtype)
+    fmt = config.format
     if isinstance(config, GPTQ | AutoRound):
         calibrated = quantize_gptq if isinstance(config, GPTQ) else quantize_autoround
         model, report = calibrated(
@@ -115,7 +115,7 @@ def quantize(
             progress=progress,
             verbose=False,
             return_report=True,
-            **fmt,
+            format=fmt,
             **config.options(),
         )
     else:
@@ -125,7 +125,7 @@ def quantize(
                 "methods only (GPTQ, AutoRound)"
             )
         planned, _ = plan_quantization(
-            model, rules=rules, group_size=config.group_size, symmetric=config.symmetric, warn=False
+            model, rules=rules, group_size=fmt.group_size, symmetric=fmt.symmetric, warn=False
         )
         stacks = expert_stacks(model)  # MoE expert stacks (nybble.models.moe): quantized per expert, stacked
         unmatched = warn_unmatched(
@@ -134,27 +134,13 @@ def quantize(
             "nnx.Linear layer or expert stack" if stacks else "nnx.Linear layer",
         )
         report = QuantizationReport(unmatched_rules=unmatched, method=config.name)
-        quantize_expert_stacks(
-            stacks,
-            rules,
-            group_size=config.group_size,
-            symmetric=config.symmetric,
-            scale_dtype=config.scale_dtype,
-            report=report,
-            **config.options(),
-        )
+        quantize_expert_stacks(stacks, rules, format=fmt, report=report, **config.options())
         for pl in tqdm(planned, desc="nybble: quantizing", unit="layer", disable=not progress, leave=False):
             d = pl.decision
             if not d.quantize:
                 report.add(pl.path, pl.shape, d, pl.nbytes)
                 continue
-            qweight = quantize_weight(
-                pl.linear.kernel[...],
-                group_size=d.group_size,
-                symmetric=d.symmetric,
-                scale_dtype=config.scale_dtype,
-                **config.options(),
-            )
+            qweight = quantize_weight(pl.linear.kernel[...], d.applied_to(fmt), **config.options())
             pl.replace(QLinear.from_linear(pl.linear, qweight=qweight))
             report.add(pl.path, pl.shape, d, pl.nbytes, qweight)
     report.config = config
@@ -205,7 +191,7 @@ def quantize_params(
             "quantize_params: calibration=, apply_fn= and options are only used by method='autoround'"
         )
     rules = check_rules(rules)
-    check_group_size(group_size)
+    fmt = QuantFormat(group_size=group_size, symmetric=symmetric, scale_dtype=scale_dtype)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(
         params, is_leaf=lambda x: isinstance(x, QuantizedWeight)
     )
@@ -230,7 +216,7 @@ def quantize_params(
             apply_fn,
             calibration,
             chosen,
-            scale_dtype=scale_dtype,
+            scale_dtype=fmt.scale_dtype,
             progress=progress,
             **method_options,
         )
@@ -242,9 +228,7 @@ def quantize_params(
             out[i] = (
                 qw
                 if qw is not None
-                else quantize_weight(
-                    leaf, group_size=d.group_size, symmetric=d.symmetric, scale_dtype=scale_dtype
-                )
+                else quantize_weight(leaf, d.applied_to(fmt))
             )
         report.add(path, leaf.shape, d, array_nbytes(leaf), out[i] if d.quantize else None)
     new = jax.tree_util.tree_unflatten(treedef, out)

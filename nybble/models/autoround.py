@@ -46,8 +46,8 @@ from nybble.models.rules import QuantRule
 from nybble.models.tune import float_logits, tune_group_params
 from nybble.quant.autoround import AutoRoundConfig, WeightSpec, autoround_block, block_loss, resolve_config
 from nybble.quant.gptq import gptq, hessian_from_inputs
+from nybble.quant.qformat import FIELDS, QuantFormat, with_fields
 from nybble.quant.refit import refit_group_params
-from nybble.quant.rtn import check_zero_point
 
 __all__ = ["autoround_params", "find_blocks", "quantize_autoround"]
 
@@ -121,15 +121,12 @@ def quantize_autoround(
     *,
     calibration: Any,
     rules: Sequence[QuantRule] | None = None,
-    group_size: int | None = 128,
-    symmetric: bool = True,
-    scale_dtype: Any = jnp.bfloat16,
+    format: QuantFormat | None = None,
     seq_len: int = 256,
     config: AutoRoundConfig | str = "default",
     start: str = "rtn",
     target: str = "float",
     refit_scales: bool = False,
-    zero_point: str = "float",
     forward: Callable[[nnx.Module, jax.Array], Any] | None = None,
     progress: bool = True,
     verbose: bool = False,
@@ -143,9 +140,13 @@ def quantize_autoround(
         every argument batched on axis 0 (``nybble.models.llama.Llama``).
       calibration: token ids, (batch, length) or a 1-D stream (cut into ``seq_len`` windows); every
         window is one calibration sample.
-      rules, group_size, symmetric, scale_dtype: layer selection and format, as ``nybble.models.quantize``.
+      rules: layer selection, as ``nybble.models.quantize``.
+      format: the stored format (``nybble.QuantFormat``; default ``QuantFormat()``); its fields may be
+        given as keywords instead (``group_size=``, ``symmetric=``, ``scale_dtype=``, ``zero_point=``:
+        "integer" gives asymmetric layers integer zero points, kept through learning and refits).
       config: an ``AutoRoundConfig`` or a preset name (``"default"``, ``"fast"``); ``**config_options``
-        override its fields (``steps=``, ``lr=``, ``batch_size=``, ``seed=``, ``end_to_end_epochs=``, ...).
+        (those not the format's) override its fields (``steps=``, ``lr=``, ``batch_size=``, ``seed=``,
+        ``end_to_end_epochs=``, ...).
         ``start="gptq", steps=0, end_to_end_epochs=4``: GPTQ's codes with end-to-end scales, the most
         accurate recipe measured at g128 symmetric (README, Accuracy).
       start: starting codes, ``"rtn"`` (round to nearest) or ``"gptq"``.
@@ -153,22 +154,23 @@ def quantize_autoround(
         block's output on the (quantized model's) inputs it receives.
       refit_scales: after learning, re-solve each layer's scales by least squares on the inputs it sees in
         the quantized block (``nybble.quant.refit``), kept only if the block's calibration loss drops.
-      zero_point: "integer" gives asymmetric layers integer zero points (``w = (u - z) * s``, what
-        compressed-tensors and GPTQ store; see ``nybble.quantize``), kept through learning and refits.
       forward, progress, verbose, return_report: as ``quantize_gptq``.
     """
     if calibration is None:
         raise ValueError(
             "quantize_autoround: method='autoround' needs calibration= token ids (e.g. the calib split)"
         )
-    check_zero_point(zero_point, "quantize_autoround")
+    fmt = with_fields(format, {k: v for k, v in config_options.items() if k in FIELDS}, "quantize_autoround")
+    config_options = {k: v for k, v in config_options.items() if k not in FIELDS}
     if start not in STARTS:
         raise ValueError(f"quantize_autoround: start must be one of {STARTS}, got {start!r}")
     if target not in TARGETS:
         raise ValueError(f"quantize_autoround: target must be one of {TARGETS}, got {target!r}")
     config = resolve_config(config, **config_options)
     ids = calibration_batches(calibration, seq_len)
-    planned, unmatched = plan_quantization(model, rules=rules, group_size=group_size, symmetric=symmetric)
+    planned, unmatched = plan_quantization(
+        model, rules=rules, group_size=fmt.group_size, symmetric=fmt.symmetric
+    )
     report = QuantizationReport(unmatched_rules=unmatched, method="autoround")
     chosen = [pl for pl in planned if pl.decision.quantize]
     blocks = find_blocks(model, chosen)
@@ -195,9 +197,9 @@ def quantize_autoround(
         for pl in block.layers:
             rel = pl.path[len(block.path) + 1 :]
             leaf = next(n for n in names if n.startswith(rel + ".kernel"))
-            weights[leaf] = WeightSpec(pl.decision.group_size, pl.decision.symmetric, zero_point)
+            weights[leaf] = WeightSpec.of(pl.decision.applied_to(fmt))
             by_leaf[leaf] = pl
-        starts = _gptq_start(block, args, by_leaf, scale_dtype, zero_point) if start == "gptq" else None
+        starts = _gptq_start(block, args, by_leaf, fmt) if start == "gptq" else None
         done = index * config.steps
 
         def callback(steps: int, loss: float) -> None:
@@ -213,12 +215,13 @@ def quantize_autoround(
             goal,
             config=dataclasses.replace(config, seed=config.seed + index),
             start=starts,
-            scale_dtype=scale_dtype,
+            scale_dtype=fmt.scale_dtype,
+            layout=fmt.layout,
             callback=callback,
         )
         chosen_weights, loss = dict(res.weights), res.loss
         if refit_scales:
-            refit = _refit_in_block(block, args, by_leaf, chosen_weights, zero_point)
+            refit = _refit_in_block(block, args, by_leaf, chosen_weights, fmt.zero_point)
             refit_loss = block_loss(apply, state, refit, list(args), goal, loss=config.loss)
             if refit_loss < loss:
                 chosen_weights, loss = refit, refit_loss
@@ -250,7 +253,7 @@ def quantize_autoround(
                 for pl in s.block.layers:
                     pl.replace(pl.linear)
         bar.close()
-    finish_report(report, planned, results, scale_dtype, missed="outside the calibrated blocks")
+    finish_report(report, planned, results, fmt, missed="outside the calibrated blocks")
     if teacher is not None:
         tuned = tune_group_params(
             model, ids, teacher, epochs=config.end_to_end_epochs, lr=config.end_to_end_lr,
@@ -303,23 +306,13 @@ def _refit_in_block(
 
 
 def _gptq_start(
-    block: _Block, args: tuple[Any, ...], by_leaf: dict[str, PlannedLayer], scale_dtype: Any,
-    zero_point: str = "float",
-) -> dict:  # fmt: skip
+    block: _Block, args: tuple[Any, ...], by_leaf: dict[str, PlannedLayer], fmt: QuantFormat
+) -> dict:
     """GPTQ codes for the block's Linear layers, each calibrated on its inputs inside the block."""
     found: dict[str, Any] = {}
 
     def quantize_layer(pl: PlannedLayer, x: jax.Array) -> QLinear:
-        d = pl.decision
-        qw = gptq(
-            pl.linear.kernel[...],
-            inputs=x,
-            group_size=d.group_size,
-            symmetric=d.symmetric,
-            scale_dtype=scale_dtype,
-            act_order=True,
-            zero_point=zero_point,
-        )
+        qw = gptq(pl.linear.kernel[...], inputs=x, format=pl.decision.applied_to(fmt), act_order=True)
         found[pl.path] = qw
         return QLinear.from_linear(pl.linear, qweight=qw)
 

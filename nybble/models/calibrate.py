@@ -30,6 +30,8 @@ from nybble.models.layers import QLinear
 from nybble.models.quant_plan import PlannedLayer, QuantizationReport, plan_quantization
 from nybble.models.rules import QuantRule
 from nybble.quant.gptq import gptq
+from nybble.quant.qformat import FIELDS, QuantFormat, with_fields
+from nybble.quant.rtn import quantize
 
 
 def calibration_batches(calibration: Any, seq_len: int = 256) -> jax.Array:
@@ -95,11 +97,12 @@ def finish_report(
     report: QuantizationReport,
     planned: Sequence[PlannedLayer],
     results: dict[str, QLinear | None],
-    scale_dtype: Any,
+    format: QuantFormat,
     missed: str = "not reached by the calibration forward pass",
 ) -> None:
     """Appends every planned layer to ``report``; a chosen layer whose result is None (never calibrated)
-    is quantized round-to-nearest in place now and reported with the reason ``missed``."""
+    is quantized round-to-nearest in place now, in ``format`` as its rules adjust it, and reported with the
+    reason ``missed``."""
     for pl in planned:
         d = pl.decision
         if not d.quantize:
@@ -107,9 +110,8 @@ def finish_report(
             continue
         result, reason = results.get(pl.path), ""
         if result is None:
-            result = QLinear.from_linear(
-                pl.linear, group_size=d.group_size, symmetric=d.symmetric, scale_dtype=scale_dtype
-            )
+            qweight = quantize(pl.linear.kernel[...], d.applied_to(format))
+            result = QLinear.from_linear(pl.linear, qweight=qweight)
             pl.replace(result)
             reason = f"{missed}: round-to-nearest"
         report.add(pl.path, pl.shape, d, pl.nbytes, result.weight, reason)
@@ -120,16 +122,14 @@ def quantize_gptq(
     *,
     calibration: Any,
     rules: Sequence[QuantRule] | None = None,
-    group_size: int | None = 128,
-    symmetric: bool = True,
-    scale_dtype: Any = jnp.bfloat16,
+    format: QuantFormat | None = None,
     seq_len: int = 256,
     act_order: bool = True,
     forward: Callable[[nnx.Module, jax.Array], Any] | None = None,
     progress: bool = True,
     verbose: bool = False,
     return_report: bool = False,
-    **gptq_kwargs: Any,
+    **options: Any,
 ) -> nnx.Module | tuple[nnx.Module, QuantizationReport]:
     """GPTQ-quantizes the ``nnx.Linear`` layers of ``model`` in place (see the module docstring).
 
@@ -137,7 +137,10 @@ def quantize_gptq(
       model: a Flax NNX model; its chosen ``nnx.Linear`` layers become ``QLinear``.
       calibration: token ids, (batch, length) or a 1-D stream (cut into ``seq_len`` windows). All of
         it goes through the model in one eager forward pass: a few thousand tokens is typical.
-      rules, group_size, symmetric, scale_dtype: layer selection and format, as ``nybble.models.quantize``.
+      rules: layer selection, as ``nybble.models.quantize``.
+      format: the stored format (``nybble.QuantFormat``; default ``QuantFormat()``); its fields may be
+        given as keywords instead (``group_size=``, ``symmetric=``, ``scale_dtype=``, ``zero_point=``...),
+        overriding ``format``'s. Every layer and expert gets it, calibrated or not, as the rules adjust it.
       seq_len: window length when ``calibration`` is a 1-D stream.
       act_order: quantize each layer's inputs by decreasing Hessian diagonal, with static groups (see
         ``nybble.quant.gptq``): free at run time (a natural-order ``QuantizedWeight``) and clearly
@@ -148,17 +151,23 @@ def quantize_gptq(
       progress: a tqdm bar over the layers as they are quantized.
       verbose: print the report summary.
       return_report: return ``(model, report)``.
-      **gptq_kwargs: passed to :func:`nybble.quant.gptq.gptq` (``refit_scales``, on by default: least-squares
-        scales for the chosen codes; ``damp``, ``block_size``, ``static_groups``, ``clip_search``).
+      **options: the format's fields (above), and options of :func:`nybble.quant.gptq.gptq`
+        (``refit_scales``, on by default: least-squares scales for the chosen codes; ``damp``,
+        ``block_size``, ``static_groups``, ``clip_search``).
     """
     if calibration is None:
         raise ValueError("quantize_gptq: method='gptq' needs calibration= token ids (e.g. the calib split)")
-    allowed = {"damp", "block_size", "static_groups", "clip_search", "refit_scales", "zero_point"}
-    bad = set(gptq_kwargs) - allowed
+    allowed = {"damp", "block_size", "static_groups", "clip_search", "refit_scales", *FIELDS}
+    bad = set(options) - allowed
     if bad:
         raise TypeError(f"quantize_gptq: unexpected keyword argument(s) {sorted(bad)}")
+    fmt = with_fields(format, {k: v for k, v in options.items() if k in FIELDS}, "quantize_gptq")
+    gptq_kwargs = {k: v for k, v in options.items() if k not in FIELDS}
+    gptq_kwargs["act_order"] = act_order
     ids = calibration_batches(calibration, seq_len)
-    planned, unmatched = plan_quantization(model, rules=rules, group_size=group_size, symmetric=symmetric)
+    planned, unmatched = plan_quantization(
+        model, rules=rules, group_size=fmt.group_size, symmetric=fmt.symmetric
+    )
     report = QuantizationReport(unmatched_rules=unmatched, method="gptq")
     chosen = [pl for pl in planned if pl.decision.quantize]
     bar = tqdm(total=len(chosen), desc="nybble: GPTQ", unit="layer", disable=not progress, leave=False)
@@ -166,23 +175,13 @@ def quantize_gptq(
 
     def quantize_layer(pl: PlannedLayer, x: jax.Array) -> QLinear:
         d = pl.decision
-        qw = gptq(
-            pl.linear.kernel[...],
-            inputs=x,
-            group_size=d.group_size,
-            symmetric=d.symmetric,
-            scale_dtype=scale_dtype,
-            act_order=act_order,
-            **gptq_kwargs,
-        )
+        qw = gptq(pl.linear.kernel[...], inputs=x, format=d.applied_to(fmt), **gptq_kwargs)
         bar.set_postfix_str(pl.path, refresh=False)
         bar.update()
         return QLinear.from_linear(pl.linear, qweight=qw)
 
     # MoE expert stacks (nybble.models.moe): GPTQ per expert on the tokens routed to it, in the same pass.
-    expert_captures = _install_expert_captures(
-        model, rules, group_size, symmetric, scale_dtype, act_order, gptq_kwargs
-    )
+    expert_captures = _install_expert_captures(model, rules, fmt, gptq_kwargs)
     start = time.perf_counter()
     try:
         captures = capture_pass(chosen, quantize_layer, lambda: (forward or _default_forward)(model, ids))
@@ -193,8 +192,8 @@ def quantize_gptq(
                 setattr(c.parent, c.attr, c.experts)
     elapsed = time.perf_counter() - start
 
-    _report_experts(report, expert_captures, scale_dtype)
-    finish_report(report, planned, {c.planned.path: c.result for c in captures}, scale_dtype)
+    _report_experts(report, expert_captures)
+    finish_report(report, planned, {c.planned.path: c.result for c in captures}, fmt)
     if verbose:
         print(report.summary())
         print(f"  GPTQ calibration: {tokens} tokens ({ids.shape[0]} x {ids.shape[1]}), {elapsed:.1f} s")
@@ -202,8 +201,7 @@ def quantize_gptq(
 
 
 def _install_expert_captures(
-    model: nnx.Module, rules: Any, group_size: int | None, symmetric: bool, scale_dtype: Any, act_order: bool,
-    gptq_kwargs: dict[str, Any],
+    model: nnx.Module, rules: Any, fmt: QuantFormat, gptq_kwargs: dict[str, Any]
 ) -> list[Any]:
     """An ``ExpertCapture`` in place of every float expert stack the rules choose; the others' decisions
     are recorded on the returned list (``.result`` None and ``.decision.quantize`` False)."""
@@ -214,16 +212,17 @@ def _install_expert_captures(
     for path, parent, attr, module in expert_stacks(model):
         if not isinstance(module, Experts):
             continue
-        d = decide(path, num_weights(module), check_rules(rules), group_size=group_size, symmetric=symmetric)
-        options = dict(act_order=act_order, **gptq_kwargs)
-        c = ExpertCapture(path, parent, attr, module, d, scale_dtype, options)
+        d = decide(
+            path, num_weights(module), check_rules(rules), group_size=fmt.group_size, symmetric=fmt.symmetric
+        )
+        c = ExpertCapture(path, parent, attr, module, d, d.applied_to(fmt), gptq_kwargs)
         if d.quantize:
             setattr(parent, attr, c)
         out.append(c)
     return out
 
 
-def _report_experts(report: QuantizationReport, captures: Sequence[Any], scale_dtype: Any) -> None:
+def _report_experts(report: QuantizationReport, captures: Sequence[Any]) -> None:
     """Records each expert stack; one the pass never reached is rounded to nearest now."""
     from nybble.models.moe import QExperts
     from nybble.models.quant_plan import array_nbytes
@@ -235,10 +234,7 @@ def _report_experts(report: QuantizationReport, captures: Sequence[Any], scale_d
             continue
         reason = ""
         if c.result is None:
-            d = c.decision
-            c.result = QExperts.from_experts(
-                c.experts, group_size=d.group_size, symmetric=d.symmetric, scale_dtype=scale_dtype
-            )
+            c.result = QExperts.from_experts(c.experts, c.format)
             setattr(c.parent, c.attr, c.result)
             reason = "not reached by the calibration forward pass: round-to-nearest"
         elif c.unrouted:

@@ -16,30 +16,39 @@ import inspect
 import json
 from typing import Any, ClassVar
 
-import numpy as np
-
 from nybble.models.autoround import STARTS, TARGETS
-from nybble.packing import check_group_size
 from nybble.quant.autoround import PRESETS, AutoRoundConfig, resolve_config
 from nybble.quant.gptq import gptq
-from nybble.quant.qweight import SCALE_DTYPES
-from nybble.quant.rtn import check_zero_point
+from nybble.quant.qformat import FIELDS, QuantFormat
 
 _GPTQ = inspect.signature(gptq).parameters
 
 
-def _check_common(name: str, group_size: Any, symmetric: Any, scale_dtype: Any) -> str:
-    check_group_size(group_size)
-    if not isinstance(symmetric, bool):
-        raise TypeError(f"{name}: symmetric must be True or False, got {symmetric!r}")
-    dtype = np.dtype(scale_dtype).name
-    if dtype not in SCALE_DTYPES:
-        raise ValueError(f"{name}: scale_dtype must be one of {SCALE_DTYPES}, got {dtype!r}")
-    return dtype
+class _Formatted:
+    """A method config's weight format: the :class:`QuantFormat` built from those of its fields that are
+    the format's (group size, symmetry, zero point, scale dtype...), so every field the format gains is
+    carried to ``quantize`` without being named on the way."""
+
+    name: ClassVar[str]
+
+    @property
+    def format(self) -> QuantFormat:
+        """The stored format of every layer this config quantizes (before per-layer rules)."""
+        return QuantFormat(**{f: getattr(self, f) for f in FIELDS if hasattr(self, f)})
+
+    def _check_format(self) -> None:
+        """Validates the format fields (errors named after the method) and stores the scale dtype by name."""
+        if not isinstance(self.symmetric, bool):
+            raise TypeError(f"{type(self).__name__}: symmetric must be True or False, got {self.symmetric!r}")
+        try:
+            fmt = self.format
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{type(self).__name__}: {e}") from None
+        object.__setattr__(self, "scale_dtype", fmt.scale_dtype)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RTN:
+class RTN(_Formatted):
     """Round to nearest: no calibration data, seconds for a small LLM."""
 
     name: ClassVar[str] = "rtn"
@@ -56,18 +65,15 @@ class RTN:
     clip_search: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "scale_dtype", _check_common("RTN", self.group_size, self.symmetric, self.scale_dtype)
-        )
-        check_zero_point(self.zero_point, "RTN")
+        self._check_format()
 
     def options(self) -> dict[str, Any]:
-        """Keyword arguments of the method's own function beyond group size, symmetry and scale dtype."""
-        return {"clip_search": self.clip_search, "zero_point": self.zero_point}
+        """Keyword arguments of the method's own function beyond its ``format``."""
+        return {"clip_search": self.clip_search}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GPTQ:
+class GPTQ(_Formatted):
     """GPTQ, layer by layer on calibration data (``nybble.models.calibrate.quantize_gptq``)."""
 
     name: ClassVar[str] = "gptq"
@@ -92,10 +98,7 @@ class GPTQ:
     seq_len: int = 256
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "scale_dtype", _check_common("GPTQ", self.group_size, self.symmetric, self.scale_dtype)
-        )
-        check_zero_point(self.zero_point, "GPTQ")
+        self._check_format()
         if not (isinstance(self.damp, float | int) and 0 < self.damp < 1):
             raise ValueError(f"GPTQ: damp must be a float in (0, 1), got {self.damp!r}")
         for field in ("block_size", "seq_len"):
@@ -104,7 +107,7 @@ class GPTQ:
                 raise ValueError(f"GPTQ: {field} must be an int >= 1, got {value!r}")
 
     def options(self) -> dict[str, Any]:
-        """Keyword arguments of ``quantize_gptq`` beyond group size, symmetry and scale dtype."""
+        """Keyword arguments of ``quantize_gptq`` beyond its ``format``."""
         fields = (
             "act_order",
             "refit_scales",
@@ -113,13 +116,12 @@ class GPTQ:
             "static_groups",
             "clip_search",
             "seq_len",
-            "zero_point",
         )
         return {f: getattr(self, f) for f in fields}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class AutoRound:
+class AutoRound(_Formatted):
     """Learned rounding block by block (``nybble.models.autoround.quantize_autoround``).
 
     ``AutoRound(start="gptq", config=AutoRoundConfig(steps=0, end_to_end_epochs=4))`` is GPTQ's codes with
@@ -143,10 +145,7 @@ class AutoRound:
     seq_len: int = 256
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "scale_dtype", _check_common("AutoRound", self.group_size, self.symmetric, self.scale_dtype)
-        )
-        check_zero_point(self.zero_point, "AutoRound")
+        self._check_format()
         if isinstance(self.config, str) and self.config not in PRESETS:
             raise ValueError(f"AutoRound: unknown preset {self.config!r}; presets are {sorted(PRESETS)}")
         object.__setattr__(self, "config", resolve_config(self.config))
@@ -158,8 +157,8 @@ class AutoRound:
             raise ValueError(f"AutoRound: seq_len must be an int >= 1, got {self.seq_len!r}")
 
     def options(self) -> dict[str, Any]:
-        """Keyword arguments of ``quantize_autoround`` beyond group size, symmetry and scale dtype."""
-        fields = ("config", "start", "target", "refit_scales", "seq_len", "zero_point")
+        """Keyword arguments of ``quantize_autoround`` beyond its ``format``."""
+        fields = ("config", "start", "target", "refit_scales", "seq_len")
         return {f: getattr(self, f) for f in fields}
 
 

@@ -30,6 +30,7 @@ from flax import nnx
 from nybble.kernels.backends import Implementation
 from nybble.models.layers import QuantizedParam
 from nybble.ops import ragged_matmul
+from nybble.quant.qformat import QuantFormat
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.rtn import quantize
 from nybble.quant.stacked import check_stacked
@@ -135,23 +136,17 @@ class QExperts(nnx.Module):
     def from_experts(
         cls,
         experts: Experts,
+        format: QuantFormat | None = None,
         *,
-        group_size: int | None = 128,
-        symmetric: bool = True,
-        scale_dtype: Any = jnp.bfloat16,
         qweight: QuantizedWeight | None = None,
         implementation: Implementation | None = None,
-        **options: Any,
+        clip_search: bool = False,
+        **fields: Any,
     ) -> QExperts:
-        """An :class:`Experts` stack rounded to nearest, each expert on its own (or wraps ``qweight``)."""
+        """An :class:`Experts` stack rounded to nearest, each expert on its own, in ``format`` (or its
+        fields as keywords, as ``nybble.quantize``); or wraps the given stacked ``qweight``."""
         if qweight is None:
-            qweight = quantize(
-                experts.kernel[...],
-                group_size=group_size,
-                symmetric=symmetric,
-                scale_dtype=scale_dtype,
-                **options,
-            )
+            qweight = quantize(experts.kernel[...], format, clip_search=clip_search, **fields)
         return cls(qweight, implementation=implementation)
 
     @property
@@ -250,18 +245,18 @@ def quantize_expert_stacks(
     stacks: list[tuple[str, Any, str, Experts | QExperts]],
     rules: Any,
     *,
-    group_size: int | None,
-    symmetric: bool,
-    scale_dtype: Any,
+    format: QuantFormat,
     report: Any,
-    **options: Any,
+    clip_search: bool = False,
 ) -> None:
-    """Round-to-nearest of every float :class:`Experts` in ``stacks`` the rules choose, in place (each
-    becomes a :class:`QExperts`), recorded in ``report`` (a ``QuantizationReport``)."""
+    """Round-to-nearest of every float :class:`Experts` in ``stacks`` the rules choose, in ``format`` as
+    the rules adjust it, in place (each becomes a :class:`QExperts`), recorded in ``report`` (a
+    ``QuantizationReport``)."""
     from nybble.models.quant_plan import array_nbytes
     from nybble.models.rules import check_rules, decide
 
     rules = check_rules(rules)
+    group_size, symmetric = format.group_size, format.symmetric
     for path, parent, attr, module in stacks:
         if not isinstance(module, Experts):
             continue  # already int4
@@ -270,9 +265,7 @@ def quantize_expert_stacks(
         if not d.quantize:
             report.add(path, shape, d, array_nbytes(module.kernel))
             continue
-        new = QExperts.from_experts(
-            module, group_size=d.group_size, symmetric=d.symmetric, scale_dtype=scale_dtype, **options
-        )
+        new = QExperts.from_experts(module, d.applied_to(format), clip_search=clip_search)
         setattr(parent, attr, new)
         report.add(path, shape, d, array_nbytes(module.kernel), new.weight)
 
@@ -281,8 +274,9 @@ class ExpertCapture:
     """Stands in for one float :class:`Experts` during a GPTQ calibration pass (``nybble.models.calibrate``).
 
     On its first call (eager: the rows and group sizes are concrete) each expert is GPTQ-quantized on the
-    rows routed to it (its own Hessian); an expert no calibration token reached is rounded to nearest.
-    The stack becomes a :class:`QExperts` in the model, which computes this call's output.
+    rows routed to it (its own Hessian); an expert no calibration token reached is rounded to nearest, in
+    the same ``format``. The stack becomes a :class:`QExperts` in the model, which computes this call's
+    output.
     """
 
     def __init__(
@@ -292,11 +286,11 @@ class ExpertCapture:
         attr: str,
         experts: Experts,
         decision: Any,
-        scale_dtype: Any,
+        format: QuantFormat,
         gptq_options: dict[str, Any],
     ) -> None:
         self.path, self.parent, self.attr, self.experts = path, parent, attr, experts
-        self.decision, self.scale_dtype, self.gptq_options = decision, scale_dtype, gptq_options
+        self.decision, self.format, self.gptq_options = decision, format, gptq_options
         self.result: QExperts | None = None
         self.unrouted: list[int] = []
 
@@ -305,18 +299,17 @@ class ExpertCapture:
             from nybble.quant.gptq import gptq
             from nybble.quant.stacked import stack_weights
 
-            d, w = self.decision, self.experts.kernel[...]
+            fmt, w = self.format, self.experts.kernel[...]
             sizes = np.asarray(group_sizes)
             starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
             weights = []
             for e, (start, size) in enumerate(zip(starts, sizes, strict=True)):
-                options = dict(group_size=d.group_size, symmetric=d.symmetric, scale_dtype=self.scale_dtype)
                 if size == 0:
                     self.unrouted.append(e)
-                    weights.append(quantize(w[e], **options))
+                    weights.append(quantize(w[e], fmt))
                     continue
                 weights.append(
-                    gptq(w[e], inputs=x[int(start) : int(start + size)], **options, **self.gptq_options)
+                    gptq(w[e], inputs=x[int(start) : int(start + size)], format=fmt, **self.gptq_options)
                 )
             self.result = QExperts(stack_weights(weights))
             setattr(self.parent, self.attr, self.result)

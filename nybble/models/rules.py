@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Sequence
 
 from nybble.packing import check_group_size
+from nybble.quant.qformat import QuantFormat
 
 
 class _Inherit(enum.Enum):
@@ -76,6 +77,10 @@ class Decision:
     symmetric: bool = True
     reason: str = ""
     rule: QuantRule | None = None
+
+    def applied_to(self, fmt: QuantFormat) -> QuantFormat:
+        """``fmt`` with this layer's group size and symmetry (a rule may change them); all else kept."""
+        return fmt.replace(group_size=self.group_size, symmetric=self.symmetric)
 
 
 def decide(

@@ -47,14 +47,9 @@ from nybble.packing import (
     pad_to,
     padded_weight_dims,
 )
+from nybble.quant.qformat import QuantFormat, check_scale_dtype, check_zero_point
 from nybble.quant.qweight import QuantizedWeight, dequantize
-from nybble.quant.rtn import (
-    check_scale_dtype,
-    check_weight,
-    check_zero_point,
-    group_params,
-    integer_zero_factor,
-)
+from nybble.quant.rtn import check_weight, group_params, integer_zero_factor
 
 __all__ = [
     "PRESETS",
@@ -161,6 +156,11 @@ class WeightSpec:
     symmetric: bool = True
     zero_point: str = "float"
 
+    @classmethod
+    def of(cls, fmt: QuantFormat) -> WeightSpec:
+        """The spec of a weight stored in ``fmt`` (its scale dtype and layout are the block's)."""
+        return cls(fmt.group_size, fmt.symmetric, fmt.zero_point)
+
 
 @dataclasses.dataclass(frozen=True)
 class AutoRoundResult:
@@ -207,8 +207,13 @@ def _start(
     wg = pad_to(w.astype(jnp.float32), (rows, shp.n_pad)).reshape(shp.ng, shp.g, shp.n_pad)
     valid = (jnp.arange(rows) < shp.k).reshape(shp.ng, shp.g, 1)
     if start is None:
-        zero_point = "integer" if shp.integer else "float"
-        scales, offsets = group_params(wg, valid, shp.symmetric, scale_dtype, zero_point=zero_point)
+        fmt = QuantFormat(
+            group_size=shp.group_size,
+            symmetric=shp.symmetric,
+            zero_point="integer" if shp.integer else "float",
+            scale_dtype=scale_dtype,
+        )
+        scales, offsets = group_params(wg, valid, fmt)
         v0 = jnp.zeros_like(wg)
     else:
         scales, offsets = start.scales, start.offsets

@@ -835,10 +835,14 @@ class CompressedTensorsWriter(HFWriter):
                 },
                 "input_activations": None, "output_activations": None, "format": "pack-quantized",
             }  # fmt: skip
+        # As llm-compressor: every Linear left in float is named, and lm_head always unless it was written
+        # in int4 (a tied lm_head has no tensor of its own, but transformers would wrap it as a compressed
+        # Linear and break the tie: the load fails).
+        ignore = sorted(set(ignore) | ({"lm_head"} - set(self.layers)))
         # The keys compressed-tensors 0.20's ModelCompressor.update_config writes.
         config = {
             "quant_method": "compressed-tensors", "format": "pack-quantized",
-            "quantization_status": "compressed", "config_groups": groups, "ignore": list(ignore),
+            "quantization_status": "compressed", "config_groups": groups, "ignore": ignore,
             "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {},
             "global_compression_ratio": None, "moe_sparsity_config": None,
         }  # fmt: skip
