@@ -5,7 +5,8 @@
 Loads SmolLM2-135M (``--model tiny-random`` for a smoke run), quantizes a copy round-to-nearest
 (``nybble.models.quantize``; ``nybble.matmul`` takes the Mosaic GPU kernel on a Hopper GPU, XLA elsewhere)
 and, for each batch size, runs equal-length prompts through one prefill and a jitted KV-cache decode loop
-(``nybble.models.evaluate.prefill_last`` / ``decode_loop``, no early stop). After a compile-and-warm-up run,
+(``nybble.models.evaluate.measure.prefill_last`` / ``decode_loop``, no early stop). After a
+compile-and-warm-up run,
 both are timed separately; decode tokens/s = batch * decode steps / median decode-loop time. Activations
 are bf16 on a GPU, float32 on the CPU (``--dtype``). Before the timings mean anything the outputs are
 checked: finite logits, and the fraction of greedy tokens where int4 agrees with float is reported.
@@ -66,7 +67,8 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def measure_decode(model: Any, prompts: np.ndarray, new_tokens: int, *, repeats: int = 3) -> dict[str, Any]:
-    """Prefill and decode timings of ``model`` (a ``nybble.models.llama.Llama``) on ``prompts`` (batch, L).
+    """Prefill and decode timings of ``model`` (a ``nybble.models.definitions.llama.Llama``) on ``prompts``
+    (batch, L).
 
     One untimed run compiles and warms up; then ``repeats`` timed runs of the prefill (the whole prompt
     into a new cache) and, separately, of the decode loop (``new_tokens`` decode steps, one token per row
@@ -75,7 +77,7 @@ def measure_decode(model: Any, prompts: np.ndarray, new_tokens: int, *, repeats:
     """
     from flax import nnx
 
-    from nybble.models.evaluate import decode_loop, prefill_last
+    from nybble.models.evaluate.measure import decode_loop, prefill_last
 
     prompts = np.asarray(prompts, np.int32)
     if prompts.ndim != 2 or prompts.size == 0:
@@ -323,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         from flax import nnx
 
         from nybble.models import eval_text, quantize
-        from nybble.models.zoo import load_named
+        from nybble.models.evaluate.zoo import load_named
 
         float_model, tokenizer = load_named(args.model, dtype)
     except ImportError as e:

@@ -26,8 +26,8 @@ from nybble import models
 from nybble.checkpoint import read_metadata
 from nybble.kernels import backends, device
 from nybble.kernels.ops.matmul.xla import xla_matmul
-from nybble.models.methods import AutoRound, get_quantization
-from nybble.models.zoo import load_named
+from nybble.models.evaluate.zoo import load_named
+from nybble.models.quantization.methods import AutoRound, get_quantization
 from nybble.quant.autoround import AutoRoundConfig
 from tests.kernel_checks import assert_within_rounding
 
@@ -76,7 +76,7 @@ def test_strings_stay_shorthand_for_the_same_configs():
     with pytest.raises(ValueError, match="unknown method 'awq'"):
         models.quantize(_tiny(), "awq")
     # AutoRoundConfig's fields ride along with the shorthand, as before.
-    from nybble.models.methods import method_config
+    from nybble.models.quantization.methods import method_config
 
     assert method_config("autoround", steps=7, start="gptq") == AutoRound(
         config=AutoRoundConfig(steps=7), start="gptq"

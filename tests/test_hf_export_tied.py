@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from nybble import models
-from nybble.models.layers import QLinear
+from nybble.models.definitions.layers import QLinear
 
 ROOT = Path(__file__).resolve().parent.parent
 D = ROOT / "tests" / "fixtures" / "quant" / "ct_tied_export"

@@ -19,10 +19,10 @@ from flax import nnx
 
 import nybble
 from nybble import models
-from nybble.models.hf.pretrained import from_pretrained
-from nybble.models.hf.save import save_pretrained
-from nybble.models.layers import QLinear
-from nybble.models.moe import QExperts
+from nybble.models.definitions.layers import QLinear
+from nybble.models.definitions.moe import QExperts
+from nybble.models.io.hf.pretrained import from_pretrained
+from nybble.models.io.hf.save import save_pretrained
 from nybble.quant.gptq import gptq
 from nybble.quant.qformat import QuantFormat
 from nybble.quant.stacked import unstack_weight

@@ -18,7 +18,7 @@ import nybble
 from bench.kernel_xray import hlo
 from nybble.kernels import mosaic_gpu
 from nybble.kernels.mosaic_gpu.dense import SUPPORTED_LAYOUTS
-from nybble.models.placement import ShardRule, array_spec, decide
+from nybble.models.placement.shard import ShardRule, array_spec, decide
 from nybble.packing import LAYOUTS, get_layout
 from nybble.sharding import (
     SPLITS,

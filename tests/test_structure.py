@@ -43,6 +43,59 @@ def test_lower_layers_never_import_upper_ones(package):
     assert not {k: v for k, v in bad.items() if v}
 
 
+# nybble/models/ by role, each folder importing only the roles below it (a lazy import counts too).
+MODEL_ROLES_BELOW = {
+    "definitions": (),
+    "quantization": ("definitions",),
+    "placement": ("definitions", "quantization"),
+    "io": ("definitions", "quantization", "placement"),
+    "evaluate": ("definitions", "io"),
+}
+
+
+@pytest.mark.parametrize("role", list(MODEL_ROLES_BELOW))
+def test_model_roles_import_only_the_roles_below(role):
+    """The model definitions import no quantization pass, reader, writer, placement or evaluation; the
+    quantization passes no reader or writer; and no file under ``nybble/models/`` imports the package face
+    (``nybble.models``) or ``nybble`` itself: arrows from below point at the module that defines a name."""
+    models = ROOT / "nybble" / "models"
+    assert sorted(p.name for p in models.iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(
+        MODEL_ROLES_BELOW
+    )
+    assert sorted(p.name for p in models.glob("*.py")) == ["__init__.py"]  # every module sits in its role
+    allowed = {role, *MODEL_ROLES_BELOW[role]}
+    files = list((models / role).rglob("*.py"))
+    assert files
+    bad = {}
+    for path in files:
+        for m in _nybble_imports(path):
+            parts = m.split(".")
+            if m in ("nybble", "nybble.models") or (
+                parts[:2] == ["nybble", "models"] and parts[2] not in allowed
+            ):
+                bad.setdefault(str(path.relative_to(ROOT)), []).append(m)
+    assert not bad
+
+
+def test_model_modules_import_nybble_at_the_top():
+    """Imports of nybble modules under ``nybble/models/`` sit at the top of the file, where they show the
+    arrows (none breaks a cycle: the roles' order has none); only ``__init__``'s missing-extra message is
+    imported where the error is raised."""
+    nested = []
+    for path in (ROOT / "nybble" / "models").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            is_import = isinstance(node, ast.Import | ast.ImportFrom)
+            if is_import and id(node) not in top and any(m.startswith("nybble") for m in _names(node)):
+                nested.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert nested == ["nybble/models/__init__.py:13"]
+
+
+def _names(node: ast.Import | ast.ImportFrom) -> list[str]:
+    return [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+
+
 SEAM = {
     "unsupported": ["x", "qw"],
     "not_here": [],

@@ -22,7 +22,8 @@ lower, so the returned weights never do worse than the start on the calibration 
 
 Entry points: :func:`autoround_block` (any ``apply_fn(params, *inputs)`` and a params pytree: the engine),
 :func:`autoround` (one (K, N) weight and its inputs, ``y = x @ w``), and ``nybble.models.quantize(...,
-method="autoround", calibration=ids)`` (every block of an NNX model in turn, see ``nybble.models.autoround``).
+method="autoround", calibration=ids)`` (every block of an NNX model in turn, see
+``nybble.models.quantization.autoround``).
 Everything is deterministic given ``seed``: the mini-batch order is drawn from it and nothing else is random.
 """
 
@@ -101,7 +102,7 @@ class AutoRoundConfig:
     chunk: int = 25
     # Whole models only (``nybble.models.quantize``): after the blocks, passes over the calibration windows
     # tuning every group's scale (and offset) against the float model's logits, codes fixed
-    # (``nybble.models.tune``; 0: none), and that stage's starting step.
+    # (``nybble.models.quantization.tune``; 0: none), and that stage's starting step.
     end_to_end_epochs: int = 0
     end_to_end_lr: float = 3e-3
 

@@ -8,7 +8,7 @@ Rotary embeddings use the Hugging Face ("rotate half") convention; GGUF checkpoi
 
 One decoder for the Llama family: the switches of :class:`LlamaConfig` cover what Llama 2/3/3.1/3.2,
 Mistral, Qwen2 and Qwen3 differ by (q/k/v biases, q/k RMSNorm over head_dim, head_dim, Llama 3 rope
-scaling, a sliding attention window, the tied LM head). ``nybble.models.hf.config`` maps config.json to it.
+scaling, a sliding attention window, the tied LM head). ``nybble.models.io.hf.config`` maps config.json to it.
 
 KV-cache decoding: ``cache = model.init_cache(batch, max_len)``, then
 ``logits, cache = model.prefill(ids, cache)`` and ``logits, cache = model.decode_step(next_ids, cache, pos)``
@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from nybble.models.definitions.moe import MoE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,7 +83,8 @@ class LlamaConfig:
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
     # Mixture of experts (Mixtral, Qwen3-MoE): the routed experts of the MoE layers
-    # (nybble.models.moe.MoEConfig), and which layers have them (None: every layer); the others keep
+    # (nybble.models.definitions.moe.MoEConfig), and which layers have them (None: every layer); the others
+    # keep
     # the dense SwiGLU of intermediate_size.
     moe: Any = None
     moe_layers: tuple[int, ...] | None = None
@@ -286,9 +289,7 @@ class Block(nnx.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_eps, param_dtype=dtype)
         self.attn = Attention(cfg, rngs=rngs, dtype=dtype)
         self.post_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_eps, param_dtype=dtype)
-        if cfg.is_moe_layer(layer):  # nybble.models.moe: router, experts (and shared experts)
-            from nybble.models.moe import MoE
-
+        if cfg.is_moe_layer(layer):  # nybble.models.definitions.moe: router, experts (and shared experts)
             self.mlp: Any = MoE(cfg.moe, rngs=rngs, dtype=dtype)
         else:
             self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from nybble.models.layers import QLinear
-from nybble.models.rules import Decision, QuantRule, check_rules, decide, warn_unmatched
+from nybble.models.definitions.layers import QLinear
+from nybble.models.quantization.rules import Decision, QuantRule, check_rules, decide, warn_unmatched
 from nybble.packing import check_group_size
 from nybble.quant.autoround import key_path_str as path_str
 from nybble.quant.qweight import QuantizedWeight
@@ -43,7 +43,7 @@ class QuantizationReport:
     layers: list[LayerReport] = dataclasses.field(default_factory=list)
     unmatched_rules: list[QuantRule] = dataclasses.field(default_factory=list)
     method: str = "rtn"
-    # The method's frozen config (nybble.models.methods), set by nybble.models.quantize.
+    # The method's frozen config (nybble.models.quantization.methods), set by nybble.models.quantize.
     config: Any = None
 
     @property

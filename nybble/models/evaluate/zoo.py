@@ -13,7 +13,8 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from nybble.models.llama import Llama, LlamaConfig
+from nybble.models.definitions.llama import Llama, LlamaConfig
+from nybble.models.io import smollm2
 
 
 class _Encoding:
@@ -73,8 +74,6 @@ def tiny_random(dtype: Any = jnp.float32, seed: int = 0) -> tuple[Llama, ByteTok
 
 
 def _smollm2(dtype: Any = jnp.float32) -> tuple[Llama, Any]:
-    from nybble.models import smollm2
-
     return smollm2.load(dtype)
 
 

@@ -11,8 +11,8 @@ import numpy as np
 from flax import nnx
 
 from nybble.extras import require
-from nybble.models.gguf_file import GGUFFile, read_gguf
-from nybble.models.llama import Llama, LlamaConfig
+from nybble.models.definitions.llama import Llama, LlamaConfig
+from nybble.models.io.gguf_file import GGUFFile, read_gguf
 
 
 def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
@@ -30,7 +30,7 @@ def read_config(reader: GGUFFile) -> LlamaConfig:
     if arch != "llama":
         raise ValueError(f"expected a llama-architecture GGUF, got {arch!r}")
     names = {t.name for t in reader.tensors}
-    # Numbers-changing RoPE variants are refused, as for config.json (nybble.models.hf.config): llama.cpp
+    # Numbers-changing RoPE variants are refused, as for config.json (nybble.models.io.hf.config): llama.cpp
     # stores Llama 3.1's scaled frequencies as a rope_freqs tensor, other variants as rope.scaling fields.
     scaling = reader.fields.get("llama.rope.scaling.type")
     if scaling not in (None, "none"):
@@ -156,7 +156,7 @@ def build_tokenizer(reader: GGUFFile) -> Any:
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
-    """``path``'s metadata and tensors (:func:`nybble.models.gguf_file.read_gguf`)."""
+    """``path``'s metadata and tensors (:func:`nybble.models.io.gguf_file.read_gguf`)."""
     require("gguf", "reading GGUF files")
     return read_gguf(path)
 

@@ -10,10 +10,18 @@ import jax
 from flax import nnx
 
 from nybble.checkpoint import Header, load, read_header_of, save
-from nybble.models.layers import QLinear
-from nybble.models.methods import ATTRIBUTE, describe, from_description, get_quantization, to_json
-from nybble.models.moe import Experts
+from nybble.models.definitions.layers import QLinear
+from nybble.models.definitions.moe import Experts, QExperts
+from nybble.models.placement.shard import checkpoint_placement
+from nybble.models.quantization.methods import (
+    ATTRIBUTE,
+    describe,
+    from_description,
+    get_quantization,
+    to_json,
+)
 from nybble.quant.qweight import QuantizedWeight
+from nybble.quant.stacked import num_experts
 from nybble.sharding import ShardedWeight
 
 
@@ -98,8 +106,6 @@ def load_model(
     if mesh is None:
         state_dict = load(path)
     else:
-        from nybble.models.placement import checkpoint_placement
-
         state_dict = load(path, placement=checkpoint_placement(model, mesh, axis=axis, rules=rules))
     if not isinstance(state_dict, dict):
         raise ValueError(f"load_model: {path} does not hold a model state dict")
@@ -154,9 +160,6 @@ def load_model(
 
 def _load_experts(state_dict: Any, modules: dict, p: tuple[Any, ...], m: Any) -> None:
     """Puts a ``QExperts`` where a float expert stack is, when its checkpoint entry is a stacked weight."""
-    from nybble.models.moe import QExperts
-    from nybble.quant.stacked import num_experts
-
     try:
         entry = _get(state_dict, p)
     except (KeyError, TypeError):

@@ -40,7 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from nybble.models.llama import LlamaConfig
+from nybble.models.definitions.layers import QuantizedParam
+from nybble.models.definitions.llama import LlamaConfig
 
 # HF module-name suffix (inside model.layers.{i}.) -> nybble module-path suffix (inside layers.{i}.).
 _LAYER_MODULES = {
@@ -168,8 +169,6 @@ def float_hf_tensors(model: Any, *, skip_modules: Collection[str] = ()) -> Itera
     model's order; parameters of the nybble module paths in ``skip_modules`` (e.g. the ``QLinear`` layers a
     quantized-format writer handles) are left out. Raises ``TypeError`` for a ``QLinear`` not skipped."""
     from flax import nnx
-
-    from nybble.models.layers import QuantizedParam
 
     for key_path, var in nnx.to_flat_state(nnx.state(model)):
         module_path = ".".join(str(k) for k in key_path[:-1])

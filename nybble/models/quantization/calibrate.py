@@ -10,7 +10,7 @@ cost of one forward pass. Memory is one layer's activations plus one (K, K) Hess
 across layers.
 
 Requirements: the model's forward must run eagerly (not under ``nnx.jit``) and call its Linear modules
-through their attributes, as ``nybble.models.llama.Llama`` does. A chosen layer the forward never
+through their attributes, as ``nybble.models.definitions.llama.Llama`` does. A chosen layer the forward never
 reaches (e.g. an LM head the ``forward`` skips) is quantized round-to-nearest and reported as such.
 """
 
@@ -26,9 +26,16 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from nybble.models.layers import QLinear
-from nybble.models.quant_plan import PlannedLayer, QuantizationReport, plan_quantization
-from nybble.models.rules import QuantRule
+from nybble.models.definitions.layers import QLinear
+from nybble.models.definitions.moe import Experts, QExperts, expert_stacks, num_weights
+from nybble.models.quantization.experts import ExpertCapture
+from nybble.models.quantization.quant_plan import (
+    PlannedLayer,
+    QuantizationReport,
+    array_nbytes,
+    plan_quantization,
+)
+from nybble.models.quantization.rules import QuantRule, check_rules, decide
 from nybble.quant.gptq import gptq
 from nybble.quant.qformat import FIELDS, QuantFormat, with_fields
 from nybble.quant.rtn import quantize
@@ -180,7 +187,8 @@ def quantize_gptq(
         bar.update()
         return QLinear.from_linear(pl.linear, qweight=qw)
 
-    # MoE expert stacks (nybble.models.moe): GPTQ per expert on the tokens routed to it, in the same pass.
+    # MoE expert stacks (nybble.models.definitions.moe): GPTQ per expert on the tokens routed to it, in the
+    # same pass.
     expert_captures = _install_expert_captures(model, rules, fmt, gptq_kwargs)
     start = time.perf_counter()
     try:
@@ -205,9 +213,6 @@ def _install_expert_captures(
 ) -> list[Any]:
     """An ``ExpertCapture`` in place of every float expert stack the rules choose; the others' decisions
     are recorded on the returned list (``.result`` None and ``.decision.quantize`` False)."""
-    from nybble.models.moe import ExpertCapture, Experts, expert_stacks, num_weights
-    from nybble.models.rules import check_rules, decide
-
     out = []
     for path, parent, attr, module in expert_stacks(model):
         if not isinstance(module, Experts):
@@ -224,9 +229,6 @@ def _install_expert_captures(
 
 def _report_experts(report: QuantizationReport, captures: Sequence[Any]) -> None:
     """Records each expert stack; one the pass never reached is rounded to nearest now."""
-    from nybble.models.moe import QExperts
-    from nybble.models.quant_plan import array_nbytes
-
     for c in captures:
         shape, before = tuple(c.experts.kernel.shape), array_nbytes(c.experts.kernel)
         if not c.decision.quantize:

@@ -27,18 +27,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nybble.models.hf.config import decoder_config_from_hf
-from nybble.models.hf.files import CheckpointDir, CheckpointError, ShardedWriter
-from nybble.models.hf.names import hf_module_for, hf_name_for, is_ignored, to_nybble
-from nybble.models.hf.stream import (
+from nybble.models.definitions.layers import QLinear
+from nybble.models.definitions.llama import Block, RMSNorm
+from nybble.models.io.hf.config import decoder_config_from_hf
+from nybble.models.io.hf.files import CheckpointDir, CheckpointError, ShardedWriter
+from nybble.models.io.hf.names import hf_module_for, hf_name_for, is_ignored, to_nybble
+from nybble.models.io.hf.stream import (
     StreamReport,
     linear_modules,
     peak_rss_bytes,
     scale_dtype_for,
     writer_for_format,
 )
-from nybble.models.layers import QLinear
-from nybble.models.llama import Block, RMSNorm
+from nybble.models.quantization.adapter import quantize
+from nybble.models.quantization.calibrate import calibration_batches
+from nybble.quant.autoround import AutoRoundConfig, resolve_config
 
 CALIBRATED = ("gptq", "autoround")
 
@@ -87,15 +90,12 @@ def quantize_directory_calibrated(
       calibration: token ids, (batch, length) or a 1-D stream cut into ``seq_len`` windows.
       method: ``"gptq"`` or ``"autoround"`` (options as ``nybble.models.quantize``'s, e.g. ``config="fast"``
         for AutoRound, ``act_order`` for GPTQ; the end-to-end stage needs the whole model and is refused).
-      format, group_size, symmetric, max_shard_size: as :func:`nybble.models.hf.stream.quantize_directory`.
+      format, group_size, symmetric, max_shard_size: as :func:`nybble.models.io.hf.stream.quantize_directory`.
       dtype: the compute dtype of the calibration passes (float32 by default).
 
-    Returns a :class:`~nybble.models.hf.stream.StreamReport`.
+    Returns a :class:`~nybble.models.io.hf.stream.StreamReport`.
     """
     from tqdm.auto import tqdm
-
-    from nybble.models import quantize
-    from nybble.models.calibrate import calibration_batches
 
     if method not in CALIBRATED:
         raise ValueError(f"quantize_directory_calibrated: method must be one of {CALIBRATED}, got {method!r}")
@@ -121,8 +121,6 @@ def quantize_directory_calibrated(
     options.update(method_options)
     autoround_config = None
     if method == "autoround":
-        from nybble.quant.autoround import AutoRoundConfig, resolve_config
-
         fields = {f.name for f in dataclasses.fields(AutoRoundConfig)}
         overrides = {k: options.pop(k) for k in list(options) if k in fields}
         autoround_config = resolve_config(options.pop("config", "default"), **overrides)

@@ -2,7 +2,7 @@
 
 The directory is what transformers and vLLM load: ``config.json`` (with ``quantization_config`` for a
 quantized model), safetensors shards with an index (``max_shard_size``), tokenizer files copied from
-``source``. Tensor names and the torch (out, in) layout come from ``nybble.models.hf.names``; quantized
+``source``. Tensor names and the torch (out, in) layout come from ``nybble.models.io.hf.names``; quantized
 linears are encoded by the format's writer (``nybble.quant.formats.hf_scheme.writer_for``), which refuses,
 naming the layer, a weight the format cannot hold exactly. Tensors are converted and written one at a
 time (``ShardedWriter``) into a temporary directory renamed on success.
@@ -20,13 +20,17 @@ import jax
 import numpy as np
 from flax import nnx
 
-from nybble.models.hf.config import decoder_config_from_hf, hf_config_for
-from nybble.models.hf.files import CONFIG_NAME, ShardedWriter
-from nybble.models.hf.names import float_hf_tensors, hf_modules_of
-from nybble.models.layers import QLinear
-from nybble.models.llama import Llama
+from nybble.models.definitions.layers import QLinear
+from nybble.models.definitions.llama import Llama
+from nybble.models.definitions.moe import Experts, QExperts
+from nybble.models.io.hf.config import decoder_config_from_hf, hf_config_for
+from nybble.models.io.hf.files import CONFIG_NAME, ShardedWriter
+from nybble.models.io.hf.names import float_hf_tensors, hf_modules_of
+from nybble.models.io.hf.stream import writer_for_format
 from nybble.quant.qweight import QuantizedWeight
+from nybble.quant.stacked import unstack_weight
 from nybble.sharding import ShardedWeight
+from nybble.sharding.experts import ExpertShardedWeight
 
 SAVE_FORMATS = ("float", "compressed-tensors", "gptq", "nybble")
 _DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
@@ -112,8 +116,6 @@ def save_pretrained(
             f"{type(model).__name__}"
         )
     modules = dict(_modules(model))
-    from nybble.models.moe import Experts, QExperts
-
     quantized = [p for p, m in modules.items() if isinstance(m, QLinear | QExperts)]
     if fmt == "float" and quantized:
         raise ValueError(
@@ -128,8 +130,6 @@ def save_pretrained(
     dtype = _float_dtype(model) if dtype is None else np.dtype(dtype)
     writer = None
     if fmt != "float":
-        from nybble.models.hf.stream import writer_for_format
-
         writer = writer_for_format(fmt)  # scales as each weight holds them (GPTQ: float16, exact or refused)
     config = _base_config(model, source, dtype)
     float_linears = [
@@ -170,9 +170,6 @@ def save_pretrained(
 
 def _write_experts(out: Any, writer: Any, model: Llama, module_path: str, module: Any) -> None:
     """The experts of a stacked int4 stack, each under its own HF linear name (as checkpoints hold them)."""
-    from nybble.quant.stacked import unstack_weight
-    from nybble.sharding.experts import ExpertShardedWeight
-
     qw = module.weight
     if isinstance(qw, ExpertShardedWeight):
         qw = qw.gather()

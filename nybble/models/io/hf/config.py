@@ -1,7 +1,9 @@
-"""config.json of a Hugging Face checkpoint directory -> :class:`~nybble.models.llama.LlamaConfig`.
+"""config.json of a Hugging Face checkpoint directory ->
+:class:`~nybble.models.definitions.llama.LlamaConfig`.
 
 Architectures (``model_type``): ``llama`` (Llama 2, 3, 3.1, 3.2), ``mistral``, ``qwen2``, ``qwen3``, and the
-mixtures of experts ``mixtral`` and ``qwen3_moe`` (``LlamaConfig.moe``, ``nybble.models.moe``). RoPE is
+mixtures of experts ``mixtral`` and ``qwen3_moe`` (``LlamaConfig.moe``, ``nybble.models.definitions.moe``).
+RoPE is
 read in both spellings found in the wild: ``rope_theta`` + ``rope_scaling`` (transformers 4, most of the Hub)
 and transformers 5's ``rope_parameters``. Every key that would change the numbers and that the decoder does
 not implement is a ``ValueError`` naming the key and its value: a checkpoint is never silently run as a
@@ -15,8 +17,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from nybble.models.hf.files import local_dir
-from nybble.models.llama import LlamaConfig, RopeScaling
+from nybble.models.definitions.llama import LlamaConfig, RopeScaling
+from nybble.models.definitions.moe import MoEConfig
+from nybble.models.io.hf.files import local_dir
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
@@ -308,8 +311,6 @@ def _moe(config: Mapping[str, Any], model_type: str, hidden: int) -> tuple[Any, 
     """
     if model_type not in MOE_MODEL_TYPES:
         return None, None
-    from nybble.models.moe import MoEConfig
-
     keys = [k for k in ("num_local_experts", "num_experts") if config.get(k) is not None]
     if not keys:
         raise ConfigError(f"config.json: a {model_type} config needs num_local_experts or num_experts")

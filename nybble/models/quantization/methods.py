@@ -6,7 +6,7 @@ checkpoint (``save_model``). The strings ``"rtn"``, ``"gptq"``, ``"autoround"`` 
 as shorthand: :func:`method_config` turns them into the same configs.
 
 Defaults are read from the functions that do the work (``nybble.quant.gptq.gptq``,
-``nybble.models.autoround.quantize_autoround``), so a config and a direct call cannot disagree.
+``nybble.models.quantization.autoround.quantize_autoround``), so a config and a direct call cannot disagree.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import inspect
 import json
 from typing import Any, ClassVar
 
-from nybble.models.autoround import STARTS, TARGETS
+from nybble.models.quantization.autoround import STARTS, TARGETS
 from nybble.quant.autoround import PRESETS, AutoRoundConfig, resolve_config
 from nybble.quant.gptq import gptq
 from nybble.quant.qformat import FIELDS, QuantFormat
@@ -74,7 +74,7 @@ class RTN(_Formatted):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GPTQ(_Formatted):
-    """GPTQ, layer by layer on calibration data (``nybble.models.calibrate.quantize_gptq``)."""
+    """GPTQ, layer by layer on calibration data (``nybble.models.quantization.calibrate.quantize_gptq``)."""
 
     name: ClassVar[str] = "gptq"
     group_size: int | None = 128
@@ -122,7 +122,7 @@ class GPTQ(_Formatted):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AutoRound(_Formatted):
-    """Learned rounding block by block (``nybble.models.autoround.quantize_autoround``).
+    """Learned rounding block by block (``nybble.models.quantization.autoround.quantize_autoround``).
 
     ``AutoRound(start="gptq", config=AutoRoundConfig(steps=0, end_to_end_epochs=4))`` is GPTQ's codes with
     end-to-end scales (the CLI's ``--method gptq-e2e``)."""

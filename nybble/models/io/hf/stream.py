@@ -21,15 +21,17 @@ from typing import Any
 
 import numpy as np
 
-from nybble.models.hf.config import decoder_config_from_hf
-from nybble.models.hf.files import CheckpointDir, CheckpointError, ShardedWriter
-from nybble.models.hf.names import (
+from nybble.models.io.hf.config import decoder_config_from_hf
+from nybble.models.io.hf.files import CheckpointDir, CheckpointError, ShardedWriter
+from nybble.models.io.hf.names import (
     expected_shapes,
     hf_linear_modules,
     is_ignored,
     is_router_module,
     to_nybble,
 )
+from nybble.quant.formats.hf_scheme import writer_for
+from nybble.quant.rtn import quantize
 
 FORMATS = ("compressed-tensors", "gptq", "nybble")
 
@@ -121,8 +123,6 @@ def writer_for_format(format: str, *, scale_dtype: Any = None) -> Any:
     """
     if format not in FORMATS:
         raise ValueError(f"unknown output format {format!r}; choose one of {FORMATS}")
-    from nybble.quant.formats.hf_scheme import writer_for
-
     if format == "nybble" or scale_dtype is None:
         return writer_for(format)
     return writer_for(format, scale_dtype=scale_dtype)
@@ -237,8 +237,6 @@ def _check_linear(name: str, array: np.ndarray) -> None:
 
 
 def _rtn(format: str, config: dict[str, Any], group_size: int | None, symmetric: bool) -> Callable[..., Any]:
-    import nybble
-
     options: dict[str, Any] = {
         "group_size": group_size,
         "symmetric": symmetric,
@@ -248,7 +246,7 @@ def _rtn(format: str, config: dict[str, Any], group_size: int | None, symmetric:
         options["zero_point"] = "integer"  # these formats store w = (q - z) s with an integer z
 
     def rtn(w: np.ndarray, module: str) -> Any:
-        return nybble.quantize(w, **options)
+        return quantize(w, **options)
 
     return rtn
 

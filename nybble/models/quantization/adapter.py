@@ -10,12 +10,13 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm.auto import tqdm
 
-from nybble.models.autoround import autoround_params, quantize_autoround
-from nybble.models.calibrate import quantize_gptq
-from nybble.models.layers import QLinear
-from nybble.models.methods import GPTQ, AutoRound, Method, method_config, set_quantization
-from nybble.models.moe import expert_stacks, quantize_expert_stacks
-from nybble.models.quant_plan import (
+from nybble.models.definitions.layers import QLinear
+from nybble.models.definitions.moe import expert_stacks
+from nybble.models.quantization.autoround import autoround_params, quantize_autoround
+from nybble.models.quantization.calibrate import quantize_gptq
+from nybble.models.quantization.experts import quantize_expert_stacks
+from nybble.models.quantization.methods import GPTQ, AutoRound, Method, method_config, set_quantization
+from nybble.models.quantization.quant_plan import (
     LayerReport,
     QuantizationReport,
     array_nbytes,
@@ -24,7 +25,7 @@ from nybble.models.quant_plan import (
     plan_quantization,
     report_skipped_general,
 )
-from nybble.models.rules import Decision, QuantRule, check_rules, decide, warn_unmatched
+from nybble.models.quantization.rules import Decision, QuantRule, check_rules, decide, warn_unmatched
 from nybble.quant.qformat import QuantFormat
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.rtn import quantize as quantize_weight
@@ -73,7 +74,8 @@ def quantize(
     Args:
       model: the NNX model; modified in place and returned.
       method: a frozen config, ``RTN(group_size=128)``, ``GPTQ(...)`` or ``AutoRound(...)``
-        (``nybble.models.methods``), validated when built, printed in the report and saved with the
+        (``nybble.models.quantization.methods``), validated when built, printed in the report and saved
+        with the
         checkpoint by ``save_model``; or the shorthand ``"rtn"``, ``"gptq"``, ``"autoround"`` with the
         config's fields as keyword arguments (``group_size=64, symmetric=False, act_order=...``; for
         AutoRound also ``AutoRoundConfig`` fields such as ``steps=``).
@@ -127,7 +129,8 @@ def quantize(
         planned, _ = plan_quantization(
             model, rules=rules, group_size=fmt.group_size, symmetric=fmt.symmetric, warn=False
         )
-        stacks = expert_stacks(model)  # MoE expert stacks (nybble.models.moe): quantized per expert, stacked
+        # MoE expert stacks (nybble.models.definitions.moe): quantized per expert, stacked
+        stacks = expert_stacks(model)
         unmatched = warn_unmatched(
             check_rules(rules),
             [pl.path for pl in planned] + [s[0] for s in stacks],
@@ -181,7 +184,8 @@ def quantize_params(
     ``method="rtn"`` rounds to nearest. ``method="autoround"`` learns the rounding of every chosen kernel
     at once against the output of ``apply_fn(params, *calibration)`` (``calibration``: one input array or
     a tuple of them, samples on axis 0), treating the whole function as one block (memory: all of it;
-    see ``nybble.models.autoround.autoround_params``); ``**method_options`` are ``AutoRoundConfig``
+    see ``nybble.models.quantization.autoround.autoround_params``); ``**method_options`` are
+    ``AutoRoundConfig``
     fields or ``config=``.
     """
     if method not in ("rtn", "autoround"):

@@ -2,7 +2,8 @@
 
 ``quantize_autoround`` runs the calibration tokens through the model once, eagerly, like GPTQ's
 ``quantize_gptq``, but the unit is a *block* (an element of an ``nnx.List`` of modules holding chosen
-``nnx.Linear`` layers: ``layers.{i}`` of ``nybble.models.llama.Llama``). Each block is swapped for a stub;
+``nnx.Linear`` layers: ``layers.{i}`` of ``nybble.models.definitions.llama.Llama``). Each block is swapped
+for a stub;
 when the forward pass reaches it with its inputs ``(x, *args)`` (the outputs of the blocks before it,
 already quantized), the stub
 
@@ -18,7 +19,8 @@ already quantized), the stub
 
 With ``end_to_end_epochs`` > 0 (an ``AutoRoundConfig`` field), the float model's logits on the calibration
 windows are taken first, and after the last block every group's scale (and offset) is tuned through the
-whole model against them, codes fixed (``nybble.models.tune``): kept only if the whole model's KL divergence
+whole model against them, codes fixed (``nybble.models.quantization.tune``): kept only if the whole model's
+KL divergence
 from the float model over the calibration tokens drops.
 
 Memory: one block's calibration inputs, targets and parameters. A block's result is final when the next one
@@ -39,11 +41,21 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm.auto import tqdm
 
-from nybble.models.calibrate import _default_forward, calibration_batches, capture_pass, finish_report
-from nybble.models.layers import QLinear
-from nybble.models.quant_plan import PlannedLayer, QuantizationReport, path_str, plan_quantization
-from nybble.models.rules import QuantRule
-from nybble.models.tune import float_logits, tune_group_params
+from nybble.models.definitions.layers import QLinear
+from nybble.models.quantization.calibrate import (
+    _default_forward,
+    calibration_batches,
+    capture_pass,
+    finish_report,
+)
+from nybble.models.quantization.quant_plan import (
+    PlannedLayer,
+    QuantizationReport,
+    path_str,
+    plan_quantization,
+)
+from nybble.models.quantization.rules import QuantRule
+from nybble.models.quantization.tune import float_logits, tune_group_params
 from nybble.quant.autoround import AutoRoundConfig, WeightSpec, autoround_block, block_loss, resolve_config
 from nybble.quant.gptq import gptq, hessian_from_inputs
 from nybble.quant.qformat import FIELDS, QuantFormat, with_fields
@@ -137,7 +149,7 @@ def quantize_autoround(
 
     Args:
       model: a Flax NNX model whose blocks sit in an ``nnx.List`` and are called as ``block(x, *args)``,
-        every argument batched on axis 0 (``nybble.models.llama.Llama``).
+        every argument batched on axis 0 (``nybble.models.definitions.llama.Llama``).
       calibration: token ids, (batch, length) or a 1-D stream (cut into ``seq_len`` windows); every
         window is one calibration sample.
       rules: layer selection, as ``nybble.models.quantize``.

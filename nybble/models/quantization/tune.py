@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from nybble.models.layers import QuantizedParam
+from nybble.models.definitions.layers import QuantizedParam
 from nybble.quant.autoround import OFFSET_RANGE, SCALE_RANGE, adam_direction
 from nybble.quant.qweight import QuantizedWeight
 

@@ -22,9 +22,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from nybble.models.layers import QLinear
-from nybble.models.moe import Experts, QExperts
-from nybble.models.rules import warn_unmatched
+from nybble.models.definitions.layers import QLinear
+from nybble.models.definitions.moe import Experts, QExperts
+from nybble.models.quantization.rules import warn_unmatched
 from nybble.sharding import ShardedWeight, ShardingError, TensorParallel, shard_weight
 from nybble.sharding.experts import ExpertParallel, ExpertShardedWeight, shard_experts
 
@@ -219,7 +219,8 @@ def shard(
       rules: :class:`ShardRule` s checked before :data:`DEFAULT_SHARD_RULES` (Megatron placement);
         layers no rule matches, and all other parameters (norms), are replicated.
       return_report: return ``(model, ShardReport)``.
-      expert_axis: MoE expert stacks (``nybble.models.moe``; paths ``...experts.{gate,up,down}_proj``) are
+      expert_axis: MoE expert stacks (``nybble.models.definitions.moe``; paths
+      ``...experts.{gate,up,down}_proj``) are
         split over this mesh axis, E / size whole experts a device (expert parallelism), and inside each
         expert by their rule's placement over ``axis`` (the defaults: gate/up column, down row), unless
         ``axis`` is ``expert_axis`` itself. None: experts are only tensor-parallel, over ``axis``. Int4 stacks

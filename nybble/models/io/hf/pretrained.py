@@ -20,9 +20,12 @@ import numpy as np
 from flax import nnx
 
 from nybble.extras import require
-from nybble.models.hf.config import decoder_config_from_hf
-from nybble.models.hf.files import CheckpointDir, CheckpointError, local_dir
-from nybble.models.hf.names import (
+from nybble.models.definitions.layers import QLinear
+from nybble.models.definitions.llama import Llama, LlamaConfig
+from nybble.models.definitions.moe import QExperts
+from nybble.models.io.hf.config import decoder_config_from_hf
+from nybble.models.io.hf.files import CheckpointDir, CheckpointError, local_dir
+from nybble.models.io.hf.names import (
     EXPERT_STACKS,
     expected_shapes,
     fused_expert_names,
@@ -35,8 +38,9 @@ from nybble.models.hf.names import (
     moe_path,
     moe_router_names,
 )
-from nybble.models.layers import QLinear
-from nybble.models.llama import Llama, LlamaConfig
+from nybble.models.placement.shard import checkpoint_placement, shard
+from nybble.quant.formats.hf_scheme import scheme_from_config
+from nybble.quant.stacked import stack_weights
 
 TOKENIZER_FILE = "tokenizer.json"
 # What a directory may hold instead of tokenizer.json (named in the error, with how to convert).
@@ -48,12 +52,6 @@ def _scheme(config: dict[str, Any]) -> Any:
     qc = config.get("quantization_config")
     if qc is None:
         return None
-    try:
-        from nybble.quant.formats.hf_scheme import scheme_from_config
-    except ImportError as e:  # pragma: no cover - the reader ships with nybble
-        raise NotImplementedError(
-            f"quantized checkpoints need nybble.quant.formats.hf_scheme ({e})"
-        ) from None
     return scheme_from_config(qc)
 
 
@@ -151,9 +149,6 @@ def _load_quantized_experts(
     stacked into one ``QExperts``. A stack with some experts quantized and some not is refused."""
     if cfg.moe is None:
         return
-    from nybble.models.moe import QExperts
-    from nybble.quant.stacked import stack_weights
-
     model_type, e = moe_model_type(cfg), cfg.moe.num_experts
     for layer in range(cfg.num_layers):
         if not cfg.is_moe_layer(layer):
@@ -252,7 +247,7 @@ def from_pretrained(
 
     ``path`` holds config.json and ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` with
     ``model.safetensors.index.json``); ``model_type`` llama, mistral, qwen2, qwen3, mixtral or qwen3_moe (see
-    :func:`nybble.models.hf.config.decoder_config_from_hf`). Float weights are cast to ``dtype``; with a
+    :func:`nybble.models.io.hf.config.decoder_config_from_hf`). Float weights are cast to ``dtype``; with a
     ``quantization_config`` the quantized linears become ``QLinear`` layers (compressed-tensors, GPTQ, AWQ,
     AutoRound: see ``nybble.quant.formats.hf_scheme``) and the rest is float in ``dtype``.
     ``model(token_ids)`` returns float32 logits (batch, length, vocab); ``init_cache`` / ``prefill`` /
@@ -299,8 +294,6 @@ def from_pretrained(
 
     place = None
     if mesh is not None:  # each float tensor goes straight to its shards, placed as shard() places it
-        from nybble.models.placement import checkpoint_placement
-
         place = checkpoint_placement(model, mesh, axis=axis, rules=rules)
     graphdef, state = nnx.split(model)
     for key_path, var in nnx.to_flat_state(state):
@@ -313,7 +306,7 @@ def from_pretrained(
             name = hf_name_for(module_path, param)
             value = ckpt.get(name)
             if param == "kernel":
-                value = value.T  # torch (out, in) -> (in, out); see nybble.models.hf.names.to_nybble
+                value = value.T  # torch (out, in) -> (in, out); see nybble.models.io.hf.names.to_nybble
         if place is None:
             var.set_value(jnp.asarray(value, dtype))
         else:
@@ -322,8 +315,6 @@ def from_pretrained(
         del value  # one tensor at a time
     model = nnx.merge(graphdef, state)
     if mesh is not None:
-        from nybble.models.placement import shard
-
         # the QLinear layers and expert stacks; other float arrays are in place already
         shard(model, mesh, axis=axis, rules=rules, expert_axis=expert_axis)
     return model

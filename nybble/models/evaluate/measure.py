@@ -170,7 +170,8 @@ def generate(
     """Greedy decoding, all inside jit; with a KV cache (one prefill, then one token per step) by default.
 
     Args:
-      model: a ``nybble.models.llama.Llama`` (``use_cache=False`` needs only ``model.hidden_states(ids)``
+      model: a ``nybble.models.definitions.llama.Llama`` (``use_cache=False`` needs only
+      ``model.hidden_states(ids)``
         and ``model.logits(hidden)``; the cache path needs ``init_cache``/``hidden_states_cached``).
       prompt: text (needs ``tokenizer``), token ids (length,), or a batch of equal-length prompts
         (batch, length) of token ids.

