@@ -1,4 +1,4 @@
-"""The Hopper GPUs nybble compiles for without one: JAX's deviceless topology of a ``GpuSpec``.
+"""The GPUs nybble compiles for without one: JAX's deviceless topology of a ``GpuSpec``.
 
 The GPUs' facts live in :mod:`nybble.kernels.gpu` (one spec for the heuristics, the X-ray and bench).
 """
@@ -31,7 +31,7 @@ gpu_device_info {{
   clock_rate_ghz: {spec.clock_ghz}
   device_memory_size: {spec.memory_bytes}
   shared_memory_per_block_optin: {spec.smem_per_block_optin}
-  cuda_compute_capability {{ major: 9 minor: 0 }}
+  cuda_compute_capability {{ major: {spec.cc_major_minor[0]} minor: {spec.cc_major_minor[1]} }}
   registers_per_core_limit: {spec.registers_per_sm}
   registers_per_block_limit: 65536
 }}

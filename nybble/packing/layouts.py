@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from nybble.packing.fragments import pack_wgmma_int4, unpack_wgmma_int4
 from nybble.packing.nibbles import pack_int4, unpack_int4
+from nybble.packing.planes import pack_planes_int4, unpack_planes_int4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +125,19 @@ register_layout(
         "per word pair (nybble.packing.fragments); what the Hopper kernels read",
         n=StoredDim(axis=0, per_index=8, granule=8, unit="8-row band"),  # a row of words: 8 output features
         k=StoredDim(axis=1, per_index=1, granule=64, unit="64-K chunk"),  # 64 words, permuted within
+    )
+)
+register_layout(
+    WeightLayout(
+        name="planes_int4",
+        pack=pack_planes_int4,
+        unpack=unpack_planes_int4,
+        stored_shape=lambda k_pad, n_pad: (k_pad // 8, n_pad),
+        description="uint32 words (K_pad / 8, N_pad): nibble i of word (j, n) is q[i K_pad / 8 + j, n] + 8 "
+        "(nybble.packing.planes); what the portable Triton kernel reads",
+        n=StoredDim(axis=1, per_index=1, granule=1, unit="column"),
+        # Plane i interleaves rows i K_pad / 8: no run of K short of all of it is a plain slice.
+        k=StoredDim(axis=0, per_index=8, granule=1 << 40, unit="whole K (planes interleave K)"),
     )
 )
 DEFAULT_LAYOUT = "wgmma_int4"

@@ -1,0 +1,123 @@
+"""The Triton kernel's tuning configuration and the heuristics that pick it from the problem and the GPU.
+
+A config is a tile of the output (``block_m`` x ``block_n``), the words of K read per step and plane
+(``block_kw``: each step multiplies 8 planes of ``block_kw`` K rows, so 8 * block_kw rows of K), the
+split of K over programs (``splits`` > 1: f32 partial sums, then one reduction), and Triton's launch
+parameters. :func:`candidate_configs` is the whole set the heuristics can return, so that the tests can
+run each one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from nybble.kernels.gpu import GpuSpec
+from nybble.packing.planes import PLANES
+
+# tl.dot needs every dimension >= 16.
+MIN_DOT = 16
+DECODE_M = 16  # at most this many rows: the GEMV-like decode tiles (one 16-row MMA tile, split-K)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TuningConfig:
+    """One launch of the Triton kernel: tile sizes, the K split and Triton's warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_kw: int  # words (K rows per plane) per step: 8 * block_kw rows of K per step
+    splits: int = 1  # programs along K; > 1 writes f32 partials reduced by a second launch
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_kw"):
+            v = getattr(self, name)
+            if v < MIN_DOT or v & (v - 1):
+                raise ValueError(f"TuningConfig: {name} must be a power of two >= {MIN_DOT}, got {v}")
+        if self.splits < 1:
+            raise ValueError(f"TuningConfig: splits must be >= 1, got {self.splits}")
+
+    def smem_bytes(self, x_itemsize: int) -> int:
+        """Shared memory of the software pipeline: per stage one word tile and 8 x tiles."""
+        words = self.block_kw * self.block_n * 4
+        x = PLANES * self.block_m * self.block_kw * x_itemsize
+        return self.num_stages * (words + x)
+
+
+def plane_rows(k_pad: int) -> int:
+    """P = K_pad / 8: the K rows of one plane (``nybble.packing.planes``)."""
+    return k_pad // PLANES
+
+
+def largest_block_kw(k_pad: int, group: int, want: int) -> int:
+    """The largest power of two <= ``want`` dividing both P and the group: a plane tile in one group."""
+    p = plane_rows(k_pad)
+    kw = want
+    while kw > 1 and (p % kw or group % kw):
+        kw //= 2
+    return kw
+
+
+def block_kw_unsupported(k_pad: int, group: int) -> str | None:
+    """Why no plane tile of >= 16 rows fits these K and group, or None."""
+    if largest_block_kw(k_pad, group, MIN_DOT) < MIN_DOT:
+        return (
+            f"the Triton kernel needs K_pad / 8 = {plane_rows(k_pad)} and the group ({group}) to be "
+            f"multiples of {MIN_DOT} (K a multiple of {PLANES * MIN_DOT}, group >= {MIN_DOT})"
+        )
+    return None
+
+
+def _splits(k_steps: int, tiles: int, sms: int) -> int:
+    """Programs along K so that about two waves of programs cover the SMs; a divisor of the K steps."""
+    want = max(1, -(-2 * sms // max(tiles, 1)))
+    best = 1
+    for s in range(1, min(want, k_steps) + 1):
+        if k_steps % s == 0:
+            best = s
+    return best
+
+
+def choose_config(m: int, k_pad: int, n_pad: int, group: int, x_itemsize: int, gpu: GpuSpec) -> TuningConfig:
+    """The config for an (m, K_pad) x (K_pad, N_pad) product on ``gpu``.
+
+    Decode (m <= 16): one 16-row tile, 64-column tiles, 64-word steps, split-K to fill two waves of SMs:
+    the weight streams once, and the partials (splits x m x N floats) are small. Up to 64 rows: 64-row
+    tiles, no split. Prefill: 128 x 128 tiles, 16-word steps (128 K rows), as many pipeline stages as the
+    GPU's shared memory holds (three on A100/H100, two on Ada's and sm_120's 100 KB).
+    """
+    smem = gpu.smem_per_block_optin
+    if m <= DECODE_M:
+        bn = 64 if n_pad % 128 else 128 if n_pad >= 128 * gpu.sms else 64
+        kw = largest_block_kw(k_pad, group, 64)
+        steps = plane_rows(k_pad) // kw
+        splits = _splits(steps, n_pad // bn, gpu.sms)
+        cfg = TuningConfig(block_m=MIN_DOT, block_n=bn, block_kw=kw, splits=splits, num_warps=4, num_stages=4)
+    elif m <= 64:
+        bn = 128 if n_pad % 128 == 0 else 64
+        kw = largest_block_kw(k_pad, group, 32)
+        cfg = TuningConfig(block_m=64, block_n=bn, block_kw=kw, num_warps=4, num_stages=3)
+    else:
+        bn = 128 if n_pad % 128 == 0 else 64
+        kw = largest_block_kw(k_pad, group, 16)
+        cfg = TuningConfig(block_m=128, block_n=bn, block_kw=kw, num_warps=8, num_stages=3)
+    while cfg.num_stages > 2 and cfg.smem_bytes(x_itemsize) > smem:
+        cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    return cfg
+
+
+def candidate_configs(gpus: tuple[GpuSpec, ...]) -> set[TuningConfig]:
+    """Every config :func:`choose_config` can return for these GPUs, up to the values of ``block_kw``
+    and ``splits`` that depend on K and N (both kept symbolic here: the tests run each (block_m, block_n,
+    warps, stages) family with the smallest K that exercises a split and a full step)."""
+    out = set()
+    for gpu in gpus:
+        for m in (1, 16, 17, 64, 65, 2048):
+            for n_pad in (64, 128, 128 * gpu.sms):
+                for itemsize in (2, 4):
+                    out.add(choose_config(m, 4096, n_pad, 128, itemsize, gpu))
+    return out
+
+
+__all__ = ["DECODE_M", "MIN_DOT", "TuningConfig", "block_kw_unsupported", "choose_config", "largest_block_kw"]
