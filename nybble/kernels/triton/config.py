@@ -79,45 +79,65 @@ def _splits(k_steps: int, tiles: int, sms: int) -> int:
     return best
 
 
-def choose_config(m: int, k_pad: int, n_pad: int, group: int, x_itemsize: int, gpu: GpuSpec) -> TuningConfig:
-    """The config for an (m, K_pad) x (K_pad, N_pad) product on ``gpu``.
+# Per branch of M (the largest M it takes): block_m, block_n, the largest step (words per plane), warps,
+# stages. A last N tile past N_pad is masked by Pallas.
+BRANCHES = ((DECODE_M, MIN_DOT, 64, 64, 4, 4), (64, 64, 128, 32, 4, 3), (None, 128, 128, 16, 8, 3))
 
-    Decode (m <= 16): one 16-row tile, 64-column tiles, 64-word steps, split-K to fill two waves of SMs:
-    the weight streams once, and the partials (splits x m x N floats) are small. Up to 64 rows: 64-row
-    tiles, no split. Prefill: 128 x 128 tiles, 16-word steps (128 K rows), as many pipeline stages as the
-    GPU's shared memory holds (three on A100/H100, two on Ada's and sm_120's 100 KB).
-    """
-    smem = gpu.smem_per_block_optin
-    if m <= DECODE_M:
-        bn = 64 if n_pad % 128 else 128 if n_pad >= 128 * gpu.sms else 64
-        kw = largest_block_kw(k_pad, group, 64)
-        steps = plane_rows(k_pad) // kw
-        splits = _splits(steps, n_pad // bn, gpu.sms)
-        cfg = TuningConfig(block_m=MIN_DOT, block_n=bn, block_kw=kw, splits=splits, num_warps=4, num_stages=4)
-    elif m <= 64:
-        bn = 128 if n_pad % 128 == 0 else 64
-        kw = largest_block_kw(k_pad, group, 32)
-        cfg = TuningConfig(block_m=64, block_n=bn, block_kw=kw, num_warps=4, num_stages=3)
-    else:
-        bn = 128 if n_pad % 128 == 0 else 64
-        kw = largest_block_kw(k_pad, group, 16)
-        cfg = TuningConfig(block_m=128, block_n=bn, block_kw=kw, num_warps=8, num_stages=3)
-    while cfg.num_stages > 2 and cfg.smem_bytes(x_itemsize) > smem:
+
+def _fit_stages(cfg: TuningConfig, x_itemsize: int, gpu: GpuSpec) -> TuningConfig:
+    """Fewer pipeline stages (down to 2) until the pipeline fits the GPU's shared memory for one block."""
+    while cfg.num_stages > 2 and cfg.smem_bytes(x_itemsize) > gpu.smem_per_block_optin:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg
 
 
+def choose_config(m: int, k_pad: int, n_pad: int, group: int, x_itemsize: int, gpu: GpuSpec) -> TuningConfig:
+    """The config for an (m, K_pad) x (K_pad, N_pad) product on ``gpu``.
+
+    Decode (m <= 16): one 16-row tile, 64-column tiles, 64-word steps (512 K rows), split-K to fill two
+    waves of SMs: the weight streams once and the partials (splits x m x N floats) are small. Up to 64
+    rows: 64 x 128 tiles, 32-word steps, no split. Prefill: 128 x 128 tiles, 16-word steps (128 K rows),
+    8 warps. Steps shrink to what the group and P allow (a plane tile in one group); stages drop to what
+    the GPU's shared memory holds (Ada's and sm_120's 99 KB per block take fewer).
+    """
+    _, bm, bn, kw_max, warps, stages = next(b for b in BRANCHES if b[0] is None or m <= b[0])
+    kw = largest_block_kw(k_pad, group, kw_max)
+    splits = _splits(plane_rows(k_pad) // kw, -(-n_pad // bn), gpu.sms) if bm == MIN_DOT else 1
+    cfg = TuningConfig(block_m=bm, block_n=bn, block_kw=kw, splits=splits, num_warps=warps, num_stages=stages)
+    return _fit_stages(cfg, x_itemsize, gpu)
+
+
+def code_path(cfg: TuningConfig) -> TuningConfig:
+    """``cfg`` with ``splits`` cut to 2: what its code does (one split or partials) without the count,
+    which follows from K and the SM count."""
+    return dataclasses.replace(cfg, splits=min(cfg.splits, 2))
+
+
 def candidate_configs(gpus: tuple[GpuSpec, ...]) -> set[TuningConfig]:
-    """Every config :func:`choose_config` can return for these GPUs, up to the values of ``block_kw``
-    and ``splits`` that depend on K and N (both kept symbolic here: the tests run each (block_m, block_n,
-    warps, stages) family with the smallest K that exercises a split and a full step)."""
+    """Every config :func:`choose_config` can return on these GPUs, as :func:`code_path` s, by
+    construction: each branch of M, every step size from 16 to the branch's largest, one split or several
+    (decode), the stage counts each GPU's shared memory leaves for 2- and 4-byte x."""
     out = set()
-    for gpu in gpus:
-        for m in (1, 16, 17, 64, 65, 2048):
-            for n_pad in (64, 128, 128 * gpu.sms):
-                for itemsize in (2, 4):
-                    out.add(choose_config(m, 4096, n_pad, 128, itemsize, gpu))
+    for _, bm, bn, kw_max, warps, stages in BRANCHES:
+        kw = MIN_DOT
+        while kw <= kw_max:
+            for splits in (1, 2) if bm == MIN_DOT else (1,):
+                base = TuningConfig(
+                    block_m=bm, block_n=bn, block_kw=kw, splits=splits, num_warps=warps, num_stages=stages
+                )
+                out.update(_fit_stages(base, size, gpu) for gpu in gpus for size in (2, 4))
+            kw *= 2
     return out
 
 
-__all__ = ["DECODE_M", "MIN_DOT", "TuningConfig", "block_kw_unsupported", "choose_config", "largest_block_kw"]
+__all__ = [
+    "BRANCHES",
+    "DECODE_M",
+    "MIN_DOT",
+    "TuningConfig",
+    "block_kw_unsupported",
+    "candidate_configs",
+    "choose_config",
+    "code_path",
+    "largest_block_kw",
+]

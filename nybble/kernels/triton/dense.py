@@ -69,7 +69,7 @@ def dense_matmul(
     if steps % cfg.splits:
         raise ValueError(f"TuningConfig {cfg}: splits must divide the {steps} K steps")
     x_pad = x2d if x2d.shape[1] == k_pad else pad_to(x2d, (m, k_pad))
-    grid = (n_pad // cfg.block_n, pl.cdiv(m, cfg.block_m), cfg.splits)
+    grid = (pl.cdiv(n_pad, cfg.block_n), pl.cdiv(m, cfg.block_m), cfg.splits)
     in_specs = [
         pl.BlockSpec((cfg.block_m, k_pad), lambda j, i, s: (i, 0)),
         pl.BlockSpec((p, cfg.block_n), lambda j, i, s: (0, j)),
