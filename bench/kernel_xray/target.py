@@ -12,6 +12,13 @@ from nybble.kernels.gpu import GPUS, GpuSpec, get_gpu
 __all__ = ["GPUS", "GpuSpec", "deviceless_devices", "get_gpu", "target_config"]
 
 
+# Pallas' Triton lowering names the target by the device kind (jax 0.11.2: a table of kinds; an unknown
+# kind is asked of the local GPU, which a deviceless compile has not). For the GPUs missing from that table,
+# the topology carries the kind of a GPU of the same die and compute capability: L40S -> L40 (AD102, sm_89),
+# RTX 5090 -> RTX PRO 6000 (GB202, sm_120). Only the kind string differs; the spec's figures stay.
+_KIND_FOR_PALLAS = {"NVIDIA L40S": "NVIDIA L40", "NVIDIA GeForce RTX 5090": "NVIDIA RTX PRO 6000"}
+
+
 def target_config(spec: GpuSpec) -> str:
     """A ``GpuTargetConfigProto`` in text form, what ``get_topology_desc(target_config=...)`` takes."""
     return f"""
@@ -38,7 +45,7 @@ gpu_device_info {{
 platform_name: "CUDA"
 dnn_version_info {{ major: 9 minor: 8 }}
 runtime_version {{ major: 12 minor: 9 }}
-device_description_str: "{spec.description}"
+device_description_str: "{_KIND_FOR_PALLAS.get(spec.description, spec.description)}"
 """
 
 

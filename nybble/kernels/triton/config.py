@@ -69,9 +69,11 @@ def block_kw_unsupported(k_pad: int, group: int) -> str | None:
     return None
 
 
-def _splits(k_steps: int, tiles: int, sms: int) -> int:
-    """Programs along K so that about two waves of programs cover the SMs; a divisor of the K steps."""
-    want = max(1, -(-2 * sms // max(tiles, 1)))
+def _splits(k_steps: int, tiles: int, sms: int, m: int, k_pad: int) -> int:
+    """Programs along K so that about two waves of programs cover the SMs; a divisor of the K steps. At
+    most K / (160 m): each split writes and reads back m x N f32 partials (8 m N bytes), kept within 5%
+    of the weight's K N / 2 bytes."""
+    want = max(1, min(-(-2 * sms // max(tiles, 1)), k_pad // (160 * m)))
     best = 1
     for s in range(1, min(want, k_steps) + 1):
         if k_steps % s == 0:
@@ -102,7 +104,9 @@ def choose_config(m: int, k_pad: int, n_pad: int, group: int, x_itemsize: int, g
     """
     _, bm, bn, kw_max, warps, stages = next(b for b in BRANCHES if b[0] is None or m <= b[0])
     kw = largest_block_kw(k_pad, group, kw_max)
-    splits = _splits(plane_rows(k_pad) // kw, -(-n_pad // bn), gpu.sms) if bm == MIN_DOT else 1
+    splits = (
+        _splits(plane_rows(k_pad) // kw, -(-n_pad // bn), gpu.sms, max(m, 1), k_pad) if bm == MIN_DOT else 1
+    )
     cfg = TuningConfig(block_m=bm, block_n=bn, block_kw=kw, splits=splits, num_warps=warps, num_stages=stages)
     return _fit_stages(cfg, x_itemsize, gpu)
 
