@@ -13,7 +13,7 @@ import pytest
 
 import nybble
 from nybble.kernels.gpu import GPUS
-from nybble.kernels.reference import reference_codes, reference_dequantize
+from nybble.kernels.ops.matmul.reference import reference_codes, reference_dequantize
 from nybble.kernels.triton import backend, dense, grouped
 from nybble.kernels.triton.config import DECODE_M, TuningConfig, candidate_configs, choose_config, code_path
 from nybble.kernels.triton.dequant import bias

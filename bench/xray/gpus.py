@@ -158,10 +158,10 @@ def program(case: Case, spec: Any, sharding: Any) -> tuple[Any, tuple[Any, ...]]
     if case.peer == NYBBLE_XLA:
         qw = _weight(case, "wgmma_int4", sharding)
         if case.experts:
-            from nybble.kernels.xla_ragged import xla_ragged_matmul
+            from nybble.kernels.ops.ragged_matmul.xla import xla_ragged_matmul
 
             return xla_ragged_matmul, (x, qw, sizes)
-        from nybble.kernels.xla import xla_matmul
+        from nybble.kernels.ops.matmul.xla import xla_matmul
 
         return xla_matmul, (x, qw)
     if hopper and case.peer == NYBBLE:  # nybble's Mosaic GPU kernel

@@ -78,10 +78,10 @@ def nk_int4_as_int4(packed: jax.Array) -> jax.Array:
     """Views ``nk_int4`` bytes (N_pad, K_pad // 2) as a ``jnp.int4`` array (N_pad, K_pad): a bitcast.
 
     What the compiled HLO shows (jax 0.11.2): on CUDA (compiled deviceless for sm_90a by
-    ``python -m bench.xray``; docs/kernel-design.md) a free ``bitcast``, no copy. On the CPU XLA's BitcastDtypesExpander
-    rewrites it into a shift-and-mask loop fusion: inside the XLA matmul path that fusion merges into the
-    dequantization (no s4 array is written), but where the int4 array itself must exist (a jit output, an
-    operand XLA cannot fuse into) that fusion writes a fresh s4 copy of the codes.
+    ``python -m bench.xray``; docs/kernel-design.md) a free ``bitcast``, no copy. On the CPU XLA's
+    BitcastDtypesExpander rewrites it into a shift-and-mask loop fusion: inside the XLA matmul path that
+    fusion merges into the dequantization (no s4 array is written), but where the int4 array itself must
+    exist (a jit output, an operand XLA cannot fuse into) that fusion writes a fresh s4 copy of the codes.
     """
     n_pad, half_k = packed.shape
     return jax.lax.bitcast_convert_type(packed, jnp.int4).reshape(n_pad, 2 * half_k)
@@ -141,3 +141,17 @@ register_layout(
     )
 )
 DEFAULT_LAYOUT = "wgmma_int4"
+# What the portable Triton kernel (nybble.kernels.triton) reads: the default on other NVIDIA GPUs.
+TRITON_LAYOUT = "planes_int4"
+
+
+def default_layout() -> str:
+    """The layout ``nybble.quantize`` writes when none is named, by the local GPU: ``planes_int4`` on an
+    NVIDIA GPU that is not a Hopper (compute capability other than 9.x: the Triton kernel's), else
+    ``wgmma_int4`` (the Hopper kernels'; on a CPU or TPU the XLA path reads either). Chosen once, when
+    quantizing or loading: a weight is never repacked per call (``nybble.quant.relayout`` converts one)."""
+    from nybble.kernels import device  # at call time: nybble.kernels imports this module
+
+    gpu = device.gpu_device()
+    cc = str(getattr(gpu, "compute_capability", "")) if gpu is not None else ""
+    return DEFAULT_LAYOUT if cc.startswith("9") or not cc else TRITON_LAYOUT

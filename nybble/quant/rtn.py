@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from nybble.packing import (
-    DEFAULT_LAYOUT,
     check_group_size,
+    default_layout,
     group_rows,
     num_groups,
     pad_to,
@@ -65,7 +65,7 @@ def quantize(
     group_size: int | None = 128,
     symmetric: bool = True,
     scale_dtype: Any = jnp.bfloat16,
-    layout: str = DEFAULT_LAYOUT,
+    layout: str | None = None,
     clip_search: bool = False,
     zero_point: str = "float",
 ) -> QuantizedWeight:
@@ -80,7 +80,9 @@ def quantize(
       symmetric: signed codes in [-8, 7] and one scale per group (``max(-min / 8, max / 7)``); else a zero
         point per group too, stored as an offset so that dequantization is one multiply-add.
       scale_dtype: dtype of the stored scales and offsets (bf16: 4.125 bits/weight at g128).
-      layout: the memory layout of the codes (see ``nybble.packing.LAYOUTS``).
+      layout: the memory layout of the codes (see ``nybble.packing.LAYOUTS``); None: the local GPU's
+        (``nybble.packing.default_layout()``: ``planes_int4`` on an NVIDIA GPU other than a Hopper,
+        what the Triton kernel reads; else ``wgmma_int4``, the Hopper kernels' and the CPU's default).
       clip_search: per group, try shrinking the range (``CLIP_GRID``) and keep the scale with the least
         squared error; clips outliers for a finer step, so the half-step bound below no longer holds.
       zero_point: asymmetric groups only. "float" (default): the offset maps code -8 to the group
@@ -94,6 +96,8 @@ def quantize(
     (for asymmetric groups, plus the rounding of the stored offset to ``scale_dtype``). An all-zero group
     dequantizes to exact zeros.
     """
+    if layout is None:
+        layout = default_layout()
     if getattr(w, "ndim", None) == 3:  # a stack of experts (E, K, N): each expert on its own, stacked
         return quantize_stacked(
             quantize,

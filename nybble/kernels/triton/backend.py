@@ -50,9 +50,9 @@ def is_interpret_active() -> bool:
 
 
 def _gpu_device() -> Any | None:
-    from nybble.kernels.device import gpu_device
+    from nybble.kernels import device
 
-    return gpu_device()
+    return device.gpu_device()
 
 
 def _compute_capability(dev: Any) -> tuple[int, int] | None:
@@ -95,7 +95,12 @@ def _dtype_reason(x: Any) -> str | None:
 
 
 def unsupported(x: Any, qw: QuantizedWeight) -> str | None:
-    """Why the dense Triton kernel cannot compute ``x @ qw`` (layout, K and group, dtype), or None."""
+    """Why the dense Triton kernel cannot compute ``x @ qw`` (jax release, layout, K and group, dtype), or
+    None."""
+    from nybble.jax_range import outside_reason
+
+    if (reason := outside_reason()) is not None:
+        return reason
     if np.ndim(qw.codes) != 2:
         return f"the dense Triton kernel takes one weight, got codes of shape {tuple(qw.codes.shape)}"
     return _dtype_reason(x) or _layout_reason(qw)
@@ -156,7 +161,11 @@ def grouped_config(rows: int, qw: QuantizedWeight, x_dtype: Any) -> TuningConfig
 
 def ragged_unsupported(x: Any, qw: QuantizedWeight, group_sizes: Any) -> str | None:
     """Why the grouped Triton kernel cannot compute these arguments, or None."""
-    del group_sizes  # checked by nybble.ragged_matmul
+    from nybble.jax_range import outside_reason
+
+    del group_sizes  # checked by nybble.ragged_matmul; clamped in the kernel when traced
+    if (reason := outside_reason()) is not None:
+        return reason
     if np.ndim(qw.codes) != 3:
         return f"the grouped Triton kernel takes a stacked weight, got codes of shape {tuple(qw.codes.shape)}"
     return _dtype_reason(x) or _layout_reason(qw)

@@ -107,7 +107,7 @@ def reference(x2d, qw: QuantizedWeight, cfg: TuningConfig) -> np.ndarray:
     """The kernel's arithmetic in float64 numpy, step by step in its order of groups: ``sum over (plane,
     step) of d s + sum(x) (o - (B + 8) s)``, with ``d = x (B + 8 + q)`` exact. Equal to the exact product
     up to float64 rounding; what the tests compare with when the kernel's route itself is in question."""
-    from nybble.kernels.reference import reference_codes
+    from nybble.kernels.ops.matmul.reference import reference_codes
 
     x = np.asarray(x2d, np.float64)
     k_pad, n_pad = qw.padded_shape

@@ -144,11 +144,11 @@ def grouped_matmul(
 
 
 def reference(x, qw: QuantizedWeight, group_sizes) -> np.ndarray:
-    """float64: each expert's rows times its exact weight (``nybble.kernels.reference``), zeros past the
-    groups' sum (negative sizes count as zero, rows past x's end are dropped)."""
+    """float64: each expert's rows times its exact weight (``nybble.kernels.ops.matmul.reference``),
+    zeros past the groups' sum (negative sizes count as zero, rows past x's end are dropped)."""
     import dataclasses
 
-    from nybble.kernels.reference import reference_dequantize
+    from nybble.kernels.ops.matmul.reference import reference_dequantize
 
     x = np.asarray(x, np.float64)
     rows = x.shape[0]
