@@ -43,9 +43,13 @@ def _terms(qw, x_dtype) -> np.ndarray:
     return terms if qw.offsets is None else terms + np.abs(_per_k(qw.offsets, qw))
 
 
-def assert_kernel_close(y, x, qw) -> None:
-    """y within the rounding bound of the exact product, with the kernel's summed terms."""
-    assert_within_rounding(y, x, qw, w=reference_dequantize(qw), terms=_terms(qw, x.dtype))
+def assert_kernel_close(y, x, qw, route: str = "accumulators") -> None:
+    """y within the rounding bound of the float64 reference for the kernel's route: the exact weight with
+    the accumulators route's summed terms, or each weight rounded once to x's dtype (the weights route)."""
+    if route == "weights":
+        assert_within_rounding(y, x, qw)
+    else:
+        assert_within_rounding(y, x, qw, w=reference_dequantize(qw), terms=_terms(qw, x.dtype))
 
 
 def test_planes_layout_matches_reference_decoding():
@@ -109,21 +113,27 @@ def test_every_config_random_within_rounding(cfg):
     qw = _random_weight(rng, k, n, 2 * cfg.block_kw, symmetric=cfg.block_n == 128)
     x = activations(rng, m, k)
     y = dense.dense_matmul(x, qw, cfg, interpret=True)
-    assert_kernel_close(y, x, qw)
+    assert_kernel_close(y, x, qw, cfg.route)
     np.testing.assert_allclose(
         np.asarray(y, np.float64), dense.reference(x, qw, cfg), rtol=2**-7, atol=1e-2 * float(np.abs(y).max())
     )
 
 
-@pytest.mark.parametrize("x_dtype", [jnp.float16, jnp.float32])
-def test_f16_f32_activations(x_dtype):
+@pytest.mark.parametrize(
+    "x_dtype, cfg",
+    [
+        (jnp.float16, TuningConfig(block_m=16, block_n=64, block_kw=16, splits=2)),  # accumulators route
+        (jnp.float32, TuningConfig(block_m=64, block_n=128, block_kw=16)),  # weights route
+    ],
+    ids=["f16-accumulators", "f32-weights"],
+)
+def test_f16_f32_activations(x_dtype, cfg):
     rng = np.random.default_rng(2)
-    cfg = TuningConfig(block_m=16, block_n=64, block_kw=16, splits=2)
     qw = _random_weight(rng, 750, 100, 32, symmetric=False, scale_dtype=jnp.float16)  # K, N padded
     x = activations(rng, 5, 750, dtype=x_dtype)
     y = dense.dense_matmul(x, qw, cfg, interpret=True)
     assert y.dtype == x_dtype and y.shape == (5, 100)
-    assert_kernel_close(y, x, qw)
+    assert_kernel_close(y, x, qw, cfg.route)
     exact = exact_weight(rng, 256, 64, 32, True, layout="planes_int4")
     xe = activations(rng, 4, 256, dtype=x_dtype, exact=True)
     assert_exact(dense.dense_matmul(xe, exact, cfg, interpret=True), xe, exact)

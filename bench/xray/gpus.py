@@ -275,8 +275,8 @@ def triton_sass(
         mix = collections.Counter(ins.base_opcode for ins in loop).most_common(10)
         return {
             "loop_instructions": len(loop),
-            "hmmas": sum(ins.base_opcode == "HMMA" for ins in loop),
-            "mma": next(ins.opcode for ins in loop if ins.base_opcode == "HMMA"),
+            "mmas": sum(_is_mma(ins) for ins in loop),
+            "mma": next(ins.opcode for ins in loop if _is_mma(ins)),
             "instructions_per_weight": round(len(loop) * threads / weights_per_pass, 3),
             "opcode_mix": mix,
             "sass_instructions": len(code.instructions),
@@ -284,9 +284,15 @@ def triton_sass(
     return None
 
 
+def _is_mma(ins: Any) -> bool:
+    """A tensor-core instruction: HMMA (mma.sync), HGMMA (Hopper's wgmma), UTC*MMA (Blackwell's tcgen05)."""
+    op = ins.base_opcode
+    return op in ("HMMA", "HGMMA") or (op.startswith("UTC") and "MMA" in op)
+
+
 def mma_loop(code: Any) -> list[Any] | None:
     """The main loop of a Triton kernel: the backward branch (Triton's loops end in an unconditional one,
-    the exit test at the top) whose body holds the most HMMAs and no EXIT; the innermost on ties."""
+    the exit test at the top) whose body holds the most MMAs and no EXIT; the innermost on ties."""
     from bench.kernel_xray import sass as sass_lib
 
     ins = code.instructions
@@ -299,7 +305,7 @@ def mma_loop(code: Any) -> list[Any] | None:
         body = ins[start : end + 1]
         if start > end or any(b.base_opcode == "EXIT" for b in body):
             continue
-        n = sum(b.base_opcode == "HMMA" for b in body)
+        n = sum(_is_mma(b) for b in body)
         if n and (best is None or n > best[2] or (n == best[2] and end - start < best[1] - best[0])):
             best = (start, end, n)
     return None if best is None else ins[best[0] : best[1] + 1]

@@ -38,6 +38,12 @@ class TuningConfig:
         if self.splits < 1:
             raise ValueError(f"TuningConfig: splits must be >= 1, got {self.splits}")
 
+    @property
+    def route(self) -> str:
+        """How the scales are applied (``nybble.kernels.triton.dequant.step``): "accumulators" for the
+        16-row decode tiles, "weights" for the prefill tiles."""
+        return "accumulators" if self.block_m <= MIN_DOT else "weights"
+
     def smem_bytes(self, x_itemsize: int) -> int:
         """Shared memory of the software pipeline: per stage one word tile and 8 x tiles."""
         words = self.block_kw * self.block_n * 4

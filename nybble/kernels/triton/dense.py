@@ -50,6 +50,7 @@ def _kernel(*refs, cfg: TuningConfig, p: int, group: int, steps: int, asymmetric
             plane_rows=p,
             group=group,
             x_dtype=x_ref.dtype,
+            route=cfg.route,
         )
 
     acc = jax.lax.fori_loop(0, per_split, body, jnp.zeros((cfg.block_m, cfg.block_n), jnp.float32))
@@ -104,9 +105,10 @@ def dense_matmul(
 
 
 def reference(x2d, qw: QuantizedWeight, cfg: TuningConfig) -> np.ndarray:
-    """The kernel's arithmetic in float64 numpy, step by step in its order of groups: ``sum over (plane,
-    step) of d s + sum(x) (o - (B + 8) s)``, with ``d = x (B + 8 + q)`` exact. Equal to the exact product
-    up to float64 rounding; what the tests compare with when the kernel's route itself is in question."""
+    """The kernel's arithmetic in float64 numpy, in its order of steps and planes. Accumulators route:
+    ``sum over (plane, step) of d s + sum(x) (o - (B + 8) s)``, with ``d = x (B + 8 + q)`` exact (equal
+    to the exact product up to float64 rounding). Weights route: ``x @ w``, each weight ``q s + o``
+    rounded once to f32, then to x's dtype."""
     from nybble.kernels.ops.matmul.reference import reference_codes
 
     x = np.asarray(x2d, np.float64)
@@ -123,6 +125,10 @@ def reference(x2d, qw: QuantizedWeight, cfg: TuningConfig) -> np.ndarray:
             k0 = plane * p + j0
             xt = x[:, k0 : k0 + kw]
             g = k0 // qw.group
+            if cfg.route == "weights":
+                w = (q[k0 : k0 + kw] * s[g] + o[g]).astype(np.float32).astype(x2d.dtype)
+                y += xt @ w.astype(np.float64)
+                continue
             d = xt @ (b + q[k0 : k0 + kw])
             y += d * s[g] + xt.sum(1, keepdims=True) * (o[g] - b * s[g])
     return y[:, : qw.shape[1]]

@@ -59,20 +59,40 @@ def scale_terms(scale_row: jax.Array, offset_row: jax.Array | None, x_dtype) -> 
     return s, shift if offset_row is None else shift + offset_row.astype(jnp.float32)
 
 
-def step(acc, words, x_at, scale_at, offset_at, *, j0, plane_rows: int, group: int, x_dtype):
+def plane_weights(words: jax.Array, plane: int, scale_row, offset_row, x_dtype) -> jax.Array:
+    """The weights route: plane ``plane`` dequantized to x's dtype, ``(u - 8) s + o`` in f32 then rounded
+    once (the value ``nybble.dequantize(qw, x.dtype)`` holds: ``q s`` is exact in f32, so the offset's add
+    is the only f32 rounding, fused or not)."""
+    u = jax.lax.shift_right_logical(words, jnp.uint32(4 * plane)) & jnp.uint32(0xF)
+    w = (u.astype(jnp.int32) - 8).astype(jnp.float32) * scale_row.astype(jnp.float32)
+    if offset_row is not None:
+        w = w + offset_row.astype(jnp.float32)
+    return w.astype(x_dtype)
+
+
+def step(acc, words, x_at, scale_at, offset_at, *, j0, plane_rows: int, group: int, x_dtype, route: str):
     """Adds one step's 8 plane products to ``acc`` (tile_m, tile_n) f32.
 
     ``x_at(k0)``: the (tile_m, T) x tile at K column ``k0``; ``scale_at(g)`` / ``offset_at(g)`` (or None):
-    the (1, tile_n) row of group ``g``."""
+    the (1, tile_n) row of group ``g``. ``route``: "accumulators" (decode: the magic-number codes straight
+    into the MMA, the group's scale applied to the f32 product once per plane tile: a few instructions
+    per weight, and per output element a multiply-add per plane, cheap at 16 rows) or "weights"
+    (prefill: each weight dequantized once per CTA, ``(u - 8) s + o``, then the MMA accumulates in place:
+    the per-output-element work of the other route would grow with the tile's rows and bind on the CUDA
+    cores at 64 rows and more)."""
     for plane in range(PLANES):
         k0 = plane * plane_rows + j0
         x_tile = x_at(k0)
+        g = k0 // group
+        offset_row = None if offset_at is None else offset_at(g)
+        if route == "weights":
+            acc = acc + plane_dot(x_tile, plane_weights(words, plane, scale_at(g), offset_row, x_dtype))
+            continue
         d = plane_dot(x_tile, plane_codes(words, plane, x_dtype))
         xsum = jnp.sum(x_tile.astype(jnp.float32), axis=1, keepdims=True)
-        g = k0 // group
-        s, shift = scale_terms(scale_at(g), None if offset_at is None else offset_at(g), x_dtype)
+        s, shift = scale_terms(scale_at(g), offset_row, x_dtype)
         acc = acc + d * s + xsum * shift
     return acc
 
 
-__all__ = ["MAGIC", "PLANES", "bias", "plane_codes", "plane_dot", "scale_terms", "step"]
+__all__ = ["MAGIC", "PLANES", "bias", "plane_codes", "plane_dot", "plane_weights", "scale_terms", "step"]

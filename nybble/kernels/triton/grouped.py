@@ -85,6 +85,7 @@ def _kernel(*refs, cfg: TuningConfig, p: int, group: int, experts: int, rows: in
                 plane_rows=p,
                 group=group,
                 x_dtype=x_ref.dtype,
+                route=cfg.route,
             )
 
         acc = jax.lax.fori_loop(jnp.int32(0), steps, body, jnp.zeros((bm, bn), jnp.float32))
