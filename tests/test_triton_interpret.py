@@ -177,13 +177,19 @@ def _stack(rng, experts, k, n, group, symmetric, exact):
     return nybble.quantize(w, group_size=group, symmetric=symmetric, layout="planes_int4")
 
 
-@pytest.mark.parametrize("symmetric", [True, False])
-def test_grouped_exact_with_empty_experts_and_tail(symmetric):
+@pytest.mark.parametrize(
+    "symmetric, cfg",
+    [
+        (True, TuningConfig(block_m=16, block_n=64, block_kw=16)),  # decode: accumulators route
+        (False, TuningConfig(block_m=64, block_n=128, block_kw=16)),  # prefill: weights route, y^T
+    ],
+    ids=["sym-accumulators", "asym-weights"],
+)
+def test_grouped_exact_with_empty_experts_and_tail(symmetric, cfg):
     rng = np.random.default_rng(5)
     qw = _stack(rng, 4, 256, 128, 32, symmetric, exact=True)
     x = activations(rng, 41, 256, exact=True)
     sizes = jnp.asarray([9, 0, 20, 3], jnp.int32)  # rows 32..40 past the sum: zeros
-    cfg = TuningConfig(block_m=16, block_n=64, block_kw=16)
     y = grouped.grouped_matmul(x, qw, sizes, cfg, interpret=True)
     expected = grouped.reference(x, qw, sizes).astype(np.float32).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(y), expected)

@@ -53,7 +53,11 @@ def _kernel(*refs, cfg: TuningConfig, p: int, group: int, steps: int, asymmetric
             route=cfg.route,
         )
 
-    acc = jax.lax.fori_loop(0, per_split, body, jnp.zeros((cfg.block_m, cfg.block_n), jnp.float32))
+    transposed = cfg.route == "weights"  # that route accumulates y^T (dequant.step)
+    shape = (cfg.block_n, cfg.block_m) if transposed else (cfg.block_m, cfg.block_n)
+    acc = jax.lax.fori_loop(0, per_split, body, jnp.zeros(shape, jnp.float32))
+    if transposed:
+        acc = acc.T
     y_ref[...] = acc.astype(y_ref.dtype).reshape(y_ref.shape)
 
 

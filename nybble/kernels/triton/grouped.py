@@ -88,7 +88,12 @@ def _kernel(*refs, cfg: TuningConfig, p: int, group: int, experts: int, rows: in
                 route=cfg.route,
             )
 
-        acc = jax.lax.fori_loop(jnp.int32(0), steps, body, jnp.zeros((bm, bn), jnp.float32))
+        transposed = cfg.route == "weights"  # that route accumulates y^T (dequant.step)
+        acc = jax.lax.fori_loop(
+            jnp.int32(0), steps, body, jnp.zeros((bn, bm) if transposed else (bm, bn), jnp.float32)
+        )
+        if transposed:
+            acc = acc.T
         mine = (row >= lo) & (row < hi)
         plgpu.store(y_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], acc.astype(y_ref.dtype), mask=mine)
 
