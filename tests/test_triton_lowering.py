@@ -20,6 +20,7 @@ TARGETS = ("a100", "l40s", "h200", "b200", "rtx5090")  # sm_80, sm_89, sm_90, sm
 # M = 1 takes the split-K decode tiles (two launches), M = 16 one launch; the grouped kernel at decode.
 DENSE = [f"{gpu}:nybble:triton:llama3-8b-qo:1" for gpu in TARGETS] + ["a100:nybble:triton:llama3-8b-qo:16"]
 GROUPED = ["rtx5090:nybble:triton:mixtral-8x7b-gate-up:1"]
+PREFILL = ["l40s:nybble:triton:llama3-8b-qo:2048"]  # the weights route's tiles
 XLA_PATH = ["a100:nybble:xla:llama3-8b-qo:16", "rtx5090:nybble:xla:llama3-8b-qo:1"]
 
 
@@ -36,6 +37,7 @@ def rows(tmp_path_factory):
         "--cases",
         *DENSE,
         *GROUPED,
+        *PREFILL,
     ]
     proc = subprocess.run(cmd + XLA_PATH, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -61,6 +63,14 @@ def check_fused(row) -> None:
 def test_triton_kernel_is_one_fused_launch(rows, case):
     check_fused(rows[case])
     assert rows[case]["launch_kinds"].count("custom-call") == 1  # the kernel itself
+
+
+@pytest.mark.parametrize("case", PREFILL)
+def test_prefill_tiles_are_one_launch(rows, case):
+    row = rows[case]
+    assert "error" not in row, row.get("error")
+    assert row["launches"] == 1 and row["launch_kinds"] == ["custom-call"]
+    assert "block_m=128" in row["config"]
 
 
 @pytest.mark.parametrize("case", XLA_PATH)
