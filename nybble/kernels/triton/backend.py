@@ -141,10 +141,11 @@ def matmul(x2d: Any, qw: QuantizedWeight) -> jax.Array:
     return dense_matmul(x2d, qw, cfg, interpret=is_interpret_active())
 
 
-def describe(m: int, qw: QuantizedWeight, x_dtype: Any = "bfloat16") -> str:
-    """One line for ``nybble.kernels.explain``: the config picked for M rows on the target GPU."""
+def describe(m: int, qw: QuantizedWeight) -> str:
+    """One line for ``nybble.kernels.explain``: the config picked for M rows of bf16/f16 x on the target
+    GPU (f32 x may take fewer pipeline stages)."""
     gpu = target_gpu()
-    cfg = plan(m, qw, x_dtype, gpu)
+    cfg = plan(m, qw, "bfloat16", gpu)
     launches = "1 launch" if cfg.splits == 1 else f"2 launches (split-K over {cfg.splits}, then a reduction)"
     return f"Triton kernel config for M={m} on {gpu.name} ({gpu.sms} SMs): {cfg}, {launches}"
 
