@@ -364,11 +364,31 @@ def ideal_bytes(case: Case) -> int:
     return active * weight + 2 * case.m * (case.k + case.n)
 
 
+def issue_s(case: Case, record: dict[str, Any], spec: Any) -> float | None:
+    """The Triton kernel's main loop alone at perfect issue: its thread-instructions per weight times the
+    weights it dequantizes (every M tile all of its expert's, the active experts for MoE), over the SMs'
+    4 x 32 thread-instructions per cycle at the boost clock. None where no SASS was read."""
+    ipw = (record.get("sass") or {}).get("instructions_per_weight")
+    match = re.search(r"block_m=(\d+)", record.get("config", ""))
+    if ipw is None or match is None:
+        return None
+    bm = int(match.group(1))
+    if case.experts:
+        active = min(case.experts, case.m)
+        tiles = active * -(-max(1, case.m // active) // bm)
+    else:
+        tiles = -(-case.m // bm)
+    return ipw * case.k * case.n * tiles / (spec.sms * 4 * 32 * spec.clock_hz)
+
+
 def predicted_s(case: Case, record: dict[str, Any], spec: Any) -> float:
+    """The largest of the HBM, tensor-core and (where the SASS was read) issue times, plus 2 us per extra
+    launch."""
     flops = 2 * case.m * case.k * case.n
-    return max(record["bytes"] / spec.hbm_bytes_per_s, flops / spec.bf16_flops) + spec.launch_s * (
-        record["launches"] - 1
+    bound = max(
+        record["bytes"] / spec.hbm_bytes_per_s, flops / spec.bf16_flops, issue_s(case, record, spec) or 0
     )
+    return bound + spec.launch_s * (record["launches"] - 1)
 
 
 def rows(records: dict[str, dict[str, Any]], cases: list[Case]) -> list[dict[str, Any]]:
@@ -382,6 +402,8 @@ def rows(records: dict[str, dict[str, Any]], cases: list[Case]) -> list[dict[str
         row = {**dataclasses.asdict(case), **rec}
         if "error" not in rec:
             row["predicted_us"] = round(predicted_s(case, rec, spec) * 1e6, 2)
+            issue = issue_s(case, rec, spec)
+            row["issue_us"] = None if issue is None else round(issue * 1e6, 2)
             row["bytes_over_ideal"] = round(rec["bytes"] / ideal_bytes(case), 3)
         out.append(row)
     for row in out:  # ratio to XLA's bf16 dot of the same GPU, shape and M
@@ -405,13 +427,14 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta['date']}, commit {meta['commit']}, jax {meta['jax']}. g128 symmetric, bf16 x. "
         "`bytes/ideal`: bytes per call from the compiled program over int4 codes + bf16 scales (active "
         "experts for MoE) + x + y. `vs bf16`: predicted time over XLA's bf16 dot's on the same GPU "
-        "(bytes at the spec's HBM rate vs 2MNK at its bf16 rate, + 2 us per extra launch). `big float`: "
+        "(the largest of: bytes at the spec's HBM rate, 2MNK at its bf16 rate, and for the Triton kernel "
+        "its main loop's SASS at perfect issue, `issue us`; + 2 us per extra launch). `big float`: "
         "float buffers of >= 1/4 of the weight's elements. `instr/w`: the Triton kernel's main-loop "
         "thread-instructions per weight (SASS).",
         "",
-        "| gpu | shape | M | peer | launches | bytes/ideal | big float | predicted us | vs bf16 | instr/w "
-        "| config |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| gpu | shape | M | peer | launches | bytes/ideal | big float | predicted us | issue us | vs bf16 "
+        "| instr/w | config |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table:
         if "error" in r:
@@ -423,7 +446,8 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines.append(
             f"| {r['gpu']} | {r['shape']} | {r['m']} | {r['peer']} | {r['launches']} | "
             f"{r['bytes_over_ideal']} | "
-            f"{len(r['weight_sized_float_buffers'])} | {r['predicted_us']} | {r.get('vs_bf16', '')} | "
+            f"{len(r['weight_sized_float_buffers'])} | {r['predicted_us']} | {r.get('issue_us') or ''} | "
+            f"{r.get('vs_bf16', '')} | "
             f"{sass.get('instructions_per_weight', '')} | {r.get('config', '').replace('TuningConfig', '')} |"
         )
     return "\n".join(lines) + "\n"
