@@ -56,6 +56,31 @@ DENSE_SHAPES = (
 # name: (K, N, experts, top-k): Mixtral-8x7B's fused gate-up projection.
 MOE_SHAPES = {"mixtral-8x7b-gate-up": (4096, 2 * 14336, 8, 2)}
 DEFAULT_MS = (1, 16, 64, 2048)
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuSpec:
+    """The figures the model needs of a TPU chip (the XLA path's rows: nybble has no TPU kernel)."""
+
+    name: str
+    hbm_bytes_per_s: float
+    bf16_flops: float
+    launch_s: float = 2e-6
+
+
+# Google Cloud TPU documentation (the "TPU v5e" and "TPU v6e" system architecture pages): per chip,
+# v5e 819 GB/s HBM2e and 197 TFLOP/s bf16; v6e (Trillium) 1,640 GB/s and 918 TFLOP/s.
+TPUS = {"v5e": TpuSpec("v5e", 819e9, 197e12), "v6e": TpuSpec("v6e", 1640e9, 918e12)}
+TPU_PEERS = (NYBBLE_XLA, XLA_BF16, XLA_INT4)
+
+
+def spec_of(name: str) -> Any:
+    """The GpuSpec or TpuSpec named ``name``."""
+    from nybble.kernels.gpu import get_gpu
+
+    return TPUS[name] if name in TPUS else get_gpu(name)
+
+
 GROUP = 128
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "xray-gpus"
 
@@ -89,13 +114,14 @@ def case_of(gpu: str, peer: str, shape: str, m: int) -> Case:
 def build_cases(gpu: str, shapes: list[str], ms: list[int], moe: list[str]) -> list[Case]:
     from bench.arg_specs import SHAPES
 
+    peers = TPU_PEERS if gpu in TPUS else PEERS
     out = []
     for name in shapes:
         s = SHAPES[name]
-        out += [Case(gpu, p, name, s.k, s.n, m) for m in ms for p in PEERS]
+        out += [Case(gpu, p, name, s.k, s.n, m) for m in ms for p in peers]
     for name in moe:
         k, n, experts, top_k = MOE_SHAPES[name]
-        out += [Case(gpu, p, name, k, n, m * top_k, experts) for m in ms for p in PEERS if p != XLA_INT4]
+        out += [Case(gpu, p, name, k, n, m * top_k, experts) for m in ms for p in peers if p != XLA_INT4]
     return out
 
 
@@ -131,7 +157,7 @@ def program(case: Case, spec: Any, sharding: Any) -> tuple[Any, tuple[Any, ...]]
 
     x = jax.ShapeDtypeStruct((case.m, case.k), jnp.bfloat16, sharding=sharding)
     sizes = jax.ShapeDtypeStruct((case.experts,), jnp.int32, sharding=sharding)
-    hopper = spec.name in HOPPER
+    hopper = getattr(spec, "name", "") in HOPPER
     if case.peer == XLA_BF16:
         lead = (case.experts,) if case.experts else ()
         w = jax.ShapeDtypeStruct((*lead, case.k, case.n), jnp.bfloat16, sharding=sharding)
@@ -319,12 +345,13 @@ def compile_case(case: Case, spec: Any, device: Any, nvdisasm: Path | None) -> d
     from bench.kernel_xray import hlo
 
     fn, args = program(case, spec, SingleDeviceSharding(device))
+    platform = "tpu" if case.gpu in TPUS else "cuda"
     started = time.time()
     dump = Path(tempfile.mkdtemp(prefix="nybble-xray-cubins-"))
     os.environ["NYBBLE_PTX_DUMP"] = str(dump)  # read by the ptxas wrapper XLA runs
     try:
         with jax.set_mesh(Mesh(np.array([device]), ("x",))):  # the Triton lowering reads the target here
-            compiled = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compile()
+            compiled = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).compile()
     finally:
         os.environ.pop("NYBBLE_PTX_DUMP", None)
     text = compiled.as_text()
@@ -392,13 +419,11 @@ def predicted_s(case: Case, record: dict[str, Any], spec: Any) -> float:
 
 
 def rows(records: dict[str, dict[str, Any]], cases: list[Case]) -> list[dict[str, Any]]:
-    from nybble.kernels.gpu import get_gpu
-
     out = []
     by_key = {c.key: c for c in cases}
     for key, rec in records.items():
         case = by_key[key]
-        spec = get_gpu(case.gpu)
+        spec = spec_of(case.gpu)
         row = {**dataclasses.asdict(case), **rec}
         if "error" not in rec:
             row["predicted_us"] = round(predicted_s(case, rec, spec) * 1e6, 2)
@@ -462,11 +487,17 @@ def run(cases: list[Case], sass: bool = True) -> list[dict]:
     from bench.kernel_xray.toolchain import find_toolchain
     from nybble.kernels.gpu import get_gpu
 
-    nvdisasm = find_toolchain().nvdisasm if sass else None
+    nvdisasm = find_toolchain().nvdisasm if sass and any(c.gpu not in TPUS for c in cases) else None
     records: dict[str, Any] = {}
     for gpu in dict.fromkeys(c.gpu for c in cases):
-        spec = get_gpu(gpu)
-        device = deviceless_devices(spec)[0]
+        if gpu in TPUS:  # libtpu's deviceless topology (as MaxText's AOT compile uses)
+            from jax.experimental import topologies
+
+            spec = TPUS[gpu]
+            device = topologies.get_topology_desc(topology_name=f"{gpu}:2x2", platform="tpu").devices[0]
+        else:
+            spec = get_gpu(gpu)
+            device = deviceless_devices(spec)[0]
         for case in (c for c in cases if c.gpu == gpu):
             try:
                 records[case.key] = compile_case(case, spec, device, nvdisasm)
@@ -478,7 +509,15 @@ def run(cases: list[Case], sass: bool = True) -> list[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.xray.gpus", description=__doc__.split("\n\n")[0])
-    p.add_argument("--gpus", nargs="+", choices=GPU_NAMES, default=list(GPU_NAMES))
+    p.add_argument("--gpus", nargs="*", choices=GPU_NAMES, default=list(GPU_NAMES))
+    p.add_argument(
+        "--tpus",
+        nargs="+",
+        choices=tuple(TPUS),
+        default=[],
+        help="also the XLA path on these TPUs (deviceless, needs libtpu: pip install libtpu; run apart from "
+        "the GPUs, without the CUDA toolchain)",
+    )
     p.add_argument("--shapes", nargs="+", choices=DENSE_SHAPES, default=list(DENSE_SHAPES))
     p.add_argument("--ms", nargs="+", type=int, default=list(DEFAULT_MS))
     p.add_argument("--moe", nargs="*", choices=tuple(MOE_SHAPES), default=list(MOE_SHAPES))
@@ -512,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     args = build_parser().parse_args(argv)
-    if not in_compile_process():
+    tpu_only = bool(args.tpus) and not args.cases and args.gpus == []
+    if not in_compile_process() and not tpu_only:
         try:
             toolchain = find_toolchain()
         except ToolchainMissing as e:
@@ -533,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
             for g, p1, p2, shape, m in map(_split, args.cases)
         ]
     else:
-        cases = [c for gpu in args.gpus for c in build_cases(gpu, args.shapes, args.ms, args.moe)]
+        names = [*args.gpus, *args.tpus]
+        cases = [c for gpu in names for c in build_cases(gpu, args.shapes, args.ms, args.moe)]
     table = run(cases, sass=not args.no_sass)
     meta = {
         "date": datetime.date.today().isoformat(),
