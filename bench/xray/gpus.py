@@ -529,7 +529,42 @@ def build_parser() -> argparse.ArgumentParser:
         help="these cases only (PEER nybble, nybble:triton, nybble:xla, xla:bf16, xla:int4), for the tests",
     )
     p.add_argument("--out", type=Path, default=None, help=f"output folder (default {RESULTS})")
+    p.add_argument(
+        "--merge", nargs="+", type=Path, metavar="DIR", help="merge these runs' tables, compile nothing"
+    )
     return p
+
+
+_RECORD_FIELDS = (
+    "launches",
+    "launch_kinds",
+    "bytes",
+    "bytes_compiled",
+    "weight_sized_float_buffers",
+    "compile_s",
+    "config",
+    "sass",
+    "error",
+)
+
+
+def merge(folders: list[Path]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The rows of several runs' xray.json as one table, a later folder's case replacing an earlier's; the
+    derived columns computed again."""
+    records: dict[str, dict[str, Any]] = {}
+    cases: dict[str, Case] = {}
+    metas = []
+    for folder in folders:
+        data = json.loads((folder / "xray.json").read_text())
+        metas.append(data["meta"])
+        for r in data["rows"]:
+            case = Case(**{f.name: r[f.name] for f in dataclasses.fields(Case)})
+            cases[case.key] = case
+            records[case.key] = {k: r[k] for k in _RECORD_FIELDS if k in r}
+    ordered = sorted(cases.values(), key=lambda c: (GPU_NAMES + tuple(TPUS)).index(c.gpu))
+    table = rows({c.key: records[c.key] for c in ordered}, ordered)
+    meta = {**metas[-1], "merged_from": metas}
+    return table, meta
 
 
 def _split(text: str) -> tuple[str, str, str, str, str]:
@@ -551,6 +586,9 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     args = build_parser().parse_args(argv)
+    if args.merge:
+        table, meta = merge(args.merge)
+        return _write(args.out or RESULTS, table, meta)
     tpu_only = bool(args.tpus) and not args.cases and args.gpus == []
     if not in_compile_process() and not tpu_only:
         try:
@@ -582,7 +620,11 @@ def main(argv: list[str] | None = None) -> int:
         "jax": jax.__version__,
         "elapsed_s": round(time.time() - started, 1),
     }
-    out = args.out or RESULTS
+    return _write(args.out or RESULTS, table, meta)
+
+
+def _write(out: Path, table: list[dict[str, Any]], meta: dict[str, Any]) -> int:
+    """xray.json and xray.md into ``out`` (temporary files, then renamed); the table printed."""
     out.mkdir(parents=True, exist_ok=True)
     for name, text in (
         ("xray.json", json.dumps({"meta": meta, "rows": table}, indent=1, default=str)),
