@@ -1,4 +1,4 @@
-"""The Hopper GPUs nybble compiles for without one: JAX's deviceless topology of a ``GpuSpec``.
+"""The GPUs nybble compiles for without one: JAX's deviceless topology of a ``GpuSpec``.
 
 The GPUs' facts live in :mod:`nybble.kernels.gpu` (one spec for the heuristics, the X-ray and bench).
 """
@@ -10,6 +10,13 @@ from typing import Any
 from nybble.kernels.gpu import GPUS, GpuSpec, get_gpu
 
 __all__ = ["GPUS", "GpuSpec", "deviceless_devices", "get_gpu", "target_config"]
+
+
+# Pallas' Triton lowering names the target by the device kind (jax 0.11.2: a table of kinds; an unknown
+# kind is asked of the local GPU, which a deviceless compile has not). For the GPUs missing from that table,
+# the topology carries the kind of a GPU of the same die and compute capability: L40S -> L40 (AD102, sm_89),
+# RTX 5090 -> RTX PRO 6000 (GB202, sm_120). Only the kind string differs; the spec's figures stay.
+_KIND_FOR_PALLAS = {"NVIDIA L40S": "NVIDIA L40", "NVIDIA GeForce RTX 5090": "NVIDIA RTX PRO 6000"}
 
 
 def target_config(spec: GpuSpec) -> str:
@@ -31,14 +38,14 @@ gpu_device_info {{
   clock_rate_ghz: {spec.clock_ghz}
   device_memory_size: {spec.memory_bytes}
   shared_memory_per_block_optin: {spec.smem_per_block_optin}
-  cuda_compute_capability {{ major: 9 minor: 0 }}
+  cuda_compute_capability {{ major: {spec.cc_major_minor[0]} minor: {spec.cc_major_minor[1]} }}
   registers_per_core_limit: {spec.registers_per_sm}
   registers_per_block_limit: 65536
 }}
 platform_name: "CUDA"
 dnn_version_info {{ major: 9 minor: 8 }}
 runtime_version {{ major: 12 minor: 9 }}
-device_description_str: "{spec.description}"
+device_description_str: "{_KIND_FOR_PALLAS.get(spec.description, spec.description)}"
 """
 
 

@@ -7,6 +7,7 @@ Examples::
     python -m bench.xray --peers --shapes llama3-8b-qo --ms 1 16   # Marlin, tokamax, JAX's int8 example too
     python -m bench.xray --check                           # exit 1 on a regression against the baseline
     python -m bench.xray --update-baseline                 # record today's numbers as the baseline
+    python -m bench.xray --gpu a100                        # another GPU: bench.xray.gpus (the Triton kernel)
 """
 
 from __future__ import annotations
@@ -84,7 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(MOE_SHAPES),
         help=f"MoE shapes compiled for {TOKAMAX} (grouped, fused gate-up) when it is among the peers",
     )
-    p.add_argument("--gpu", default="h200", choices=("h200", "h100"), help="the GPU compiled for")
+    p.add_argument(
+        "--gpu",
+        default="h200",
+        choices=("h200", "h100", "a100", "l40s", "b200", "rtx5090"),
+        help="the GPU compiled for; a100, l40s, b200 and rtx5090 run bench.xray.gpus (the portable Triton "
+        "kernel, nybble:xla, xla:bf16 and XLA's int4, at the Llama-3 and MoE shapes)",
+    )
     p.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: cores, <= 4)")
     p.add_argument(
         "--out",
@@ -136,6 +143,15 @@ def _commit() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.gpu not in ("h200", "h100"):  # no Mosaic GPU kernel there: the X-ray of the portable kernel
+        from bench.xray import gpus
+
+        forwarded = ["--gpus", args.gpu, "--ms", *map(str, args.ms)]
+        if args.shapes:
+            forwarded += ["--shapes", *args.shapes]
+        if args.out:
+            forwarded += ["--out", str(args.out)]
+        return gpus.main(forwarded)
     from bench.arg_specs import SHAPES, select_shapes
     from bench.kernel_xray import ToolchainMissing, get_gpu
     from bench.xray import model, report

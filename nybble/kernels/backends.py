@@ -30,6 +30,7 @@ from nybble.kernels import device
 # implementation= name -> the module that plugs it in. XLA runs everywhere and comes last.
 BACKENDS: dict[str, str] = {
     "mosaic_gpu": "nybble.kernels.mosaic_gpu.backend",
+    "triton": "nybble.kernels.triton.backend",
     "xla": "nybble.kernels.ops.xla_backend",
 }
 # The names implementation= takes, in the order implementation=None tries them.

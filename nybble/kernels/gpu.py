@@ -1,4 +1,4 @@
-"""One description of the Hopper GPUs nybble targets, used by the heuristics' cost model, the X-ray's model
+"""One description of each NVIDIA GPU nybble targets, used by the heuristics' cost model, the X-ray's model
 and the benchmark: SMs, HBM bandwidth, clock, tensor-core rate, SMEM, distributed-SMEM rate, launch cost.
 
 Published figures (SXM boards; H100 and H200 are the same GH100 die: 132 SMs at 1.98 GHz boost, 989 TFLOP/s
@@ -6,6 +6,20 @@ dense bf16); H200 has 141 GB of HBM3e at 4.8 TB/s, H100 80 GB of HBM3 at 3.35 TB
 working figures, not datasheet ones: the distributed-SMEM rate (~32 bytes per cycle per SM, what the
 split-K reduction in a cluster is charged) and the cost of one extra launch (~2 us). :func:`current_gpu`
 picks the spec of the local GPU (by its device kind), else the H200's.
+
+The other GPUs (the portable Triton kernel's targets, ``nybble.kernels.triton``), each from its vendor's
+datasheet, with the per-SM limits (shared memory, threads, blocks) of its compute capability from the CUDA
+C++ Programming Guide's table of technical specifications: A100 SXM4 80GB (NVIDIA A100 Tensor Core GPU
+datasheet: 2,039 GB/s HBM2e, 312 TFLOP/s dense bf16; 108 SMs at 1.41 GHz boost, 40 MB L2, from the NVIDIA
+A100 Tensor Core GPU Architecture whitepaper), L40S (NVIDIA L40S datasheet: 864 GB/s GDDR6, 362.05 TFLOP/s
+dense bf16, 48 GB; 142 SMs at 2.52 GHz boost, 96 MB L2, from the NVIDIA Ada Lovelace architecture
+whitepaper's AD102), RTX 5090 (NVIDIA RTX Blackwell GPU Architecture whitepaper: 170 SMs at 2.41 GHz boost,
+1,792 GB/s GDDR7, 32 GB, 209.5 TFLOP/s dense FP16/bf16 with FP32 accumulate, 96 MB L2), B200 (NVIDIA
+DGX/HGX B200 datasheet: 8 TB/s HBM3e, 180 GB, 2.25 PFLOP/s dense bf16 per GPU; 148 SMs, 126 MB L2, from
+the NVIDIA Blackwell architecture technical brief; ~1.965 GHz boost). The Ada and sm_120 parts have 100 KB
+of shared memory per SM (99 KB for one block) and 1,536 threads per SM; no NVLink (PCIe Gen4 x16:
+32 GB/s each way; RTX 5090: PCIe Gen5 x16, 64 GB/s each way); A100 NVLink 3: 600 GB/s both ways; B200
+NVLink 5: 1.8 TB/s both ways.
 """
 
 from __future__ import annotations
@@ -24,6 +38,7 @@ class GpuSpec:
     hbm_bytes_per_s: float  # peak HBM bandwidth
     bf16_flops: float  # dense bf16 tensor-core peak
     memory_bytes: int
+    compute_capability: str = "9.0"  # CUDA compute capability, "major.minor"
     smem_per_sm: int = 233472  # bytes per SM (228 KiB)
     smem_per_block_optin: int = 232448  # the most one CTA may allocate
     dsmem_bytes_per_cycle_per_sm: float = 32.0  # distributed SMEM reads in a cluster (nybble's figure)
@@ -39,6 +54,17 @@ class GpuSpec:
     @property
     def clock_ghz(self) -> float:
         return self.clock_hz / 1e9
+
+    @property
+    def cc_major_minor(self) -> tuple[int, int]:
+        """The compute capability as (major, minor) ints: (9, 0) for "9.0"."""
+        major, minor = self.compute_capability.split(".")
+        return int(major), int(minor)
+
+    @property
+    def is_hopper(self) -> bool:
+        """Compute capability 9.x: where the Mosaic GPU (WGMMA) kernels run."""
+        return self.cc_major_minor[0] == 9
 
 
 H200 = GpuSpec(
@@ -59,11 +85,69 @@ H100_SXM = GpuSpec(
     bf16_flops=989e12,
     memory_bytes=80 * 2**30,
 )
-GPUS: dict[str, GpuSpec] = {s.name: s for s in (H200, H100_SXM)}
+A100 = GpuSpec(
+    name="a100",
+    description="NVIDIA A100-SXM4-80GB",
+    sms=108,
+    clock_hz=1.41e9,
+    hbm_bytes_per_s=2.039e12,
+    bf16_flops=312e12,
+    memory_bytes=80 * 2**30,
+    compute_capability="8.0",
+    smem_per_sm=167936,  # 164 KiB
+    smem_per_block_optin=166912,  # 163 KiB
+    l2_bytes=40 * 2**20,
+    nvlink_bytes_per_s=300e9,
+)
+L40S = GpuSpec(
+    name="l40s",
+    description="NVIDIA L40S",
+    sms=142,
+    clock_hz=2.52e9,
+    hbm_bytes_per_s=864e9,
+    bf16_flops=362.05e12,
+    memory_bytes=48 * 2**30,
+    compute_capability="8.9",
+    smem_per_sm=102400,  # 100 KiB
+    smem_per_block_optin=101376,  # 99 KiB
+    max_threads_per_sm=1536,
+    max_blocks_per_sm=24,
+    l2_bytes=96 * 2**20,
+    nvlink_bytes_per_s=32e9,  # no NVLink: PCIe Gen4 x16
+)
+RTX5090 = GpuSpec(
+    name="rtx5090",
+    description="NVIDIA GeForce RTX 5090",
+    sms=170,
+    clock_hz=2.41e9,
+    hbm_bytes_per_s=1.792e12,
+    bf16_flops=209.5e12,
+    memory_bytes=32 * 2**30,
+    compute_capability="12.0",
+    smem_per_sm=102400,
+    smem_per_block_optin=101376,
+    max_threads_per_sm=1536,
+    l2_bytes=96 * 2**20,
+    nvlink_bytes_per_s=64e9,  # no NVLink: PCIe Gen5 x16
+)
+B200 = GpuSpec(
+    name="b200",
+    description="NVIDIA B200",
+    sms=148,
+    clock_hz=1.965e9,
+    hbm_bytes_per_s=8e12,
+    bf16_flops=2.25e15,
+    memory_bytes=180 * 10**9,
+    compute_capability="10.0",
+    l2_bytes=126 * 2**20,
+    nvlink_bytes_per_s=900e9,
+)
+GPUS: dict[str, GpuSpec] = {s.name: s for s in (H200, H100_SXM, A100, L40S, B200, RTX5090)}
 
 
 def get_gpu(name: str) -> GpuSpec:
-    """The spec named ``name`` ("h200", "h100"); ValueError naming the known ones otherwise."""
+    """The spec named ``name`` ("h200", "h100", "a100", "l40s", "b200", "rtx5090"); ValueError naming the
+    known ones otherwise."""
     try:
         return GPUS[name.lower()]
     except KeyError:
@@ -77,6 +161,13 @@ def spec_for_device_kind(kind: str) -> GpuSpec | None:
         return H200
     if "h100" in kind and "pcie" not in kind:
         return H100_SXM
+    for spec in (A100, L40S, B200, RTX5090):
+        if spec.description.lower() == kind or (
+            spec.name != "a100" and spec.name.replace("rtx", "rtx ") in kind
+        ):
+            return spec
+    if "a100" in kind and "80gb" in kind and "pcie" not in kind:
+        return A100
     return None
 
 
@@ -92,4 +183,16 @@ def current_gpu() -> GpuSpec:
     return dataclasses.replace(spec, sms=int(sms)) if sms else spec
 
 
-__all__ = ["GPUS", "H100_SXM", "H200", "GpuSpec", "current_gpu", "get_gpu", "spec_for_device_kind"]
+__all__ = [
+    "A100",
+    "B200",
+    "GPUS",
+    "H100_SXM",
+    "H200",
+    "L40S",
+    "RTX5090",
+    "GpuSpec",
+    "current_gpu",
+    "get_gpu",
+    "spec_for_device_kind",
+]

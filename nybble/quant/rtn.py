@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nybble.packing import group_rows, num_groups, pad_to, padded_weight_dims
+from nybble.packing import default_layout, group_rows, num_groups, pad_to, padded_weight_dims
 from nybble.quant.qformat import (
     ZERO_POINTS,
     FormatFields,
@@ -83,7 +83,9 @@ def quantize(
       symmetric: signed codes in [-8, 7] and one scale per group (``max(-min / 8, max / 7)``); else a zero
         point per group too, stored as an offset so that dequantization is one multiply-add. Default True.
       scale_dtype: dtype of the stored scales and offsets (bf16, the default: 4.125 bits/weight at g128).
-      layout: the memory layout of the codes (see ``nybble.packing.LAYOUTS``).
+      layout: the memory layout of the codes (see ``nybble.packing.LAYOUTS``). Not given (neither the keyword
+        nor a ``format``): the local GPU's, ``nybble.packing.default_layout()``: ``planes_int4`` (the Triton
+        kernel's) on an NVIDIA GPU without a nybble Mosaic GPU kernel, else ``wgmma_int4``.
       zero_point: asymmetric groups only. "float" (default): the offset maps code -8 to the group
         minimum. "integer": unsigned codes u in 0..15 with an integer zero z per group, ``w = (u - z) * s``,
         as compressed-tensors, GPTQ and AWQ store them (the range is widened to include 0, as GPTQ's
@@ -97,6 +99,8 @@ def quantize(
     (for asymmetric groups, plus the rounding of the stored offset to ``scale_dtype``). An all-zero group
     dequantizes to exact zeros.
     """
+    if format is None and fields.get("layout") is None:  # the local GPU's layout, chosen once, here
+        fields["layout"] = default_layout()
     fmt = with_fields(format, dict(fields), "quantize")
     if getattr(w, "ndim", None) == 3:  # a stack of experts (E, K, N): each expert on its own, stacked
         return quantize_stacked(quantize, w, format=fmt, clip_search=clip_search)

@@ -1,0 +1,210 @@
+"""The portable Triton kernels (nybble.kernels.triton) in Pallas' interpret mode on the CPU: every config the
+heuristics can pick, bit-exact on small integers and within the rounding bound of the float64 reference on
+random data; the planes_int4 layout against the reference's own decoding."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nybble
+from nybble.kernels.gpu import GPUS
+from nybble.kernels.ops.matmul.reference import reference_codes, reference_dequantize
+from nybble.kernels.triton import backend, dense, grouped
+from nybble.kernels.triton.config import DECODE_M, TuningConfig, candidate_configs, choose_config, code_path
+from nybble.kernels.triton.dequant import bias
+from nybble.packing import get_layout
+from nybble.quant.qweight import relayout
+from nybble.quant.stacked import stack_weights
+from tests.kernel_checks import _per_k, activations, assert_exact, assert_within_rounding, exact_weight
+
+CONFIGS = sorted(candidate_configs(tuple(GPUS.values())), key=str)
+# The configs up to Triton's launch parameters (warps, pipeline stages), which interpret mode does not model
+# (the deviceless compile tests, tests/test_triton_lowering.py, compile with them): one run per code path.
+CODE_PATHS = sorted({dataclasses.replace(c, num_warps=4, num_stages=2) for c in CONFIGS}, key=str)
+
+
+def _random_weight(rng, k, n, group, symmetric, scale_dtype=jnp.bfloat16):
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    qw = nybble.quantize(
+        w, group_size=group, symmetric=symmetric, scale_dtype=scale_dtype, layout="planes_int4"
+    )
+    return qw
+
+
+def _terms(qw, x_dtype) -> np.ndarray:
+    """What the kernel's f32 accumulation sums per (k, n): x_k (B + 8 + q_k) s, then x_k (o - (B + 8) s)."""
+    s = np.abs(_per_k(qw.scales, qw))
+    terms = np.abs(reference_dequantize(qw)) + 2 * bias(x_dtype) * s
+    return terms if qw.offsets is None else terms + np.abs(_per_k(qw.offsets, qw))
+
+
+def assert_kernel_close(y, x, qw, route: str = "accumulators") -> None:
+    """y within the rounding bound of the float64 reference for the kernel's route: the exact weight with
+    the accumulators route's summed terms, or each weight rounded once to x's dtype (the weights route)."""
+    if route == "weights":
+        assert_within_rounding(y, x, qw)
+    else:
+        assert_within_rounding(y, x, qw, w=reference_dequantize(qw), terms=_terms(qw, x.dtype))
+
+
+def test_planes_layout_matches_reference_decoding():
+    rng = np.random.default_rng(0)
+    q = rng.integers(-8, 8, (192, 72)).astype(np.int8)
+    words = get_layout("planes_int4").pack(q)
+    assert words.dtype == np.uint32 and words.shape == (24, 72)
+    np.testing.assert_array_equal(get_layout("planes_int4").unpack(words, 192), q)
+    qw = nybble.QuantizedWeight.from_codes(
+        q, np.ones((3, 72), np.float32), shape=(192, 72), group_size=64, layout="planes_int4"
+    )
+    np.testing.assert_array_equal(reference_codes(qw)[:192, :72], q)
+    # Nibble i of word (j, n) is row i * 24 + j, offset binary.
+    assert (int(words[5, 7]) >> 12) & 0xF == q[3 * 24 + 5, 7] + 8
+
+
+def test_candidate_configs_are_what_the_heuristics_pick():
+    seen = {
+        code_path(choose_config(m, k, n, g, 2, gpu))
+        for gpu in GPUS.values()
+        for m in (1, 8, 16, 33, 64, 500, 2048)
+        for n in (128, 4096, 14336, 28672)
+        for k, g in ((4096, 128), (14336, 128), (8192, 4096), (1024, 32), (2048, 64))
+    }
+    assert seen <= set(CONFIGS)
+    assert {c.block_m for c in seen} == {16, 64, 128} and any(c.splits > 1 for c in seen)
+
+
+def _shape_for(cfg: TuningConfig) -> tuple[int, int, int]:
+    """(M, K, N): the smallest problem that runs every code path of ``cfg``: two steps per split (the loop
+    carries), a partial last M tile, two N tiles."""
+    m = 3 if cfg.block_m == 16 else cfg.block_m + 5
+    k = 8 * cfg.block_kw * 2 * cfg.splits
+    return m, k, 2 * cfg.block_n
+
+
+@pytest.mark.parametrize("cfg", CODE_PATHS, ids=str)
+def test_every_config_exact(cfg):
+    rng = np.random.default_rng(hash(str(cfg)) % 2**32)
+    m, k, n = _shape_for(cfg)
+    symmetric = (cfg.block_kw // 16 + cfg.splits) % 2 == 0  # both kinds over the set
+    group = cfg.block_kw if cfg.block_kw < 64 else None  # the most groups, and per-column
+    qw = exact_weight(rng, k, n, group, symmetric, layout="planes_int4")
+    x = activations(rng, m, k, exact=True)
+    y = dense.dense_matmul(x, qw, cfg, interpret=True)
+    assert_exact(y, x, qw)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        c
+        for c in CODE_PATHS
+        if c.block_kw == {16: 64, 64: 32, 128: 16}[c.block_m] and c.splits > 1 - (c.block_m > 16)
+    ],
+    ids=str,
+)
+def test_every_config_random_within_rounding(cfg):
+    rng = np.random.default_rng(1)
+    m, k, n = _shape_for(cfg)
+    qw = _random_weight(rng, k, n, 2 * cfg.block_kw, symmetric=cfg.block_n == 128)
+    x = activations(rng, m, k)
+    y = dense.dense_matmul(x, qw, cfg, interpret=True)
+    assert_kernel_close(y, x, qw, cfg.route)
+    np.testing.assert_allclose(
+        np.asarray(y, np.float64), dense.reference(x, qw, cfg), rtol=2**-7, atol=1e-2 * float(np.abs(y).max())
+    )
+
+
+@pytest.mark.parametrize(
+    "x_dtype, cfg",
+    [
+        (jnp.float16, TuningConfig(block_m=16, block_n=64, block_kw=16, splits=2)),  # accumulators route
+        (jnp.float32, TuningConfig(block_m=64, block_n=128, block_kw=16)),  # weights route
+    ],
+    ids=["f16-accumulators", "f32-weights"],
+)
+def test_f16_f32_activations(x_dtype, cfg):
+    rng = np.random.default_rng(2)
+    qw = _random_weight(rng, 750, 100, 32, symmetric=False, scale_dtype=jnp.float16)  # K, N padded
+    x = activations(rng, 5, 750, dtype=x_dtype)
+    y = dense.dense_matmul(x, qw, cfg, interpret=True)
+    assert y.dtype == x_dtype and y.shape == (5, 100)
+    assert_kernel_close(y, x, qw, cfg.route)
+    exact = exact_weight(rng, 256, 64, 32, True, layout="planes_int4")
+    xe = activations(rng, 4, 256, dtype=x_dtype, exact=True)
+    assert_exact(dense.dense_matmul(xe, exact, cfg, interpret=True), xe, exact)
+
+
+def test_backend_matmul_through_the_heuristics():
+    rng = np.random.default_rng(3)
+    qw = _random_weight(rng, 512, 128, 64, symmetric=True)
+    x = activations(rng, 2, 512)
+    assert backend.unsupported(x, qw) is None
+    with backend.interpret("l40s"):
+        assert backend.not_here() is None
+        y = jax.jit(backend.matmul)(x, qw)
+        assert "l40s" in backend.describe(2, qw)
+    assert_kernel_close(y, x, qw)
+    assert backend.plan(2, qw, gpu=GPUS["a100"]).block_m == DECODE_M
+
+
+def test_backend_refuses_clearly():
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((512, 128)).astype(np.float32)
+    x = jnp.zeros((2, 512), jnp.bfloat16)
+    hopper = nybble.quantize(w, group_size=64)
+    assert "relayout" in backend.unsupported(x, hopper)
+    assert backend.unsupported(x, relayout(hopper, "planes_int4")) is None
+    odd_k = nybble.quantize(
+        rng.standard_normal((576, 64)).astype(np.float32), group_size=64, layout="planes_int4"
+    )
+    assert "multiples of 16" in backend.unsupported(jnp.zeros((2, 576), jnp.bfloat16), odd_k)
+    assert "int8" in backend.unsupported(jnp.zeros((2, 512), jnp.int8), relayout(hopper, "planes_int4"))
+    if jax.default_backend() == "cpu":
+        assert "interpret" in backend.not_here()
+
+
+def _stack(rng, experts, k, n, group, symmetric, exact):
+    if exact:
+        return stack_weights(
+            [exact_weight(rng, k, n, group, symmetric, layout="planes_int4") for _ in range(experts)]
+        )
+    w = rng.standard_normal((experts, k, n)).astype(np.float32)
+    return nybble.quantize(w, group_size=group, symmetric=symmetric, layout="planes_int4")
+
+
+@pytest.mark.parametrize(
+    "symmetric, cfg",
+    [
+        (True, TuningConfig(block_m=16, block_n=64, block_kw=16)),  # decode: accumulators route
+        (False, TuningConfig(block_m=64, block_n=128, block_kw=16)),  # prefill: weights route, y^T
+    ],
+    ids=["sym-accumulators", "asym-weights"],
+)
+def test_grouped_exact_with_empty_experts_and_tail(symmetric, cfg):
+    rng = np.random.default_rng(5)
+    qw = _stack(rng, 4, 256, 128, 32, symmetric, exact=True)
+    x = activations(rng, 41, 256, exact=True)
+    sizes = jnp.asarray([9, 0, 20, 3], jnp.int32)  # rows 32..40 past the sum: zeros
+    y = grouped.grouped_matmul(x, qw, sizes, cfg, interpret=True)
+    expected = grouped.reference(x, qw, sizes).astype(np.float32).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(y), expected)
+    assert (np.asarray(y)[32:] == 0).all() and np.abs(np.asarray(y)[:32]).sum() > 0
+
+
+def test_grouped_random_traced_sizes_through_backend():
+    rng = np.random.default_rng(6)
+    qw = _stack(rng, 3, 512, 64, None, True, exact=False)
+    x = activations(rng, 24, 512)
+    sizes = jnp.asarray([7, 17, -2], jnp.int32)  # traced: a negative size counts as zero, rows past 24 drop
+    assert backend.ragged_unsupported(x, qw, sizes) is None
+    with backend.interpret("rtx5090"):
+        y = jax.jit(backend.ragged_matmul)(x, qw, sizes)
+    ref = grouped.reference(x, qw, sizes)
+    one = dataclasses.replace(qw, codes=qw.codes[1], scales=qw.scales[1])
+    assert_kernel_close(y[7:24], x[7:24], one)
+    np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=2**-7, atol=0.05)
