@@ -79,7 +79,7 @@ xray: $(XRAY_STAMP)
 	$(PY) -m bench.xray
 
 # The X-ray on the newest jax of the range (its own toolchain; `make xray` is the pinned end's, the one
-# bench/xray_baseline.json holds): compare the two tables per kernel case (docs/performance-log.md).
+# bench/xray_baseline.json holds): compare the two tables per kernel case (docs/logs/performance-log.md).
 xray-jax-latest: $(LATEST_XRAY_STAMP)
 	$(LATEST_PY) -m bench.xray --peers nybble:mosaic_gpu --no-plot --out bench/results/xray-jax-$(JAX_LATEST)
 

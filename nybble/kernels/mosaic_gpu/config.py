@@ -268,7 +268,7 @@ def folds_bias(config: TuningConfig, has_offsets: bool) -> bool:
     """Whether the accumulator route takes 136 * sum(x) off each group's accumulator inside WGMMA, with a
     constant A tile of -136 (common.scaled_accumulators_step): symmetric groups (offsets need sum(x) on
     its own) and one A tile (with more, that tile's WGMMAs would repeat per A tile: more instructions,
-    docs/performance-log.md). Such a symmetric
+    docs/logs/performance-log.md). Such a symmetric
     kernel is not the asymmetric one minus the offsets: the suite interprets it, lowers it once per fold
     class (tests/test_kernel_lowering.py) and compiles its asymmetric twin, whose loop is longer (X-ray)."""
     return config.scales_on == "accumulators" and not has_offsets and config.tiles == 1
@@ -283,7 +283,7 @@ def wgmma_k(config: TuningConfig, group: int) -> int:
     """K one WGMMA call covers: :data:`WGMMA_K`, or the step's K, or on the accumulator route a group's
     (each group has its own accumulator), where that is less. Calls stay one chunk wide where the wider
     A operand costs ptxas more than it saves: in the warp-specialized kernel (168 registers a thread), and
-    for exact weights against a 128-wide accumulator (docs/performance-log.md)."""
+    for exact weights against a 128-wide accumulator (docs/logs/performance-log.md)."""
     if config.compute_wgs > 1 or (config.scales_on == "weights" and config.wgmma_n > 64):
         return CHUNK_K
     span = config.tile_k if config.scales_on == "weights" else min(config.tile_k, group)

@@ -2,7 +2,7 @@
 loop's instructions per weight, and modeled HBM, issue and tensor-core times on a GPU of given SMs.
 
 The fitted coefficients are :class:`CostModel`'s; the dated X-ray figures each was fitted on are in
-docs/performance-log.md.
+docs/logs/performance-log.md.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from nybble.kernels.mosaic_gpu.config import (
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CostModel:
     """The heuristics' fitted coefficients, in one place, each with what it was fitted on (the X-ray of this
-    kernel, ``python -m bench.xray``; docs/performance-log.md has the dated figures). Change one here and
+    kernel, ``python -m bench.xray``; docs/logs/performance-log.md has the dated figures). Change one here and
     rerun ``tools/heuristic_picks.py`` before and after to see which picks move.
 
     Instruction estimate (:func:`estimated_instructions_per_weight`), per weight per thread unless said:
@@ -93,7 +93,7 @@ def estimated_instructions_per_weight(
     out before the first), ~56 and ~1.1 per HGMMA, ~18 more with offsets on the accumulator route, for WGMMA
     calls two chunks wide (:func:`wgmma_k`; ~8 more per call of one chunk); in the warp-specialized
     kernel, whose pipeline has constant slots (pipeline.py), ~15 and ~2.5 per HGMMA. The coefficients are
-    ``model``'s (:class:`CostModel`); the fit's error against the X-ray is in docs/performance-log.md.
+    ``model``'s (:class:`CostModel`); the fit's error against the X-ray is in docs/logs/performance-log.md.
     """
     c, cm = config, model
     per_thread_step = c.tiles * c.tile_k / 2  # weights a thread dequantizes per step

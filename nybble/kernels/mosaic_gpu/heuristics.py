@@ -27,7 +27,7 @@ other. Decode takes a config up to 3% slower in the model where it issues >= 0.1
 weight (the model cannot resolve a few percent). The model's tensor-core time counts the accumulator route's
 constant-tile WGMMAs, (tiles + 1) / tiles the weights' own: one A tile at WGMMA N = 32 is tensor-bound.
 The fitted coefficients are ``cost_model.CostModel``'s; the dated X-ray figures behind each rule are in
-docs/performance-log.md.
+docs/logs/performance-log.md.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def _fewer_instructions_nearly_as_fast(
 
     The model does not resolve a few percent: a split-K cluster's reduction, a percent of the streaming
     time, can be all that separates a config issuing fewer instructions per weight from one issuing more,
-    so the tie allows 3% (the cases: docs/performance-log.md). Accumulator-route tiles stay within tiles *
+    so the tie allows 3% (the cases: docs/logs/performance-log.md). Accumulator-route tiles stay within tiles *
     WGMMA N <= 64 (64 accumulator columns split 8 ways spill, and the candidates leave them out:
     :func:`_candidate_shapes`)."""
     # The gain is measured on the unrounded estimates (Rank.neg_ipw).
