@@ -22,7 +22,8 @@ import pytest
 from bench.xray.cases import is_twin
 from bench.xray.heuristic_cases import grouped_heuristic_cases
 from bench.xray.moe_cases import MOE_SHAPES, TOKENS, abstract_weight, problems
-from nybble.kernels.mosaic_gpu.config import SMEM_BUDGET_BYTES, fits_smem
+from nybble.kernels.gpu import H100_SXM, H200
+from nybble.kernels.mosaic_gpu.config import SMEM_BUDGET_BYTES, fits_smem, smem_bytes
 from nybble.kernels.mosaic_gpu.grouped import grouped_matmul
 
 NUM_SMS = 132
@@ -99,8 +100,13 @@ def test_kernels_cover_both_regimes():
     assert all(c.split_k == 1 and c.persistent_ctas == 0 for c in configs)
 
 
-def test_smem_budget_is_the_dense_one():
-    assert SMEM_BUDGET_BYTES == 232448
+def test_grouped_kernels_fit_the_gpus_smem():
+    """The budget the heuristics prune by is the one the GPU spec states (the opt-in SMEM of one block on
+    H100 and H200), and every grouped kernel picked at the MoE shapes allocates no more than that."""
+    assert SMEM_BUDGET_BYTES == H200.smem_per_block_optin == H100_SXM.smem_per_block_optin
+    for config, _, symmetric in KERNELS:
+        used = smem_bytes(config, group=128, has_offsets=not symmetric)
+        assert 0 < used <= H200.smem_per_block_optin, (config, used)
 
 
 def test_on_cpu_outside_interpret_is_refused():

@@ -109,15 +109,19 @@ def test_xray_compare_flags_changed_sass():
     changed, one with the same figures is not, cases in one run only are left out."""
     from bench.xray.compare import compare, table
 
-    def row(key, ipw, regs=168, mix=(("LOP3", 8),), peer="nybble:mosaic_gpu"):
+    def row(key, ipw, regs=168, mix=(("LOP3", 8),), sass=900, peer="nybble:mosaic_gpu"):
         loop = {"instructions_per_weight": ipw, "instructions": 100, "opcode_mix": [list(m) for m in mix]}
-        kernel = {"registers": regs, "spill_bytes": 0, "loop": loop, "sass_instructions": 900}
+        kernel = {"registers": regs, "spill_bytes": 0, "loop": loop, "sass_instructions": sass}
         return {"key": f"{key}/{peer}", "peer": peer, "kernel": kernel, "launches": 1}
 
-    a = {"rows": [row("s/M1/g128-sym", 1.5), row("s/M16/g128-sym", 1.7), row("only-a/M1/g128-sym", 1.0)]}
-    b = {"rows": [row("s/M1/g128-sym", 1.5), row("s/M16/g128-sym", 1.7, mix=(("LOP3", 9),))]}
+    a = {"rows": [row("s/M1", 1.5), row("s/M16", 1.7), row("s/M64", 2.4), row("only-a/M1", 1.0)]}
+    b = {"rows": [row("s/M1", 1.5), row("s/M16", 1.7, mix=(("LOP3", 9),)), row("s/M64", 2.4, sass=901)]}
     entries = compare(a, b)
-    assert [(e["key"], e["changed"]) for e in entries] == [("s/M1/g128-sym", False), ("s/M16/g128-sym", True)]
-    text = table(entries, "jax A", "jax B")
-    assert text.splitlines()[2].startswith("| s/M16/g128-sym | 1.700 | 1.700 | 168 | 168 |")
-    assert text.splitlines()[2].endswith("| yes |")
+    assert [(e["key"], e["changed"]) for e in entries] == [
+        ("s/M1", ""),
+        ("s/M16", "loop"),
+        ("s/M64", "outside the loop"),
+    ]
+    lines = table(entries, "jax A", "jax B").splitlines()
+    assert lines[2].startswith("| s/M16 | 1.700 | 1.700 | 168 | 168 |") and lines[2].endswith("| loop |")
+    assert lines[3].endswith("| 900 | 901 | outside the loop |") and lines[4].endswith("| no |")

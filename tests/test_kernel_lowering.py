@@ -22,21 +22,22 @@ import pytest
 import nybble.kernels.mosaic_gpu as mg
 from bench.xray.cases import gate_cases, is_twin, kernel_key
 from bench.xray.heuristic_cases import heuristic_cases
-from nybble.kernels.mosaic_gpu import faults, split_k
+from nybble.kernels.mosaic_gpu import split_k
 from nybble.kernels.mosaic_gpu.config import (
     SMEM_BUDGET_BYTES,
     TuningConfig,
     fits_smem,
     folds_bias,
-    heuristic_config,
     smem_bytes,
     split_k_shares,
     splits_k,
     stores_any_rows,
     wgmma_k,
 )
+from nybble.kernels.mosaic_gpu.heuristics import heuristic_config
 from nybble.packing import padded_weight_dims
 from nybble.quant import QuantizedWeight, quantize, relayout
+from tests import kernel_faults as faults
 
 NUM_SMS = 132
 # (K, N) of Llama-3-8B, Llama-3-70B, SmolLM2-135M projections, and an odd pair (K = 10944, N = 7392).
@@ -331,9 +332,9 @@ def test_wgmma_call_widths():
 
 
 def test_injected_bugs_are_off_unless_asked():
-    """The deliberate bugs of faults.py (the GPU tests' proof that they can fail) change the traced
-    kernel when injected, and removing them restores it exactly: off, they trace nothing. (The jaxpr:
-    the lowered module's serialization differs from one lowering to the next.)"""
+    """The deliberate bugs of tests/kernel_faults.py (the GPU tests' proof that they can fail) change the
+    traced kernel when injected, and removing them restores it exactly: the kernel modules hold no trace
+    of them. (The jaxpr: the lowered module's serialization differs from one lowering to the next.)"""
     config = TuningConfig(
         tiles=1, tile_m=16, tile_k=128, max_concurrent_steps=2, split_k=2, scales_on="accumulators"
     )
@@ -348,12 +349,14 @@ def test_injected_bugs_are_off_unless_asked():
         assert faults.injected() is None
     assert trace() == clean
     with pytest.raises(ValueError, match="last-n-tile-zero"):
-        faults.inject("no-such-bug")
-    # A context variable: a bug injected in another context (thread, task) is not seen here.
+        with faults.injecting("no-such-bug"):
+            pass
+    # A context variable: another context (thread, task) tracing while a bug is injected here traces
+    # the kernel without it.
     import contextvars
 
-    contextvars.copy_context().run(faults.inject, "last-n-tile-zero")
-    assert faults.injected() is None and trace() == clean
+    with faults.injecting("last-n-tile-zero"):
+        assert contextvars.Context().run(trace) == clean
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import nybble
-from nybble.kernels import backends, device, reference_dequantize
+from nybble.kernels import backends, device, reference_dequantize, reference_ragged_matmul
 from nybble.kernels.ops.ragged_matmul.xla import row_window, xla_ragged_matmul
 from nybble.ops import available_ragged_implementations
 from nybble.packing import get_layout
@@ -55,15 +55,19 @@ def _sparse_x(m, k, *, nonzeros=6, seed=1, dtype=jnp.float32):
 
 def _reference(x, qw, sizes):
     """float64 on the host: each expert dequantized by the dense op's reference (numpy only), row by row."""
-    x = np.asarray(x, np.float64)
-    k, n = qw.shape
-    y = np.zeros((x.shape[0], n))
-    start = 0
-    for e, size in enumerate(sizes):
-        w = reference_dequantize(unstack_weight(qw, e))[:k, :n]
-        y[start : start + size] = x[start : start + size] @ w
-        start += size
-    return y
+    return reference_ragged_matmul(x, qw, sizes)
+
+
+def test_the_reference_multiplies_each_group_by_its_expert():
+    """reference_ragged_matmul: rows 0-1 times expert 0, none for expert 1, rows 2-4 times expert 2 (each
+    dequantized by the dense reference), row 5 past the groups zero; bad sizes are refused."""
+    qw = _small_int_stack(3, 64, 64, seed=16)
+    w = [reference_dequantize(unstack_weight(qw, e)) for e in range(3)]
+    x = np.arange(6 * 64, dtype=np.float64).reshape(6, 64) % 5 - 2
+    y = reference_ragged_matmul(x, qw, [2, 0, 3])
+    np.testing.assert_array_equal(y, np.concatenate([x[:2] @ w[0], x[2:5] @ w[2], np.zeros((1, 64))]))
+    with pytest.raises(ValueError, match="must be >= 0 and sum to <= 6"):
+        reference_ragged_matmul(x, qw, [4, 3, 0])
 
 
 # Group sizes: zeros among them, one expert holding every row, rows not a multiple of any tile (13, 37),

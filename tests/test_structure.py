@@ -150,7 +150,7 @@ def test_ops_dispatches_by_weight_type():
 
 
 def test_an_injected_kernel_bug_stays_in_its_context():
-    from nybble.kernels.mosaic_gpu import faults
+    from tests import kernel_faults as faults
 
     seen = []
 
@@ -166,6 +166,17 @@ def test_an_injected_kernel_bug_stays_in_its_context():
     with pytest.raises(ValueError, match="unknown kernel bug 'off-by-one'"):
         with faults.injecting("off-by-one"):
             pass
+
+
+def test_kernel_modules_hold_no_test_machinery():
+    """Deliberate bugs are the tests' (tests/kernel_faults.py swaps functions the kernel calls): no
+    production module names them."""
+    words = re.compile(r"\bfaults?\b|\binject|deliberate bug", re.IGNORECASE)
+    found = {
+        str(p.relative_to(ROOT)): words.findall(p.read_text())
+        for p in (ROOT / "nybble" / "kernels").rglob("*.py")
+    }
+    assert not {k: v for k, v in found.items() if v}
 
 
 def test_interpret_refuses_a_jax_outside_the_range(monkeypatch):

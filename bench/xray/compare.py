@@ -33,17 +33,23 @@ def _figures(row: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-_COMPARED = ("ipw", "registers", "spills", "launches", "loop", "mix", "sass")
+# What a kernel's main loop and resources are; "sass" (the kernel's whole SASS length) the rest.
+_LOOP = ("ipw", "registers", "spills", "launches", "loop", "mix")
 
 
 def compare(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
-    """One entry per Mosaic GPU case present in both runs: key, A's and B's figures, ``changed``."""
+    """One entry per Mosaic GPU case present in both runs: key, A's and B's figures, ``changed``: "loop"
+    (the main loop's instructions or opcode mix, registers, spills or launches differ), "outside the loop"
+    (only the kernel's SASS length elsewhere: prologue, epilogue), or "" (the same)."""
     rows_a = {r["key"]: f for r in a["rows"] if (f := _figures(r)) is not None}
     rows_b = {r["key"]: f for r in b["rows"] if (f := _figures(r)) is not None}
     out = []
     for key in sorted(rows_a.keys() & rows_b.keys()):
         fa, fb = rows_a[key], rows_b[key]
-        changed = any(fa[f] != fb[f] for f in _COMPARED)
+        if any(fa[f] != fb[f] for f in _LOOP):
+            changed = "loop"
+        else:
+            changed = "outside the loop" if fa["sass"] != fb["sass"] else ""
         out.append({"key": key.removesuffix("/" + MOSAIC), "a": fa, "b": fb, "changed": changed})
     return out
 
@@ -57,15 +63,17 @@ def table(entries: list[dict[str, Any]], label_a: str, label_b: str) -> str:
     head = (
         f"| case | instr/w {label_a} | instr/w {label_b} | regs {label_a} | regs {label_b} | spills "
         f"{label_a} | spills {label_b} | launches {label_a} | launches {label_b} | loop instr {label_a} | "
-        f"loop instr {label_b} | SASS changed |"
+        f"loop instr {label_b} | SASS {label_a} | SASS {label_b} | SASS changed |"
     )
-    lines = [head, "|" + "---|" * 12]
-    for e in sorted(entries, key=lambda e: (not e["changed"], e["key"])):
+    lines = [head, "|" + "---|" * 14]
+    order = {"loop": 0, "outside the loop": 1, "": 2}
+    for e in sorted(entries, key=lambda e: (order[e["changed"]], e["key"])):
         a, b = e["a"], e["b"]
         lines.append(
             f"| {e['key']} | {_cell(a['ipw'], '{:.3f}')} | {_cell(b['ipw'], '{:.3f}')} | {a['registers']} | "
             f"{b['registers']} | {a['spills']} | {b['spills']} | {a['launches']} | {b['launches']} | "
-            f"{_cell(a['loop'])} | {_cell(b['loop'])} | {'yes' if e['changed'] else 'no'} |"
+            f"{_cell(a['loop'])} | {_cell(b['loop'])} | {_cell(a['sass'])} | {_cell(b['sass'])} | "
+            f"{e['changed'] or 'no'} |"
         )
     return "\n".join(lines)
 
@@ -79,8 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     a, b = (json.loads(path.read_text()) for path in (args.a, args.b))
     label_a, label_b = (f"jax {run['versions']['jax']}" for run in (a, b))
     entries = compare(a, b)
-    changed = sum(e["changed"] for e in entries)
-    summary = f"{len(entries)} Mosaic GPU cases in both runs; SASS changed in {changed}."
+    loop = sum(e["changed"] == "loop" for e in entries)
+    outside = sum(e["changed"] == "outside the loop" for e in entries)
+    summary = (
+        f"{len(entries)} Mosaic GPU cases in both runs: main loop or resources changed in {loop}, only the "
+        f"SASS outside the main loop in {outside}, identical {len(entries) - loop - outside}."
+    )
     text = f"{table(entries, label_a, label_b)}\n\n{summary}\n"
     print(text, end="")
     if args.out is not None:

@@ -88,16 +88,14 @@ def check_implementation(what: str, implementation: Any) -> None:
 
 
 def _unsupported(op: Op, name: str, args: tuple[Any, ...]) -> str | None:
+    """Why backend ``name`` cannot compute these arguments anywhere (or is not installed), or None."""
     backend = load(name)
     return backend if isinstance(backend, str) else getattr(backend, op.unsupported)(*args)
 
 
 def _reason(op: Op, name: str, args: tuple[Any, ...]) -> str | None:
     """Why backend ``name`` cannot run these arguments here: the arguments first, then the machine."""
-    backend = load(name)
-    if isinstance(backend, str):
-        return backend
-    return getattr(backend, op.unsupported)(*args) or backend.not_here()
+    return _unsupported(op, name, args) or load(name).not_here()
 
 
 def availability(op: Op, args: tuple[Any, ...]) -> dict[str, Availability]:
@@ -114,15 +112,13 @@ def run(op: Op, implementation: Implementation | None, args: tuple[Any, ...]) ->
     each backend in turn; landing on :data:`FALLBACK` on a GPU machine warns once per reason.
     """
     if implementation is not None:
-        backend = load(implementation)
-        why = backend if isinstance(backend, str) else getattr(backend, op.unsupported)(*args)
+        why = _unsupported(op, implementation, args)
         if why is not None:
             raise NotImplementedError(f"{op.what}(implementation={implementation!r}) cannot run: {why}")
-        return getattr(backend, op.compute)(*args)
+        return getattr(load(implementation), op.compute)(*args)
     passed_over = []
     for name in IMPLEMENTATIONS:
-        # The fallback's machine is any machine: only its argument rules are asked.
-        why = _unsupported(op, name, args) if name == FALLBACK else _reason(op, name, args)
+        why = _reason(op, name, args)
         if why is None:
             if name == FALLBACK and passed_over:
                 _warn_fallback(op.what, "; ".join(passed_over))

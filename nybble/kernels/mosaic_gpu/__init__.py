@@ -9,7 +9,7 @@ them on a CPU in GPU interpret mode, and :func:`races_found` / :func:`reset_stat
 detector.
 """
 
-from nybble.kernels.mosaic_gpu.config import TuningConfig, heuristic_config
+from nybble.kernels.mosaic_gpu.config import TuningConfig
 from nybble.kernels.mosaic_gpu.dense import (
     is_interpret_active,
     is_supported,
@@ -17,6 +17,7 @@ from nybble.kernels.mosaic_gpu.dense import (
     plan,
 )
 from nybble.kernels.mosaic_gpu.grouped import grouped_is_supported, grouped_matmul
+from nybble.kernels.mosaic_gpu.heuristics import heuristic_config
 from nybble.kernels.mosaic_gpu.interpret import races_found, reset_state
 from nybble.kernels.mosaic_gpu.kernel import w4a16
 

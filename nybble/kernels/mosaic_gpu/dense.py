@@ -17,14 +17,10 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from nybble.jax_range import outside_reason
+from nybble.kernels.device import DEFAULT_NUM_SMS
 from nybble.kernels.mosaic_gpu.common import Problem
-from nybble.kernels.mosaic_gpu.config import (
-    DEFAULT_NUM_SMS,
-    TuningConfig,
-    heuristic_config,
-    stores_any_rows,
-    x_rows,
-)
+from nybble.kernels.mosaic_gpu.config import TuningConfig, stores_any_rows, x_rows
+from nybble.kernels.mosaic_gpu.heuristics import heuristic_config
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.kernels.mosaic_gpu.kernel import w4a16
 from nybble.quant.qweight import QuantizedWeight, dequantize
@@ -44,8 +40,15 @@ def is_supported(x: Any, qw: QuantizedWeight) -> str | None:
     Says nothing about the device: the dispatcher checks for a Hopper GPU (or interpret mode). Refuses
     every argument under a jax outside nybble's range (``nybble.jax_range``).
     """
-    if (reason := outside_reason()) is not None:
-        return reason
+    return outside_reason() or weight_reason(qw) or x_reason(x, qw)
+
+
+def weight_reason(qw: Any) -> str | None:
+    """Why the kernels (dense and grouped) cannot read ``qw``: not nybble's, or another layout; or None.
+
+    Group sizes, padding to 64 and the codes' dtype need no check: a QuantizedWeight validates them on
+    construction (for its layout), and every group it allows (a power of two >= 16, or K_pad) divides or
+    is a multiple of the kernel's 64-wide dequantization chunk."""
     if not isinstance(qw, QuantizedWeight):
         return f"the weight is a {type(qw).__name__}, not a nybble.QuantizedWeight"
     if qw.layout not in SUPPORTED_LAYOUTS:
@@ -54,6 +57,11 @@ def is_supported(x: Any, qw: QuantizedWeight) -> str | None:
             f"once with nybble.quant.relayout(qw, 'wgmma_int4') (exact), or quantize with that layout "
             f"(the default)"
         )
+    return None
+
+
+def x_reason(x: Any, qw: QuantizedWeight) -> str | None:
+    """Why the kernels cannot multiply this x (its dtype, its K) by ``qw``, or None."""
     x_dtype = np.dtype(x.dtype).name
     if x_dtype not in KERNEL_X_DTYPES:
         return (
@@ -62,9 +70,6 @@ def is_supported(x: Any, qw: QuantizedWeight) -> str | None:
         )
     if x.shape[-1] != qw.shape[0]:
         return f"x has K={x.shape[-1]} but the weight has K={qw.shape[0]}"
-    # Group sizes, padding to 64 and the codes' dtype and shape need no check here: a QuantizedWeight
-    # validates them on construction (for its layout), and every group it allows (a power of two >= 16,
-    # or K_pad) divides or is a multiple of the kernel's 64-wide dequantization chunk.
     return None
 
 
@@ -115,48 +120,57 @@ def plan(
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"plan: activations must be bfloat16 or float16, got {jnp.dtype(dtype)}")
     k_pad, n_pad = qw.padded_shape
+    m = max(m, 1)
     if config is None:
-        config = heuristic_config(
-            max(m, 1),
-            n_pad,
-            k_pad,
-            qw.group_size,
-            num_sms,
-            has_offsets=qw.offsets is not None,
-            scale_bytes=np.dtype(qw.scales.dtype).itemsize,
-        )
+        config = heuristic_config(m, n_pad, k_pad, qw.group_size, num_sms, **weight_options(qw))
+    config.check_problem(m, n_pad, k_pad, qw.group)
+    return problem(m, qw, config, dtype)
+
+
+def weight_options(qw: QuantizedWeight) -> dict[str, Any]:
+    """What the heuristics ask of a weight besides its shape and group: offsets, and the scales' bytes."""
+    return dict(has_offsets=qw.offsets is not None, scale_bytes=np.dtype(qw.scales.dtype).itemsize)
+
+
+def problem(m: int, qw: QuantizedWeight, config: TuningConfig, dtype: Any) -> Problem:
+    """The kernels' facts of M rows of x against ``qw`` (one expert's, for a stack) under ``config``."""
+    k_pad, n_pad = qw.padded_shape
     n = qw.shape[1]
     # y is stored straight into (M, N) when N is a multiple of 64, else into (M, N_pad) and sliced (a copy):
     # Mosaic tiles the GMEM side of a TMA store like its SMEM tile, whose 128-byte swizzle is 64 columns
     # of bf16, and refuses a GMEM dimension that is not a multiple of it (N = 7392: "dimension 1 must have
     # size smaller or a multiple of its tiling 64"), whatever the row stride.
     n_out = n if n % 64 == 0 else n_pad
-    m = max(m, 1)
-    config.check_problem(m, n_pad, k_pad, qw.group)
     has_offsets = qw.offsets is not None
     return Problem(m, n_out, n_pad, k_pad, qw.group, jnp.dtype(dtype), has_offsets, config, x_rows(m, config))
 
 
-def _forward(x2d: jax.Array, qw: QuantizedWeight, config: TuningConfig | None, num_sms: int) -> jax.Array:
-    m, k = x2d.shape
-    n = qw.shape[1]
-    k_pad = qw.padded_shape[0]
-    if m == 0:
-        return jnp.zeros((0, n), x2d.dtype)
-    p = plan(m, qw, num_sms=num_sms, config=config, dtype=x2d.dtype)
+def kernel_x(x2d: jax.Array, p: Problem) -> jax.Array:
+    """x as the kernels read it: behind the guard that refuses a platform other than CUDA outside
+    ``interpret()``, and padded where the problem says."""
     if not is_interpret_active():
         x2d = _requires_gpu_p.bind(x2d)
-    m_x = p.x_rows
-    if k != k_pad or m_x != m:
+    m, k = x2d.shape
+    if k != p.k_pad or p.x_rows != m:
         # Zero columns meet zero codes; only when K is not a multiple of 64 (no real model's is not). Zero
         # rows: when M rows (times the K slices) would not fill whole 8-row SMEM tiles of x (Mosaic applies
         # the tiling to the whole GMEM array: config.x_rows). y keeps M rows: its TMA stores clip the rest.
-        x2d = jnp.pad(x2d, ((0, m_x - m), (0, k_pad - k)))
+        x2d = jnp.pad(x2d, ((0, p.x_rows - m), (0, p.k_pad - k)))
+    return x2d
+
+
+def _forward(x2d: jax.Array, qw: QuantizedWeight, config: TuningConfig | None, num_sms: int) -> jax.Array:
+    m = x2d.shape[0]
+    n = qw.shape[1]
+    if m == 0:
+        return jnp.zeros((0, n), x2d.dtype)
+    p = plan(m, qw, num_sms=num_sms, config=config, dtype=x2d.dtype)
+    x2d = kernel_x(x2d, p)
     # Scales and offsets go in as stored (bf16/f16/f32): the kernel converts them itself.
     # Split-K partials are summed in f32 inside the launch (split_k.py) and rounded once.
     # y rows: M where one TMA store reaches any number of rows (config.stores_any_rows), else x's rows,
     # sliced (a copy).
-    m_y = m if stores_any_rows(p.config) else m_x
+    m_y = m if stores_any_rows(p.config) else p.x_rows
     y = w4a16(x2d, qw.codes, qw.scales, qw.offsets, n=p.n, group=qw.group, config=p.config, m=m_y)
     return y if (p.n, m_y) == (n, m) else y[:m, :n]
 

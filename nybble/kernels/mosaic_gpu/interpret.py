@@ -6,19 +6,26 @@ TMA copies, and with ``detect_races=True`` it flags a missing barrier wait or ``
 checks numerics only; the hardware rules (layouts, SMEM budget, TMA alignment) are checked by lowering for
 CUDA (``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``).
 
-jax 0.11.2's interpreter cannot run ``plgpu.wgmma`` with its A operand in registers ("Expected shape (6,)
-but got (64, 128)"), which is exactly how the W4A16 kernel feeds the dequantized weights. ``interpret()``
-closes that gap with a small patch of ``jax._src.pallas.mosaic_gpu.interpret``, applied only while the
-context is active, and only on that jax version: on another one ``interpret()`` raises (the patches touch
-private functions that may have changed).
+The interpreters of jax 0.11.2 and 0.12.0.1 (the ends of nybble's range, ``nybble.jax_range``) cannot run
+``plgpu.wgmma`` with its A operand in registers ("Expected shape (6,) but got (64, 128)"), which is exactly
+how the W4A16 kernel feeds the dequantized weights. ``interpret()`` closes that gap with a small patch of
+``jax._src.pallas.mosaic_gpu.interpret``, applied only while the context is active, and only under a jax
+of the range whose interpreter has every function the patches touch (:func:`check_jax_version`; they are
+private and may change).
 
 Under ``jax.shard_map`` on several CPU devices (``nybble.sharding``) every device interprets its own kernel
-at the same time, in one shared simulated memory. jax 0.11.2 then checks, as each device finishes, that no
-barrier is left allocated *on any device*, and fails when another device is still mid-kernel. The same
+at the same time, in one shared simulated memory. The interpreter then checks, as each device finishes, that
+no barrier is left allocated *on any device*, and fails when another device is still mid-kernel. The same
 patch makes that check wait until every device of the kernel reached it. And there a kernel operand of a
-4-bit type (the int4 view of the codes) deadlocks: the host callback that copies it into the simulated
-memory waits for a CPU device busy running callbacks. The patch hands such values to the host widened to
-8 bits (exact) and narrows them back there.
+4-bit type deadlocked: the host callback that copies it into the simulated memory waits for a CPU device
+busy running callbacks. The patch hands such values to the host widened to 8 bits (exact) and narrows them
+back there.
+
+Re-verified on 0.12.0.1 (2026-12-04): the register-A WGMMA still fails there without its patch (the same
+error, ``JaxprInterpreter._interpret_wgmma_ref_p`` unchanged); the end-of-kernel barrier check and the
+allocation callbacks are unchanged too, so both patches stay. (No kernel operand is 4-bit today: the codes
+are uint32 words of the ``wgmma_int4`` layout, so the widening never triggers on either version.) 0.12's
+race detector raises inside the kernel unless told to warn: ``compat.interpret_params``.
 """
 
 from __future__ import annotations
