@@ -161,7 +161,9 @@ def test_gptq_moe_model_uncalibrated_experts_and_layers_keep_the_format(tmp_path
     )
     assert any("got no calibration tokens" in r.reason for r in report.layers)
     _check_model(model, fmt)
-    _check_writers(model, tmp_path, fmt)
+    # compressed-tensors and GPTQ refuse a float zero point, naming the layer (the RTN test reads back).
+    for name in ("compressed-tensors", "gptq"):
+        save_pretrained(model, tmp_path / name, format=name, source=MOE)
     # A forward pass that reaches no layer: every layer and expert stack is rounded to nearest afterwards.
     model, report = models.quantize(
         _moe_model(),
