@@ -192,7 +192,7 @@ def _fewer_instructions_nearly_as_fast(
 
     The model does not resolve a few percent: a split-K cluster's reduction, a percent of the streaming
     time, can be all that separates a config issuing fewer instructions per weight from one issuing more,
-    so the tie allows 3% (the cases: docs/logs/performance-log.md). Accumulator-route tiles stay within tiles *
+    so the tie allows 3% (docs/logs/performance-log.md). Accumulator-route tiles stay within tiles *
     WGMMA N <= 64 (64 accumulator columns split 8 ways spill, and the candidates leave them out:
     :func:`_candidate_shapes`)."""
     # The gain is measured on the unrounded estimates (Rank.neg_ipw).
