@@ -256,6 +256,28 @@ def test_qlinear_errors_and_from_linear():
         QLinear.from_linear(lin, qweight=other)
     with pytest.raises(ValueError, match="bias"):
         QLinear(other, jnp.zeros(5))
+    with pytest.raises(TypeError, match="not both"):
+        QLinear.from_linear(lin, qweight=other, group_size=32)
+
+
+def test_from_linear_carries_every_format_field():
+    """Every field of the format reaches the weight, zero_point and layout included (they were dropped
+    when from_linear named group_size, symmetric and scale_dtype one by one)."""
+    lin = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
+    fields = dict(
+        group_size=32, symmetric=False, zero_point="integer", scale_dtype="float32", layout="nk_int4"
+    )
+    for q in (QLinear.from_linear(lin, **fields), QLinear.from_linear(lin, nybble.QuantFormat(**fields))):
+        w = q.weight
+        assert (w.group_size, w.symmetric, w.layout) == (32, False, "nk_int4")
+        assert w.scales.dtype == jnp.float32 and _integer_zeros(w)
+
+
+def _integer_zeros(qw) -> bool:
+    """Every group's offset is (8 - z) * s for an integer z (what zero_point="integer" stores)."""
+    s = np.asarray(qw.scales, np.float64)
+    z = 8 - np.asarray(qw.offsets, np.float64) / np.where(s == 0, 1, s)
+    return bool(np.all(np.abs(z - np.round(z)) < 1e-6)) and bool(np.any(np.round(z) != 8))
 
 
 def test_quantizing_an_int4_model_again_is_refused_with_the_way_out():

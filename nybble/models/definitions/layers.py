@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +11,7 @@ from flax import linen, nnx
 
 from nybble.kernels.backends import Implementation
 from nybble.ops import matmul
+from nybble.quant.qformat import FormatFields, QuantFormat
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.rtn import quantize
 from nybble.sharding import ShardedWeight
@@ -67,18 +68,20 @@ class QLinear(nnx.Module):
     def from_linear(
         cls,
         linear: nnx.Linear,
+        format: QuantFormat | None = None,
         *,
-        group_size: int | None = 128,
-        symmetric: bool = True,
-        scale_dtype: Any = jnp.bfloat16,
         qweight: QuantizedWeight | None = None,
         implementation: Implementation | None = None,
+        **fields: Unpack[FormatFields],
     ) -> QLinear:
-        """Quantizes an ``nnx.Linear`` round-to-nearest (or wraps the given ``qweight``), bias kept."""
+        """Quantizes an ``nnx.Linear`` round-to-nearest (or wraps the given ``qweight``), bias kept.
+
+        The stored format is ``format`` or its fields as keywords (``group_size=64, zero_point="integer"``),
+        handed to :func:`nybble.quantize` whole, so no option is named (and lost) on the way."""
         if qweight is None:
-            qweight = quantize(
-                linear.kernel[...], group_size=group_size, symmetric=symmetric, scale_dtype=scale_dtype
-            )
+            qweight = quantize(linear.kernel[...], format, **fields)
+        elif format is not None or fields:
+            raise TypeError("QLinear.from_linear: give a qweight or the format to quantize with, not both")
         elif qweight.shape != tuple(linear.kernel.shape):
             raise ValueError(f"qweight shape {qweight.shape} != kernel shape {tuple(linear.kernel.shape)}")
         bias = linear.bias[...] if linear.bias is not None else None
