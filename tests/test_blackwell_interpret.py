@@ -1,0 +1,168 @@
+"""The Blackwell (tcgen05, TMEM) W4A16 kernel run on the CPU in GPU interpret mode as a B200, races checked.
+
+Every (tile_m, tile_k) the B200 heuristics can pick runs once here (:func:`test_heuristics_pick_only_covered
+configs` keeps that true over real model shapes), each case bit-exact on small-integer data or within the
+rounding bound of the float64 reference on random data, and each group route of the dequantization (one
+scale row per chunk, groups of 16 and 32 inside a chunk, per-column, groups spanning steps) at least once.
+Tiny shapes: interpret mode is slow. Lowering for sm_100a is tests/test_blackwell_lowering.py.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nybble
+import nybble.kernels.mosaic_gpu as mg
+from nybble.kernels.mosaic_gpu import interpret as mgpu_interpret
+from nybble.kernels.mosaic_gpu.blackwell import BlackwellConfig, blackwell_matmul, heuristic_config, plan
+from nybble.packing import padded_weight_dims
+from nybble.quant import relayout
+from tests.kernel_checks import (
+    activations,
+    assert_exact,
+    assert_kernel_within_rounding,
+    exact_weight,
+    random_weight,
+)
+
+interpret = mgpu_interpret.interpret
+
+# (M, K, N, group, symmetric, x dtype, scale dtype, exact): every (tile_m, tile_k) the heuristics pick
+# (decode tile_m 16, 32, 64 with tile_k 128 or 64; prefill 128 and 256 with 64), each group route, a
+# partial last group (K = 576 at g128), f16 x and f32 scales, N an odd multiple of 64 (a last CTA past
+# N_pad), N and K not multiples of 64, x rows padded to 8.
+CASES = [
+    (1, 250, 256, 128, True, jnp.bfloat16, jnp.bfloat16, True),
+    (16, 192, 192, 32, False, jnp.float16, jnp.bfloat16, True),
+    (20, 512, 128, 16, False, jnp.bfloat16, jnp.bfloat16, False),
+    (30, 576, 128, 128, True, jnp.bfloat16, jnp.bfloat16, True),
+    (40, 320, 128, 128, False, jnp.bfloat16, jnp.bfloat16, False),
+    (64, 384, 128, 64, True, jnp.bfloat16, jnp.float32, False),
+    (100, 192, 100, None, False, jnp.bfloat16, jnp.bfloat16, True),
+    (200, 256, 128, 256, False, jnp.float16, jnp.float32, False),
+]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter(request):
+    """Each test starts from a clean interpreter and, when it ran a kernel, must end without races."""
+    mg.reset_state()
+    yield
+    if request.node.get_closest_marker("no_kernel") is None:
+        assert not mg.races_found(), "the race detector flagged a data race"
+
+
+def _weight(rng, k, n, group, symmetric, scale_dtype, exact):
+    if exact:
+        return exact_weight(rng, k, n, group, symmetric, scale_dtype=scale_dtype)
+    return random_weight(rng, k, n, group, symmetric, scale_dtype=scale_dtype)
+
+
+@pytest.mark.parametrize("m,k,n,group,symmetric,x_dtype,scale_dtype,exact", CASES)
+def test_heuristic_configs(m, k, n, group, symmetric, x_dtype, scale_dtype, exact):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    qw = _weight(rng, k, n, group, symmetric, scale_dtype, exact)
+    x = activations(rng, m, k, x_dtype, exact=exact)
+    with interpret(detect_races=True, gpu="b200"):
+        y = blackwell_matmul(x, qw)
+    assert y.shape == (m, n) and y.dtype == x.dtype
+    if exact:  # NaN (an element never written) fails both comparisons
+        assert_exact(y, x, qw)
+    else:
+        assert_kernel_within_rounding(y, x, qw, "weights")
+
+
+def test_nybble_matmul_runs_the_blackwell_kernel_as_a_b200():
+    """``nybble.matmul`` inside ``interpret(gpu="b200")`` runs the tcgen05 kernel (its name says so), and
+    the default interpret() still runs the Hopper kernel."""
+    import jax
+
+    rng = np.random.default_rng(7)
+    qw = exact_weight(rng, 128, 128, 64, True)
+    x = activations(rng, 2, 128, exact=True)
+    with interpret(detect_races=True, gpu="b200"):
+        text = str(jax.make_jaxpr(lambda x: nybble.matmul(x, qw, implementation="mosaic_gpu"))(x))
+        y = nybble.matmul(x, qw, implementation="mosaic_gpu")
+    assert "nybble_w4a16_bw_" in text
+    assert_exact(y, x, qw)
+    with interpret(detect_races=True):
+        hopper = str(jax.make_jaxpr(lambda x: nybble.matmul(x, qw, implementation="mosaic_gpu"))(x))
+    assert "nybble_w4a16_bw_" not in hopper and "nybble_w4a16" in hopper
+
+
+@pytest.mark.no_kernel
+def test_heuristics_pick_only_covered_configs():
+    """Over the Llama-3-8B/70B and MoE expert shapes at M = 1..8192, every config the B200 heuristics pick
+    has a (tile_m, tile_k) that a case of :data:`CASES` runs."""
+    covered = set()
+    for m, k, n, group, *_ in CASES:
+        k_pad, n_pad = padded_weight_dims(k, n, group)
+        c = heuristic_config(m, n_pad, k_pad, k_pad if group is None else group)
+        covered.add((c.tile_m, c.tile_k))
+    picked = set()
+    shapes = [
+        (4096, 4096),
+        (4096, 14336),
+        (14336, 4096),
+        (8192, 28672),
+        (28672, 8192),
+        (4096, 1536),
+        (1536, 4096),
+        (7168, 2048),
+        (2048, 7168),
+        (2048, 768),
+        (768, 2048),
+        (576, 1536),
+        (10944, 7392),
+    ]
+    for k, n in shapes:
+        for m in (1, 2, 8, 16, 17, 32, 48, 64, 100, 128, 200, 256, 2048, 8192):
+            for group in (16, 32, 64, 128, 256, k):
+                c = heuristic_config(m, -(-n // 64) * 64, k, group)
+                picked.add((c.tile_m, c.tile_k))
+    assert picked <= covered, f"configs picked but never interpreted: {sorted(picked - covered)}"
+
+
+@pytest.mark.no_kernel
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda qw, x: (x.astype(jnp.float32), qw), "x has dtype float32"),
+        (lambda qw, x: (x[:, :64], qw), "x has K=64 but the weight has K=128"),
+        (lambda qw, x: (x, relayout(qw, "nk_int4")), "layout 'nk_int4'"),
+        (lambda qw, x: (x[None], qw), "x2d must be 2-D"),
+    ],
+)
+def test_refuses_what_the_hopper_kernel_refuses(make, match):
+    rng = np.random.default_rng(0)
+    qw = exact_weight(rng, 128, 128, 64, True)
+    x = activations(rng, 2, 128, exact=True)
+    args = make(qw, x)
+    with pytest.raises((NotImplementedError, ValueError), match=match):
+        blackwell_matmul(*args)
+    if match != "x2d must be 2-D":  # the same reason, word for word, from the Hopper kernel
+        with pytest.raises((NotImplementedError, ValueError), match=match):
+            mg.mosaic_gpu_matmul(*args)
+
+
+@pytest.mark.no_kernel
+def test_config_rules_are_named():
+    with pytest.raises(ValueError, match="tile_m=24 must be one of"):
+        BlackwellConfig(tile_m=24)
+    with pytest.raises(ValueError, match="max_concurrent_steps=1 must be >= 2"):
+        BlackwellConfig(max_concurrent_steps=1)
+    rng = np.random.default_rng(0)
+    qw = exact_weight(rng, 192, 128, 64, True)
+    with pytest.raises(ValueError, match="K_pad=192 must be a multiple of tile_k=128"):
+        plan(1, qw, config=BlackwellConfig(tile_k=128))
+    with pytest.raises(ValueError, match="bytes of SMEM"):
+        plan(1, exact_weight(rng, 512, 128, 64, True), config=BlackwellConfig(256, 256, 256, 6))
+
+
+@pytest.mark.no_kernel
+def test_interpret_names_its_gpus():
+    with pytest.raises(ValueError, match=r"interpret\(gpu='a100'\).*'b200'"):
+        with interpret(gpu="a100"):
+            pass
