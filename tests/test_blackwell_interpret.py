@@ -158,7 +158,7 @@ def test_config_rules_are_named():
     with pytest.raises(ValueError, match="K_pad=192 must be a multiple of tile_k=128"):
         plan(1, qw, config=BlackwellConfig(tile_k=128))
     with pytest.raises(ValueError, match="bytes of SMEM"):
-        plan(1, exact_weight(rng, 512, 128, 64, True), config=BlackwellConfig(256, 256, 256, 6))
+        plan(1, exact_weight(rng, 512, 128, 64, True), config=BlackwellConfig(128, 256, 256, 6))
 
 
 @pytest.mark.no_kernel
