@@ -166,3 +166,15 @@ def test_interpret_names_its_gpus():
     with pytest.raises(ValueError, match=r"interpret\(gpu='a100'\).*'b200'"):
         with interpret(gpu="a100"):
             pass
+
+
+@pytest.mark.no_kernel
+def test_b200_spec():
+    from nybble.kernels.gpu import get_gpu, spec_for_device_kind
+
+    b200 = get_gpu("b200")
+    assert (b200.sms, b200.compute_capability, b200.tmem_columns) == (148, "10.0", 512)
+    assert b200.tmem_bytes_per_sm == 128 * b200.tmem_columns * 4  # 128 lanes of 32-bit columns
+    assert spec_for_device_kind("NVIDIA B200") is b200
+    # The decode budget of issue 45: ~57 weights per SM-cycle at 8 TB/s and 0.5 byte a weight.
+    assert 55 < b200.hbm_bytes_per_s / 0.5 / (b200.sms * b200.clock_hz) < 58

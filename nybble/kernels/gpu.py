@@ -6,6 +6,13 @@ dense bf16); H200 has 141 GB of HBM3e at 4.8 TB/s, H100 80 GB of HBM3 at 3.35 TB
 working figures, not datasheet ones: the distributed-SMEM rate (~32 bytes per cycle per SM, what the
 split-K reduction in a cluster is charged) and the cost of one extra launch (~2 us). :func:`current_gpu`
 picks the spec of the local GPU (by its device kind), else the H200's.
+
+B200 (Blackwell, sm_100a), from NVIDIA's HGX/DGX B200 datasheets and the CUDA C++ Programming Guide's
+compute capability 10.0 table: 148 SMs, ~1.965 GHz boost (the DGX B200's published GPU clock), 8 TB/s of
+HBM3e (180 GB usable on HGX B200), 2.25 PFLOP/s dense bf16 (the 8-GPU board's 18 PFLOP/s dense over
+8), 228 KiB SMEM per SM of which 227 KiB per CTA (as on Hopper), 126.5 MiB of L2, NVLink 5 at 1.8 TB/s
+both directions; tensor memory (TMEM) 256 KiB per SM, 128 lanes x 512 columns of 32 bits (PTX ISA,
+tcgen05 "Tensor Memory").
 """
 
 from __future__ import annotations
@@ -35,6 +42,11 @@ class GpuSpec:
     issue_per_sm_cycle: int = 4  # warp-instructions: one per scheduler
     # NVLink 4 (H100/H200 SXM): 900 GB/s per GPU both directions together, 450 GB/s each way.
     nvlink_bytes_per_s: float = 450e9
+    compute_capability: str = (
+        "9.0"  # CUDA compute capability: "9.0" Hopper (WGMMA), "10.0" Blackwell (tcgen05)
+    )
+    tmem_bytes_per_sm: int = 0  # tensor memory (Blackwell): 0 where there is none
+    tmem_columns: int = 0  # TMEM columns per SM (128 lanes x 32-bit columns)
 
     @property
     def clock_ghz(self) -> float:
@@ -59,11 +71,25 @@ H100_SXM = GpuSpec(
     bf16_flops=989e12,
     memory_bytes=80 * 2**30,
 )
-GPUS: dict[str, GpuSpec] = {s.name: s for s in (H200, H100_SXM)}
+B200 = GpuSpec(
+    name="b200",
+    description="NVIDIA B200",
+    sms=148,
+    clock_hz=1.965e9,
+    hbm_bytes_per_s=8.0e12,
+    bf16_flops=2.25e15,
+    memory_bytes=180 * 10**9,
+    l2_bytes=132644864,
+    nvlink_bytes_per_s=900e9,
+    compute_capability="10.0",
+    tmem_bytes_per_sm=256 * 1024,
+    tmem_columns=512,
+)
+GPUS: dict[str, GpuSpec] = {s.name: s for s in (H200, H100_SXM, B200)}
 
 
 def get_gpu(name: str) -> GpuSpec:
-    """The spec named ``name`` ("h200", "h100"); ValueError naming the known ones otherwise."""
+    """The spec named ``name`` ("h200", "h100", "b200"); ValueError naming the known ones otherwise."""
     try:
         return GPUS[name.lower()]
     except KeyError:
@@ -77,6 +103,8 @@ def spec_for_device_kind(kind: str) -> GpuSpec | None:
         return H200
     if "h100" in kind and "pcie" not in kind:
         return H100_SXM
+    if "b200" in kind:
+        return B200
     return None
 
 
@@ -92,4 +120,4 @@ def current_gpu() -> GpuSpec:
     return dataclasses.replace(spec, sms=int(sms)) if sms else spec
 
 
-__all__ = ["GPUS", "H100_SXM", "H200", "GpuSpec", "current_gpu", "get_gpu", "spec_for_device_kind"]
+__all__ = ["B200", "GPUS", "H100_SXM", "H200", "GpuSpec", "current_gpu", "get_gpu", "spec_for_device_kind"]
