@@ -1,4 +1,4 @@
-"""The Hopper GPUs nybble compiles for without one: JAX's deviceless topology of a ``GpuSpec``.
+"""The GPUs (Hopper, Blackwell) nybble compiles for without one: JAX's deviceless topology of a ``GpuSpec``.
 
 The GPUs' facts live in :mod:`nybble.kernels.gpu` (one spec for the heuristics, the X-ray and bench).
 """
@@ -14,6 +14,7 @@ __all__ = ["GPUS", "GpuSpec", "deviceless_devices", "get_gpu", "target_config"]
 
 def target_config(spec: GpuSpec) -> str:
     """A ``GpuTargetConfigProto`` in text form, what ``get_topology_desc(target_config=...)`` takes."""
+    cc_major, cc_minor = (int(v) for v in getattr(spec, "compute_capability", "9.0").split("."))
     return f"""
 gpu_device_info {{
   threads_per_block_limit: 1024
@@ -31,7 +32,7 @@ gpu_device_info {{
   clock_rate_ghz: {spec.clock_ghz}
   device_memory_size: {spec.memory_bytes}
   shared_memory_per_block_optin: {spec.smem_per_block_optin}
-  cuda_compute_capability {{ major: 9 minor: 0 }}
+  cuda_compute_capability {{ major: {cc_major} minor: {cc_minor} }}
   registers_per_core_limit: {spec.registers_per_sm}
   registers_per_block_limit: 65536
 }}

@@ -84,7 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(MOE_SHAPES),
         help=f"MoE shapes compiled for {TOKAMAX} (grouped, fused gate-up) when it is among the peers",
     )
-    p.add_argument("--gpu", default="h200", choices=("h200", "h100"), help="the GPU compiled for")
+    p.add_argument(
+        "--gpu",
+        default="h200",
+        choices=("h200", "h100", "b200"),
+        help="the GPU compiled for (b200: the Blackwell kernel on sm_100a, bench/xray/blackwell.py)",
+    )
     p.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: cores, <= 4)")
     p.add_argument(
         "--out",
@@ -136,6 +141,12 @@ def _commit() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.gpu == "b200":
+        from bench.xray import blackwell
+
+        ms = blackwell.DEFAULT_MS if args.ms == list(DEFAULT_MS) else args.ms
+        out = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS_DIR / "xray-b200")
+        return blackwell.main(ms, args.groups, args.shapes, out, args.jobs)
     from bench.arg_specs import SHAPES, select_shapes
     from bench.kernel_xray import ToolchainMissing, get_gpu
     from bench.xray import model, report
