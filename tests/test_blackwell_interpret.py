@@ -17,7 +17,6 @@ import nybble
 import nybble.kernels.mosaic_gpu as mg
 from nybble.kernels.mosaic_gpu import interpret as mgpu_interpret
 from nybble.kernels.mosaic_gpu.blackwell import BlackwellConfig, blackwell_matmul, heuristic_config, plan
-from nybble.packing import padded_weight_dims
 from nybble.quant import relayout
 from tests.kernel_checks import (
     activations,
@@ -29,19 +28,29 @@ from tests.kernel_checks import (
 
 interpret = mgpu_interpret.interpret
 
-# (M, K, N, group, symmetric, x dtype, scale dtype, exact): every (tile_m, tile_k) the heuristics pick
-# (decode tile_m 16, 32, 64 with tile_k 128 or 64; prefill 128 and 256 with 64), each group route, a
-# partial last group (K = 576 at g128), f16 x and f32 scales, N an odd multiple of 64 (a last CTA past
-# N_pad), N and K not multiples of 64, x rows padded to 8.
+bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
+# (M, K, N, group, symmetric, x dtype, scale dtype, exact) -> the (tile_m, tile_k, slices) the B200
+# heuristics pick there: every one they can pick (test_heuristics_pick_only_covered_configs), once. Along
+# the way each group route (groups inside a 64-wide chunk, one row per chunk, groups spanning steps,
+# per-column, a partial last group), f16 x, f32 scales, N an odd multiple of 64 and N, K not multiples of
+# 64, x rows padded for the K-slice view.
 CASES = [
-    (1, 250, 256, 128, True, jnp.bfloat16, jnp.bfloat16, True),
-    (16, 192, 192, 32, False, jnp.float16, jnp.bfloat16, True),
-    (20, 512, 128, 16, False, jnp.bfloat16, jnp.bfloat16, False),
-    (30, 576, 128, 128, True, jnp.bfloat16, jnp.bfloat16, True),
-    (40, 320, 128, 128, False, jnp.bfloat16, jnp.bfloat16, False),
-    (64, 384, 128, 64, True, jnp.bfloat16, jnp.float32, False),
-    (100, 192, 100, None, False, jnp.bfloat16, jnp.bfloat16, True),
-    (200, 256, 128, 256, False, jnp.float16, jnp.float32, False),
+    ((1, 192, 128, 32, True, bf16, bf16, True), (16, 64, 1)),
+    ((3, 384, 256, 128, False, f16, bf16, True), (16, 128, 1)),
+    ((20, 576, 128, 128, True, bf16, bf16, True), (32, 64, 1)),
+    ((30, 384, 192, 16, False, bf16, bf16, False), (32, 128, 1)),
+    ((40, 320, 128, 128, False, bf16, bf16, False), (64, 64, 1)),
+    ((64, 384, 128, 64, True, bf16, f32, False), (64, 128, 1)),
+    ((100, 192, 100, None, False, bf16, bf16, True), (128, 64, 1)),
+    ((200, 256, 128, 256, False, f16, f32, False), (256, 64, 1)),
+    ((1, 768, 128, 64, True, bf16, bf16, True), (16, 64, 4)),
+    ((4, 1024, 128, 256, False, bf16, bf16, True), (16, 128, 4)),
+    ((8, 768, 192, 32, False, f16, bf16, False), (32, 64, 4)),
+    ((5, 1000, 128, 128, True, bf16, bf16, False), (32, 128, 4)),
+    ((16, 768, 128, None, True, bf16, f32, True), (64, 64, 4)),
+    ((13, 1024, 128, 16, False, bf16, bf16, False), (64, 128, 4)),
+    ((32, 768, 128, 64, False, bf16, bf16, True), (128, 64, 4)),
+    ((25, 1024, 100, 128, True, f16, bf16, False), (128, 128, 4)),
 ]
 
 
@@ -60,10 +69,13 @@ def _weight(rng, k, n, group, symmetric, scale_dtype, exact):
     return random_weight(rng, k, n, group, symmetric, scale_dtype=scale_dtype)
 
 
-@pytest.mark.parametrize("m,k,n,group,symmetric,x_dtype,scale_dtype,exact", CASES)
-def test_heuristic_configs(m, k, n, group, symmetric, x_dtype, scale_dtype, exact):
+@pytest.mark.parametrize("case,tiling", CASES, ids=[f"m{t[0]}_k{t[1]}_s{t[2]}" for _, t in CASES])
+def test_heuristic_configs(case, tiling):
+    m, k, n, group, symmetric, x_dtype, scale_dtype, exact = case
     rng = np.random.default_rng(m * 1000 + k + n)
     qw = _weight(rng, k, n, group, symmetric, scale_dtype, exact)
+    c = plan(m, qw).config
+    assert (c.tile_m, c.tile_k, c.slices) == tiling
     x = activations(rng, m, k, x_dtype, exact=exact)
     with interpret(detect_races=True, gpu="b200"):
         y = blackwell_matmul(x, qw)
@@ -96,11 +108,7 @@ def test_nybble_matmul_runs_the_blackwell_kernel_as_a_b200():
 def test_heuristics_pick_only_covered_configs():
     """Over the Llama-3-8B/70B and MoE expert shapes at M = 1..8192, every config the B200 heuristics pick
     has a (tile_m, tile_k) that a case of :data:`CASES` runs."""
-    covered = set()
-    for m, k, n, group, *_ in CASES:
-        k_pad, n_pad = padded_weight_dims(k, n, group)
-        c = heuristic_config(m, n_pad, k_pad, k_pad if group is None else group)
-        covered.add((c.tile_m, c.tile_k))
+    covered = {tiling for _, tiling in CASES}
     picked = set()
     shapes = [
         (4096, 4096),
@@ -118,10 +126,10 @@ def test_heuristics_pick_only_covered_configs():
         (10944, 7392),
     ]
     for k, n in shapes:
-        for m in (1, 2, 8, 16, 17, 32, 48, 64, 100, 128, 200, 256, 2048, 8192):
+        for m in (1, 2, 4, 5, 8, 16, 17, 25, 32, 48, 64, 100, 128, 200, 256, 2048, 8192):
             for group in (16, 32, 64, 128, 256, k):
                 c = heuristic_config(m, -(-n // 64) * 64, k, group)
-                picked.add((c.tile_m, c.tile_k))
+                picked.add((c.tile_m, c.tile_k, c.slices))
     assert picked <= covered, f"configs picked but never interpreted: {sorted(picked - covered)}"
 
 
@@ -155,8 +163,12 @@ def test_config_rules_are_named():
         BlackwellConfig(max_concurrent_steps=1)
     rng = np.random.default_rng(0)
     qw = exact_weight(rng, 192, 128, 64, True)
-    with pytest.raises(ValueError, match="K_pad=192 must be a multiple of tile_k=128"):
+    with pytest.raises(ValueError, match=r"K_pad=192 must be a multiple of slices x tile_k = 1 x 128"):
         plan(1, qw, config=BlackwellConfig(tile_k=128))
+    with pytest.raises(ValueError, match=r"group=128 must divide a K slice \(K_pad / slices = 64\)"):
+        plan(1, exact_weight(rng, 256, 128, 128, True), config=BlackwellConfig(tile_k=64, slices=4))
+    with pytest.raises(ValueError, match="M=9 rows need 3 M tiles; K slices"):
+        plan(9, exact_weight(rng, 256, 128, 64, True), config=BlackwellConfig(tile_k=64, slices=4))
     with pytest.raises(ValueError, match="bytes of SMEM"):
         plan(1, exact_weight(rng, 512, 128, 64, True), config=BlackwellConfig(128, 256, 256, 6))
 

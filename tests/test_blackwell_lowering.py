@@ -55,19 +55,19 @@ def _kernel_key(m, k, n, group, symmetric):
     # The pipeline depth changes no code but the slot count; the symmetric kernel is the asymmetric one
     # without the offsets' operand, loads and adds: both are lowered as one (asymmetric) kernel.
     c = p.config
-    return c.tile_m, c.tile_k, route, small, p.n_tiles * 128 != p.n_pad
+    return (c.tile_m, c.tile_k, c.slices), c.slices, route, small, p.n_tiles * c.cta_cols != p.n_pad
 
 
 def _distinct_cases():
-    """Real-model cases until every (tile_m, tile_k) and every (tile_k, scale route, N tail) of the
-    heuristics' picks is lowered once: the tile decides the MMA, TMEM and x shapes, the route the
-    dequantization's loads; they do not interact."""
+    """Real-model cases until every (tile_m, tile_k, slices) and every (tile_k, slices, scale route, N
+    tail) of the heuristics' picks is lowered once: the tile decides the MMA, TMEM and x shapes, the route
+    the dequantization's loads; they do not interact."""
     seen, cases = set(), []
     for k, n in WEIGHT_SHAPES:
         for m in BATCHES:
             for group in GROUPS:
-                tile_m, tile_k, *rest = _kernel_key(m, k, n, group, False)
-                keys = {("tile", tile_m, tile_k), ("route", tile_k, *rest)}
+                tiling, *rest = _kernel_key(m, k, n, group, False)
+                keys = {("tile", tiling), ("route", tiling[1], *rest)}
                 if keys - seen:
                     seen |= keys
                     cases.append((m, k, n, group, False))

@@ -64,7 +64,7 @@ def _forward(x2d: jax.Array, qw: QuantizedWeight, config: BlackwellConfig | None
     # The Hopper kernel's operand checks (codes, scales, offsets against x), by the same names.
     check_operands(x2d, qw.codes, qw.scales, qw.offsets, n=p.n, group=qw.group, config=_CheckOnly(p), m=m)
     y = w4a16_blackwell(p, qw.codes, x2d, qw.scales, qw.offsets)
-    return y if p.n == n else y[:, :n]
+    return y if (p.n, p.out_rows) == (n, m) else y[:m, :n]
 
 
 class _CheckOnly:

@@ -36,7 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nybble.kernels.mosaic_gpu.blackwell.config import BlackwellConfig, scale_rows_per_step
 from nybble.kernels.mosaic_gpu.config import CHUNK_K
-from nybble.kernels.mosaic_gpu.dequant_registers import dequantize_chunk
+from nybble.kernels.mosaic_gpu.dequant_registers import dequantize_chunk, slot_rows, sum_slices
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.kernels.mosaic_gpu.staging import y_staging
 
@@ -60,12 +60,22 @@ class BlackwellProblem:
         return self.group >= self.k_pad
 
     @property
+    def out_rows(self) -> int:
+        """Rows of the kernel's y: M, or x's rows under K slices (Mosaic's 8-row staging tiles need y
+        rows that fill them, as in the Hopper kernel; the wrapper slices the zero rows off)."""
+        return self.m if self.config.slices == 1 else self.x_rows
+
+    @property
+    def slice_k(self) -> int:
+        return self.k_pad // self.config.slices
+
+    @property
     def k_steps(self) -> int:
-        return self.k_pad // self.config.tile_k
+        return self.slice_k // self.config.tile_k
 
     @property
     def n_tiles(self) -> int:
-        return -(-self.n_pad // self.config.tile_n)  # the last one past N_pad: TMA reads zeros there
+        return -(-self.n_pad // self.config.cta_cols)  # the last one past N_pad: TMA reads zeros there
 
     @property
     def m_tiles(self) -> int:
@@ -86,13 +96,21 @@ def _swizzled(dtype: Any) -> tuple[Any, ...]:
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-def _scale_block(p: BlackwellProblem, ki: Any, ni: Any) -> tuple[Any, Any]:
+def _scale_block(p: BlackwellProblem, ki: Any, ni: Any) -> tuple[Any, Any, Any]:
     tile_k = p.config.tile_k
     if p.per_column:
-        return (ki * tile_k) // p.k_pad, ni  # row 0, written in ki
+        return 0, (ki * tile_k) // p.k_pad, ni  # row 0, written in ki
     if p.group >= tile_k:
-        return (ki * tile_k) // p.group, ni  # one row, the block index is the row
-    return ki, ni  # tile_k / G rows: the block index is the step
+        return 0, (ki * tile_k) // p.group, ni  # one row (of each slice), the block index is the row
+    return 0, ki, ni  # tile_k / G rows: the block index is the step
+
+
+def _row_values(p: BlackwellProblem, ref: Any, g: int, t: int) -> Any:
+    """Per-row values (scales or offsets) of 64-row A tile ``t`` for the step's group row ``g``."""
+    s = p.config.slices
+    if s == 1:
+        return plgpu.load(ref.at[0, g, pl.ds(t * 64, 64)])
+    return slot_rows(ref, g, t, 1 if p.per_column else s, s)
 
 
 def dequantize_step(p: BlackwellProblem, codes: Any, scales: Any, offsets: Any, out: Any) -> None:
@@ -108,10 +126,10 @@ def dequantize_step(p: BlackwellProblem, codes: Any, scales: Any, offsets: Any, 
             for c0 in range(0, CHUNK_K, span):
                 g = 0 if p.group >= c.tile_k else (k0 + c0) // p.group
                 qp = q if span == CHUNK_K else q[:, c0 : c0 + span]
-                s = plgpu.load(scales.at[g, pl.ds(t * 64, 64)]).astype(dt)
+                s = _row_values(p, scales, g, t).astype(dt)
                 w = qp * lax.broadcast_in_dim(s, qp.shape, [0])
                 if offsets is not None:
-                    o = plgpu.load(offsets.at[g, pl.ds(t * 64, 64)]).astype(dt)
+                    o = _row_values(p, offsets, g, t).astype(dt)
                     w = w + lax.broadcast_in_dim(o, qp.shape, [0])
                 cols.append(w)
             parts.append(cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=1))
@@ -123,17 +141,20 @@ def w4a16_blackwell(
     p: BlackwellProblem, codes: jax.Array, x: jax.Array, scales: Any, offsets: Any
 ) -> jax.Array:
     """Runs the kernel: ``codes`` (N_pad / 8, K_pad) words, ``x`` (x_rows, K_pad), ``scales`` [``offsets``]
-    (num_groups, N_pad); returns (m, n) in x's dtype."""
+    (num_groups, N_pad); returns (out_rows, n) in x's dtype."""
     c = p.config
+    s = c.slices
     n_tiles = p.n_tiles
-    operands = [codes.reshape(p.n_pad // 64, 8, p.k_pad), x]
+    # Views by reshape (dequant_registers.py): a 64-row A tile is 8 slots of 8 rows, slot = band * S +
+    # slice; x row m * S + j is x[m] over slice j; scale rows (S, groups / S, N_pad), per slice.
+    operands = [codes.reshape(p.n_pad // (64 // s), 8, p.slice_k), x.reshape(p.x_rows * s, p.slice_k)]
     for a in (scales, offsets) if p.has_offsets else (scales,):
-        operands.append(a.reshape(1, p.n_pad) if p.per_column else a)
+        operands.append(a.reshape(1, 1, p.n_pad) if p.per_column else a.reshape(s, -1, p.n_pad))
     n_in = len(operands)
 
     def kernel(*refs: Any) -> None:
         ins, y_gmem = refs[:n_in], refs[n_in]
-        w_smem, acc_tmem, mma_done, y_smem = refs[n_in + 1 :]
+        w_smem, acc_tmem, mma_done, y_smem, *sliced = refs[n_in + 1 :]
         lin = lax.axis_index("mn")
         mi, ni = lin // n_tiles, lin % n_tiles
 
@@ -158,7 +179,9 @@ def w4a16_blackwell(
             ),
         ]
         scale_spec = plgpu.BlockSpec(
-            (p.scale_rows, c.tile_n), lambda ki: _scale_block(p, ki, ni), delay_release=1
+            (1 if p.per_column else s, p.scale_rows, c.cta_cols),
+            lambda ki: _scale_block(p, ki, ni),
+            delay_release=1,
         )
         specs += [scale_spec] * (n_in - 2)
         plgpu.emit_pipeline(
@@ -168,23 +191,36 @@ def w4a16_blackwell(
         with jax.named_scope("epilogue"):
             acc = plgpu.async_load_tmem(acc_tmem)
             plgpu.wait_load_tmem()
-            y_smem.T[...] = acc.astype(p.dtype)  # y^T into the transposed view: y itself
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                y_smem, y_gmem.at[pl.ds(mi * c.tile_m, c.tile_m), pl.ds(ni * c.tile_n, c.tile_n)]
-            )
+            cols = pl.ds(ni * c.cta_cols, c.cta_cols)
+            if s == 1:
+                y_smem.T[...] = acc.astype(p.dtype)  # y^T into the transposed view: y itself
+                plgpu.commit_smem()
+                rows = pl.ds(mi * c.tile_m, c.tile_m)
+                plgpu.copy_smem_to_gmem(y_smem, y_gmem.at[rows, cols])
+            else:  # the S slices' partial sums of each column, added (dequant_registers.sum_slices)
+                (partials,) = sliced
+                partials[...] = acc
+                plgpu.commit_smem()
+                # The GPU sum reads (tile, row, column); the interpreter has no reshaped refs, and its
+                # twin of the sum reshapes the values itself.
+                if active_params() is None:
+                    partials = partials.reshape(c.tiles, 64, c.tile_m)
+                sum_slices(partials, y_smem, slices=s, tiles=c.tiles, rows=c.x_rows_per_tile)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(y_smem.at[: p.out_rows], y_gmem.at[:, cols])
             plgpu.wait_smem_to_gmem(0)
 
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((p.m, p.n), p.dtype),
+        out_type=jax.ShapeDtypeStruct((p.out_rows, p.n), p.dtype),
         grid=(p.m_tiles * n_tiles,),
         grid_names=("mn",),
         scratch_types=[
             plgpu.SMEM((2, c.tile_n, c.tile_k), p.dtype, transforms=_swizzled(p.dtype)),
             plgpu.TMEM((c.tile_n, c.tile_m), jnp.float32),
             plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),
-            y_staging((c.tile_m, c.tile_n), p.dtype, any_rows=True),
+            y_staging((c.x_rows_per_tile, c.cta_cols), p.dtype, any_rows=s == 1),
+            *([plgpu.SMEM((c.tile_n, c.tile_m), jnp.float32)] if s > 1 else []),
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=active_params(),
