@@ -185,7 +185,7 @@ def int4_paths(model: Any, batches: Sequence[int], dtype: Any) -> dict[str, dict
     (``mosaic_gpu``, or ``xla: <why not the kernel>``)."""
     from flax import nnx
 
-    from nybble.kernels.api import available_implementations
+    from nybble.kernels import available_implementations
     from nybble.models import QLinear
 
     out: dict[str, dict[str, str]] = {}

@@ -43,7 +43,7 @@ from bench.arg_specs import M_SWEEP, SHAPES
 from bench.xray.heuristic_cases import heuristic_cases
 from nybble.kernels import available_implementations, interpret
 from nybble.kernels.mosaic_gpu import TuningConfig, faults, mosaic_gpu_matmul, plan
-from nybble.kernels.reference import reference_dequantize, rounding_bound
+from nybble.kernels.ops.matmul.reference import reference_dequantize, rounding_bound
 from nybble.packing import padded_weight_dims
 from tests.kernel_checks import (
     activations,

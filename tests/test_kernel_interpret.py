@@ -2,7 +2,8 @@
 
 Numerics only (lowering for CUDA is tests/test_kernel_lowering.py, the SASS is tests/test_xray.py). Every
 kernel run here:
-  * is compared with the one float64 reference (nybble.kernels.reference, through tests/kernel_checks.py):
+  * is compared with the one float64 reference (nybble.kernels.ops.matmul.reference, through
+    tests/kernel_checks.py):
     element by element within the rounding bound of its scale route on random data, and bit-exactly on
     small-integer data (integer x, power-of-two scales, quarter offsets: every product and partial sum is
     exact in f32 in both scale routes, so the only rounding is the final one, the same in kernel and
@@ -44,8 +45,8 @@ from nybble.kernels.mosaic_gpu.config import (
 from nybble.kernels.mosaic_gpu.config import (
     folds_bias as folds_bias_config,
 )
-from nybble.kernels.reference import reference_dequantize, rounding_bound
-from nybble.kernels.xla import xla_matmul
+from nybble.kernels.ops.matmul.reference import reference_dequantize, rounding_bound
+from nybble.kernels.ops.matmul.xla import xla_matmul
 from nybble.packing import get_layout, padded_weight_dims
 from nybble.packing.fragments import pack_wgmma_int4
 from nybble.quant import QuantizedWeight, relayout

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import nybble
-from nybble.kernels.reference import reference_codes, reference_dequantize
+from nybble.kernels.ops.matmul.reference import reference_codes, reference_dequantize
 from nybble.quant.qweight import expand_groups
 
 GROUPS = [None, 16, 32, 64, 128, 256]

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import nybble
 from bench.kernel_xray import hlo
 from nybble.kernels import mosaic_gpu
-from nybble.kernels.mosaic_gpu.api import SUPPORTED_LAYOUTS
+from nybble.kernels.mosaic_gpu.dense import SUPPORTED_LAYOUTS
 from nybble.models.placement import ShardRule, array_spec, decide
 from nybble.packing import LAYOUTS, get_layout
 from nybble.sharding import (

@@ -4,6 +4,7 @@ context variables, and the interpreter patch refuses a jax it was not written fo
 from __future__ import annotations
 
 import ast
+import re
 import threading
 from pathlib import Path
 
@@ -42,6 +43,42 @@ def test_lower_layers_never_import_upper_ones(package):
     assert not {k: v for k, v in bad.items() if v}
 
 
+SEAM = {
+    "unsupported": ["x", "qw"],
+    "not_here": [],
+    "matmul": ["x2d", "qw"],
+    "describe": ["m", "qw"],
+    "ragged_unsupported": ["x", "qw", "group_sizes"],
+    "ragged_matmul": ["x", "qw", "group_sizes"],
+}
+
+
+@pytest.mark.parametrize("name", list(nybble.kernels.backends.BACKENDS))
+def test_every_registered_backend_plugs_into_the_seam(name):
+    """Each backend module defines the six functions the registry calls, taking the seam's arguments
+    (positionally: their names are the backend's)."""
+    import inspect
+
+    backend = nybble.kernels.backends.load(name)
+    assert not isinstance(backend, str), backend
+    for function, params in SEAM.items():
+        signature = inspect.signature(getattr(backend, function))
+        signature.bind(*params)
+        with pytest.raises(TypeError):
+            signature.bind(*params, "one too many")
+
+
+def test_ops_reach_backends_only_through_the_registry():
+    """The ops (``kernels/ops``) and the registry import no backend's package: a backend is one line of
+    ``backends.BACKENDS``. And no backend imports an op's face (``api.py``): the op calls the backend."""
+    kernels = ROOT / "nybble" / "kernels"
+    packages = ("nybble.kernels.mosaic_gpu", "nybble.kernels.triton")
+    for path in [kernels / "backends.py", *(kernels / "ops").rglob("*.py")]:
+        assert not [m for m in _nybble_imports(path) if m.startswith(packages)], path
+    for path in [p for p in kernels.rglob("*.py") if "ops" not in p.parts and p.name != "__init__.py"]:
+        assert not [m for m in _nybble_imports(path) if m.endswith(".api")], path
+
+
 def test_ops_dispatches_by_weight_type():
     from jax.sharding import Mesh
 
@@ -78,16 +115,30 @@ def test_an_injected_kernel_bug_stays_in_its_context():
             pass
 
 
-def test_interpret_refuses_another_jax(monkeypatch):
+def test_interpret_refuses_a_jax_outside_the_range(monkeypatch):
     from nybble.kernels.mosaic_gpu import interpret as interp
 
-    interp.check_jax_version("0.11.2")
-    with pytest.raises(
-        RuntimeError, match=r"patches jax 0\.11\.2's .* this is jax 0\.12\.0: install jax==0\.11\.2"
-    ):
-        interp.check_jax_version("0.12.0")
-    monkeypatch.setattr(jax, "__version__", "0.12.0")
+    for inside in ("0.11.2", "0.12.0.1", "0.12.1"):
+        interp.check_jax_version(inside)
+    for outside in ("0.11.1", "0.13.0", "0.13.0.dev20270101", "1.0"):
+        with pytest.raises(
+            RuntimeError,
+            match=rf"patches private functions .* nybble supports jax>=0\.11\.2,<0\.13 \(tested with jax "
+            rf"0\.11\.2 and 0\.12\.0\.1\) and this is jax {re.escape(outside)}",
+        ):
+            interp.check_jax_version(outside)
+    monkeypatch.setattr(jax, "__version__", "0.13.0")
     qw = nybble.quantize(np.ones((128, 64), np.float32), group_size=64)
-    with pytest.raises(RuntimeError, match=r"this is jax 0\.12\.0"):
+    with pytest.raises(RuntimeError, match=r"this is jax 0\.13\.0"):
         with nybble.kernels.interpret():
             nybble.matmul(jnp.ones((8, 128), jnp.bfloat16), qw, implementation="mosaic_gpu")
+
+
+def test_interpret_refuses_an_interpreter_without_its_patch_targets(monkeypatch):
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    from nybble.kernels.mosaic_gpu import interpret as interp
+
+    monkeypatch.delattr(gpu_callbacks, "call_allocate_buffer")
+    with pytest.raises(RuntimeError, match=r"lacks gpu_callbacks\.call_allocate_buffer: install one of"):
+        interp.check_jax_version()

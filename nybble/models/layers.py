@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen, nnx
 
-from nybble.kernels.api import Implementation
+from nybble.kernels.backends import Implementation
 from nybble.ops import matmul
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.rtn import quantize

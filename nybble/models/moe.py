@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nybble.kernels.api import Implementation
+from nybble.kernels.backends import Implementation
 from nybble.models.layers import QuantizedParam
 from nybble.ops import ragged_matmul
 from nybble.quant.qweight import QuantizedWeight

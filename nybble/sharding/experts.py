@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from nybble.kernels.ops.ragged_matmul.api import ragged_matmul
 from nybble.packing import get_layout, num_groups, padded_weight_dims
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.stacked import check_stacked
@@ -273,8 +274,6 @@ def sharded_ragged_matmul(
     x: Any, sw: ExpertShardedWeight, group_sizes: Any, *, implementation: str | None = None
 ) -> jax.Array:
     """``ragged_matmul`` of an :class:`ExpertShardedWeight` (module docstring): (rows, N) in x.dtype."""
-    from nybble.kernels.ragged import ragged_matmul  # the per-device op (kernels import this package)
-
     p = sw.parallel
     rows = x.shape[0]
     e_l = sw.num_experts // p.expert_shards

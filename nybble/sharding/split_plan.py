@@ -170,7 +170,7 @@ def _layout_fix(local: int, split: Split, layout: str, group_size: int | None) -
     if split == "row" and group_size is not None and local % group_size:
         return ""  # the groups would be cut in any layout
     try:  # the kernel's layouts, named only in this message (importing the kernel package is lazy)
-        from nybble.kernels.mosaic_gpu.api import SUPPORTED_LAYOUTS as kernel_layouts
+        from nybble.kernels.mosaic_gpu.dense import SUPPORTED_LAYOUTS as kernel_layouts
     except ImportError:
         kernel_layouts = ()
     fits = [

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nybble.kernels.mosaic_gpu import faults, split_k
+from nybble.kernels.mosaic_gpu.compat import store_unoptimized
 from nybble.kernels.mosaic_gpu.config import (
     CHUNK_K,
     TuningConfig,
@@ -555,7 +556,7 @@ def store_tiles(
         if c.slices > 1:
             red, y_tile = smem["slices"], smem["out"]
             for t, acc in enumerate(accs):
-                red.at[t][...] = acc
+                store_unoptimized(red.at[t], acc)
             sum_slices(red, y_tile, slices=c.slices, tiles=c.tiles, rows=c.tile_m)
             plgpu.commit_smem()
             if rows is None:

@@ -49,9 +49,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from nybble.kernels.mosaic_gpu.api import KERNEL_X_DTYPES, SUPPORTED_LAYOUTS, _requires_gpu_p
+from nybble.jax_range import outside_reason
 from nybble.kernels.mosaic_gpu.common import CtaTile, Problem, RowWindow, StashedRows
 from nybble.kernels.mosaic_gpu.config import DEFAULT_NUM_SMS, TuningConfig, x_rows
+from nybble.kernels.mosaic_gpu.dense import KERNEL_X_DTYPES, SUPPORTED_LAYOUTS, _requires_gpu_p
 from nybble.kernels.mosaic_gpu.grouped_config import (
     grouped_allows,
     grouped_heuristic_config,
@@ -181,8 +182,11 @@ def grouped_is_supported(x: Any, qw: Any, group_sizes: Any) -> str | None:
 
     Checks shapes and dtypes only (values may be traced): group_sizes' values (non-negative, summing to at
     most x's rows) are checked by :func:`grouped_matmul` where they are concrete. Says nothing about the
-    device (a Hopper GPU, or ``nybble.kernels.interpret()``).
+    device (a Hopper GPU, or ``nybble.kernels.interpret()``). Refuses every argument under a jax outside
+    nybble's range (``nybble.jax_range``).
     """
+    if (reason := outside_reason()) is not None:
+        return reason
     if not isinstance(qw, QuantizedWeight):
         return f"the weight is a {type(qw).__name__}, not a nybble.QuantizedWeight"
     if getattr(qw.codes, "ndim", 0) != 3:

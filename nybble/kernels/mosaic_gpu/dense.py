@@ -1,7 +1,8 @@
 """The Mosaic GPU W4A16 kernel as an op: argument checks, padding, config choice, split-K sum, gradient.
 
-``mosaic_gpu_matmul(x2d, qw)`` is what ``nybble.kernels.api`` dispatches to. The SM count is a parameter
-(resolved once by the dispatcher; a CPU device has none), so tracing never touches a device.
+``mosaic_gpu_matmul(x2d, qw)``; ``backend.py`` hands ``nybble.matmul``'s calls to ``matmul_supported``. The
+SM count is a parameter (resolved once by the backend; a CPU device has none), so tracing never touches a
+device.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
+from nybble.jax_range import outside_reason
 from nybble.kernels.mosaic_gpu.common import Problem
 from nybble.kernels.mosaic_gpu.config import (
     DEFAULT_NUM_SMS,
@@ -39,8 +41,11 @@ def is_interpret_active() -> bool:
 def is_supported(x: Any, qw: QuantizedWeight) -> str | None:
     """None when the kernel can compute ``x @ dequantize(qw)``, else the reason it cannot (one sentence).
 
-    Says nothing about the device: the dispatcher checks for a Hopper GPU (or interpret mode).
+    Says nothing about the device: the dispatcher checks for a Hopper GPU (or interpret mode). Refuses
+    every argument under a jax outside nybble's range (``nybble.jax_range``).
     """
+    if (reason := outside_reason()) is not None:
+        return reason
     if not isinstance(qw, QuantizedWeight):
         return f"the weight is a {type(qw).__name__}, not a nybble.QuantizedWeight"
     if qw.layout not in SUPPORTED_LAYOUTS:

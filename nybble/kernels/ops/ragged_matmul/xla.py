@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from nybble.kernels.xla import dequantized_operand
+from nybble.kernels.ops.matmul.xla import dequantized_operand
 from nybble.packing import pad_to
 from nybble.quant.qweight import QuantizedWeight
 

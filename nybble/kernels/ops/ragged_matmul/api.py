@@ -3,9 +3,9 @@
     qw = nybble.quantize(w_experts)                        # (E, K, N) float -> stacked QuantizedWeight
     y = nybble.ragged_matmul(x_sorted, qw, group_sizes)    # == lax.ragged_dot(x, dequantize(qw), sizes)
 
-Implementations, chosen as ``nybble.matmul`` chooses: the grouped Mosaic GPU kernel
-(``nybble.kernels.mosaic_gpu.grouped``) on a Hopper GPU or inside ``nybble.kernels.interpret()``, else the
-XLA path (:mod:`nybble.kernels.xla_ragged`), which runs everywhere.
+Implementations, chosen as ``nybble.matmul`` chooses (``nybble.kernels.backends``): the grouped Mosaic
+GPU kernel on a Hopper GPU or inside ``nybble.kernels.interpret()``, else the XLA path (:mod:`.xla`), which
+runs everywhere. The float64 reference is :mod:`.reference`.
 """
 
 from __future__ import annotations
@@ -15,20 +15,18 @@ from typing import Any
 import jax
 import numpy as np
 
-from nybble.kernels.api import IMPLEMENTATIONS, MATMUL_X_DTYPES, Implementation, _mosaic_gpu_not_here
-from nybble.kernels.xla_ragged import group_bounds, xla_ragged_matmul
-from nybble.quant.qweight import QuantizedWeight
+from nybble.kernels import backends
+from nybble.kernels.backends import Implementation
+from nybble.kernels.ops.matmul.api import check_x_dtype
 from nybble.quant.stacked import check_stacked
 
 WHAT = "nybble.ragged_matmul"
+OP = backends.Op(WHAT, unsupported="ragged_unsupported", compute="ragged_matmul")
 
 
 def check_implementation(implementation: Any) -> None:
     """Raises unless ``implementation`` is None or one of ``IMPLEMENTATIONS``."""
-    if implementation not in (None, *IMPLEMENTATIONS):
-        raise ValueError(
-            f"{WHAT}: unknown implementation {implementation!r}; choose one of {IMPLEMENTATIONS} or None"
-        )
+    backends.check_implementation(WHAT, implementation)
 
 
 def check_group_sizes(group_sizes: Any, experts: int, rows: int) -> None:
@@ -83,21 +81,8 @@ def check_args(x: Any, qw: Any, group_sizes: Any, *, experts: int | None = None)
             f"{WHAT}: x has shape {tuple(x.shape)} but each expert's weight has shape (K, N) = ({k}, {n}); x "
             f"must be (rows, K) = (rows, {k}), its rows sorted by expert (reshape batch axes away first)"
         )
-    if np.dtype(x.dtype).name not in MATMUL_X_DTYPES:
-        raise TypeError(
-            f"{WHAT}: x has dtype {np.dtype(x.dtype).name}; supported: {MATMUL_X_DTYPES} "
-            f"(cast x first, e.g. x.astype(jnp.bfloat16))"
-        )
+    check_x_dtype(WHAT, x)
     check_group_sizes(group_sizes, experts, x.shape[0])
-
-
-def _grouped_unsupported(x: Any, qw: QuantizedWeight, group_sizes: Any) -> str | None:
-    """Why the grouped Mosaic GPU kernel cannot compute these arguments (or is not built), or None."""
-    try:
-        from nybble.kernels.mosaic_gpu.grouped import grouped_is_supported
-    except ImportError as e:  # the grouped kernel (helper moe-kernel's) is not in this tree, or broken
-        return f"the grouped Mosaic GPU kernel (nybble.kernels.mosaic_gpu.grouped) failed to import ({e})"
-    return grouped_is_supported(x, qw, group_sizes)
 
 
 def ragged_matmul(
@@ -118,35 +103,28 @@ def ragged_matmul(
         checked (none negative, sum <= rows); traced ones (under ``jit``) only for shape and dtype, and
         then clamped (a negative size counts as zero, rows past ``rows`` are dropped).
       implementation: as in :func:`nybble.matmul`: None picks the grouped Mosaic GPU kernel on a Hopper GPU
-        or inside ``nybble.kernels.interpret()`` when it can take the arguments, else XLA; ``"xla"`` or
-        ``"mosaic_gpu"`` forces one (a forced kernel that cannot run raises ``NotImplementedError`` saying
-        why).
+        or inside ``nybble.kernels.interpret()`` when it can take the arguments, else XLA (on a GPU
+        machine with a one-time warning saying why); a name of ``IMPLEMENTATIONS`` forces one (a forced
+        kernel that cannot take the arguments raises ``NotImplementedError`` saying why).
 
     The XLA path reads and dequantizes only the experts that have rows, one at a time (see
-    :mod:`nybble.kernels.xla_ragged`); it supports forward-mode differentiation only.
+    :mod:`.xla`); it supports forward-mode differentiation only.
     """
     check_args(x, qw, group_sizes)
     check_implementation(implementation)
-    if implementation == "xla":
-        return xla_ragged_matmul(x, qw, group_sizes)
-    unsupported = _grouped_unsupported(x, qw, group_sizes)
-    if implementation is None and (unsupported is not None or _mosaic_gpu_not_here() is not None):
-        return xla_ragged_matmul(x, qw, group_sizes)
-    if unsupported is not None:
-        raise NotImplementedError(f"{WHAT}(implementation='mosaic_gpu') cannot run: {unsupported}")
-    # The one call site of the grouped Hopper kernel (nybble.kernels.mosaic_gpu.grouped). Sizes clamped
-    # as the XLA path clamps them (a no-op on checked values; traced ones are not checked).
-    from nybble.kernels.mosaic_gpu.api import is_interpret_active
-    from nybble.kernels.mosaic_gpu.grouped import grouped_matmul
-
-    _, sizes = group_bounds(group_sizes, x.shape[0])
-    return grouped_matmul(x, qw, sizes, interpret=is_interpret_active())
+    return backends.run(OP, implementation, (x, qw, group_sizes))
 
 
 def available_ragged_implementations(x: Any, qw: Any, group_sizes: Any) -> dict[str, str | None]:
     """Each implementation mapped to None (it can run these arguments here) or the reason it cannot."""
     check_args(x, qw, group_sizes)
-    return {"mosaic_gpu": _grouped_unsupported(x, qw, group_sizes) or _mosaic_gpu_not_here(), "xla": None}
+    return {name: a.reason for name, a in backends.availability(OP, (x, qw, group_sizes)).items()}
 
 
-__all__ = ["available_ragged_implementations", "check_group_sizes", "ragged_matmul"]
+__all__ = [
+    "available_ragged_implementations",
+    "check_args",
+    "check_group_sizes",
+    "check_implementation",
+    "ragged_matmul",
+]
