@@ -224,12 +224,5 @@ def mosaic_gpu_matmul(
 
 def matmul_supported(x2d: jax.Array, qw: QuantizedWeight, *, num_sms: int) -> jax.Array:
     """:func:`mosaic_gpu_matmul` with the heuristic config, for arguments :func:`is_supported` already
-    accepted: what ``nybble.matmul`` calls, so that one call checks its arguments once. Inside
-    ``interpret(gpu="b200")`` the Blackwell kernel runs instead (the kernels a B200 would run)."""
-    from nybble.kernels.mosaic_gpu.interpret import active_gpu
-
-    if active_gpu() == "b200":
-        from nybble.kernels.mosaic_gpu.blackwell import api as blackwell
-
-        return blackwell._matmul(x2d, qw, None, blackwell.DEFAULT_NUM_SMS)
+    accepted: what ``nybble.matmul`` calls, so that one call checks its arguments once."""
     return _matmul(x2d, qw, None, int(num_sms))

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nybble.kernels.mosaic_gpu import api as hopper_api
+from nybble.kernels.mosaic_gpu import dense as hopper_api
 from nybble.kernels.mosaic_gpu.blackwell.config import (
     DEFAULT_NUM_SMS,
     BlackwellConfig,
@@ -101,6 +101,12 @@ def _zero_cotangent(a: Any) -> Any:
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def matmul_supported(x2d: jax.Array, qw: QuantizedWeight, *, num_sms: int = DEFAULT_NUM_SMS) -> jax.Array:
+    """:func:`blackwell_matmul` with the heuristic config, for arguments :func:`is_supported` accepted:
+    what the dispatcher calls (``nybble.kernels.mosaic_gpu.backend``)."""
+    return _matmul(x2d, qw, None, int(num_sms))
 
 
 def blackwell_matmul(
