@@ -112,7 +112,8 @@ test-fast: $(STAMP)
 # lowering for CUDA (with the kernels the X-ray gate compiles on the pinned end; the X-ray itself, whose
 # baseline is the pinned toolchain's, stays with `make test`). CI's second step (.ci/run).
 LATEST_TESTS := $(FAST_TESTS) tests/test_jax_range.py tests/test_dispatch.py tests/test_kernel_lowering.py \
-	tests/test_grouped_lowering.py tests/test_grouped_interpret.py tests/test_kernel_interpret.py
+	tests/test_grouped_lowering.py tests/test_grouped_interpret.py tests/test_kernel_interpret.py \
+	tests/test_blackwell_interpret.py tests/test_blackwell_lowering.py tests/test_blackwell_dispatch.py
 test-jax-latest: $(LATEST_STAMP)
 	NYBBLE_LOWER_GATE_KERNELS=1 $(LATEST_PY) -m pytest -q -n 2 --dist load -m "not slow" $(LATEST_TESTS)
 
