@@ -43,9 +43,9 @@ SHAPES: dict[str, tuple[int, int]] = {
 }
 DEFAULT_MS = (1, 16, 64, 2048)
 PEER_NOTE = (
-    "tokamax's sm100 int4 ragged_dot is not compiled: bench/xray/peers.py installs tokamax for its sm90 "
-    "kernel (peer_tools pins a release whose sm100 quantized path needs a device query this deviceless "
-    "process cannot answer); not attempted in this run."
+    "tokamax's sm100 int4 ragged_dot is not compiled here: bench/xray/peers.py builds tokamax's sm90 path "
+    "(cases.tokamax_deviceless forces compute capability 9.0 in its deviceless process); wiring its sm100 "
+    "path into the b200 X-ray was not attempted yet."
 )
 _MMA = re.compile(r"^UTC[A-Z]*MMA")
 _BACK_BRANCH = re.compile(r"BRA(?:\.U)?\s+(?:!?U?P\d+,\s*)?`?\(?(?P<label>\.L_x_\d+)\)?`?")
