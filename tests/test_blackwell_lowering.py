@@ -113,3 +113,26 @@ def test_one_launch_and_no_copy_of_x_at_decode():
     ops = set(re.findall(r"= (stablehlo\.[a-z_]+)", text))
     assert text.count("stablehlo.custom_call") == 1
     assert not ops & {"stablehlo.pad", "stablehlo.transpose", "stablehlo.reduce", "stablehlo.slice"}, ops
+
+
+def test_xray_finds_the_tcgen05_loop():
+    """The b200 X-ray's main loop: the uniform-predicate back branch (``BRA.U UP0``) around the UTCHMMAs,
+    not the retry loop of a barrier wait, nor anything past an EXIT (the format of a ``.sass_ctrl`` dump)."""
+    from bench.kernel_xray import sass
+    from bench.xray.blackwell import tcgen05_loop
+
+    text = """
+   -:-:-:Y:05        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+   -:-:-:Y:05        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;
+   -:-:-:Y:05        /*0020*/               @!P0 BRA `(.L_x_1) ;
+.L_x_2:
+   -:-:-:Y:02        /*0030*/                   LOP3.LUT R4, R5, 0xf000f, R6, 0x6a, !PT ;
+   -:-:-:Y:03        /*0040*/                   HMUL2.BF16_V2 R4, R4, R7.H0_H0 ;
+   -:2:-:Y:01        /*0050*/                   UTCHMMA gdesc[UR10], gdesc[UR8], tmem[UR4], UPT ;
+   -:2:-:Y:01        /*0060*/                   UTCHMMA gdesc[UR12], gdesc[UR8], tmem[UR4], UPT ;
+   -:-:-:Y:09        /*0070*/                   BRA.U UP0, `(.L_x_2) ;
+   -:-:-:Y:05        /*0080*/                   EXIT ;
+"""
+    loop = tcgen05_loop(sass.parse_sass(text))
+    assert loop is not None and loop.size == 5 and loop.stall_cycles == 2 + 3 + 1 + 1 + 9
