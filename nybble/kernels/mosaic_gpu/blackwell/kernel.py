@@ -34,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from nybble.kernels.mosaic_gpu import compat
 from nybble.kernels.mosaic_gpu.blackwell.config import BlackwellConfig, scale_rows_per_step
 from nybble.kernels.mosaic_gpu.config import CHUNK_K
 from nybble.kernels.mosaic_gpu.dequant_registers import dequantize_chunk, slot_rows, sum_slices
@@ -199,7 +200,7 @@ def w4a16_blackwell(
                 plgpu.copy_smem_to_gmem(y_smem, y_gmem.at[rows, cols])
             else:  # the S slices' partial sums of each column, added (dequant_registers.sum_slices)
                 (partials,) = sliced
-                partials[...] = acc
+                compat.store_unoptimized(partials, acc)  # untiled f32 SMEM (jax 0.12 asks to say so)
                 plgpu.commit_smem()
                 # The GPU sum reads (tile, row, column); the interpreter has no reshaped refs, and its
                 # twin of the sum reshapes the values itself.
