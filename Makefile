@@ -117,7 +117,8 @@ test-fast: $(STAMP)
 # and the injected-bug meta-tests (they check the checks, which do not depend on jax's version).
 LATEST_TESTS := $(FAST_TESTS) tests/test_jax_range.py tests/test_dispatch.py tests/test_kernel_lowering.py \
 	tests/test_grouped_lowering.py tests/test_grouped_interpret.py tests/test_kernel_interpret.py \
-	tests/test_triton_dispatch.py tests/test_triton_interpret.py
+	tests/test_triton_dispatch.py tests/test_triton_interpret.py \
+	tests/test_blackwell_interpret.py tests/test_blackwell_lowering.py tests/test_blackwell_dispatch.py
 LATEST_DESELECT := not test_every_heuristic_config_in_interpret_mode and not test_injected_bugs_change_exactly
 test-jax-latest: $(LATEST_STAMP)
 	NYBBLE_LOWER_GATE_KERNELS=1 $(LATEST_PY) -m pytest -q -n 2 --dist load -m "not slow" \

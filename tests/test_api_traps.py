@@ -145,13 +145,13 @@ def test_einsum_and_linear_general_are_reported_as_skipped():
 
 
 class _FakeGpu:
-    device_kind = "NVIDIA B200"
-    compute_capability = "10.0"
+    device_kind = "NVIDIA A100-SXM4-80GB"
+    compute_capability = "8.0"
 
 
 @pytest.fixture
-def blackwell(monkeypatch):
-    """A machine whose GPU is not a Hopper: the dispatcher sees a GPU and no sm_90 device."""
+def no_kernel_gpu(monkeypatch):
+    """A machine whose GPU has no nybble Mosaic GPU kernel (neither Hopper nor Blackwell)."""
     monkeypatch.setattr(device, "gpu_device", lambda: _FakeGpu())
     monkeypatch.setattr(device, "hopper_device", lambda: None)
     monkeypatch.setattr(backends, "_WARNED", set())
@@ -178,10 +178,10 @@ def _fallback_warnings(x, qw):
     return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
 
 
-def test_fallback_warns_once_per_reason_on_a_gpu_machine(blackwell):
+def test_fallback_warns_once_per_reason_on_a_gpu_machine(no_kernel_gpu):
     qw, x = _weight(), jnp.ones((2, 256), jnp.bfloat16)
     (first,) = _fallback_warnings(x, qw)
-    assert "running the XLA path" in first and "NVIDIA B200" in first and "compute capability 10.0" in first
+    assert "running the XLA path" in first and "NVIDIA A100" in first and "compute capability 8.0" in first
     assert _fallback_warnings(x, qw) == []  # once
     (f32,) = _fallback_warnings(x.astype(jnp.float32), qw)
     assert "x has dtype float32" in f32

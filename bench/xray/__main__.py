@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu",
         default="h200",
         choices=("h200", "h100", "a100", "l40s", "b200", "rtx5090"),
-        help="the GPU compiled for; a100, l40s, b200 and rtx5090 run bench.xray.gpus (the portable Triton "
-        "kernel, nybble:xla, xla:bf16 and XLA's int4, at the Llama-3 and MoE shapes)",
+        help="the GPU compiled for; b200 runs bench/xray/blackwell.py (the Blackwell Mosaic GPU kernel on "
+        "sm_100a); a100, l40s and rtx5090 run bench.xray.gpus (the portable Triton kernel, nybble:xla, xla:bf16 "
+        "and XLA's int4, at the Llama-3 and MoE shapes)",
     )
     p.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: cores, <= 4)")
     p.add_argument(
@@ -143,6 +144,12 @@ def _commit() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.gpu == "b200":
+        from bench.xray import blackwell
+
+        ms = blackwell.DEFAULT_MS if args.ms == list(DEFAULT_MS) else args.ms
+        out = args.out or RESULTS_DIR / "xray-b200"
+        return blackwell.main(ms, args.groups, args.shapes, out, args.jobs)
     if args.gpu not in ("h200", "h100"):  # no Mosaic GPU kernel there: the X-ray of the portable kernel
         from bench.xray import gpus
 

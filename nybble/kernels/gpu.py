@@ -20,6 +20,13 @@ the NVIDIA Blackwell architecture technical brief; ~1.965 GHz boost). The Ada an
 of shared memory per SM (99 KB for one block) and 1,536 threads per SM; no NVLink (PCIe Gen4 x16:
 32 GB/s each way; RTX 5090: PCIe Gen5 x16, 64 GB/s each way); A100 NVLink 3: 600 GB/s both ways; B200
 NVLink 5: 1.8 TB/s both ways.
+
+B200 (Blackwell, sm_100a), from NVIDIA's HGX/DGX B200 datasheets and the CUDA C++ Programming Guide's
+compute capability 10.0 table: 148 SMs, ~1.965 GHz boost (the DGX B200's published GPU clock), 8 TB/s of
+HBM3e (180 GB usable on HGX B200), 2.25 PFLOP/s dense bf16 (the 8-GPU board's 18 PFLOP/s dense over
+8), 228 KiB SMEM per SM of which 227 KiB per CTA (as on Hopper), 126.5 MiB of L2, NVLink 5 at 1.8 TB/s
+both directions; tensor memory (TMEM) 256 KiB per SM, 128 lanes x 512 columns of 32 bits (PTX ISA,
+tcgen05 "Tensor Memory").
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ class GpuSpec:
     issue_per_sm_cycle: int = 4  # warp-instructions: one per scheduler
     # NVLink 4 (H100/H200 SXM): 900 GB/s per GPU both directions together, 450 GB/s each way.
     nvlink_bytes_per_s: float = 450e9
+    tmem_bytes_per_sm: int = 0  # tensor memory (Blackwell): 0 where there is none
+    tmem_columns: int = 0  # TMEM columns per SM (128 lanes x 32-bit columns)
 
     @property
     def clock_ghz(self) -> float:
@@ -139,8 +148,10 @@ B200 = GpuSpec(
     bf16_flops=2.25e15,
     memory_bytes=180 * 10**9,
     compute_capability="10.0",
-    l2_bytes=126 * 2**20,
+    l2_bytes=132644864,  # 126.5 MiB
     nvlink_bytes_per_s=900e9,
+    tmem_bytes_per_sm=256 * 1024,
+    tmem_columns=512,
 )
 GPUS: dict[str, GpuSpec] = {s.name: s for s in (H200, H100_SXM, A100, L40S, B200, RTX5090)}
 

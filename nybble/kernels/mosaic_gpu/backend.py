@@ -1,9 +1,11 @@
-"""The Mosaic GPU backend: nybble's Hopper kernels as the backend functions of ``nybble.kernels.backends``.
+"""The Mosaic GPU backend: nybble's Mosaic GPU kernels as the functions ``nybble.kernels.backends`` calls.
 
-The dense kernel is ``dense.py``'s, the grouped (mixture-of-experts) one ``grouped.py``'s. They run on a
-Hopper GPU (compute capability 9.x), or on any machine inside ``nybble.kernels.interpret()``. The SM count
-their heuristics plan for is asked of the device once per call (``nybble.kernels.device.num_sms``), never
-at trace time inside a kernel.
+Two families, chosen by the GPU's compute capability: Hopper (9.x: ``dense.py``'s WGMMA kernel and
+``grouped.py``'s mixture-of-experts one) and Blackwell (10.x, B200/GB200 and B300: ``blackwell/``'s tcgen05
+kernel, dense only; the grouped matmul takes the XLA path there, saying so). Inside
+``nybble.kernels.interpret(gpu=...)`` the family of that GPU runs on any machine. With no GPU and no
+interpreter (lowering for CUDA on a CPU) the Hopper kernels are traced. The SM count their heuristics plan
+for is asked of the device once per call, never at trace time inside a kernel.
 """
 
 from __future__ import annotations
@@ -15,8 +17,47 @@ import jax
 from nybble.kernels import device
 from nybble.kernels.mosaic_gpu import dense, grouped
 from nybble.kernels.mosaic_gpu.dense import is_interpret_active
+from nybble.kernels.mosaic_gpu.interpret import active_gpu
 from nybble.kernels.ops.ragged_matmul.xla import group_bounds
 from nybble.quant.qweight import QuantizedWeight
+
+# GPUs with a nybble Mosaic GPU kernel, by family: what an error on any other GPU names.
+FAMILIES = {
+    "hopper": "Hopper (compute capability 9.x: H100, H200)",
+    "blackwell": "Blackwell (10.x: B200, GB200, B300)",
+}
+
+
+def family() -> str | None:
+    """The kernel family that runs here: "hopper", "blackwell", or None (a GPU with no nybble kernel, or
+    no GPU and no interpreter)."""
+    if is_interpret_active():
+        return "blackwell" if active_gpu() == "b200" else "hopper"
+    gpu = device.gpu_device()
+    cc = str(getattr(gpu, "compute_capability", "")) if gpu is not None else ""
+    if cc.startswith("9."):
+        return "hopper"
+    if cc.startswith("10."):
+        return "blackwell"
+    return None
+
+
+def _no_kernel_here() -> str | None:
+    """On a GPU with no nybble kernel: the sentence naming it and the GPUs that have one; else None."""
+    gpu = device.gpu_device()
+    if gpu is None or family() is not None:
+        return None
+    cc = getattr(gpu, "compute_capability", "unknown")
+    return (
+        f"nybble's Mosaic GPU kernels run on {' and '.join(FAMILIES.values())} GPUs, and this GPU, "
+        f"{gpu.device_kind}, has compute capability {cc}"
+    )
+
+
+def _num_sms(default: int) -> int:
+    gpu = device.gpu_device()
+    sms = getattr(gpu, "core_count", None) if gpu is not None and not is_interpret_active() else None
+    return int(sms) if sms else default
 
 
 def unsupported(x: Any, qw: QuantizedWeight) -> str | None:
@@ -25,43 +66,72 @@ def unsupported(x: Any, qw: QuantizedWeight) -> str | None:
 
 
 def not_here() -> str | None:
-    """Why the kernels cannot run on this machine now (no Hopper GPU, not interpreting), or None."""
-    if is_interpret_active() or device.hopper_device() is not None:
+    """Why the kernels cannot run on this machine now (a GPU with no nybble kernel; no GPU and not
+    interpreting), or None."""
+    if family() is not None:
         return None
-    gpu = device.gpu_device()
-    if gpu is not None:  # Ampere, Ada, Blackwell: no sm_90a WGMMA
-        cc = getattr(gpu, "compute_capability", "unknown")
-        return (
-            f"it needs a Hopper GPU (compute capability 9.x, WGMMA) and this GPU, {gpu.device_kind}, has "
-            f"compute capability {cc}"
-        )
+    if (why := _no_kernel_here()) is not None:
+        return why
     return (
-        f"it needs a Hopper GPU (compute capability 9.x) and the default backend is "
-        f"{jax.default_backend()!r}; on a CPU run it inside `with nybble.kernels.interpret():`"
+        f"it needs a Hopper GPU (compute capability 9.x) or a Blackwell one (10.x) and the default "
+        f"backend is {jax.default_backend()!r}; on a CPU run it inside `with nybble.kernels.interpret():`"
     )
 
 
 def matmul(x2d: jax.Array, qw: QuantizedWeight) -> jax.Array:
-    """The dense kernel with its heuristic config, for arguments :func:`unsupported` accepted."""
+    """The dense kernel of this machine's family with its heuristic config, for arguments
+    :func:`unsupported` accepted. Forced on a GPU with no nybble kernel: NotImplementedError naming it."""
+    if (why := _no_kernel_here()) is not None:
+        raise NotImplementedError(f"nybble.matmul(implementation='mosaic_gpu') cannot run: {why}")
+    if family() == "blackwell":
+        from nybble.kernels.mosaic_gpu.blackwell import api as blackwell
+
+        return blackwell.matmul_supported(x2d, qw, num_sms=_num_sms(blackwell.DEFAULT_NUM_SMS))
     return dense.matmul_supported(x2d, qw, num_sms=device.num_sms())
 
 
 def describe(m: int, qw: QuantizedWeight) -> str:
     """The config the dense kernel's heuristics pick for M rows on this GPU's SM count."""
+    if family() == "blackwell":
+        from nybble.kernels.mosaic_gpu.blackwell import api as blackwell
+
+        sms = _num_sms(blackwell.DEFAULT_NUM_SMS)
+        config = blackwell.plan(m, qw, num_sms=sms).config
+        return f"Blackwell (tcgen05) kernel config for M={m} on {sms} SMs: {config}"
     sms = device.num_sms()
     return f"kernel config for M={m} on {sms} SMs: {dense.plan(m, qw, num_sms=sms).config}"
 
 
 def ragged_unsupported(x: Any, qw: Any, group_sizes: Any) -> str | None:
-    """Why the grouped kernel cannot compute these arguments (shapes, dtypes, layout), or None."""
-    return grouped.grouped_is_supported(x, qw, group_sizes)
+    """Why the grouped kernel cannot compute these arguments (shapes, dtypes, layout; on Blackwell: it has
+    no Blackwell version yet), or None."""
+    if (why := grouped.grouped_is_supported(x, qw, group_sizes)) is not None:
+        return why
+    if family() == "blackwell":
+        where = "interpret(gpu='b200')" if is_interpret_active() else device.gpu_device().device_kind
+        return (
+            f"the grouped kernel has no Blackwell (tcgen05) version yet, and this is {where}: the dense "
+            f"Blackwell kernel covers nybble.matmul only"
+        )
+    return None
 
 
 def ragged_matmul(x: jax.Array, qw: QuantizedWeight, group_sizes: jax.Array) -> jax.Array:
     """The grouped kernel, its group sizes clamped as the XLA path clamps them (a no-op on checked values;
     traced ones are not checked)."""
+    if (why := _no_kernel_here()) is not None:
+        raise NotImplementedError(f"nybble.ragged_matmul(implementation='mosaic_gpu') cannot run: {why}")
     _, sizes = group_bounds(group_sizes, x.shape[0])
     return grouped.grouped_matmul(x, qw, sizes, num_sms=device.num_sms())
 
 
-__all__ = ["describe", "matmul", "not_here", "ragged_matmul", "ragged_unsupported", "unsupported"]
+__all__ = [
+    "FAMILIES",
+    "describe",
+    "family",
+    "matmul",
+    "not_here",
+    "ragged_matmul",
+    "ragged_unsupported",
+    "unsupported",
+]

@@ -49,6 +49,11 @@ __all__ = ["active_params", "check_jax_version", "interpret", "races_found", "re
 
 # The InterpretGPUParams of the innermost active `interpret()` context, or None.
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("nybble_mgpu_interpret", default=None)
+# The GPU whose kernels run under interpret(gpu=...): "h200" the Hopper family, "b200" the Blackwell one.
+_ACTIVE_GPU: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "nybble_mgpu_interpret_gpu", default=None
+)
+INTERPRET_GPUS = {"h200": "9.0", "h100": "9.0", "b200": "10.0"}  # name -> compute capability
 _patch_lock = threading.Lock()
 _patch_depth = 0
 _saved_method: Any = None
@@ -62,6 +67,11 @@ _undetected_since_reset = False
 def active_params() -> Any:
     """The ``plgpu.InterpretGPUParams`` to build kernels with, or None outside ``interpret()``."""
     return _ACTIVE.get()
+
+
+def active_gpu() -> str | None:
+    """The GPU the active ``interpret(gpu=...)`` context runs the kernels of ("h200", "b200"), else None."""
+    return _ACTIVE_GPU.get() if _ACTIVE.get() is not None else None
 
 
 def _patched_wgmma_ref_p(self: Any, eqn: Any, token: Any, get_invals: Any) -> Any:
@@ -272,12 +282,14 @@ def _patched_interpreter() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def interpret(detect_races: bool = False) -> Iterator[Any]:
+def interpret(detect_races: bool = False, gpu: str = "h200") -> Iterator[Any]:
     """Runs nybble's Mosaic GPU kernels on the CPU in GPU interpret mode inside this context.
 
     Args:
       detect_races: have the interpreter track every SMEM/GMEM access and flag data races; read the
         verdict with :func:`races_found` after the kernel ran (call :func:`reset_state` before).
+      gpu: the GPU whose kernels run: "h200" / "h100" (the Hopper kernels, WGMMA) or "b200" (the Blackwell
+        kernels, tcgen05 and TMEM).
 
     Yields:
       The ``plgpu.InterpretGPUParams`` kernels are built with.
@@ -288,7 +300,13 @@ def interpret(detect_races: bool = False) -> Iterator[Any]:
     params = interpret_params(detect_races)
     if not detect_races:
         _undetected_since_reset = True
+    if gpu.lower() not in INTERPRET_GPUS:
+        raise ValueError(
+            f"interpret(gpu={gpu!r}): nybble's Mosaic GPU kernels exist for {sorted(INTERPRET_GPUS)}; "
+            f"pick one of those"
+        )
     token = _ACTIVE.set(params)
+    gpu_token = _ACTIVE_GPU.set(gpu.lower())
     try:
         # force_gpu_interpret_mode sets a jax config value that is part of jit's cache key, so a function
         # jitted outside the context is retraced inside it (and vice versa) instead of reusing a kernel
@@ -297,6 +315,7 @@ def interpret(detect_races: bool = False) -> Iterator[Any]:
             yield params
     finally:
         _ACTIVE.reset(token)
+        _ACTIVE_GPU.reset(gpu_token)
 
 
 def reset_state() -> None:

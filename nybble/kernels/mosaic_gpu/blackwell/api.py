@@ -1,0 +1,140 @@
+"""The Blackwell W4A16 kernel as an op: the Hopper kernel's argument checks and padding, the B200 config,
+the gradient. ``blackwell_matmul(x2d, qw)`` is what the dispatcher calls on compute capability 10.x."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nybble.kernels.mosaic_gpu import dense as hopper_api
+from nybble.kernels.mosaic_gpu.blackwell.config import (
+    DEFAULT_NUM_SMS,
+    BlackwellConfig,
+    heuristic_config,
+    x_rows,
+)
+from nybble.kernels.mosaic_gpu.blackwell.kernel import BlackwellProblem, w4a16_blackwell
+from nybble.kernels.mosaic_gpu.interpret import active_params
+from nybble.kernels.mosaic_gpu.kernel import check_operands
+from nybble.quant.qweight import QuantizedWeight, dequantize
+
+# What the Blackwell kernel accepts is exactly what the Hopper one does (same layout, dtypes, groups).
+is_supported = hopper_api.is_supported
+
+
+def plan(
+    m: int,
+    qw: QuantizedWeight,
+    *,
+    num_sms: int = DEFAULT_NUM_SMS,
+    config: BlackwellConfig | None = None,
+    dtype: Any = jnp.bfloat16,
+) -> BlackwellProblem:
+    """The launch one matmul of M rows against ``qw`` makes on a Blackwell GPU: config, padding, grid."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"plan: activations must be bfloat16 or float16, got {jnp.dtype(dtype)}")
+    k_pad, n_pad = qw.padded_shape
+    m = max(m, 1)
+    has_offsets = qw.offsets is not None
+    if config is None:
+        config = heuristic_config(m, n_pad, k_pad, qw.group, num_sms, has_offsets=has_offsets)
+    config.check_problem(m, n_pad, k_pad, qw.group)
+    n = qw.shape[1]
+    n_out = n if n % 64 == 0 else n_pad  # as the Hopper kernel: a TMA store needs whole 64-column tiles
+    return BlackwellProblem(
+        m, n_out, n_pad, k_pad, qw.group, jnp.dtype(dtype), has_offsets, config, x_rows(m, config)
+    )
+
+
+def _forward(x2d: jax.Array, qw: QuantizedWeight, config: BlackwellConfig | None, num_sms: int) -> jax.Array:
+    m, k = x2d.shape
+    n = qw.shape[1]
+    k_pad = qw.padded_shape[0]
+    if m == 0:
+        return jnp.zeros((0, n), x2d.dtype)
+    p = plan(m, qw, num_sms=num_sms, config=config, dtype=x2d.dtype)
+    if active_params() is None:
+        x2d = hopper_api._requires_gpu_p.bind(x2d)
+    if k != k_pad or p.x_rows != m:
+        x2d = jnp.pad(x2d, ((0, p.x_rows - m), (0, k_pad - k)))
+    # The Hopper kernel's operand checks (codes, scales, offsets against x), by the same names.
+    check_operands(x2d, qw.codes, qw.scales, qw.offsets, n=p.n, group=qw.group, config=_CheckOnly(p), m=m)
+    y = w4a16_blackwell(p, qw.codes, x2d, qw.scales, qw.offsets)
+    return y if (p.n, p.out_rows) == (n, m) else y[:m, :n]
+
+
+class _CheckOnly:
+    """Stands in for the Hopper TuningConfig in ``check_operands``: the Blackwell config's own rules."""
+
+    def __init__(self, p: BlackwellProblem) -> None:
+        self._p = p
+
+    def check_problem(self, m: int, n_pad: int, k_pad: int, group: int) -> None:
+        self._p.config.check_problem(m, n_pad, k_pad, group)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _matmul(x2d: jax.Array, qw: QuantizedWeight, config: BlackwellConfig | None, num_sms: int) -> jax.Array:
+    return _forward(x2d, qw, config, num_sms)
+
+
+def _matmul_fwd(x2d, qw, config, num_sms):
+    return _forward(x2d, qw, config, num_sms), qw
+
+
+def _matmul_bwd(config, num_sms, qw, g):
+    # dx = g @ dequant(W)^T through XLA with f32 accumulation, as the Hopper kernel's; W gets no gradient.
+    w = dequantize(qw, g.dtype)
+    dims = (((g.ndim - 1,), (1,)), ((), ()))
+    dx = jax.lax.dot_general(g, w, dims, preferred_element_type=jnp.float32).astype(g.dtype)
+    return dx, jax.tree.map(_zero_cotangent, qw)
+
+
+def _zero_cotangent(a: Any) -> Any:
+    if jnp.issubdtype(a.dtype, jnp.floating):
+        return jnp.zeros_like(a)
+    return np.zeros(a.shape, dtype=jax.dtypes.float0)
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def matmul_supported(x2d: jax.Array, qw: QuantizedWeight, *, num_sms: int = DEFAULT_NUM_SMS) -> jax.Array:
+    """:func:`blackwell_matmul` with the heuristic config, for arguments :func:`is_supported` accepted:
+    what the dispatcher calls (``nybble.kernels.mosaic_gpu.backend``)."""
+    return _matmul(x2d, qw, None, int(num_sms))
+
+
+def blackwell_matmul(
+    x2d: jax.Array,
+    qw: QuantizedWeight,
+    *,
+    config: BlackwellConfig | None = None,
+    num_sms: int = DEFAULT_NUM_SMS,
+) -> jax.Array:
+    """``x2d @ dequantize(qw)`` with the Blackwell (tcgen05) W4A16 kernel: (M, K) bf16/f16 -> (M, N).
+
+    Args:
+      x2d: (M, K) activations, K the weight's logical K.
+      qw: a ``wgmma_int4`` QuantizedWeight (the Hopper kernel's layout; ``nybble.quant.relayout`` converts).
+      config: a BlackwellConfig; None lets :func:`heuristic_config` choose (B200 rules).
+      num_sms: SMs of the target GPU (148 on a B200).
+
+    Refuses what the Hopper kernel refuses, with the same messages. Differentiable with respect to x2d.
+    """
+    if getattr(x2d, "ndim", None) != 2:
+        raise ValueError(
+            f"blackwell_matmul: x2d must be 2-D (M, K), got shape {getattr(x2d, 'shape', None)}; "
+            f"reshape to (-1, K) first"
+        )
+    if (reason := is_supported(x2d, qw)) is not None:
+        raise NotImplementedError(f"blackwell_matmul cannot run these arguments: {reason}")
+    if config is not None and not isinstance(config, BlackwellConfig):
+        raise TypeError(f"blackwell_matmul: config must be a BlackwellConfig, got {type(config).__name__}")
+    if num_sms < 1:
+        raise ValueError(f"blackwell_matmul: num_sms={num_sms} must be positive")
+    return _matmul(x2d, qw, config, int(num_sms))

@@ -1,0 +1,192 @@
+"""Tilings of the Blackwell W4A16 kernel (kernel.py) and the frozen heuristics that pick one for a B200.
+
+One CTA owns ``tile_n`` columns of y (tcgen05's M: the rows of W^T) and ``tile_m`` rows of x (tcgen05's N),
+over all of K in steps of ``tile_k``. TMEM holds one f32 accumulator of ``tile_n`` lanes x ``tile_m``
+columns (allocated in powers of two >= 32 columns of the SM's 512).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from nybble.kernels.mosaic_gpu.config import CHUNK_K
+
+# The most SMEM one CTA may allocate on a B200 (227 KiB, as on Hopper), and Mosaic's slack beside it.
+SMEM_BUDGET_BYTES = 232448
+_SMEM_SLACK_BYTES = 1024
+TMEM_COLUMNS = 512  # per SM: 128 lanes x 512 columns of 32 bits (256 KiB)
+# tcgen05 M of one CTA (cta_group::1). 64 (the M = 64 MMA) fails Mosaic's layout inference for its TMEM
+# load in jax 0.11.2; an N_pad that is an odd multiple of 64 runs a last CTA whose TMA reads zeros past N_pad.
+TILE_N_CHOICES = (128,)
+TILE_M_CHOICES = (16, 32, 64, 128, 256)  # tcgen05 N: a multiple of 16 for M = 128, at most 256
+TILE_K_CHOICES = (64, 128, 256)
+DEFAULT_NUM_SMS = 148  # a B200
+
+
+@dataclasses.dataclass(frozen=True)
+class BlackwellConfig:
+    """One compiled variant of the Blackwell W4A16 kernel. Validates itself on construction."""
+
+    tile_n: int = 128
+    tile_m: int = 16
+    tile_k: int = 128
+    # SMEM slots of codes, x and scales (>= 2: slots are released one step late, after the MMA read them).
+    max_concurrent_steps: int = 4
+    # K slices folded into tcgen05's N (the Hopper kernel's trick, dequant_registers.py): x viewed as
+    # (M * S, K / S), each 64-row A tile 8 slots of (band, slice); a CTA covers 128 / S columns of y over all
+    # of K, so decode fills S times more SMs without split-K. tile_m / S rows of x per CTA, one M tile.
+    slices: int = 1
+
+    def __post_init__(self) -> None:
+        for name, value, choices in (
+            ("tile_n", self.tile_n, TILE_N_CHOICES),
+            ("tile_m", self.tile_m, TILE_M_CHOICES),
+            ("tile_k", self.tile_k, TILE_K_CHOICES),
+        ):
+            if value not in choices:
+                raise ValueError(f"BlackwellConfig: {name}={value} must be one of {choices}")
+        if self.slices not in (1, 2, 4, 8) or self.slices > self.tile_m:
+            raise ValueError(f"BlackwellConfig: slices={self.slices} must be 1, 2, 4 or 8 and <= tile_m")
+        if self.max_concurrent_steps < 2:
+            raise ValueError(
+                f"BlackwellConfig: max_concurrent_steps={self.max_concurrent_steps} must be >= 2 (a slot is "
+                f"released one step after its MMA was issued)"
+            )
+
+    @property
+    def tiles(self) -> int:
+        """64-row dequantization tiles per step (the Hopper helpers' unit)."""
+        return self.tile_n // 64
+
+    @property
+    def tag(self) -> str:
+        sliced = f"_x{self.slices}" if self.slices > 1 else ""
+        return f"bw_n{self.tile_n}_m{self.tile_m}_k{self.tile_k}_s{self.max_concurrent_steps}{sliced}"
+
+    @property
+    def x_rows_per_tile(self) -> int:
+        """Rows of x (and y) one CTA multiplies: tcgen05's N over the K slices."""
+        return self.tile_m // self.slices
+
+    @property
+    def cta_cols(self) -> int:
+        """Columns of y one CTA computes: tile_n / S (the A rows hold S slices of each)."""
+        return self.tile_n // self.slices
+
+    def tmem_columns(self) -> int:
+        """TMEM columns the accumulator allocates: a power of two >= 32."""
+        return max(32, 1 << (self.tile_m - 1).bit_length())
+
+    def m_tiles(self, m: int) -> int:
+        return -(-m // self.x_rows_per_tile)
+
+    def ctas(self, m: int, n_pad: int) -> int:
+        return self.m_tiles(m) * -(-n_pad // self.cta_cols)
+
+    def check_problem(self, m: int, n_pad: int, k_pad: int, group: int) -> None:
+        """Raises ValueError naming the rule when this config cannot run (M, K_pad) x (K_pad, N_pad)."""
+        if n_pad % 64:
+            raise ValueError(f"N_pad={n_pad} must be a multiple of 64 (QuantizedWeight pads N so)")
+        s = self.slices
+        if k_pad % (s * self.tile_k):
+            raise ValueError(f"K_pad={k_pad} must be a multiple of slices x tile_k = {s} x {self.tile_k}")
+        if group < k_pad and group < self.tile_k and self.tile_k % group:
+            raise ValueError(f"group={group} must divide tile_k={self.tile_k}")
+        if s > 1 and group < k_pad and (k_pad // s) % group:
+            raise ValueError(f"group={group} must divide a K slice (K_pad / slices = {k_pad // s})")
+        if s > 1 and m > self.x_rows_per_tile:
+            raise ValueError(
+                f"M={m} rows need {self.m_tiles(m)} M tiles; K slices (slices={s}) take one: at most "
+                f"tile_m / slices = {self.x_rows_per_tile} rows"
+            )
+        if not fits_smem(self, group=group, has_offsets=True, scale_bytes=4):
+            raise ValueError(
+                f"config {self.tag} needs {smem_bytes(self, group=group, has_offsets=True, scale_bytes=4)} "
+                f"bytes of SMEM, more than a B200 CTA's {SMEM_BUDGET_BYTES - _SMEM_SLACK_BYTES}"
+            )
+
+
+def scale_rows_per_step(config: BlackwellConfig, group: int) -> int:
+    """Scale rows one K step reads: tile_k / G when groups are shorter than a step, else one."""
+    return config.tile_k // group if group < config.tile_k else 1
+
+
+def smem_bytes(config: BlackwellConfig, *, group: int, has_offsets: bool, scale_bytes: int = 2) -> int:
+    """SMEM the kernel allocates: pipeline slots (codes, x, scale rows), two dequantized B-operand buffers
+    of bf16 weights, the y staging tile."""
+    c = config
+    codes = c.tile_n * c.tile_k // 2
+    x = c.tile_m * c.tile_k * 2
+    scales = scale_rows_per_step(c, group) * c.tile_n * scale_bytes * (2 if has_offsets else 1)
+    weights = 2 * c.tile_n * c.tile_k * 2
+    y = c.x_rows_per_tile * c.cta_cols * 2
+    sliced = c.tile_n * c.tile_m * 4 if c.slices > 1 else 0  # the f32 partials the slices are summed from
+    return c.max_concurrent_steps * (codes + x + scales) + weights + y + sliced
+
+
+def fits_smem(config: BlackwellConfig, **kw) -> bool:
+    return smem_bytes(config, **kw) + _SMEM_SLACK_BYTES <= SMEM_BUDGET_BYTES
+
+
+def x_rows(m: int, config: BlackwellConfig) -> int:
+    """Rows of x the kernel reads: M when its view (M * S, K / S) suits a TMA into 8-row SMEM tiles (at
+    most 8 rows, or a multiple of 8), else M padded so (a copy in the wrapper), as the Hopper kernel does."""
+    s = config.slices
+    if m * s <= 8 or (m * s) % 8 == 0:
+        return m
+    step = 8 // math.gcd(s, 8)
+    return -(-m // step) * step
+
+
+def _sm_time(m: int, n_pad: int, k_pad: int, c: BlackwellConfig, num_sms: int) -> float:
+    """Relative decode time: waves of CTAs x the K each CTA walks (every CTA dequantizes 128 x K / S)."""
+    return -(-c.ctas(m, n_pad) // num_sms) * (k_pad // c.slices)
+
+
+@functools.lru_cache(maxsize=4096)
+def heuristic_config(
+    m: int, n_pad: int, k_pad: int, group: int, num_sms: int = DEFAULT_NUM_SMS, *, has_offsets: bool = True
+) -> BlackwellConfig:
+    """The B200 config for an (M, K_pad) x (K_pad, N_pad) problem (frozen rules, no search).
+
+    tcgen05's M is 128 weight columns, its N M x S rounded up to 16..256. At decode (M <= 32) K slices
+    S = 4 where they shorten the slowest SM's K walk (waves of CTAs x K / S); K steps of 128 at
+    decode (the step's fixed cost over more weights), 64 at prefill (the x slots grow with M); the deepest
+    pipeline that fits SMEM.
+    """
+    del has_offsets
+    tile_n = 128
+    best = None
+    # Slices 4 or none: 2 and 8 gain little over them in the model (waves x K / S at the Llama and MoE
+    # shapes) and each is more code for the suite to interpret.
+    for slices in (1, 4) if m <= 32 else (1,):
+        tile_m = next((t for t in TILE_M_CHOICES if t >= m * slices), None if slices > 1 else 256)
+        if tile_m is None or (slices > 1 and tile_m > 128):  # x slots past 128 rows outgrow SMEM
+            continue
+        tile_k = 128 if tile_m <= 64 or slices > 1 else 64
+        while tile_k > CHUNK_K and k_pad % (slices * tile_k):
+            tile_k //= 2
+        config = _fitting(tile_n, tile_m, tile_k, slices, group)
+        if config is None:
+            continue
+        try:
+            config.check_problem(m, n_pad, k_pad, group)
+        except ValueError:
+            continue
+        t = _sm_time(m, n_pad, k_pad, config, num_sms)
+        if best is None or t < best[0]:
+            best = (t, config)
+    if best is None:
+        raise ValueError(f"no Blackwell config fits M={m}, N_pad={n_pad}, K_pad={k_pad}, group={group}")
+    return best[1]
+
+
+def _fitting(tile_n: int, tile_m: int, tile_k: int, slices: int, group: int) -> BlackwellConfig | None:
+    """The deepest pipeline of this tiling that fits SMEM."""
+    for steps in (6, 5, 4, 3, 2):
+        config = BlackwellConfig(tile_n, tile_m, tile_k, steps, slices)
+        if fits_smem(config, group=group, has_offsets=True, scale_bytes=4):
+            return config
+    return None

@@ -1,0 +1,230 @@
+"""W4A16 GEMM on Blackwell (sm_100a) with Pallas Mosaic GPU: tcgen05 MMAs, the accumulator in TMEM.
+
+The kernel computes y^T = W^T x^T, as the Hopper kernel does: tcgen05's M (64 or 128 rows, the tensor
+core's fixed side) covers weight columns, its N (16..256) the batch, so at decode (M <= 16) no MMA row is
+padding and the f32 accumulator is only ``tile_m`` TMEM columns. The weight reaches the tensor core as the
+A operand in SMEM, dequantized there by the CTA's warpgroup: tcgen05 reads A from SMEM or TMEM, and a TMEM
+A operand would need a TMEM store (tcgen05.st) per step plus its own fences, where an SMEM store feeds the
+MMA's descriptor directly; x, the B operand, stays in the swizzled SMEM slot TMA filled. The bytes:
+
+    for each K step (``max_concurrent_steps`` slots, TMA running ahead):
+        TMA  codes (tile_n / 64, 8, tile_k) ``wgmma_int4`` words   (the layout the Hopper kernel reads)
+        TMA  x     (tile_m, tile_k) bf16/f16, 128-byte swizzle      (rows past M zero-filled)
+        TMA  scale [and offset] rows (tile_k / G or 1, tile_n)
+        for each 64-wide chunk and 64-row tile: LDS.64 of 8 code words, 3 SHF + 4 LOP3 + 4 HSUB2 per 8
+            weights (dequant_registers.dequantize_chunk, exact q), w = q * s (+ o) in x's dtype, stored
+            into the step's half of a double-buffered (2, tile_n, tile_k) A buffer (128-byte swizzle)
+        wait for the previous step's MMA (its TMEM barrier), then one tcgen05_mma(acc, A, x^T)
+            arriving on that barrier: it runs while the next step dequantizes; the A half it reads is
+            rewritten two steps later, the x slot released one step later (delay_release=1)
+    epilogue: wait for the last MMA, TMEM -> registers -> y^T into SMEM (transposed view) -> TMA to y
+
+Scales are applied to the weights (the Hopper kernel's ``scales_on="weights"`` route), so one accumulator
+serves every group size, and f32 accumulation spans all of K.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from nybble.kernels.mosaic_gpu import compat
+from nybble.kernels.mosaic_gpu.blackwell.config import BlackwellConfig, scale_rows_per_step
+from nybble.kernels.mosaic_gpu.config import CHUNK_K
+from nybble.kernels.mosaic_gpu.dequant_registers import dequantize_chunk, slot_rows, sum_slices
+from nybble.kernels.mosaic_gpu.interpret import active_params
+from nybble.kernels.mosaic_gpu.staging import y_staging
+
+
+@dataclasses.dataclass(frozen=True)
+class BlackwellProblem:
+    """Static facts about one problem and config."""
+
+    m: int  # rows of y
+    n: int  # columns of y as stored (N, or N_pad)
+    n_pad: int
+    k_pad: int
+    group: int  # K rows per scale row (K_pad for per-column)
+    dtype: Any
+    has_offsets: bool
+    config: BlackwellConfig
+    x_rows: int
+
+    @property
+    def per_column(self) -> bool:
+        return self.group >= self.k_pad
+
+    @property
+    def out_rows(self) -> int:
+        """Rows of the kernel's y: M, or x's rows under K slices (Mosaic's 8-row staging tiles need y
+        rows that fill them, as in the Hopper kernel; the wrapper slices the zero rows off)."""
+        return self.m if self.config.slices == 1 else self.x_rows
+
+    @property
+    def slice_k(self) -> int:
+        return self.k_pad // self.config.slices
+
+    @property
+    def k_steps(self) -> int:
+        return self.slice_k // self.config.tile_k
+
+    @property
+    def n_tiles(self) -> int:
+        return -(-self.n_pad // self.config.cta_cols)  # the last one past N_pad: TMA reads zeros there
+
+    @property
+    def m_tiles(self) -> int:
+        return self.config.m_tiles(self.m)
+
+    @property
+    def scale_rows(self) -> int:
+        return 1 if self.per_column else scale_rows_per_step(self.config, self.group)
+
+    @property
+    def kernel_name(self) -> str:
+        return f"nybble_w4a16_{self.config.tag}{'_o' if self.has_offsets else ''}"
+
+
+def _swizzled(dtype: Any) -> tuple[Any, ...]:
+    bits = jnp.finfo(dtype).bits
+    swizzle = plgpu.find_swizzle(CHUNK_K * bits, "64-wide chunks")
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _scale_block(p: BlackwellProblem, ki: Any, ni: Any) -> tuple[Any, Any, Any]:
+    tile_k = p.config.tile_k
+    if p.per_column:
+        return 0, (ki * tile_k) // p.k_pad, ni  # row 0, written in ki
+    if p.group >= tile_k:
+        return 0, (ki * tile_k) // p.group, ni  # one row (of each slice), the block index is the row
+    return 0, ki, ni  # tile_k / G rows: the block index is the step
+
+
+def _row_values(p: BlackwellProblem, ref: Any, g: int, t: int) -> Any:
+    """Per-row values (scales or offsets) of 64-row A tile ``t`` for the step's group row ``g``."""
+    s = p.config.slices
+    if s == 1:
+        return plgpu.load(ref.at[0, g, pl.ds(t * 64, 64)])
+    return slot_rows(ref, g, t, 1 if p.per_column else s, s)
+
+
+def dequantize_step(p: BlackwellProblem, codes: Any, scales: Any, offsets: Any, out: Any) -> None:
+    """The step's weights w = q * s (+ o), (tile_n, tile_k) in x's dtype, into the A buffer ``out``."""
+    c = p.config
+    dt = p.dtype
+    for k0 in range(0, c.tile_k, CHUNK_K):
+        parts = []
+        for t in range(c.tiles):
+            q = dequantize_chunk(plgpu.load(codes.at[t, :, pl.ds(k0, CHUNK_K)]), exact=True, dtype=dt)
+            cols = []
+            span = min(CHUNK_K, p.group)
+            for c0 in range(0, CHUNK_K, span):
+                g = 0 if p.group >= c.tile_k else (k0 + c0) // p.group
+                qp = q if span == CHUNK_K else q[:, c0 : c0 + span]
+                s = _row_values(p, scales, g, t).astype(dt)
+                w = qp * lax.broadcast_in_dim(s, qp.shape, [0])
+                if offsets is not None:
+                    o = _row_values(p, offsets, g, t).astype(dt)
+                    w = w + lax.broadcast_in_dim(o, qp.shape, [0])
+                cols.append(w)
+            parts.append(cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=1))
+        a = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+        out.at[:, pl.ds(k0, CHUNK_K)][...] = a
+
+
+def w4a16_blackwell(
+    p: BlackwellProblem, codes: jax.Array, x: jax.Array, scales: Any, offsets: Any
+) -> jax.Array:
+    """Runs the kernel: ``codes`` (N_pad / 8, K_pad) words, ``x`` (x_rows, K_pad), ``scales`` [``offsets``]
+    (num_groups, N_pad); returns (out_rows, n) in x's dtype."""
+    c = p.config
+    s = c.slices
+    n_tiles = p.n_tiles
+    # Views by reshape (dequant_registers.py): a 64-row A tile is 8 slots of 8 rows, slot = band * S +
+    # slice; x row m * S + j is x[m] over slice j; scale rows (S, groups / S, N_pad), per slice.
+    operands = [codes.reshape(p.n_pad // (64 // s), 8, p.slice_k), x.reshape(p.x_rows * s, p.slice_k)]
+    for a in (scales, offsets) if p.has_offsets else (scales,):
+        operands.append(a.reshape(1, 1, p.n_pad) if p.per_column else a.reshape(s, -1, p.n_pad))
+    n_in = len(operands)
+
+    def kernel(*refs: Any) -> None:
+        ins, y_gmem = refs[:n_in], refs[n_in]
+        w_smem, acc_tmem, mma_done, y_smem, *sliced = refs[n_in + 1 :]
+        lin = lax.axis_index("mn")
+        mi, ni = lin // n_tiles, lin % n_tiles
+
+        def step(indices: Any, codes: Any, x: Any, scales: Any, *offsets: Any) -> None:
+            (ki,) = indices
+            a = w_smem.at[lax.rem(ki, 2)]
+            with jax.named_scope("dequant"):
+                dequantize_step(p, codes, scales, offsets[0] if offsets else None, a)
+            plgpu.commit_smem()  # the generic-proxy stores, before the tensor core reads them
+
+            @pl.when(ki > 0)
+            def _() -> None:  # the previous MMA: done before its x slot is released and its A half rewritten
+                plgpu.barrier_wait(mma_done)
+
+            with jax.named_scope("tcgen05"):
+                plgpu.tcgen05_mma(acc_tmem, a, x.T, mma_done, accumulate=ki > 0)
+
+        specs = [
+            plgpu.BlockSpec((c.tiles, 8, c.tile_k), lambda ki: (ni, 0, ki), delay_release=1),
+            plgpu.BlockSpec(
+                (c.tile_m, c.tile_k), lambda ki: (mi, ki), transforms=_swizzled(p.dtype), delay_release=1
+            ),
+        ]
+        scale_spec = plgpu.BlockSpec(
+            (1 if p.per_column else s, p.scale_rows, c.cta_cols),
+            lambda ki: _scale_block(p, ki, ni),
+            delay_release=1,
+        )
+        specs += [scale_spec] * (n_in - 2)
+        plgpu.emit_pipeline(
+            step, grid=(p.k_steps,), in_specs=specs, max_concurrent_steps=c.max_concurrent_steps
+        )(*ins)
+        plgpu.barrier_wait(mma_done)  # the last MMA
+        with jax.named_scope("epilogue"):
+            acc = plgpu.async_load_tmem(acc_tmem)
+            plgpu.wait_load_tmem()
+            cols = pl.ds(ni * c.cta_cols, c.cta_cols)
+            if s == 1:
+                y_smem.T[...] = acc.astype(p.dtype)  # y^T into the transposed view: y itself
+                plgpu.commit_smem()
+                rows = pl.ds(mi * c.tile_m, c.tile_m)
+                plgpu.copy_smem_to_gmem(y_smem, y_gmem.at[rows, cols])
+            else:  # the S slices' partial sums of each column, added (dequant_registers.sum_slices)
+                (partials,) = sliced
+                compat.store_unoptimized(partials, acc)  # untiled f32 SMEM (jax 0.12 asks to say so)
+                plgpu.commit_smem()
+                # The GPU sum reads (tile, row, column); the interpreter has no reshaped refs, and its
+                # twin of the sum reshapes the values itself.
+                if active_params() is None:
+                    partials = partials.reshape(c.tiles, 64, c.tile_m)
+                sum_slices(partials, y_smem, slices=s, tiles=c.tiles, rows=c.x_rows_per_tile)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(y_smem.at[: p.out_rows], y_gmem.at[:, cols])
+            plgpu.wait_smem_to_gmem(0)
+
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((p.out_rows, p.n), p.dtype),
+        grid=(p.m_tiles * n_tiles,),
+        grid_names=("mn",),
+        scratch_types=[
+            plgpu.SMEM((2, c.tile_n, c.tile_k), p.dtype, transforms=_swizzled(p.dtype)),
+            plgpu.TMEM((c.tile_n, c.tile_m), jnp.float32),
+            plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),
+            y_staging((c.x_rows_per_tile, c.cta_cols), p.dtype, any_rows=s == 1),
+            *([plgpu.SMEM((c.tile_n, c.tile_m), jnp.float32)] if s > 1 else []),
+        ],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=active_params(),
+        kernel_name=p.kernel_name,
+    )
+    return call(*operands)

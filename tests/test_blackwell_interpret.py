@@ -1,0 +1,192 @@
+"""The Blackwell (tcgen05, TMEM) W4A16 kernel run on the CPU in GPU interpret mode as a B200, races checked.
+
+Every (tile_m, tile_k) the B200 heuristics can pick runs once here (:func:`test_heuristics_pick_only_covered
+configs` keeps that true over real model shapes), each case bit-exact on small-integer data or within the
+rounding bound of the float64 reference on random data, and each group route of the dequantization (one
+scale row per chunk, groups of 16 and 32 inside a chunk, per-column, groups spanning steps) at least once.
+Tiny shapes: interpret mode is slow. Lowering for sm_100a is tests/test_blackwell_lowering.py.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nybble
+import nybble.kernels.mosaic_gpu as mg
+from nybble.kernels.mosaic_gpu import interpret as mgpu_interpret
+from nybble.kernels.mosaic_gpu.blackwell import BlackwellConfig, blackwell_matmul, heuristic_config, plan
+from nybble.quant import relayout
+from tests.kernel_checks import (
+    activations,
+    assert_exact,
+    assert_kernel_within_rounding,
+    exact_weight,
+    random_weight,
+)
+
+interpret = mgpu_interpret.interpret
+
+bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
+# (M, K, N, group, symmetric, x dtype, scale dtype, exact) -> the (tile_m, tile_k, slices) the B200
+# heuristics pick there: every one they can pick (test_heuristics_pick_only_covered_configs), once. Along
+# the way each group route (groups inside a 64-wide chunk, one row per chunk, groups spanning steps,
+# per-column, a partial last group), f16 x, f32 scales, N an odd multiple of 64 and N, K not multiples of
+# 64, x rows padded for the K-slice view.
+CASES = [
+    ((1, 192, 128, 32, True, bf16, bf16, True), (16, 64, 1)),
+    ((3, 384, 256, 128, False, f16, bf16, True), (16, 128, 1)),
+    ((20, 576, 128, 128, True, bf16, bf16, True), (32, 64, 1)),
+    ((30, 384, 192, 16, False, bf16, bf16, False), (32, 128, 1)),
+    ((40, 320, 128, 128, False, bf16, bf16, False), (64, 64, 1)),
+    ((64, 384, 128, 64, True, bf16, f32, False), (64, 128, 1)),
+    ((100, 192, 100, None, False, bf16, bf16, True), (128, 64, 1)),
+    ((200, 256, 128, 256, False, f16, f32, False), (256, 64, 1)),
+    ((1, 768, 128, 64, True, bf16, bf16, True), (16, 64, 4)),
+    ((4, 1024, 128, 256, False, bf16, bf16, True), (16, 128, 4)),
+    ((8, 768, 192, 32, False, f16, bf16, False), (32, 64, 4)),
+    ((5, 1000, 128, 128, True, bf16, bf16, False), (32, 128, 4)),
+    ((16, 768, 128, None, True, bf16, f32, True), (64, 64, 4)),
+    ((13, 1024, 128, 16, False, bf16, bf16, False), (64, 128, 4)),
+    ((32, 768, 128, 64, False, bf16, bf16, True), (128, 64, 4)),
+    ((25, 1024, 100, 128, True, f16, bf16, False), (128, 128, 4)),
+]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter(request):
+    """Each test starts from a clean interpreter and, when it ran a kernel, must end without races."""
+    mg.reset_state()
+    yield
+    if request.node.get_closest_marker("no_kernel") is None:
+        assert not mg.races_found(), "the race detector flagged a data race"
+
+
+def _weight(rng, k, n, group, symmetric, scale_dtype, exact):
+    if exact:
+        return exact_weight(rng, k, n, group, symmetric, scale_dtype=scale_dtype)
+    return random_weight(rng, k, n, group, symmetric, scale_dtype=scale_dtype)
+
+
+@pytest.mark.parametrize("case,tiling", CASES, ids=[f"m{t[0]}_k{t[1]}_s{t[2]}" for _, t in CASES])
+def test_heuristic_configs(case, tiling):
+    m, k, n, group, symmetric, x_dtype, scale_dtype, exact = case
+    rng = np.random.default_rng(m * 1000 + k + n)
+    qw = _weight(rng, k, n, group, symmetric, scale_dtype, exact)
+    c = plan(m, qw).config
+    assert (c.tile_m, c.tile_k, c.slices) == tiling
+    x = activations(rng, m, k, x_dtype, exact=exact)
+    with interpret(detect_races=True, gpu="b200"):
+        y = blackwell_matmul(x, qw)
+    assert y.shape == (m, n) and y.dtype == x.dtype
+    if exact:  # NaN (an element never written) fails both comparisons
+        assert_exact(y, x, qw)
+    else:
+        assert_kernel_within_rounding(y, x, qw, "weights")
+
+
+def test_nybble_matmul_runs_the_blackwell_kernel_as_a_b200():
+    """``nybble.matmul`` inside ``interpret(gpu="b200")`` runs the tcgen05 kernel (its name says so), and
+    the default interpret() still runs the Hopper kernel."""
+    import jax
+
+    rng = np.random.default_rng(7)
+    qw = exact_weight(rng, 128, 128, 64, True)
+    x = activations(rng, 2, 128, exact=True)
+    with interpret(detect_races=True, gpu="b200"):
+        text = str(jax.make_jaxpr(lambda x: nybble.matmul(x, qw, implementation="mosaic_gpu"))(x))
+        y = nybble.matmul(x, qw, implementation="mosaic_gpu")
+    assert "nybble_w4a16_bw_" in text
+    assert_exact(y, x, qw)
+    with interpret(detect_races=True):
+        hopper = str(jax.make_jaxpr(lambda x: nybble.matmul(x, qw, implementation="mosaic_gpu"))(x))
+    assert "nybble_w4a16_bw_" not in hopper and "nybble_w4a16" in hopper
+
+
+@pytest.mark.no_kernel
+def test_heuristics_pick_only_covered_configs():
+    """Over the Llama-3-8B/70B and MoE expert shapes at M = 1..8192, every config the B200 heuristics pick
+    has a (tile_m, tile_k) that a case of :data:`CASES` runs."""
+    covered = {tiling for _, tiling in CASES}
+    picked = set()
+    shapes = [
+        (4096, 4096),
+        (4096, 14336),
+        (14336, 4096),
+        (8192, 28672),
+        (28672, 8192),
+        (4096, 1536),
+        (1536, 4096),
+        (7168, 2048),
+        (2048, 7168),
+        (2048, 768),
+        (768, 2048),
+        (576, 1536),
+        (10944, 7392),
+    ]
+    for k, n in shapes:
+        for m in (1, 2, 4, 5, 8, 16, 17, 25, 32, 48, 64, 100, 128, 200, 256, 2048, 8192):
+            for group in (16, 32, 64, 128, 256, k):
+                c = heuristic_config(m, -(-n // 64) * 64, k, group)
+                picked.add((c.tile_m, c.tile_k, c.slices))
+    assert picked <= covered, f"configs picked but never interpreted: {sorted(picked - covered)}"
+
+
+@pytest.mark.no_kernel
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda qw, x: (x.astype(jnp.float32), qw), "x has dtype float32"),
+        (lambda qw, x: (x[:, :64], qw), "x has K=64 but the weight has K=128"),
+        (lambda qw, x: (x, relayout(qw, "nk_int4")), "layout 'nk_int4'"),
+        (lambda qw, x: (x[None], qw), "x2d must be 2-D"),
+    ],
+)
+def test_refuses_what_the_hopper_kernel_refuses(make, match):
+    rng = np.random.default_rng(0)
+    qw = exact_weight(rng, 128, 128, 64, True)
+    x = activations(rng, 2, 128, exact=True)
+    args = make(qw, x)
+    with pytest.raises((NotImplementedError, ValueError), match=match):
+        blackwell_matmul(*args)
+    if match != "x2d must be 2-D":  # the same reason, word for word, from the Hopper kernel
+        with pytest.raises((NotImplementedError, ValueError), match=match):
+            mg.mosaic_gpu_matmul(*args)
+
+
+@pytest.mark.no_kernel
+def test_config_rules_are_named():
+    with pytest.raises(ValueError, match="tile_m=24 must be one of"):
+        BlackwellConfig(tile_m=24)
+    with pytest.raises(ValueError, match="max_concurrent_steps=1 must be >= 2"):
+        BlackwellConfig(max_concurrent_steps=1)
+    rng = np.random.default_rng(0)
+    qw = exact_weight(rng, 192, 128, 64, True)
+    with pytest.raises(ValueError, match=r"K_pad=192 must be a multiple of slices x tile_k = 1 x 128"):
+        plan(1, qw, config=BlackwellConfig(tile_k=128))
+    with pytest.raises(ValueError, match=r"group=128 must divide a K slice \(K_pad / slices = 64\)"):
+        plan(1, exact_weight(rng, 256, 128, 128, True), config=BlackwellConfig(tile_k=64, slices=4))
+    with pytest.raises(ValueError, match="M=9 rows need 3 M tiles; K slices"):
+        plan(9, exact_weight(rng, 256, 128, 64, True), config=BlackwellConfig(tile_k=64, slices=4))
+    with pytest.raises(ValueError, match="bytes of SMEM"):
+        plan(1, exact_weight(rng, 512, 128, 64, True), config=BlackwellConfig(128, 256, 256, 6))
+
+
+@pytest.mark.no_kernel
+def test_interpret_names_its_gpus():
+    with pytest.raises(ValueError, match=r"interpret\(gpu='a100'\).*'b200'"):
+        with interpret(gpu="a100"):
+            pass
+
+
+@pytest.mark.no_kernel
+def test_b200_spec():
+    from nybble.kernels.gpu import get_gpu, spec_for_device_kind
+
+    b200 = get_gpu("b200")
+    assert (b200.sms, b200.compute_capability, b200.tmem_columns) == (148, "10.0", 512)
+    assert b200.tmem_bytes_per_sm == 128 * b200.tmem_columns * 4  # 128 lanes of 32-bit columns
+    assert spec_for_device_kind("NVIDIA B200") is b200
+    # The decode budget of issue 45: ~57 weights per SM-cycle at 8 TB/s and 0.5 byte a weight.
+    assert 55 < b200.hbm_bytes_per_s / 0.5 / (b200.sms * b200.clock_hz) < 58

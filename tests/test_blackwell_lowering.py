@@ -1,0 +1,138 @@
+"""Lowering the Blackwell W4A16 kernel for sm_100a on a CPU: Mosaic GPU's layout inference, SMEM budget, TMA
+and tcgen05 rules, with no data and no GPU (``blackwell.target.target_arch`` makes Mosaic emit compute
+capability 10.0 code, which a CPU device cannot tell it). Every config the B200 heuristics pick at real
+model shapes is lowered (once per distinct kernel), then 40 random shapes; interpret mode checks numerics
+(tests/test_blackwell_interpret.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nybble.kernels.mosaic_gpu.blackwell import blackwell_matmul, plan
+from nybble.kernels.mosaic_gpu.blackwell.target import target_arch
+from nybble.quant import QuantizedWeight, quantize
+
+# (K, N): Llama-3-8B and 70B projections, MoE experts (Mixtral 4096x14336, Qwen3-30B-A3B 2048x768,
+# DeepSeek-V3 7168x2048), a small odd pair.
+WEIGHT_SHAPES = [
+    (4096, 4096),
+    (4096, 14336),
+    (14336, 4096),
+    (8192, 28672),
+    (28672, 8192),
+    (2048, 768),
+    (7168, 2048),
+    (576, 1536),
+    (10944, 7392),
+]
+BATCHES = [1, 16, 32, 64, 128, 4096]
+GROUPS = [128, 32, None]
+
+
+def _abstract_weight(k, n, group, symmetric, scale_dtype=jnp.bfloat16) -> QuantizedWeight:
+    quant = lambda w: quantize(w, group_size=group, symmetric=symmetric, scale_dtype=scale_dtype)
+    return jax.eval_shape(quant, jax.ShapeDtypeStruct((k, n), jnp.float32))
+
+
+def _lower(m, qw, x_dtype=jnp.bfloat16, config=None):
+    fn = lambda x, qw: blackwell_matmul(x, qw, config=config)
+    x = jax.ShapeDtypeStruct((m, qw.shape[0]), x_dtype)
+    with target_arch(10, 0):
+        return jax.jit(fn).trace(x, qw).lower(lowering_platforms=("cuda",))
+
+
+def _kernel_key(m, k, n, group, symmetric):
+    qw = _abstract_weight(k, n, group, symmetric)
+    p = plan(m, qw)
+    route = "column" if p.per_column else ("rows" if p.scale_rows > 1 else "row")
+    small = p.group < 64
+    # The pipeline depth changes no code but the slot count; the symmetric kernel is the asymmetric one
+    # without the offsets' operand, loads and adds: both are lowered as one (asymmetric) kernel.
+    c = p.config
+    return (c.tile_m, c.tile_k, c.slices), c.slices, route, small, p.n_tiles * c.cta_cols != p.n_pad
+
+
+def _distinct_cases():
+    """Real-model cases until every (tile_m, tile_k, slices) and every (tile_k, slices, scale route, N
+    tail) of the heuristics' picks is lowered once: the tile decides the MMA, TMEM and x shapes, the route
+    the dequantization's loads; they do not interact."""
+    seen, cases = set(), []
+    for k, n in WEIGHT_SHAPES:
+        for m in BATCHES:
+            for group in GROUPS:
+                tiling, *rest = _kernel_key(m, k, n, group, False)
+                keys = {("tile", tiling), ("route", tiling[1], *rest)}
+                if keys - seen:
+                    seen |= keys
+                    cases.append((m, k, n, group, False))
+    return cases
+
+
+@pytest.mark.parametrize("m,k,n,group,symmetric", _distinct_cases())
+def test_lower_every_heuristic_config(m, k, n, group, symmetric):
+    text = _lower(m, _abstract_weight(k, n, group, symmetric)).as_text()
+    assert "tcgen05" in text  # the sm_100a kernel, not the Hopper one
+
+
+# CI lowers 8 of the 40 random shapes (each costs ~1.5 s on two cores); NYBBLE_LOWERING_SWEEP=40 all.
+SWEEP = int(os.environ.get("NYBBLE_LOWERING_SWEEP", "8"))
+
+
+def _random_cases(count=SWEEP, seed=45):
+    rng = np.random.default_rng(seed)
+    cases = []
+    for _ in range(count):
+        k = int(rng.choice([64, 192, 576, 1024, 2048, 4160, 10944])) + int(rng.choice([0, 0, -7]))
+        n = int(rng.choice([64, 100, 192, 768, 1536, 4096, 7392, 7400]))
+        m = int(rng.choice([1, 2, 5, 8, 13, 16, 24, 33, 64, 100, 128, 255, 512, 2048]))
+        group = rng.choice([16, 32, 64, 128, 256, None])
+        cases.append((m, k, n, None if group is None else int(group), bool(rng.integers(2))))
+    return cases
+
+
+@pytest.mark.parametrize("m,k,n,group,symmetric", _random_cases())
+def test_random_shapes_lower(m, k, n, group, symmetric):
+    """Random shapes (K and N not multiples of 64 included): the heuristics' config lowers, or the call
+    is refused by name before Mosaic sees it (never a raw Mosaic error)."""
+    _lower(m, _abstract_weight(k, n, group, symmetric))
+
+
+def test_float16_activations_float32_scales():
+    _lower(16, _abstract_weight(4096, 4096, 128, False, jnp.float32), x_dtype=jnp.float16)
+
+
+def test_one_launch_and_no_copy_of_x_at_decode():
+    """A decode matmul lowers to the kernel alone: no pad, transpose, reduce or slice beside it."""
+    text = _lower(1, _abstract_weight(4096, 4096, 128, True)).as_text()
+    ops = set(re.findall(r"= (stablehlo\.[a-z_]+)", text))
+    assert text.count("stablehlo.custom_call") == 1
+    assert not ops & {"stablehlo.pad", "stablehlo.transpose", "stablehlo.reduce", "stablehlo.slice"}, ops
+
+
+def test_xray_finds_the_tcgen05_loop():
+    """The b200 X-ray's main loop: the uniform-predicate back branch (``BRA.U UP0``) around the UTCHMMAs,
+    not the retry loop of a barrier wait, nor anything past an EXIT (the format of a ``.sass_ctrl`` dump)."""
+    from bench.kernel_xray import sass
+    from bench.xray.blackwell import tcgen05_loop
+
+    text = """
+   -:-:-:Y:05        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+   -:-:-:Y:05        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;
+   -:-:-:Y:05        /*0020*/               @!P0 BRA `(.L_x_1) ;
+.L_x_2:
+   -:-:-:Y:02        /*0030*/                   LOP3.LUT R4, R5, 0xf000f, R6, 0x6a, !PT ;
+   -:-:-:Y:03        /*0040*/                   HMUL2.BF16_V2 R4, R4, R7.H0_H0 ;
+   -:2:-:Y:01        /*0050*/                   UTCHMMA gdesc[UR10], gdesc[UR8], tmem[UR4], UPT ;
+   -:2:-:Y:01        /*0060*/                   UTCHMMA gdesc[UR12], gdesc[UR8], tmem[UR4], UPT ;
+   -:-:-:Y:09        /*0070*/                   BRA.U UP0, `(.L_x_2) ;
+   -:-:-:Y:05        /*0080*/                   EXIT ;
+"""
+    loop = tcgen05_loop(sass.parse_sass(text))
+    assert loop is not None and loop.size == 5 and loop.stall_cycles == 2 + 3 + 1 + 1 + 9
