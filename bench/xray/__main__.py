@@ -90,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="h200",
         choices=("h200", "h100", "a100", "l40s", "b200", "rtx5090"),
         help="the GPU compiled for; b200 runs bench/xray/blackwell.py (the Blackwell Mosaic GPU kernel on "
-        "sm_100a); a100, l40s and rtx5090 run bench.xray.gpus (the portable Triton kernel, nybble:xla, xla:bf16 "
-        "and XLA's int4, at the Llama-3 and MoE shapes)",
+        "sm_100a); a100, l40s and rtx5090 run bench.xray.gpus (the portable Triton kernel, nybble:xla, "
+        "xla:bf16 and XLA's int4, at the Llama-3 and MoE shapes)",
     )
     p.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: cores, <= 4)")
     p.add_argument(
