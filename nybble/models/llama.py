@@ -135,9 +135,10 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        with jax.named_scope("norm"):  # scopes name the op families of a compiled step (bench.decode)
+            xf = x.astype(jnp.float32)
+            xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+            return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
 @functools.lru_cache(maxsize=64)
@@ -176,13 +177,14 @@ def rope(
         inv_freq = rope_frequencies(x.shape[-1], float(theta))
     if inv_freq.shape != (half,):
         raise ValueError(f"rope: inv_freq shape {inv_freq.shape} != ({half},) for head_dim {x.shape[-1]}")
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # (batch, length, half)
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., :half], xf[..., half:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    with jax.named_scope("rope"):
+        angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # (batch, length, half)
+        cos = jnp.cos(angles)[:, :, None, :]
+        sin = jnp.sin(angles)[:, :, None, :]
+        xf = x.astype(jnp.float32)
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        return out.astype(x.dtype)
 
 
 def _linear(din: int, dout: int, rngs: nnx.Rngs, dtype: Any, *, bias: bool = False) -> nnx.Linear:
@@ -232,13 +234,15 @@ class Attention(nnx.Module):
         a query may see a key. Returns the output projection (b, t, hidden) in ``x.dtype``."""
         b, t = q.shape[:2]
         groups = self.num_heads // self.num_kv_heads
-        q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
-        scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
-        scores = scores * (self.head_dim**-0.5)
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, preferred_element_type=jnp.float32)
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim).astype(x.dtype))
+        with jax.named_scope("attention"):
+            q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
+            scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
+            scores = scores * (self.head_dim**-0.5)
+            scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+            probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+            out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, preferred_element_type=jnp.float32)
+            out = out.reshape(b, t, self.num_heads * self.head_dim).astype(x.dtype)
+        return self.o_proj(out)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         t = x.shape[1]
@@ -260,8 +264,9 @@ class Attention(nnx.Module):
         positions = jnp.broadcast_to(position + jnp.arange(t, dtype=jnp.int32), (b, t))
         q, k, v = self._qkv(x, positions)
         start = (jnp.int32(0), position, jnp.int32(0), jnp.int32(0))
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
+        with jax.named_scope("attention"):
+            k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
+            v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
         mask = _window_mask(positions[0], jnp.arange(k_cache.shape[1]), self.sliding_window)  # (t, max_len)
         out = self._attend(x, q, k_cache.astype(k.dtype), v_cache.astype(v.dtype), mask)
         return out, k_cache, v_cache
@@ -317,6 +322,10 @@ class Llama(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_eps, param_dtype=dtype)
         self.lm_head = None if cfg.tie_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, rngs, dtype)
 
+    def _embed(self, token_ids: jax.Array) -> jax.Array:
+        with jax.named_scope("embedding"):
+            return self.embed(token_ids).astype(self.dtype)
+
     def hidden_states(self, token_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """The final normalized hidden states (batch, length, hidden) in the model dtype."""
         token_ids = jnp.asarray(token_ids)
@@ -324,19 +333,20 @@ class Llama(nnx.Module):
             token_ids = token_ids[None]
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(token_ids.shape[1]), token_ids.shape)
-        x = self.embed(token_ids).astype(self.dtype)
+        x = self._embed(token_ids)
         for layer in self.layers:
             x = layer(x, positions)
         return self.norm(x)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """LM head (tied: the embedding transposed) on hidden states, float32 logits."""
-        if self.lm_head is None:
-            emb = self.embed.embedding[...]
-            return jnp.einsum(
-                "...d,vd->...v", hidden, emb.astype(hidden.dtype), preferred_element_type=jnp.float32
-            )
-        return self.lm_head(hidden).astype(jnp.float32)
+        with jax.named_scope("lm_head"):
+            if self.lm_head is None:
+                emb = self.embed.embedding[...]
+                return jnp.einsum(
+                    "...d,vd->...v", hidden, emb.astype(hidden.dtype), preferred_element_type=jnp.float32
+                )
+            return self.lm_head(hidden).astype(jnp.float32)
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """Token ids (batch, length) (or (length,)) -> logits (batch, length, vocab), float32."""
@@ -366,7 +376,7 @@ class Llama(nnx.Module):
             token_ids = token_ids[None]
         if token_ids.shape[0] != cache.batch:
             raise ValueError(f"token batch {token_ids.shape[0]} != cache batch {cache.batch}")
-        x = self.embed(token_ids).astype(self.dtype)
+        x = self._embed(token_ids)
         ks, vs = [], []
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v, strict=True):
             x, k_cache, v_cache = layer.cached(x, position, k_cache, v_cache)
