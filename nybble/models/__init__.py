@@ -17,6 +17,7 @@ except ModuleNotFoundError:
 from nybble.models import smollm2  # `models.smollm2.load()` works after `from nybble import models`
 from nybble.models.adapter import quantize, quantize_params
 from nybble.models.evaluate import generate, negative_log_likelihood, perplexity
+from nybble.models.fuse import fuse_projections, unfuse_projections
 from nybble.models.hf.pretrained import from_pretrained, load_tokenizer
 from nybble.models.hf.save import save_pretrained
 from nybble.models.layers import QDense, QLinear, QuantizedParam, dense
@@ -53,6 +54,7 @@ __all__ = [
     "dense",
     "eval_text",
     "from_pretrained",
+    "fuse_projections",
     "generate",
     "load_model",
     "load_tokenizer",
@@ -65,4 +67,5 @@ __all__ = [
     "save_pretrained",
     "shard",
     "smollm2",
+    "unfuse_projections",
 ]

@@ -61,6 +61,7 @@ def quantize(
     progress: bool = True,
     verbose: bool = False,
     return_report: bool = False,
+    fuse_projections: bool = False,
     **method_options: Any,
 ) -> nnx.Module | tuple[nnx.Module, QuantizationReport]:
     """Replaces the dense layers of a Flax NNX model by int4 :class:`QLinear` layers, in place.
@@ -87,6 +88,8 @@ def quantize(
       progress: show a tqdm progress bar.
       verbose: print the :class:`QuantizationReport` summary at the end.
       return_report: return ``(model, report)`` instead of the model alone.
+      fuse_projections: then fuse q/k/v and gate/up into one int4 layer each (``nybble.models.fuse``:
+        one launch each in a decode step, the same numbers; checkpoints still hold them one by one).
     """
     common = {
         k: v
@@ -160,6 +163,10 @@ def quantize(
     report.config = config
     report_skipped_general(model, report)
     set_quantization(model, config)
+    if fuse_projections:
+        from nybble.models.fuse import fuse_projections as fuse
+
+        fuse(model)
     if verbose:
         print(report.summary())
     return (model, report) if return_report else model

@@ -191,6 +191,17 @@ def _linear(din: int, dout: int, rngs: nnx.Rngs, dtype: Any, *, bias: bool = Fal
     return nnx.Linear(din, dout, use_bias=bias, param_dtype=dtype, dtype=dtype, rngs=rngs)
 
 
+def projections(
+    module: nnx.Module, fused: str, names: tuple[str, ...], x: jax.Array
+) -> tuple[jax.Array, ...]:
+    """The outputs of ``module``'s projections ``names`` of one input ``x``: one launch when they are fused
+    into ``module.<fused>`` (``nybble.models.fuse``), else one per projection; the same numbers."""
+    layer = getattr(module, fused, None)
+    if layer is not None:
+        return layer(x)
+    return tuple(getattr(module, name)(x) for name in names)
+
+
 def _window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
     """(t, s) True where query position ``q_pos[i]`` may see key position ``k_pos[j]``: causal, and
     within ``window`` positions (itself included) when given."""
@@ -221,9 +232,10 @@ class Attention(nnx.Module):
 
     def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = projections(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"), x)
+        q = q.reshape(b, t, self.num_heads, self.head_dim)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_frequencies(self.head_dim, float(self.rope_theta), self.rope_scaling)
@@ -281,7 +293,8 @@ class MLP(nnx.Module):
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, rngs, dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = projections(self, "gate_up_proj", ("gate_proj", "up_proj"), x)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class Block(nnx.Module):

@@ -188,7 +188,10 @@ class SharedMLP(nnx.Module):
         self.down_proj = linear(intermediate, hidden)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        from nybble.models.llama import projections
+
+        gate, up = projections(self, "gate_up_proj", ("gate_proj", "up_proj"), x)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class MoE(nnx.Module):

@@ -24,9 +24,12 @@ def save_model(path: str | os.PathLike[str], model: nnx.Module) -> Path:
     of the ``nybble.models.quantize`` pass that made them is saved with them (``read_metadata(path)
     ["info"]["quantization"]``) and restored by :func:`load_model`.
     """
+    from nybble.models.fuse import unfused_copy
+
     config = get_quantization(model)
     info = None if config is None else {"quantization": describe(config)}
-    return save(path, nnx.to_pure_dict(nnx.state(model)), info=info)
+    # fused projections (nybble.models.fuse) are written one by one: the checkpoint's names stay
+    return save(path, nnx.to_pure_dict(nnx.state(unfused_copy(model))), info=info)
 
 
 def _shapes(model: nnx.Module) -> dict[str, tuple[int, ...]]:

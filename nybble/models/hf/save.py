@@ -101,6 +101,9 @@ def save_pretrained(
 
     Nothing appears at ``path`` unless the whole directory was written.
     """
+    from nybble.models.fuse import unfused_copy
+
+    model = unfused_copy(model)  # checkpoints hold q/k/v and gate/up one by one
     fmt = "float" if format is None else format
     if fmt not in SAVE_FORMATS:
         raise ValueError(
