@@ -13,8 +13,8 @@ scaling, a sliding attention window, the tied LM head). ``nybble.models.hf.confi
 KV-cache decoding: ``cache = model.init_cache(batch, max_len)``, then
 ``logits, cache = model.prefill(ids, cache)`` and ``logits, cache = model.decode_step(next_ids, cache, pos)``
 one token at a time. The cache is a :class:`KVCache` pytree (per layer, keys and values of shape
-(batch, max_len, kv_heads, head_dim)), so it passes through ``jax.jit`` and ``lax`` loops as is; every row of
-a batch sits at the same position.
+(batch, kv_heads, max_len, head_dim): the layout the attention's dots read without a copy), so it passes
+through ``jax.jit`` and ``lax`` loops as is; every row of a batch sits at the same position.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class LlamaConfig:
 
 
 class KVCache(NamedTuple):
-    """Keys and values of past positions, one array per layer, each (batch, max_len, kv_heads, head_dim).
+    """Keys and values of past positions, one array per layer, each (batch, kv_heads, max_len, head_dim).
 
     Keys are stored after the rotary embedding. A plain pytree: entries at or past the current position
     hold stale or zero values and are masked out by position, never read.
@@ -120,7 +120,7 @@ class KVCache(NamedTuple):
     @property
     def max_len(self) -> int:
         """Positions the cache holds."""
-        return int(self.k[0].shape[1])
+        return int(self.k[0].shape[2])
 
     @property
     def batch(self) -> int:
@@ -267,21 +267,67 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Attention of x (b, t, hidden) at positions ``position .. position + t - 1`` over the cache.
 
-        Writes this chunk's keys and values into ``k_cache``/``v_cache`` (b, max_len, kv_heads, d) at
+        Writes this chunk's keys and values into ``k_cache``/``v_cache`` (b, kv_heads, max_len, d) at
         ``position`` and attends causally to every cached position up to each query's own.
         Returns ``(output, k_cache, v_cache)``.
+
+        The cache is read once, before it is written: scores over the cached positions below ``position``
+        and over the chunk's own keys, one softmax over both, then the cache update in place (a donated
+        cache is never copied).
         """
         b, t, _ = x.shape
         position = jnp.asarray(position, jnp.int32)
         positions = jnp.broadcast_to(position + jnp.arange(t, dtype=jnp.int32), (b, t))
         q, k, v = self._qkv(x, positions)
-        start = (jnp.int32(0), position, jnp.int32(0), jnp.int32(0))
         with jax.named_scope("attention"):
-            k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
-            v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
-        mask = _window_mask(positions[0], jnp.arange(k_cache.shape[1]), self.sliding_window)  # (t, max_len)
-        out = self._attend(x, q, k_cache.astype(k.dtype), v_cache.astype(v.dtype), mask)
-        return out, k_cache, v_cache
+            # the chunk's keys and values as the cache holds them
+            k_new = k.transpose(0, 2, 1, 3).astype(k_cache.dtype)  # (b, kv_heads, t, d), the cache's layout
+            v_new = v.transpose(0, 2, 1, 3).astype(v_cache.dtype)
+            q_pos, past = positions[0], jnp.arange(k_cache.shape[2])
+            past_mask = _window_mask(q_pos, past, self.sliding_window) & (past < position)[None, :]
+            new_mask = _window_mask(q_pos, q_pos, self.sliding_window)
+            out = self._attend_split(q, (k_cache, k_new), (v_cache, v_new), (past_mask, new_mask), x.dtype)
+            start = (jnp.int32(0), jnp.int32(0), position, jnp.int32(0))
+            k_cache = jax.lax.dynamic_update_slice(k_cache, k_new, start)
+            v_cache = jax.lax.dynamic_update_slice(v_cache, v_new, start)
+        return self.o_proj(out), k_cache, v_cache
+
+    def _attend_split(
+        self,
+        q: jax.Array,
+        keys: tuple[jax.Array, ...],
+        values: tuple[jax.Array, ...],
+        masks: tuple[jax.Array, ...],
+        dtype: Any,
+    ) -> jax.Array:
+        """Softmax attention of q (b, t, heads, d) over key/value blocks (b, kv_heads, s_i, d) as one
+        sequence (one softmax over all blocks' scores), without concatenating them; (b, t, heads * d)."""
+        b, t = q.shape[:2]
+        groups = self.num_heads // self.num_kv_heads
+        q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
+        scale = self.head_dim**-0.5
+        scores = [
+            jnp.where(
+                mask,
+                jnp.einsum("bqhgd,bhkd->bhgqk", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+                * scale,
+                jnp.finfo(jnp.float32).min,
+            )
+            for k, mask in zip(keys, masks, strict=True)
+        ]
+        top = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in scores]), axis=0)[..., None]
+        exps = [jnp.exp(s - top) for s in scores]
+        total = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
+        out = sum(
+            jnp.einsum(
+                "bhgqk,bhkd->bqhgd",
+                (e / total).astype(q.dtype),
+                v.astype(q.dtype),
+                preferred_element_type=jnp.float32,
+            )
+            for e, v in zip(exps, values, strict=True)
+        )
+        return out.reshape(b, t, self.num_heads * self.head_dim).astype(dtype)
 
 
 class MLP(nnx.Module):
@@ -370,7 +416,7 @@ class Llama(nnx.Module):
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
         """A zero cache for ``batch`` sequences of up to ``max_len`` positions (dtype: the model's)."""
         cfg = self.config
-        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         dtype = self.dtype if dtype is None else dtype
 
         def zeros() -> tuple[jax.Array, ...]:
