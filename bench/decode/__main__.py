@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,6 +76,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="layers to compile (the rest extrapolated: non-layer + L x per-layer); 0: the whole model",
     )
     ap.add_argument("--jobs", type=int, default=None, help=f"compile workers (default {default_jobs()})")
+    ap.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        help="recompute the tables from this records.json of an earlier run (no compile)",
+    )
     args = ap.parse_args(argv)
     gpu = get_gpu(args.gpu)
     cases = []
@@ -83,7 +90,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for batch in args.batch:
             for weights in ("bf16", "int4"):
                 cases.append(StepCase(model, weights, batch, args.context, layers, **VARIANTS[args.variant]))
-    records = run_cases(cases, gpu=gpu.name, jobs=args.jobs, worker="bench.decode.worker")
+    if args.records is not None:
+        records = json.loads(args.records.read_text())
+    else:
+        records = run_cases(cases, gpu=gpu.name, jobs=args.jobs, worker="bench.decode.worker")
+        report.write_atomic(args.out / "records.json", json.dumps(records) + "\n")
     rows = rows_for(records, cases, gpu)
     meta = {
         "gpu": gpu.name,
@@ -101,7 +112,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-NOTES: list[str] = []
+NOTES: list[str] = [
+    "## How these numbers are made",
+    "",
+    "- **Compiled, not run**: one decode step (`nybble.models.evaluate.decode_step`, the step `generate`'s "
+    "loop runs) of nybble's own Llama/MoE model, for the GPU named, on a deviceless topology (JAX's CUDA "
+    "plugin, XLA's GPU compiler, ptxas for nybble's Mosaic GPU kernels), weights abstract "
+    "(`jax.ShapeDtypeStruct`): bf16, and int4 g128 symmetric as `nybble.models.quantize` makes them (the "
+    "LM head stays bf16, `DEFAULT_RULES`). Variant `baseline`: the model as it was before issue 46's work "
+    "(separate q/k/v and gate/up, cache not donated, attention reading the cache after writing it); "
+    "`fused`: q/k/v and gate/up fused (`fuse_projections=True`), the cache donated and read once.",
+    "- **One layer compiled, the rest multiplied**: the model is compiled with 1 layer; launches outside the "
+    "layers (embedding gather, final norm, LM head, the rotary angles XLA computes once for all layers) "
+    "count once, every other launch `layers` times. Checked against a whole compile of a 3-layer model in "
+    "tests/test_decode_bench.py (launches and bytes equal, fused variant).",
+    "- **Launches and bytes** are read off XLA's optimized HLO (`bench.kernel_xray.hlo`: every fusion, "
+    "custom call and copy of the entry computation; bytes = operands + result as typed), with three "
+    "corrections where the type is not the traffic: the embedding gather reads the rows it returns; the "
+    "in-place cache update reads and writes one row; a grouped MoE kernel reads the experts its tokens reach "
+    "(expected distinct experts of `batch` tokens routed uniformly to their top k). Launch counts equal the "
+    "thunks XLA's runtime executes (its dumped thunk sequence; tested).",
+    "- **Prediction per launch**: max(bytes / HBM rate, flops / bf16 tensor rate, issue-bound time of "
+    "nybble's kernels from the X-ray model `bench.xray.model`) + one launch overhead. Flops: 2 x rows x "
+    "weights read, 2 x query heads per KV head x cache elements read. Step time = sum over launches; "
+    "tokens/s = batch / step time.",
+    "- **Launch overhead** `GpuSpec.launch_s` = 2 us per launch, the same for bf16 and int4: nybble's "
+    "working figure (`nybble.kernels.gpu`), between the ~1 us a back-to-back stream launch adds on the GPU "
+    "and the 4-6 us the host spends submitting one (NVIDIA's technical blog, 'Getting Started with CUDA "
+    "Graphs', 2019; the pegainfer CUDA-graph write-up, 2025).",
+    "- **Command buffers (CUDA graphs) in jax 0.11.2**: read from XLA's thunk sequence after its thunk "
+    "passes (`--xla_dump_to`). With the defaults XLA puts runs of its own fusions and Triton GEMMs into "
+    "command buffers, but not the Mosaic GPU custom calls (`mosaic_gpu_v2` stays a `kCustomCall` thunk "
+    "outside) nor copies, so every nybble kernel cuts the graph. Column `in graphs`: launches inside command "
+    "buffers. Captured launches would cost less than 2 us each (a graph replays without per-launch host "
+    "work); the prediction still charges every launch the same 2 us (an upper bound on the overhead term), "
+    "which favours neither bf16 (more launches captured) nor int4.",
+    "- **HBM limit**: (weights + KV cache + activations a step must read) / HBM rate, per batch: weights "
+    "once (MoE: the experts reached), the embedding rows, the bf16 LM head, the whole KV cache "
+    "(`--context` positions per sequence and layer), the rows of x each projection reads. The ideal "
+    "int4/bf16 ratio is the ratio of these bytes (bf16 over int4).",
+    "",
+]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -26,7 +26,7 @@ from typing import Any
 LINEAR, ATTENTION, ELEMENTWISE, EMBED = "linear", "attention", "norm/rope/elementwise", "embedding/lm_head"
 FAMILIES = (LINEAR, ATTENTION, ELEMENTWISE, EMBED)
 _GEMM_KINDS = ("mosaic_gpu", "cublas", "cublasLt", "triton_gemm")
-_NON_LAYER_PARAMS = ("st['embed']", "st['norm']", "st['lm_head']")
+_NON_LAYER_PARAMS = ("state['embed']", "state['norm']", "state['lm_head']")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +104,10 @@ def command_buffers(thunks: str) -> dict[str, Any]:
     }
 
 
-def _family(launch: Any, op_name: str, sources: list[str]) -> str:
+def _family(launch: Any, op_name: str, sources: list[str], cache_bytes: int) -> str:
     scopes = op_name.split("/")
+    if not op_name and launch.result_bytes % cache_bytes == 0:
+        return ATTENTION  # copies of cache buffers (the cache not donated: the step returns new ones)
     if "embedding" in scopes or "lm_head" in scopes or any(s.startswith(_NON_LAYER_PARAMS) for s in sources):
         return EMBED
     if "attention" in scopes or any(s.startswith("cache.") for s in sources):
@@ -116,7 +118,7 @@ def _family(launch: Any, op_name: str, sources: list[str]) -> str:
 
 
 def _is_projection(source: str) -> bool:
-    return source.startswith("st[") and ("['kernel']" in source or "['qweight']" in source)
+    return source.startswith("state[") and ("['kernel']" in source or "['qweight']" in source)
 
 
 def step_record(case: StepCase, program: Any, report: Any, thunks: str, gpu: Any) -> dict[str, Any]:
@@ -135,19 +137,22 @@ def step_record(case: StepCase, program: Any, report: Any, thunks: str, gpu: Any
     moe = cfg.moe
     active = active_experts(case.batch, moe.num_experts, moe.top_k) if moe is not None else 0.0
     launches = []
+    cache_bytes = case.batch * case.context * cfg.num_kv_heads * cfg.head_dim * 2
     for launch in report.launches:
         op_name = values[launch.name].op_name
-        sources = list(launch.operand_bytes)
+        # parameter names as XLA prints them: state[\'layers\'][0]... -> state['layers'][0]...
+        operands = {s.replace("\\'", "'"): v for s, v in launch.operand_bytes.items()}
+        launch = dataclasses.replace(launch, operand_bytes=operands)
+        sources = list(operands)
         scopes = op_name.split("/")
         bytes_, flops, issue_s = float(launch.result_bytes), 0.0, None
-        if "dynamic_update_slice" in scopes[-1] and any(s.startswith("cache.") for s in sources):
-            # In place: the cache buffer is the result, untouched but for the new row (read and written).
-            update = sum(v for s, v in launch.operand_bytes.items() if not s.startswith("cache."))
-            bytes_ = 2.0 * update
-            launches.append(_record(launch, op_name, sources, bytes_, 0.0, None, captured))
+        if "dynamic_update_slice" in scopes[-1]:
+            # In place: the result is the cache buffer, untouched but for the new row (read and written).
+            update = sum(operands.values()) - max(operands.values())
+            launches.append(_record(launch, op_name, sources, 2.0 * update, 0.0, None, captured, cache_bytes))
             continue
-        for source, size in launch.operand_bytes.items():
-            if source.startswith("st['embed']") and "embedding" in scopes:
+        for source, size in operands.items():
+            if source.startswith("state['embed']") and "embedding" in scopes:
                 size = launch.result_bytes  # a gather reads the rows it returns, not the table
             qw_name, _, part = source.rpartition(".")
             qw = qweights.get(qw_name)
@@ -169,7 +174,7 @@ def step_record(case: StepCase, program: Any, report: Any, thunks: str, gpu: Any
                 flops += 2.0 * rows * size / 2
             elif source.startswith("cache."):
                 flops += 2.0 * groups * size / 2
-        launches.append(_record(launch, op_name, sources, bytes_, flops, issue_s, captured))
+        launches.append(_record(launch, op_name, sources, bytes_, flops, issue_s, captured, cache_bytes))
     return {
         "launches": launches,
         "command_buffers": graphs["command_buffers"],
@@ -180,14 +185,21 @@ def step_record(case: StepCase, program: Any, report: Any, thunks: str, gpu: Any
 
 
 def _record(
-    launch: Any, op_name: str, sources: list[str], bytes_: float, flops: float, issue_s: Any, captured: set
+    launch: Any,
+    op_name: str,
+    sources: list[str],
+    bytes_: float,
+    flops: float,
+    issue_s: Any,
+    captured: set,
+    cache_bytes: int,
 ) -> dict[str, Any]:
-    family = _family(launch, op_name, sources)
+    family = _family(launch, op_name, sources, cache_bytes)
     return {
         "name": launch.name,
         "kind": launch.kind,
         "family": family,
-        "layer": family != EMBED,
+        "layer": family != EMBED and not _shared(op_name, sources),
         "bytes": bytes_,
         "flops": flops,
         "issue_s": issue_s,
@@ -196,6 +208,13 @@ def _record(
         "operand_bytes": launch.operand_bytes,
         "result_bytes": launch.result_bytes,
     }
+
+
+def _shared(op_name: str, sources: list[str]) -> bool:
+    """Work on the position alone, computed once per step and shared by every layer: the rotary angles'
+    cos and sin (XLA computes them once for all layers)."""
+    scopes = op_name.split("/")
+    return set(sources) <= {"position"} or ("rope" in scopes and scopes[-1] in ("cos", "sin"))
 
 
 def _issue_seconds(launch: Any, op_name: str, qw: Any, m: int, kernels: list[Any], gpu: Any) -> float | None:
@@ -226,7 +245,11 @@ def extrapolate(launches: list[dict[str, Any]], compiled_layers: int, layers: in
     """The whole model's launches from a compile of ``compiled_layers`` layers: each layer launch
     weighted ``layers / compiled_layers`` (field ``count``), non-layer launches once."""
     scale = layers / compiled_layers
-    return [{**la, "count": scale if la["layer"] else 1.0} for la in launches]
+    out = []
+    for la in launches:
+        layer = la["family"] != EMBED and not _shared(la["op_name"], list(la["operand_bytes"]))
+        out.append({**la, "layer": layer, "count": scale if layer else 1.0})
+    return out
 
 
 def totals(launches: list[dict[str, Any]]) -> dict[str, Any]:

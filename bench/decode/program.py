@@ -68,7 +68,7 @@ def abstract_step(
         raise ValueError(f"batch ({batch}) and context ({context}) must be positive")
     model = abstract_model(cfg, weights, fused=fused)
     graphdef, state = nnx.split(model)
-    kv = jax.ShapeDtypeStruct((batch, context, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch, cfg.num_kv_heads, context, cfg.head_dim), jnp.bfloat16)
     cache = KVCache(k=(kv,) * cfg.num_layers, v=(kv,) * cfg.num_layers)
     ids = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
     position = jax.ShapeDtypeStruct((), jnp.int32)
@@ -77,7 +77,7 @@ def abstract_step(
 
 
 def param_leaves(state: Any) -> dict[str, Any]:
-    """Every array of the state by the name XLA's parameters carry (``st['layers'][0]...``), and every
+    """Every array of the state by the name XLA's parameters carry (``state['layers'][0]...``), and every
     ``QuantizedWeight`` by its prefix (its arrays are ``<prefix>.codes``, ``.scales``, ``.offsets``)."""
     import jax
 
@@ -86,5 +86,5 @@ def param_leaves(state: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     flat, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, QuantizedWeight))
     for path, leaf in flat:
-        out["st" + jax.tree_util.keystr(path)] = leaf
+        out["state" + jax.tree_util.keystr(path)] = leaf
     return out
