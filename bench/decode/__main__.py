@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -36,7 +37,8 @@ def rows_for(records: dict[str, Any], cases: Sequence[StepCase], gpu: Any) -> li
         cfg = config_for(case.model)
         launches = extrapolate(record["launches"], case.layers, cfg.num_layers)
         p = predict(launches, gpu, case.batch)
-        needed = needed_bytes(cfg, case.weights, case.batch, case.context)
+        int4_head = case.int4_lm_head and case.weights == "int4"
+        needed = needed_bytes(cfg, case.weights, case.batch, case.context, int4_lm_head=int4_head)
         limit = hbm_limit(needed, gpu, case.batch)
         rows.append(
             {
@@ -52,6 +54,7 @@ def rows_for(records: dict[str, Any], cases: Sequence[StepCase], gpu: Any) -> li
                 "compiled_layers": case.layers,
                 "layers": cfg.num_layers,
                 "launch_overhead_s": gpu.launch_s,
+                "lm_head": "int4" if int4_head else "bf16",
             }
         )
     return rows
@@ -75,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=1,
         help="layers to compile (the rest extrapolated: non-layer + L x per-layer); 0: the whole model",
     )
+    ap.add_argument("--int4-lm-head", action="store_true", help="int4 rows: the LM head int4 too (QuantRule)")
     ap.add_argument("--jobs", type=int, default=None, help=f"compile workers (default {default_jobs()})")
     ap.add_argument(
         "--records",
@@ -89,7 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         layers = args.layers or config_for(model).num_layers
         for batch in args.batch:
             for weights in ("bf16", "int4"):
-                cases.append(StepCase(model, weights, batch, args.context, layers, **VARIANTS[args.variant]))
+                case = StepCase(model, weights, batch, args.context, layers, **VARIANTS[args.variant])
+                cases.append(dataclasses.replace(case, int4_lm_head=args.int4_lm_head))
     if args.records is not None:
         records = json.loads(args.records.read_text())
     else:
@@ -101,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "context": args.context,
         "variant": args.variant,
         "compiled_layers": args.layers or "all",
+        "int4_lm_head": args.int4_lm_head,
         "launch_overhead_s": gpu.launch_s,
         "hbm_bytes_per_s": gpu.hbm_bytes_per_s,
         "bf16_flops": gpu.bf16_flops,

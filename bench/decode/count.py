@@ -40,10 +40,12 @@ class StepCase:
     layers: int  # layers compiled (the model's own count when equal)
     fused: bool = False  # nybble.models.fuse_projections applied
     donate: bool = False  # the cache donated to the step
+    int4_lm_head: bool = False  # int4 weights: the LM head int4 too (a QuantRule)
 
     @property
     def key(self) -> str:
         tag = ("-fused" if self.fused else "") + ("-donated" if self.donate else "")
+        tag += "-int4head" if self.int4_lm_head else ""
         return f"{self.model}/{self.weights}/B{self.batch}/ctx{self.context}/L{self.layers}{tag}"
 
     # bench.xray.runner orders work by k * n * m (heaviest first)
@@ -70,7 +72,13 @@ class StepCase:
         from bench.decode.program import abstract_step
 
         return abstract_step(
-            self.config(), self.weights, self.batch, self.context, fused=self.fused, donate=self.donate
+            self.config(),
+            self.weights,
+            self.batch,
+            self.context,
+            fused=self.fused,
+            donate=self.donate,
+            int4_lm_head=self.int4_lm_head and self.weights == "int4",
         )
 
 

@@ -25,12 +25,13 @@ class StepProgram:
     state: Any  # the abstract model state (args[0])
 
 
-def abstract_model(cfg: Any, weights: str, *, fused: bool = False) -> Any:
-    """The model as ShapeDtypeStructs: bf16 weights, or int4 g128 (``nybble.models.quantize``, RTN)."""
+def abstract_model(cfg: Any, weights: str, *, fused: bool = False, int4_lm_head: bool = False) -> Any:
+    """The model as ShapeDtypeStructs: bf16 weights, or int4 g128 (``nybble.models.quantize``, RTN; the LM
+    head too with ``int4_lm_head``, the ``QuantRule`` a user gives for it)."""
     import jax.numpy as jnp
     from flax import nnx
 
-    from nybble.models import quantize
+    from nybble.models import QuantRule, quantize
     from nybble.models.llama import Llama
 
     if weights not in WEIGHTS:
@@ -39,7 +40,8 @@ def abstract_model(cfg: Any, weights: str, *, fused: bool = False) -> Any:
     def build() -> Any:
         model = Llama(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
         if weights == "int4":
-            quantize(model, group_size=GROUP_SIZE, symmetric=True, progress=False)
+            rules = [QuantRule(pattern=r"(^|\.)lm_head$")] if int4_lm_head else None
+            quantize(model, group_size=GROUP_SIZE, symmetric=True, rules=rules, progress=False)
         if fused:
             from nybble.models.fuse import fuse_projections
 
@@ -54,7 +56,14 @@ def abstract_model(cfg: Any, weights: str, *, fused: bool = False) -> Any:
 
 
 def abstract_step(
-    cfg: Any, weights: str, batch: int, context: int, *, fused: bool = False, donate: bool = False
+    cfg: Any,
+    weights: str,
+    batch: int,
+    context: int,
+    *,
+    fused: bool = False,
+    donate: bool = False,
+    int4_lm_head: bool = False,
 ) -> StepProgram:
     """One decode step of ``cfg`` at ``batch`` sequences over a ``context``-position cache (see module)."""
     import jax
@@ -66,7 +75,7 @@ def abstract_step(
 
     if batch < 1 or context < 1:
         raise ValueError(f"batch ({batch}) and context ({context}) must be positive")
-    model = abstract_model(cfg, weights, fused=fused)
+    model = abstract_model(cfg, weights, fused=fused, int4_lm_head=int4_lm_head)
     graphdef, state = nnx.split(model)
     kv = jax.ShapeDtypeStruct((batch, cfg.num_kv_heads, context, cfg.head_dim), jnp.bfloat16)
     cache = KVCache(k=(kv,) * cfg.num_layers, v=(kv,) * cfg.num_layers)
