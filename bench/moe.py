@@ -38,8 +38,7 @@ from bench.runner import (
     time_checked,
 )
 from bench.xray.moe_cases import MOE_SHAPES, TOKENS
-from nybble.kernels import reference_dequantize, relative_error
-from nybble.kernels.ragged import available_ragged_implementations
+from nybble.kernels import available_ragged_implementations, reference_dequantize, relative_error
 from nybble.quant import QuantizedWeight
 
 MOE_BF16_BASELINE = "xla:ragged_dot-bf16"

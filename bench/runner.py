@@ -111,8 +111,8 @@ def make_weights(w: jax.Array, group_size: int | None, symmetric: bool) -> dict[
 
 def reference_weight(weight: Any) -> np.ndarray:
     """The float64 (K, N) matrix a variant stands for: nybble's one reference dequantization
-    (``nybble.kernels.reference``, computed from the stored arrays with numpy alone) for an int4 weight,
-    the values themselves for the bf16 one."""
+    (``nybble.kernels.ops.matmul.reference``, computed from the stored arrays with numpy alone) for an
+    int4 weight, the values themselves for the bf16 one."""
     if isinstance(weight, QuantizedWeight):
         return reference_dequantize(weight)
     return np.asarray(weight, dtype=np.float64)

@@ -55,7 +55,8 @@ METHODS = ("rtn", "gptq", "autoround", "autoround-fast", "gptq-e2e")
 CALIB_WINDOW = 256
 
 
-# The named models, for --help on a core install (nybble.models.zoo.MODELS; tests/test_cli.py checks).
+# The named models, for --help on a core install (nybble.models.evaluate.zoo.MODELS; tests/test_cli.py
+# checks).
 _NAMED_MODELS = ["smollm2", "smollm2-shapes", "tiny-random"]
 
 
@@ -63,10 +64,11 @@ def _models_extra() -> tuple[list[str] | None, int]:
     """The model names and the default eval window, from nybble.models; (None, 256) without the models
     extra, so that `--help` prints on a core install (a command then names the extra: :func:`main`)."""
     try:
-        from nybble.models.evaluate import DEFAULT_WINDOW
-        from nybble.models.zoo import MODELS
+        from nybble.models.evaluate.measure import DEFAULT_WINDOW
+        from nybble.models.evaluate.zoo import MODELS
     except ModuleNotFoundError:
-        return None, 256  # nybble.models.evaluate.DEFAULT_WINDOW (tests/test_cli.py checks they agree)
+        # nybble.models.evaluate.measure.DEFAULT_WINDOW (tests/test_cli.py checks they agree)
+        return None, 256
     return sorted(MODELS), DEFAULT_WINDOW
 
 
@@ -129,16 +131,17 @@ def _model_args(p: argparse.ArgumentParser, quant: bool = True) -> None:
         p.add_argument("--no-progress", action="store_true", help="hide the per-layer progress bar")
 
 
-# Output formats of a Hugging Face checkpoint directory (nybble.models.hf.stream.FORMATS).
+# Output formats of a Hugging Face checkpoint directory (nybble.models.io.hf.stream.FORMATS).
 HF_FORMATS = ("compressed-tensors", "gptq", "nybble")
 
 
 def _model_ref(text: str) -> str:
-    """A named model (``nybble.models.zoo.MODELS``) or a local checkpoint directory (checked once the models
+    """A named model (``nybble.models.evaluate.zoo.MODELS``) or a local checkpoint directory (checked once
+    the models
     extra is installed: without it the command names the extra, :func:`main`)."""
     try:
-        from nybble.models.hf.files import local_dir
-        from nybble.models.zoo import MODELS
+        from nybble.models.evaluate.zoo import MODELS
+        from nybble.models.io.hf.files import local_dir
     except ModuleNotFoundError:
         return text
     if text in MODELS:
@@ -155,7 +158,7 @@ def _model_ref(text: str) -> str:
 
 def is_checkpoint_dir(model: str) -> bool:
     """Whether ``--model`` names a Hugging Face checkpoint directory (not a named model)."""
-    from nybble.models.zoo import MODELS
+    from nybble.models.evaluate.zoo import MODELS
 
     return model not in MODELS
 
@@ -280,7 +283,7 @@ def check_before_work(args: argparse.Namespace) -> None:
         )
     output = getattr(args, "output", None)
     if output is not None and (is_checkpoint_dir(args.model) or getattr(args, "format", None)):
-        from nybble.models.hf.files import ShardedWriter, parse_size
+        from nybble.models.io.hf.files import ShardedWriter, parse_size
 
         parse_size(args.max_shard_size)  # a bad size fails now, not after the work
         ShardedWriter(output, overwrite=args.overwrite).check_destination()
@@ -304,7 +307,7 @@ def check_before_work(args: argparse.Namespace) -> None:
 def _load(args: argparse.Namespace, need_tokenizer: str | None = None) -> tuple[Any, Any]:
     import jax.numpy as jnp
 
-    from nybble.models.zoo import load_named
+    from nybble.models.evaluate.zoo import load_named
 
     t = time.perf_counter()
     if is_checkpoint_dir(args.model):
@@ -430,7 +433,7 @@ def _quantize_dir_blockwise(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from nybble.models import eval_text, load_tokenizer
-    from nybble.models.hf.blockwise import quantize_directory_calibrated
+    from nybble.models.io.hf.blockwise import quantize_directory_calibrated
 
     if not (Path(args.model) / "tokenizer.json").is_file():
         raise FileNotFoundError(
@@ -461,7 +464,7 @@ def _quantize_dir_blockwise(args: argparse.Namespace) -> int:
 
 def _quantize_dir_streamed(args: argparse.Namespace) -> int:
     """``nybble quantize --model DIR --method rtn``: one tensor at a time, shards written as they fill."""
-    from nybble.models.hf.stream import quantize_directory
+    from nybble.models.io.hf.stream import quantize_directory
 
     report = quantize_directory(
         args.model,
@@ -486,7 +489,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     model, tokenizer = _load(args, need_tokenizer="eval")
     if args.checkpoint is not None:  # before minutes of float scoring: is it this model's checkpoint?
-        from nybble.models.serialization import check_checkpoint_fits
+        from nybble.models.io.serialization import check_checkpoint_fits
 
         check_checkpoint_fits(args.checkpoint, model)
     ids = tokenizer.encode(eval_text(args.split)).ids

@@ -12,9 +12,9 @@ from typing import Any
 
 import jax
 
-from nybble.kernels import api as kernels
-from nybble.kernels import ragged
-from nybble.kernels.api import Implementation
+from nybble.kernels.backends import Implementation
+from nybble.kernels.ops.matmul import api as kernels
+from nybble.kernels.ops.ragged_matmul import api as ragged
 from nybble.quant.qweight import QuantizedWeight
 from nybble.sharding import ShardedWeight, sharded_matmul
 from nybble.sharding.experts import ExpertShardedWeight, sharded_ragged_matmul
@@ -53,7 +53,7 @@ def ragged_matmul(
     *,
     implementation: Implementation | None = None,
 ) -> jax.Array:
-    """The grouped product of a mixture of experts (``nybble.kernels.ragged.ragged_matmul``, whose docstring
+    """The grouped product of a mixture of experts (``nybble.kernels.ragged_matmul``, whose docstring
     has the contract): a stacked :class:`nybble.QuantizedWeight` goes to ``nybble.kernels``; an
     :class:`nybble.sharding.ExpertShardedWeight` (experts split over a mesh axis) to ``nybble.sharding``,
     which runs that same op on each device's experts under ``jax.shard_map``."""
@@ -65,7 +65,7 @@ def ragged_matmul(
 
 
 def available_ragged_implementations(x: Any, qw: Any, group_sizes: Any) -> dict[str, str | None]:
-    """``nybble.kernels.ragged.available_ragged_implementations``, for an expert-sharded weight too (the
+    """``nybble.kernels.available_ragged_implementations``, for an expert-sharded weight too (the
     per-device problem)."""
     if isinstance(qw, ExpertShardedWeight):
         x, qw, group_sizes = qw.local_problem(x, group_sizes)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nybble.models import save_pretrained
-from nybble.models.llama import Llama, LlamaConfig
+from nybble.models.definitions.llama import Llama, LlamaConfig
 
 CFG = LlamaConfig(
     vocab_size=64,

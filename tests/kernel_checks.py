@@ -1,5 +1,5 @@
 """Data and checks shared by the kernel tests (interpret mode and GPU): exact small-integer weights, random
-weights, and comparisons with the float64 reference of ``nybble.kernels.reference``."""
+weights, and comparisons with the float64 reference of ``nybble.kernels.ops.matmul.reference``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nybble.kernels.reference import reference_codes, reference_dequantize, rounding_bound
+from nybble.kernels.ops.matmul.reference import reference_codes, reference_dequantize, rounding_bound
 from nybble.packing import get_layout, padded_weight_dims
 from nybble.quant import QuantizedWeight, quantize
 
@@ -233,7 +233,7 @@ def gpu_tests_mode() -> tuple[str, str]:
     Raises:
       RuntimeError: NYBBLE_GPU_TESTS_REQUIRE_GPU=1 is set and the kernels would not run on a Hopper GPU.
     """
-    from nybble.kernels.api import hopper_device
+    from nybble.kernels.device import hopper_device
 
     device = hopper_device()
     if env_flag("NYBBLE_GPU_TESTS_INTERPRET"):

@@ -24,9 +24,10 @@ from flax import nnx
 import nybble
 from nybble import models
 from nybble.checkpoint import read_metadata
-from nybble.kernels import api
-from nybble.models.methods import AutoRound, get_quantization
-from nybble.models.zoo import load_named
+from nybble.kernels import backends, device
+from nybble.kernels.ops.matmul.xla import xla_matmul
+from nybble.models.evaluate.zoo import load_named
+from nybble.models.quantization.methods import AutoRound, get_quantization
 from nybble.quant.autoround import AutoRoundConfig
 from tests.kernel_checks import assert_within_rounding
 
@@ -75,7 +76,7 @@ def test_strings_stay_shorthand_for_the_same_configs():
     with pytest.raises(ValueError, match="unknown method 'awq'"):
         models.quantize(_tiny(), "awq")
     # AutoRoundConfig's fields ride along with the shorthand, as before.
-    from nybble.models.methods import method_config
+    from nybble.models.quantization.methods import method_config
 
     assert method_config("autoround", steps=7, start="gptq") == AutoRound(
         config=AutoRoundConfig(steps=7), start="gptq"
@@ -151,9 +152,18 @@ class _FakeGpu:
 @pytest.fixture
 def blackwell(monkeypatch):
     """A machine whose GPU is not a Hopper: the dispatcher sees a GPU and no sm_90 device."""
-    monkeypatch.setattr(api, "gpu_device", lambda: _FakeGpu())
-    monkeypatch.setattr(api, "hopper_device", lambda: None)
-    monkeypatch.setattr(api, "_WARNED", set())
+    monkeypatch.setattr(device, "gpu_device", lambda: _FakeGpu())
+    monkeypatch.setattr(device, "hopper_device", lambda: None)
+    monkeypatch.setattr(backends, "_WARNED", set())
+
+
+@pytest.fixture
+def cpu_machine(monkeypatch):
+    """A machine with no GPU, whatever runs the test: the dispatcher's view of a CPU-only host (on a Hopper
+    the same arguments would go to the kernel, which is not what these tests are about)."""
+    monkeypatch.setattr(device, "gpu_device", lambda: None)
+    monkeypatch.setattr(device, "hopper_device", lambda: None)
+    monkeypatch.setattr(backends, "_WARNED", set())
 
 
 def _weight(layout="wgmma_int4"):
@@ -180,7 +190,7 @@ def test_fallback_warns_once_per_reason_on_a_gpu_machine(blackwell):
     assert _fallback_warnings(x, qw) == [] and nybble.matmul(x, qw, implementation="xla").shape == (2, 128)
 
 
-def test_no_fallback_warning_on_a_cpu():
+def test_no_fallback_warning_on_a_cpu(cpu_machine):
     qw, x = _weight(), jnp.ones((2, 256), jnp.float32)
     assert _fallback_warnings(x, qw) == []
 
@@ -201,7 +211,7 @@ def test_xla_path_holds_no_float32_weight(layout, dtype):
     name = {jnp.bfloat16: "bf16", jnp.float16: "f16"}[dtype]
     for symmetric in (True, False):
         qw = nybble.quantize(w, group_size=128, symmetric=symmetric, layout=layout)
-        text = jax.jit(api.xla_matmul).lower(x, qw).as_text()
+        text = jax.jit(xla_matmul).lower(x, qw).as_text()
         values = set(re.findall(r"tensor<(\d+)x(\d+)x(\w+)>", text))
         sized = {(a, b, t) for a, b, t in values if {int(a), int(b)} == {k, n}}
         assert sized and {t for _, _, t in sized} <= {name, "i4", "i8", "i32", "ui32", "ui8"}, sized
@@ -209,13 +219,13 @@ def test_xla_path_holds_no_float32_weight(layout, dtype):
         moved = re.findall(r"stablehlo.transpose .*-> tensor<(\d+)x(\d+)x(bf16|f16|f32)>", text)
         assert not [m for m in moved if {int(m[0]), int(m[1])} == {k, n}], moved
         if symmetric:  # each weight rounded once to x's dtype (exactly: q * s has <= 12 bits)
-            assert_within_rounding(api.xla_matmul(x, qw), x, qw)
+            assert_within_rounding(xla_matmul(x, qw), x, qw)
 
 
 # ------------------------------------------------------------------------------- what runs here, and why
 
 
-def test_available_implementations_read_right():
+def test_available_implementations_read_right(cpu_machine):
     qw, x = _weight(), jnp.ones((2, 256), jnp.bfloat16)
     avail = nybble.kernels.available_implementations(x, qw)
     assert list(avail) == list(nybble.kernels.IMPLEMENTATIONS)
@@ -226,10 +236,10 @@ def test_available_implementations_read_right():
         assert nybble.kernels.available_implementations(x, qw)["mosaic_gpu"]
 
 
-def test_explain_says_what_runs_and_why():
+def test_explain_says_what_runs_and_why(cpu_machine):
     qw, x = _weight(), jnp.ones((16, 256), jnp.bfloat16)
     text = nybble.kernels.explain(x, qw)
-    assert "runs 'xla' (implementation=None)" in text and "dequantized to bfloat16 in the program" in text
+    assert "runs 'xla' (implementation=None)" in text and "dequantized to x's dtype in the program" in text
     assert "not 'mosaic_gpu': it needs a Hopper GPU" in text
     with nybble.kernels.interpret():
         text = nybble.kernels.explain(x, qw)

@@ -10,8 +10,8 @@ from test_gptq_model import CFG, tiny_model  # the same model: GPTQ's compilatio
 
 import nybble
 import nybble.models as nm
-from nybble.models.autoround import quantize_autoround
-from nybble.models.layers import QLinear
+from nybble.models.definitions.layers import QLinear
+from nybble.models.quantization.autoround import quantize_autoround
 
 OPTIONS = dict(steps=40, batch_size=2, chunk=20)
 

@@ -28,7 +28,7 @@ from bench.peers import (
     xla_int4_matmul,
 )
 from bench.timing import measure
-from nybble.kernels.api import hopper_device
+from nybble.kernels.device import hopper_device
 
 # ------------------------------------------------------------------------------------ counting
 

@@ -70,7 +70,7 @@ def test_one_eval_window_default():
     import inspect
     from pathlib import Path
 
-    from nybble.models.evaluate import DEFAULT_WINDOW, perplexity
+    from nybble.models.evaluate.measure import DEFAULT_WINDOW, perplexity
 
     assert build_parser().parse_args(["eval"]).window == DEFAULT_WINDOW == 256
     assert inspect.signature(perplexity).parameters["window"].default == DEFAULT_WINDOW
@@ -222,6 +222,6 @@ def test_errors_are_reported_not_raised(tmp_path, capsys):
 def test_help_names_on_a_core_install_match_the_zoo():
     """``--help`` without the models extra lists the named models from a literal: it must be the zoo's."""
     from nybble.__main__ import _NAMED_MODELS
-    from nybble.models.zoo import MODELS
+    from nybble.models.evaluate.zoo import MODELS
 
     assert _NAMED_MODELS == sorted(MODELS)

@@ -12,8 +12,7 @@ import pytest
 
 import nybble
 from nybble.kernels.gpu import GPUS, H100_SXM, H200, current_gpu, get_gpu, spec_for_device_kind
-from nybble.kernels.mosaic_gpu import TuningConfig, plan
-from nybble.kernels.mosaic_gpu import config as cfg
+from nybble.kernels.mosaic_gpu import TuningConfig, cost_model, heuristics, plan
 
 
 def test_specs_and_lookup():
@@ -36,9 +35,9 @@ def test_specs_and_lookup():
 def test_model_times_follow_the_spec():
     c = TuningConfig(tiles=2, tile_m=8, tile_k=256, slices=1, split_k=1, scales_on="accumulators")
     args = (c, 8, 4096, 4096, 128, False, 132)
-    h200 = cfg.modeled_times_us(*args)
-    h100 = cfg.modeled_times_us(*args, gpu=H100_SXM)
-    assert h200 == cfg.modeled_times_us(*args, gpu=H200)  # the default is the H200
+    h200 = cost_model.modeled_times_us(*args)
+    h100 = cost_model.modeled_times_us(*args, gpu=H100_SXM)
+    assert h200 == cost_model.modeled_times_us(*args, gpu=H200)  # the default is the H200
     assert h100["hbm"] == pytest.approx(h200["hbm"] * 4.8 / 3.35)
     assert h100["issue"] == h200["issue"] and h100["tensor"] == h200["tensor"]
     # HBM time by hand: codes + x + y + scales over 4.8 TB/s with every SM busy or a share of them.
@@ -51,24 +50,24 @@ def test_cost_model_coefficients_are_the_estimate():
     c = TuningConfig(tiles=1, tile_m=8, tile_k=128, slices=1, split_k=1, scales_on="weights")
     # One A tile, 128 deep, exact weights, refilling its own slots: (100 + 2 * 8 HGMMAs) / 64 weights a
     # thread + 0.875 + 0.125 + 1.0 (+0.03 with offsets).
-    assert cfg.estimated_instructions_per_weight(c, 128, False) == pytest.approx(
+    assert cost_model.estimated_instructions_per_weight(c, 128, False) == pytest.approx(
         0.875 + 0.125 + 116 / 64 + 1.0
     )
-    bigger = dataclasses.replace(cfg.COST_MODEL, step=164)
-    assert cfg.estimated_instructions_per_weight(c, 128, True, model=bigger) == pytest.approx(
+    bigger = dataclasses.replace(cost_model.COST_MODEL, step=164)
+    assert cost_model.estimated_instructions_per_weight(c, 128, True, model=bigger) == pytest.approx(
         0.875 + 0.125 + 180 / 64 + 1.03
     )
-    assert (cfg.DECODE_TIE, cfg.DECODE_IPW_GAIN) == (
-        cfg.COST_MODEL.decode_tie,
-        cfg.COST_MODEL.decode_ipw_gain,
+    assert (cost_model.DECODE_TIE, cost_model.DECODE_IPW_GAIN) == (
+        cost_model.COST_MODEL.decode_tie,
+        cost_model.COST_MODEL.decode_ipw_gain,
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.COST_MODEL.step = 1  # type: ignore[misc]
+        cost_model.COST_MODEL.step = 1  # type: ignore[misc]
 
 
 def test_rank_orders_like_its_fields():
-    a = cfg.Rank(0.0, 0.0, True, -1.7, 2, 256, 4, -1.71)
-    b = cfg.Rank(0.0, 0.0, False, -1.5, 4, 512, 8, -1.5)
+    a = heuristics.Rank(0.0, 0.0, True, -1.7, 2, 256, 4, -1.71)
+    b = heuristics.Rank(0.0, 0.0, False, -1.5, 4, 512, 8, -1.5)
     assert a > b  # hidden latency first
     assert a._replace(hidden=False) < b  # then fewer instructions
 
@@ -84,14 +83,15 @@ def test_ties_are_relative_to_the_fastest_time(monkeypatch):
         for n, k in ((4096, 4096), (28672, 4096), (4096, 14336), (576, 576))
         for g in (128, 32)
     ]
-    pick = cfg.heuristic_config.__wrapped__
+    pick = heuristics.heuristic_config.__wrapped__
     before = [pick(m, n, k, g) for m, n, k, g in problems]
-    unscaled = cfg.modeled_times_us
+    unscaled = cost_model.modeled_times_us
     monkeypatch.setattr(
-        cfg, "modeled_times_us", lambda *a, **kw: {p: 1000 * t for p, t in unscaled(*a, **kw).items()}
+        heuristics, "modeled_times_us", lambda *a, **kw: {p: 1000 * t for p, t in unscaled(*a, **kw).items()}
     )
     assert [pick(m, n, k, g) for m, n, k, g in problems] == before
-    assert cfg._steps_of(1.0004, 0.001) == cfg._steps_of(1.0, 0.001) != cfg._steps_of(1.0016, 0.001)
+    steps_of = heuristics._steps_of
+    assert steps_of(1.0004, 0.001) == steps_of(1.0, 0.001) != steps_of(1.0016, 0.001)
 
 
 def test_tag_names_every_field():

@@ -152,8 +152,10 @@ def test_side_by_side_of_measured_and_predicted(tmp_path):
     measured = {
         "config": {"model": "smollm2"},
         "machine": {"device": "cpu"},
-        "rows": [{"batch": 1, "float": {"tokens_per_s": 50.0}, "int4": {"tokens_per_s": 80.0}}]
-        + [{"batch": 16, "float": {"tokens_per_s": 400.0}, "int4": {"tokens_per_s": 500.0}}],
+        "rows": [
+            {"batch": 1, "float": {"tokens_per_s": 50.0}, "int4": {"tokens_per_s": 80.0}},
+            {"batch": 16, "float": {"tokens_per_s": 400.0}, "int4": {"tokens_per_s": 500.0}},
+        ],
     }
     predicted = {
         "meta": {"gpu": "h200", "context": 128},

@@ -9,7 +9,7 @@ import pytest
 
 import nybble
 import nybble.kernels.mosaic_gpu as mg
-import nybble.kernels.mosaic_gpu.api as mg_api
+import nybble.kernels.mosaic_gpu.dense as mg_api
 
 
 @pytest.fixture
@@ -57,3 +57,37 @@ def test_unsupported_arguments_fall_back_or_raise_after_one_check(count):
         with pytest.raises(NotImplementedError, match="float32"):
             jax.eval_shape(lambda x: nybble.matmul(x, qw, implementation="mosaic_gpu"), x)
     assert len(count) == 2
+
+
+@pytest.fixture
+def with_missing_backend(monkeypatch):
+    """The registry with a backend registered between the kernel and XLA whose module this build lacks
+    (as "triton" before its kernel lands): one line in BACKENDS."""
+    from nybble.kernels import backends
+
+    registry = {
+        "mosaic_gpu": backends.BACKENDS["mosaic_gpu"],
+        "absent": "nybble.kernels.no_such_backend",
+        "xla": backends.BACKENDS["xla"],
+    }
+    monkeypatch.setattr(backends, "BACKENDS", registry)
+    monkeypatch.setattr(backends, "IMPLEMENTATIONS", tuple(registry))
+    monkeypatch.setattr(backends, "_LOADED", {})
+
+
+def test_a_backend_missing_from_the_build_says_so(with_missing_backend):
+    qw = nybble.quantize(np.arange(256 * 128, dtype=np.float32).reshape(256, 128) % 7 - 3, group_size=64)
+    x = jnp.asarray(np.arange(4 * 256).reshape(4, 256) % 5 - 2, jnp.float32)
+    avail = nybble.kernels.available_implementations(x, qw)
+    assert list(avail) == ["mosaic_gpu", "absent", "xla"]
+    assert not avail["absent"] and "'absent' backend is not installed in this build" in avail["absent"].reason
+    assert "not 'absent': the 'absent' backend is not installed" in nybble.kernels.explain(x, qw)
+    # implementation=None passes it over; the result is XLA's, bit for bit.
+    from nybble.kernels.ops.matmul.xla import xla_matmul
+
+    np.testing.assert_array_equal(np.asarray(nybble.matmul(x, qw)), np.asarray(xla_matmul(x, qw)))
+    with pytest.raises(NotImplementedError, match=r"implementation='absent'\) cannot run: .*not installed"):
+        nybble.matmul(x, qw, implementation="absent")
+    sizes = jnp.asarray([2, 2], jnp.int32)
+    stack = jax.tree.map(lambda a: jnp.stack([a, a]), qw)
+    assert "not installed" in nybble.kernels.available_ragged_implementations(x, stack, sizes)["absent"]

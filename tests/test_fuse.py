@@ -1,5 +1,5 @@
-"""Fused projections (nybble.models.fuse): q/k/v and gate/up as one layer give the unfused numbers, generate
-keeps its greedy tokens (SmolLM2, the HF fixtures), and checkpoints stay per projection."""
+"""Fused projections (nybble.models.fuse_projections): q/k/v and gate/up as one layer give the unfused numbers,
+generate keeps its greedy tokens (SmolLM2, the HF fixtures), and checkpoints stay per projection."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from nybble.models import (
     save_model,
     unfuse_projections,
 )
-from nybble.models.fuse import FusedLinear, concat_columns, split_columns
-from nybble.models.llama import Llama
-from nybble.models.zoo import TINY_CONFIG
+from nybble.models.definitions.fuse import FusedLinear, concat_columns, split_columns
+from nybble.models.definitions.llama import Llama
+from nybble.models.evaluate.zoo import TINY_CONFIG
 from nybble.quant.rtn import quantize as quantize_weight
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"

@@ -1,4 +1,4 @@
-"""nybble.models.gguf_file reads what gguf.GGUFReader reads (metadata, tensor bytes), refuses bad files."""
+"""nybble.models.io.gguf_file reads what gguf.GGUFReader reads (metadata, tensor bytes), refuses bad files."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gguf
 import numpy as np
 import pytest
 
-from nybble.models.gguf_file import read_gguf
+from nybble.models.io.gguf_file import read_gguf
 
 
 def _finish(w):

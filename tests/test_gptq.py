@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import nybble
-from nybble.kernels.reference import reference_codes
+from nybble.kernels.ops.matmul.reference import reference_codes
 from nybble.quant.gptq import HessianAccumulator, gptq, hessian_from_inputs
 
 

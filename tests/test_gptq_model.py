@@ -7,9 +7,9 @@ import pytest
 from flax import nnx
 
 import nybble.models as nm
-from nybble.models.calibrate import calibration_batches, quantize_gptq
-from nybble.models.layers import QLinear
-from nybble.models.llama import Llama, LlamaConfig
+from nybble.models.definitions.layers import QLinear
+from nybble.models.definitions.llama import Llama, LlamaConfig
+from nybble.models.quantization.calibrate import calibration_batches, quantize_gptq
 
 CFG = LlamaConfig(
     vocab_size=96, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=4,

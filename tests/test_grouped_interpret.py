@@ -3,8 +3,8 @@
 Every kernel here is compared bit for bit with an exact reference: small-integer activations and
 weights whose every product and partial sum is exact in f32 (tests/kernel_checks.exact_weight), so the one
 rounding is y's, in kernel and reference alike. The reference is independent of the kernel: each group's
-rows times its expert's float64 weight (``nybble.kernels.reference``), zeros past the groups. Interpret
-mode fills fresh outputs with NaN, so an element never written fails. Kernels run under the
+rows times its expert's float64 weight (``nybble.kernels.ops.matmul.reference``), zeros past the groups.
+Interpret mode fills fresh outputs with NaN, so an element never written fails. Kernels run under the
 race detector and end on its verdict (``run``).
 """
 
@@ -28,7 +28,7 @@ from nybble.kernels.mosaic_gpu.grouped_config import (
     planned_rows,
 )
 from nybble.kernels.mosaic_gpu.interpret import interpret
-from nybble.kernels.reference import reference_dequantize
+from nybble.kernels.ops.matmul.reference import reference_dequantize
 from tests.kernel_checks import activations, exact_weight
 
 # Configs of each family, as the heuristics pick them at the MoE shapes (K slices at decode, a producer

@@ -11,6 +11,7 @@ which lowers it first; here, the lowering of the cases the gate does not cover (
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax
@@ -21,7 +22,8 @@ import pytest
 from bench.xray.cases import is_twin
 from bench.xray.heuristic_cases import grouped_heuristic_cases
 from bench.xray.moe_cases import MOE_SHAPES, TOKENS, abstract_weight, problems
-from nybble.kernels.mosaic_gpu.config import SMEM_BUDGET_BYTES, fits_smem
+from nybble.kernels.gpu import H100_SXM, H200
+from nybble.kernels.mosaic_gpu.config import SMEM_BUDGET_BYTES, fits_smem, smem_bytes
 from nybble.kernels.mosaic_gpu.grouped import grouped_matmul
 
 NUM_SMS = 132
@@ -71,8 +73,22 @@ def test_the_xray_gate_compiles_every_moe_kernel():
         assert fits_smem(config, group=128, has_offsets=not symmetric)
 
 
-def test_deepseek_v3_decode_lowers_over_256_experts():
-    lowered, _ = _lower(8, 256, 7168, 2048, 128, False)
+# DeepSeek-V3 decode over 256 experts (not an X-ray gate case); and where the gate does not run (`make
+# test-jax-latest`, NYBBLE_LOWER_GATE_KERNELS=1: the newest jax in the range, whose X-ray toolchain the
+# gate's baseline was not made with) every kernel of KERNELS too.
+_LOWERED = [
+    (8, 256, 7168, 2048, 128, False),
+    *(KERNELS.values() if os.environ.get("NYBBLE_LOWER_GATE_KERNELS") == "1" else ()),
+]
+
+
+@pytest.mark.parametrize(
+    "rows, experts, k, n, group, symmetric",
+    _LOWERED,
+    ids=[f"T{r}-E{e}-K{k}-N{n}-g{g}-{'sym' if s else 'asym'}" for r, e, k, n, g, s in _LOWERED],
+)
+def test_lowers_in_one_launch(rows, experts, k, n, group, symmetric):
+    lowered, _ = _lower(rows, experts, k, n, group, symmetric)
     _assert_one_launch(lowered)
 
 
@@ -84,8 +100,13 @@ def test_kernels_cover_both_regimes():
     assert all(c.split_k == 1 and c.persistent_ctas == 0 for c in configs)
 
 
-def test_smem_budget_is_the_dense_one():
-    assert SMEM_BUDGET_BYTES == 232448
+def test_grouped_kernels_fit_the_gpus_smem():
+    """The budget the heuristics prune by is the one the GPU spec states (the opt-in SMEM of one block on
+    H100 and H200), and every grouped kernel picked at the MoE shapes allocates no more than that."""
+    assert SMEM_BUDGET_BYTES == H200.smem_per_block_optin == H100_SXM.smem_per_block_optin
+    for config, _, symmetric in KERNELS:
+        used = smem_bytes(config, group=128, has_offsets=not symmetric)
+        assert 0 < used <= H200.smem_per_block_optin, (config, used)
 
 
 def test_on_cpu_outside_interpret_is_refused():

@@ -15,8 +15,8 @@ import pytest
 
 from nybble.__main__ import main
 from nybble.models import from_pretrained, quantize
-from nybble.models.hf.blockwise import quantize_directory_calibrated
-from nybble.models.hf.files import CheckpointDir
+from nybble.models.io.hf.blockwise import quantize_directory_calibrated
+from nybble.models.io.hf.files import CheckpointDir
 from nybble.quant.formats.hf_scheme import scheme_from_config
 from tests.hf_tiny import CFG, write_float_dir
 
@@ -70,7 +70,7 @@ def test_blockwise_autoround_equals_autoround_of_the_loaded_model(float_dir, tmp
 
 
 def test_cli_gptq_on_a_directory_goes_block_by_block(float_dir, tmp_path, capsys, monkeypatch):
-    from nybble.models.hf import blockwise
+    from nybble.models.io.hf import blockwise
 
     seen = {}
     real = blockwise.quantize_directory_calibrated

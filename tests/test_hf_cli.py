@@ -21,10 +21,10 @@ from flax import nnx
 import nybble
 from nybble.__main__ import main
 from nybble.models import from_pretrained, quantize, save_pretrained
-from nybble.models.hf.config import decoder_config_from_hf
-from nybble.models.hf.files import INDEX_NAME, CheckpointDir, read_header
-from nybble.models.hf.stream import quantize_directory
-from nybble.models.llama import Llama
+from nybble.models.definitions.llama import Llama
+from nybble.models.io.hf.config import decoder_config_from_hf
+from nybble.models.io.hf.files import INDEX_NAME, CheckpointDir, read_header
+from nybble.models.io.hf.stream import quantize_directory
 from nybble.quant.formats.hf_scheme import scheme_from_config
 from tests.hf_tiny import CFG, write_float_dir
 
@@ -128,7 +128,7 @@ def test_an_existing_output_is_refused_unless_overwrite(float_dir, tmp_path, cap
 
 
 def test_a_failure_midway_leaves_nothing(float_dir, tmp_path, monkeypatch):
-    from nybble.models.hf import stream
+    from nybble.models.io.hf import stream
 
     calls = []
 
@@ -218,7 +218,7 @@ def test_save_pretrained_round_trips_float_and_quantized(tmp_path):
 def test_the_benchmark_checkpoints_are_the_llamas_they_claim():
     """bench.checkpoints' synthetic directories: the tensors names.py expects, at ~0.5B and ~2B."""
     from bench.checkpoints import SIZES, llama_config, tensor_shapes
-    from nybble.models.hf.names import expected_shapes
+    from nybble.models.io.hf.names import expected_shapes
 
     counts = {}
     for size, layers in SIZES.items():
@@ -231,7 +231,7 @@ def test_the_benchmark_checkpoints_are_the_llamas_they_claim():
 
 def test_a_named_model_quantized_to_a_directory(tmp_path, capsys):
     """`--model tiny-random --format compressed-tensors --asymmetric`: integer zeros, read back exactly."""
-    from nybble.models.zoo import tiny_random
+    from nybble.models.evaluate.zoo import tiny_random
 
     out = tmp_path / "ct"
     argv = ["quantize", "--model", "tiny-random", "--format", "compressed-tensors", "--asymmetric"]

@@ -1,4 +1,4 @@
-"""nybble.models.hf.files: the lazy checkpoint-directory reader and the streaming sharded writer.
+"""nybble.models.io.hf.files: the lazy checkpoint-directory reader and the streaming sharded writer.
 
 References: the safetensors library's own readers (numpy for integer and float32 tensors, flax for bf16,
 which numpy lacks) read what ShardedWriter writes, and ShardedWriter's files are read back by CheckpointDir
@@ -20,7 +20,7 @@ from safetensors.flax import load_file as flax_load_file
 from safetensors.numpy import load_file as np_load_file
 from safetensors.numpy import save_file as np_save_file
 
-from nybble.models.hf.files import (
+from nybble.models.io.hf.files import (
     INDEX_NAME,
     SINGLE_NAME,
     CheckpointDir,
@@ -310,7 +310,7 @@ def test_get_reads_one_tensor_not_the_file(tmp_path, monkeypatch):
     ts = {f"w{i}": rng.standard_normal((64, 64)).astype(np.float32) for i in range(8)}
     _write(tmp_path / "ck", ts)
     ckpt = CheckpointDir(tmp_path / "ck")
-    from nybble.models.hf import files
+    from nybble.models.io.hf import files
 
     sizes: list[int] = []
 

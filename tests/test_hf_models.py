@@ -18,9 +18,9 @@ import pytest
 from jax.sharding import Mesh
 
 from nybble import models
-from nybble.models.hf import names
-from nybble.models.hf.config import ConfigError, decoder_config_from_hf, hf_config_for, read_config
-from nybble.models.hf.files import CheckpointError
+from nybble.models.io.hf import names
+from nybble.models.io.hf.config import ConfigError, decoder_config_from_hf, hf_config_for, read_config
+from nybble.models.io.hf.files import CheckpointError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 CHECKPOINTS = ["llama", "llama3", "llama32_rope_parameters", "mistral", "qwen2", "qwen3"]
@@ -317,7 +317,7 @@ def test_hf_config_for_inverts_the_mapping(loaded, name):
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_float_tensors_written_as_transformers_wrote_them(loaded, name):
     """names.float_hf_tensors of the loaded model gives back transformers' own tensors, bit for bit."""
-    from nybble.models.hf.files import CheckpointDir
+    from nybble.models.io.hf.files import CheckpointDir
 
     ckpt = CheckpointDir(FIXTURES / name)
     written = dict(names.float_hf_tensors(loaded[name]))

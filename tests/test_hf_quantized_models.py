@@ -21,9 +21,9 @@ from safetensors.numpy import save_file
 
 import nybble
 from nybble import models
-from nybble.models.hf import names
-from nybble.models.hf.files import CheckpointDir, CheckpointError
-from nybble.models.layers import QLinear
+from nybble.models.definitions.layers import QLinear
+from nybble.models.io.hf import names
+from nybble.models.io.hf.files import CheckpointDir, CheckpointError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 GROUP = 32

@@ -34,7 +34,7 @@ def _install_line(tmp_path: Path, *make_args: str, gpu: bool = True, cuda: str =
         timeout=60,
     )
     assert res.returncode == 0, res.stderr
-    (line,) = [x for x in res.stdout.splitlines() if "pip install -q -e" in x]
+    (line,) = [x for x in res.stdout.splitlines() if "pip install -q" in x and ' -e ".[' in x]
     return line
 
 
@@ -49,6 +49,21 @@ def _install_line(tmp_path: Path, *make_args: str, gpu: bool = True, cuda: str =
 )
 def test_cuda_extra_follows_the_gpu_and_driver(tmp_path, gpu, cuda, extras):
     assert _install_line(tmp_path, gpu=gpu, cuda=cuda).endswith(f'-e ".[{extras}]"')
+
+
+def test_install_pins_the_lower_end_of_the_jax_range(tmp_path):
+    """pyproject.toml allows a range of jax; `make install` (and so `make test`, CI's first step) installs
+    its lower end, the one the X-ray baseline was made with; `make test-jax-latest` the newest release."""
+    from nybble.jax_range import TESTED
+
+    assert f'"jax=={TESTED[0]}" "jaxlib=={TESTED[0]}" -e' in _install_line(tmp_path)
+    res = subprocess.run(
+        ["make", "-n", "-B", "test-jax-latest"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert res.returncode == 0, res.stderr
+    assert f'.venv-jax-latest/bin/python -m pip install -q "jax=={TESTED[1]}" "jaxlib=={TESTED[1]}" -e' in (
+        res.stdout
+    )
 
 
 def test_cuda_extra_can_be_chosen(tmp_path):
@@ -78,6 +93,6 @@ def test_only_the_xray_targets_install_the_xray_toolchain(tmp_path):
 
     for target in ("bench", "install", "quickstart"):
         out = plan(target)
-        assert "pip install -q -e" in out and "nybble-xray" not in out, target
+        assert ' -e ".[' in out and "nybble-xray" not in out, target
     for target in ("xray", "xray-install", "test"):
         assert "--target .venv/nybble-xray" in plan(target), target

@@ -10,7 +10,7 @@ Where it runs (the pytest header says which; see ``gpu_tests_mode`` in tests/ker
     take hours);
   * ``NYBBLE_GPU_TESTS_REQUIRE_GPU=1`` (bench/gpu_check.sh sets it): the module refuses to be collected
     unless a Hopper GPU runs it, so a GPU check never passes on interpret mode;
-  * ``NYBBLE_GPU_TESTS_INJECT=<bug>`` (one of ``nybble.kernels.mosaic_gpu.faults.BUGS``): the kernel is
+  * ``NYBBLE_GPU_TESTS_INJECT=<bug>`` (one of ``tests/kernel_faults.BUGS``): the kernel is
     broken on purpose and the run must fail, which proves these tests catch such a bug.
 
 What is checked:
@@ -42,9 +42,10 @@ import nybble
 from bench.arg_specs import M_SWEEP, SHAPES
 from bench.xray.heuristic_cases import heuristic_cases
 from nybble.kernels import available_implementations, interpret
-from nybble.kernels.mosaic_gpu import TuningConfig, faults, mosaic_gpu_matmul, plan
-from nybble.kernels.reference import reference_dequantize, rounding_bound
+from nybble.kernels.mosaic_gpu import TuningConfig, mosaic_gpu_matmul, plan
+from nybble.kernels.ops.matmul.reference import reference_dequantize, rounding_bound
 from nybble.packing import padded_weight_dims
+from tests import kernel_faults as faults
 from tests.kernel_checks import (
     activations,
     assert_exact,
@@ -70,7 +71,7 @@ if INJECT is not None and INJECT not in faults.BUGS:
 
 @pytest.fixture(autouse=True, scope="module")
 def _bug_injection():
-    """NYBBLE_GPU_TESTS_INJECT: every kernel of this module traced with that bug (faults.py)."""
+    """NYBBLE_GPU_TESTS_INJECT: every kernel of this module traced with that bug (tests/kernel_faults.py)."""
     if INJECT is None:
         yield
         return

@@ -2,7 +2,8 @@
 
 Numerics only (lowering for CUDA is tests/test_kernel_lowering.py, the SASS is tests/test_xray.py). Every
 kernel run here:
-  * is compared with the one float64 reference (nybble.kernels.reference, through tests/kernel_checks.py):
+  * is compared with the one float64 reference (nybble.kernels.ops.matmul.reference, through
+    tests/kernel_checks.py):
     element by element within the rounding bound of its scale route on random data, and bit-exactly on
     small-integer data (integer x, power-of-two scales, quarter offsets: every product and partial sum is
     exact in f32 in both scale routes, so the only rounding is the final one, the same in kernel and
@@ -29,26 +30,28 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import nybble.kernels.mosaic_gpu as mg
 from bench.xray.heuristic_cases import heuristic_cases
-from nybble.kernels.mosaic_gpu import dequant_registers, faults, pipeline, split_k
+from bench.xray.launch import threads
+from nybble.kernels.mosaic_gpu import dequant_registers, pipeline, split_k
 from nybble.kernels.mosaic_gpu import interpret as mgpu_interpret
 from nybble.kernels.mosaic_gpu.common import folds_bias
-from nybble.kernels.mosaic_gpu.config import (
-    DECODE_IPW_GAIN,
-    DECODE_TIE,
-    TuningConfig,
-    estimated_instructions_per_weight,
-    heuristic_config,
-    modeled_time_us,
-    modeled_times_us,
-)
+from nybble.kernels.mosaic_gpu.config import TuningConfig
 from nybble.kernels.mosaic_gpu.config import (
     folds_bias as folds_bias_config,
 )
-from nybble.kernels.reference import reference_dequantize, rounding_bound
-from nybble.kernels.xla import xla_matmul
+from nybble.kernels.mosaic_gpu.cost_model import (
+    DECODE_IPW_GAIN,
+    DECODE_TIE,
+    estimated_instructions_per_weight,
+    modeled_time_us,
+    modeled_times_us,
+)
+from nybble.kernels.mosaic_gpu.heuristics import heuristic_config
+from nybble.kernels.ops.matmul.reference import reference_dequantize, rounding_bound
+from nybble.kernels.ops.matmul.xla import xla_matmul
 from nybble.packing import get_layout, padded_weight_dims
 from nybble.packing.fragments import pack_wgmma_int4
 from nybble.quant import QuantizedWeight, relayout
+from tests import kernel_faults as faults
 from tests.kernel_checks import (
     activations,
     assert_exact,
@@ -358,7 +361,7 @@ def test_producer_warpgroup_exact(m, config, group, symmetric):
     rng = np.random.default_rng([m, config.tiles, symmetric])
     k = (config.max_concurrent_steps + 1) * config.k_span() * config.split_k  # one step past the slots
     qw = exact_weight(rng, k, 2 * config.cta_rows, group, symmetric)
-    assert mg.plan(m, qw, config=config).threads == 256
+    assert threads(mg.plan(m, qw, config=config)) == 256
     _check(activations(rng, m, k, exact=True), qw, config, exact=True)
 
 
@@ -773,12 +776,12 @@ _BUG_CONFIG = TuningConfig(tiles=1, tile_m=16, tile_k=128, max_concurrent_steps=
     ids=["last-n-tile", "split-k4", "scale-row-g64", "scale-row-g256", "asym-bf16"],
 )
 def test_injected_bugs_change_exactly_what_they_name(bug, config, k, group, symmetric):
-    """Each deliberate bug of faults.py (the GPU tests' proof that they fail) turns the bit-exact result
-    into the float64 reference of the mistake it names, so that an injected run on the GPU fails for that
-    reason: the last N tile zero; the last of 4 K partitions left out (x zero there); the last step's
-    scale rows read from the step before (groups of 64: rows 4, 5 from 2, 3; of 256: group 2 from 1);
-    the accumulator route's offset term rounded to bf16 (not exact; the symmetric weight, without
-    offsets, stays exact). The same kernel without the bug is exact (the tests above)."""
+    """Each deliberate bug of tests/kernel_faults.py (the GPU tests' proof that they fail) turns the
+    bit-exact result into the float64 reference of the mistake it names, so that an injected run on the
+    GPU fails for that reason: the last N tile zero; the last of 4 K partitions left out (x zero there);
+    the last step's scale rows read from the step before (groups of 64: rows 4, 5 from 2, 3; of 256:
+    group 2 from 1); the accumulator route's offset term rounded to bf16 (not exact; the symmetric
+    weight, without offsets, stays exact). The same kernel without the bug is exact (the tests above)."""
     rng = np.random.default_rng(len(bug) + k)
     m, n = 5, 2 * config.cta_rows
     qw = exact_weight(rng, k, n, group, symmetric)

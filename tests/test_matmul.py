@@ -9,7 +9,7 @@ import pytest
 
 import nybble
 from nybble.kernels import available_implementations, reference_matmul, relative_error
-from nybble.kernels.api import hopper_device
+from nybble.kernels.device import hopper_device
 from tests.kernel_checks import assert_kernel_within_rounding, assert_within_rounding
 
 ON_HOPPER = hopper_device() is not None

@@ -11,7 +11,7 @@ from flax import nnx
 
 from bench import model_bench
 from nybble.models import quantize
-from nybble.models.zoo import tiny_random
+from nybble.models.evaluate.zoo import tiny_random
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_main_writes_json_and_markdown(tmp_path, capsys):
 
 
 def test_main_without_weights_writes_reason_and_exits_3(tmp_path, monkeypatch, capsys):
-    from nybble.models import zoo
+    from nybble.models.evaluate import zoo
 
     def missing(dtype):
         raise ImportError("SmolLM2 weights not found")

@@ -183,11 +183,11 @@ def test_gptq_dispatches_to_calibrate(monkeypatch):
         calls.update(kwargs)
         return model, QuantizationReport(method="gptq")
 
-    monkeypatch.setattr(nybble.models.adapter, "quantize_gptq", quantize_gptq)
+    monkeypatch.setattr(nybble.models.quantization.adapter, "quantize_gptq", quantize_gptq)
     model = _tiny()
     calib = np.zeros((2, 8), np.int32)
     assert quantize(model, method="gptq", calibration=calib, group_size=64, progress=False) is model
-    assert calls["calibration"] is calib and calls["group_size"] == 64 and calls["symmetric"]
+    assert calls["calibration"] is calib and calls["format"] == nybble.QuantFormat(group_size=64)
     assert calls["act_order"] and calls["refit_scales"]  # GPTQ()'s defaults, from one place
 
 

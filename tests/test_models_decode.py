@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from nybble.models import QLinear, generate, quantize
-from nybble.models.llama import KVCache
-from nybble.models.zoo import TINY_CONFIG, tiny_random
+from nybble.models.definitions.llama import KVCache
+from nybble.models.evaluate.zoo import TINY_CONFIG, tiny_random
 
 
 def _ids(batch: int, length: int, seed: int = 0) -> np.ndarray:

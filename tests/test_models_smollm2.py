@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 import nybble
-from nybble.kernels.reference import reference_dequantize
+from nybble.kernels.ops.matmul.reference import reference_dequantize
 from nybble.models import QLinear, eval_text, generate, perplexity, quantize, smollm2
-from nybble.models.gguf_llama import unpermute_rotary
+from nybble.models.io.gguf_llama import unpermute_rotary
 
 pytestmark = pytest.mark.slow
 

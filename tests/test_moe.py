@@ -8,7 +8,7 @@ from flax import nnx
 
 import nybble
 from nybble import models
-from nybble.models.moe import Experts, MoE, MoEConfig, QExperts, route, sort_by_expert
+from nybble.models.definitions.moe import Experts, MoE, MoEConfig, QExperts, route, sort_by_expert
 from nybble.ops import available_ragged_implementations
 from nybble.quant.stacked import num_experts, unstack_weight
 

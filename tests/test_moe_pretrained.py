@@ -13,10 +13,10 @@ import pytest
 
 import nybble
 from nybble import models
-from nybble.models.hf.config import ConfigError, decoder_config_from_hf, hf_config_for, read_config
-from nybble.models.hf.files import CheckpointError
-from nybble.models.hf.pretrained import from_pretrained
-from nybble.models.moe import MoE, QExperts
+from nybble.models.definitions.moe import MoE, QExperts
+from nybble.models.io.hf.config import ConfigError, decoder_config_from_hf, hf_config_for, read_config
+from nybble.models.io.hf.files import CheckpointError
+from nybble.models.io.hf.pretrained import from_pretrained
 from nybble.quant.stacked import num_experts
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "moe"
@@ -114,7 +114,7 @@ def test_compressed_tensors_experts_load_as_stacked_int4():
 
 @pytest.mark.parametrize("fmt", [None, "compressed-tensors"])
 def test_save_pretrained_round_trip(tmp_path, fmt):
-    from nybble.models.hf.save import save_pretrained
+    from nybble.models.io.hf.save import save_pretrained
 
     d = FIXTURES / "qwen3_moe"
     model = from_pretrained(d, dtype=jnp.float32)
@@ -142,7 +142,7 @@ def test_save_pretrained_round_trip(tmp_path, fmt):
 def test_streamed_quantize_of_an_moe_directory(tmp_path):
     # The streaming quantizer (nybble quantize --model DIR) takes every expert's linear, keeps the router
     # float; from_pretrained reads the experts back as stacks equal to nybble.quantize of each expert.
-    from nybble.models.hf.stream import quantize_directory
+    from nybble.models.io.hf.stream import quantize_directory
 
     d = FIXTURES / "qwen3_moe"
     out = tmp_path / "int4"

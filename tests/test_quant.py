@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import nybble
-from nybble.kernels.reference import reference_codes, reference_dequantize
+from nybble.kernels.ops.matmul.reference import reference_codes, reference_dequantize
 from nybble.quant.qweight import expand_groups
 
 GROUPS = [None, 16, 32, 64, 128, 256]
@@ -356,13 +356,15 @@ def test_clip_search_picks_the_best_factor_of_the_documented_grid(symmetric):
 def test_group_params_default_is_the_plain_rule(symmetric):
     """``group_params`` without ``clip_search`` (as AutoRound's start calls it) is the documented rule, with
     no range shrink, even where a shrink would lower the error (an outlier per column)."""
+    from nybble.quant.qformat import QuantFormat
     from nybble.quant.rtn import group_params
 
     rng = np.random.default_rng(12)
     w = rng.standard_normal((64, 32))
     w[5] = 9.0
     scales, offsets = group_params(
-        jnp.asarray(w, jnp.float32).reshape(2, 32, 32), jnp.ones((2, 32, 1), bool), symmetric, jnp.float32
+        jnp.asarray(w, jnp.float32).reshape(2, 32, 32), jnp.ones((2, 32, 1), bool),
+        QuantFormat(symmetric=symmetric, scale_dtype=jnp.float32),
     )
     want_s, want_o = _rule_params(w.astype(np.float32), 32, symmetric)
     np.testing.assert_allclose(np.asarray(scales), want_s, rtol=1e-6)

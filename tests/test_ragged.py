@@ -1,6 +1,7 @@
 """Stacked expert weights and nybble.ragged_matmul: exact small-integer references, HLO buffers, refusals."""
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -8,8 +9,8 @@ import numpy as np
 import pytest
 
 import nybble
-from nybble.kernels import reference_dequantize
-from nybble.kernels.xla_ragged import row_window, xla_ragged_matmul
+from nybble.kernels import backends, device, reference_dequantize, reference_ragged_matmul
+from nybble.kernels.ops.ragged_matmul.xla import row_window, xla_ragged_matmul
 from nybble.ops import available_ragged_implementations
 from nybble.packing import get_layout
 from nybble.quant.stacked import num_experts, stack_weights, unstack_weight
@@ -53,16 +54,20 @@ def _sparse_x(m, k, *, nonzeros=6, seed=1, dtype=jnp.float32):
 
 
 def _reference(x, qw, sizes):
-    """float64 on the host: each expert dequantized by nybble.kernels.reference (numpy only), row by row."""
-    x = np.asarray(x, np.float64)
-    k, n = qw.shape
-    y = np.zeros((x.shape[0], n))
-    start = 0
-    for e, size in enumerate(sizes):
-        w = reference_dequantize(unstack_weight(qw, e))[:k, :n]
-        y[start : start + size] = x[start : start + size] @ w
-        start += size
-    return y
+    """float64 on the host: each expert dequantized by the dense op's reference (numpy only), row by row."""
+    return reference_ragged_matmul(x, qw, sizes)
+
+
+def test_the_reference_multiplies_each_group_by_its_expert():
+    """reference_ragged_matmul: rows 0-1 times expert 0, none for expert 1, rows 2-4 times expert 2 (each
+    dequantized by the dense reference), row 5 past the groups zero; bad sizes are refused."""
+    qw = _small_int_stack(3, 64, 64, seed=16)
+    w = [reference_dequantize(unstack_weight(qw, e)) for e in range(3)]
+    x = np.arange(6 * 64, dtype=np.float64).reshape(6, 64) % 5 - 2
+    y = reference_ragged_matmul(x, qw, [2, 0, 3])
+    np.testing.assert_array_equal(y, np.concatenate([x[:2] @ w[0], x[2:5] @ w[2], np.zeros((1, 64))]))
+    with pytest.raises(ValueError, match="must be >= 0 and sum to <= 6"):
+        reference_ragged_matmul(x, qw, [4, 3, 0])
 
 
 # Group sizes: zeros among them, one expert holding every row, rows not a multiple of any tile (13, 37),
@@ -254,3 +259,51 @@ def test_gptq_of_a_stack_is_per_expert():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match=r"one Hessian per expert, \(E, K, K\)"):
         nybble.quant.gptq(w, np.eye(64, dtype=np.float32), group_size=32)
+
+
+class _NotHopper:
+    device_kind = "NVIDIA B200"
+    compute_capability = "10.0"
+
+
+def test_fallback_warns_once_per_reason_on_a_gpu_machine(monkeypatch):
+    """As nybble.matmul: on a GPU that is not a Hopper, implementation=None says once per reason that it
+    runs XLA; a forced XLA says nothing."""
+    monkeypatch.setattr(device, "gpu_device", lambda: _NotHopper())
+    monkeypatch.setattr(device, "hopper_device", lambda: None)
+    monkeypatch.setattr(backends, "_WARNED", set())
+    qw = _small_int_stack(2, 64, 64, seed=14)
+    x, gs = jnp.ones((4, 64), jnp.bfloat16), jnp.asarray([1, 3], jnp.int32)
+
+    def warned(x, **kw):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            nybble.ragged_matmul(x, qw, gs, **kw)
+        return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+    (first,) = warned(x)
+    assert "nybble.ragged_matmul: running the XLA path" in first and "NVIDIA B200" in first
+    assert warned(x) == []
+    (f32,) = warned(x.astype(jnp.float32))
+    assert "x has dtype float32" in f32
+    assert warned(x.astype(jnp.float16), implementation="xla") == []
+
+
+def test_kernel_plans_for_the_devices_sm_count(monkeypatch):
+    """The grouped kernel's heuristics get the SM count the device reports (here 78), as the dense one's."""
+    from nybble.kernels.mosaic_gpu import grouped
+
+    seen = []
+    real = grouped.grouped_matmul
+
+    def spy(*args, num_sms, **kwargs):
+        seen.append(num_sms)
+        return real(*args, num_sms=num_sms, **kwargs)
+
+    monkeypatch.setattr(grouped, "grouped_matmul", spy)
+    monkeypatch.setattr(device, "num_sms", lambda: 78)
+    qw = _small_int_stack(2, 64, 64, seed=15)
+    x, gs = jax.ShapeDtypeStruct((4, 64), jnp.bfloat16), jnp.asarray([1, 3], jnp.int32)
+    with nybble.kernels.interpret():
+        out = jax.eval_shape(lambda x: nybble.ragged_matmul(x, qw, gs), x)
+    assert out.shape == (4, 64) and seen == [78]

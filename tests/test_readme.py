@@ -1,9 +1,11 @@
 """Every code block of the README runs (python) or names real targets, extras and flags (shell).
 
 The python blocks run as they are, each in a fresh interpreter in an empty folder, so a renamed function or
-a missing import in the README fails here. Shell blocks are not run (they install packages and start the
-benchmark); each of their lines is checked instead: ``make`` targets exist in the Makefile, ``pip`` extras
-exist in pyproject.toml, ``python -m nybble`` / ``python -m bench`` arguments parse.
+a missing import in the README fails here. A python block followed by "prints" and a text block must
+print exactly those lines (a line ending in "..." matches any line that starts with the text before it).
+Shell blocks are not run (they install packages and start the benchmark); each of their lines is checked
+instead: ``make`` targets exist in the Makefile, ``pip`` extras exist in pyproject.toml, ``python -m
+nybble`` / ``python -m bench`` arguments parse.
 """
 
 from __future__ import annotations
@@ -33,6 +35,18 @@ def _blocks(lang: tuple[str, ...]) -> list[tuple[int, str]]:
 
 
 PYTHON = _blocks(("python",))
+# "prints" after a python block, then a text block: what that block prints.
+PRINTS = re.compile(r"^```python\n(.*?)^```\n\s*prints\s*\n\s*```text\n(.*?)^```", re.MULTILINE | re.DOTALL)
+SHOWN = {code: shown for code, shown in PRINTS.findall(README)}
+
+
+def matches_shown(printed: str, shown: str) -> bool:
+    """Whether ``printed`` is ``shown`` line for line, a shown line ending in "..." matching any line that
+    starts with what comes before the dots."""
+    got, want = printed.rstrip("\n").splitlines(), shown.rstrip("\n").splitlines()
+    return len(got) == len(want) and all(
+        g.startswith(w[:-3]) if w.endswith("...") else g == w for g, w in zip(got, want, strict=True)
+    )
 SHELL = _blocks(("bash", "sh", "shell"))
 
 
@@ -44,6 +58,19 @@ def test_python_block_runs(tmp_path, line, code):
         [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
     assert res.returncode == 0, f"README.md:{line} failed:\n{res.stderr[-4000:]}"
+    if code in SHOWN:
+        assert matches_shown(res.stdout, SHOWN[code]), (
+            f"README.md:{line} prints\n{res.stdout}\nbut the README shows\n{SHOWN[code]}"
+        )
+
+
+def test_shown_outputs_are_compared():
+    """The blocks with a "prints" text block are found (a README edit that breaks the pattern fails here),
+    and the comparison can fail: a changed digit, a missing line and a wrong prefix do not match."""
+    assert len(SHOWN) >= 2 and all(code in dict((c, 1) for _, c in PYTHON) for code in SHOWN)
+    assert matches_shown("93.4761\n", "93.476...\n") and matches_shown("a\nb\n", "a\nb")
+    assert not matches_shown("93.5761\n", "93.476...\n")
+    assert not matches_shown("a\n", "a\nb\n") and not matches_shown("a\nc\n", "a\nb\n")
 
 
 def _makefile_targets() -> set[str]:

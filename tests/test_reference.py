@@ -1,5 +1,5 @@
-"""The float64 reference itself (nybble/kernels/reference.py): hand-computed cases, and agreement with
-nybble.dequantize, which shares no code with it."""
+"""The float64 reference itself (nybble/kernels/ops/matmul/reference.py): hand-computed cases, and agreement
+with nybble.dequantize, which shares no code with it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import nybble
-from nybble.kernels.reference import (
+from nybble.kernels.ops.matmul.reference import (
     reference_codes,
     reference_dequantize,
     reference_matmul,

@@ -17,8 +17,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import nybble
 from bench.kernel_xray import hlo
 from nybble.kernels import mosaic_gpu
-from nybble.kernels.mosaic_gpu.api import SUPPORTED_LAYOUTS
-from nybble.models.placement import ShardRule, array_spec, decide
+from nybble.kernels.mosaic_gpu.dense import SUPPORTED_LAYOUTS
+from nybble.models.placement.shard import ShardRule, array_spec, decide
 from nybble.packing import LAYOUTS, get_layout
 from nybble.sharding import (
     SPLITS,
@@ -123,7 +123,7 @@ def test_shards_dequantize_to_the_slices_of_the_weight(layout, split, group_size
         if layout in SUPPORTED_LAYOUTS:  # kernel-ready: the kernel plans a launch for the shard
             for m in (1, 2048):
                 p = mosaic_gpu.plan(m, local)
-                assert (p.k_pad, p.n_pad) == local.padded_shape and p.ctas >= 1
+                assert (p.k_pad, p.n_pad) == local.padded_shape and p.config.ctas(p.m, p.n_pad) >= 1
 
 
 def test_row_shards_sum_to_the_product():

@@ -1,4 +1,4 @@
-"""End-to-end tuning of group scales and offsets (``nybble.models.tune``) on tiny models."""
+"""End-to-end tuning of group scales and offsets (``nybble.models.quantization.tune``) on tiny models."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 import nybble
-from nybble.models.layers import QLinear
-from nybble.models.tune import float_logits, tune_group_params
+from nybble.models.definitions.layers import QLinear
+from nybble.models.quantization.tune import float_logits, tune_group_params
 
 VOCAB, DIM, GROUP = 48, 64, 32
 

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.arg_specs import M_SWEEP, SHAPES  # noqa: E402
-from nybble.kernels.mosaic_gpu.config import TuningConfig, heuristic_config  # noqa: E402
+from nybble.kernels.mosaic_gpu.config import TuningConfig  # noqa: E402
+from nybble.kernels.mosaic_gpu.heuristics import heuristic_config  # noqa: E402
 from nybble.packing import padded_weight_dims  # noqa: E402
 
 PATH = ROOT / "tests" / "fixtures" / "golden_picks" / "picks.json"

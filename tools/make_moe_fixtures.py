@@ -1,9 +1,11 @@
 """Writes tests/fixtures/moe/: tiny random Mixtral and Qwen3-MoE checkpoints and transformers' logits.
 
 The independent reference of ``tests/test_moe_pretrained.py``. Run by hand in the torch environment of
-tools/make_hf_fixtures.py (torch CPU, transformers 5.x, tokenizers), never nybble's own::
+tools/make_hf_fixtures.py (torch CPU, transformers 5.x, tokenizers), never nybble's own; made outside the
+repository with::
 
-    /work/hfenv/bin/python tools/make_moe_fixtures.py
+    python3 -m venv ~/hfenv && ~/hfenv/bin/pip install torch transformers tokenizers
+    ~/hfenv/bin/python tools/make_moe_fixtures.py
 
 It does not import nybble. Re-running rewrites the fixtures (seeded). For each ``tests/fixtures/moe/<name>/``
 (2 layers, hidden 64, 4 experts, top-2, vocab 320; norms and router random and large enough that routing is

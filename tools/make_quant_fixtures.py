@@ -1,12 +1,14 @@
 """Writes tests/fixtures/quant/: quantized linears packed by the libraries that own each format.
 
-Run by hand, once, in the torch virtual environment (never by the tests, which read only the files):
+Run by hand, once, in a torch virtual environment made outside the repository (never by the tests, which
+read only the files)::
 
-    /work/hfenv/bin/python tools/make_quant_fixtures.py [OUT_DIR]
+    python3 -m venv ~/hfenv && ~/hfenv/bin/pip install torch compressed-tensors transformers
+    ~/hfenv/bin/pip install --no-deps auto-round autoawq && ~/hfenv/bin/pip install py-cpuinfo datasets
+    ~/hfenv/bin/python tools/make_quant_fixtures.py [OUT_DIR]
 
-Needs torch, compressed-tensors, transformers, auto-round and AutoAWQ (``pip install compressed-tensors
-transformers``, ``pip install --no-deps auto-round autoawq`` plus ``py-cpuinfo datasets``: all of it pure
-Python on a CPU). GPTQModel and AutoGPTQ need a CUDA build, so auto-round's GPTQ packers stand in. The
+Needs torch, compressed-tensors, transformers, auto-round and AutoAWQ (all of it pure Python on a CPU).
+GPTQModel and AutoGPTQ need a CUDA build, so auto-round's GPTQ packers stand in. The
 versions used are recorded in ``OUT_DIR/versions.json``. Everything is seeded: a rerun writes the same
 tensors.
 

@@ -3,7 +3,7 @@ cover that module, and report the mutants no test kills.
 
     .venv/bin/python tools/mutate.py                 # every target module (CPU heavy: hours on 2 cores)
     .venv/bin/python tools/mutate.py --list          # the mutants only
-    .venv/bin/python tools/mutate.py --module nybble/kernels/xla.py --out /tmp/mutants.jsonl
+    .venv/bin/python tools/mutate.py --module nybble/kernels/ops/matmul/xla.py --out /tmp/mutants.jsonl
     .venv/bin/python tools/mutate.py --module nybble/kernels/mosaic_gpu/split_k.py --sample 3
 
 Each mutant is made on the module's syntax tree (``ast``) and written, unparsed, into a scratch copy of
@@ -43,7 +43,7 @@ TARGETS: dict[str, list[str]] = {
     "nybble/packing/padding.py": ["tests/test_packing.py", "tests/test_quant.py"],
     "nybble/quant/qweight.py": ["tests/test_reference.py", "tests/test_quant.py", "tests/test_matmul.py"],
     "nybble/quant/rtn.py": ["tests/test_quant.py"],
-    "nybble/kernels/xla.py": ["tests/test_matmul.py"],
+    "nybble/kernels/ops/matmul/xla.py": ["tests/test_matmul.py"],
     # The Mosaic GPU kernel's modules, killed in GPU interpret mode (race detector on) on the CPU: the bit
     # operations' twins first (no kernel), then bit-exact kernels over both routes, K slices, split-K, the
     # producer, partial last groups and offsets. Minutes a mutant: sample them (--sample).

@@ -2,7 +2,7 @@
 
 The fields are those of the published config.json of each checkpoint (meta-llama/Meta-Llama-3-8B,
 meta-llama/Meta-Llama-3-70B, Qwen/Qwen3-30B-A3B), reduced to what the decoder reads;
-``nybble.models.hf.config.decoder_config_from_hf`` turns them into a ``LlamaConfig`` as ``from_pretrained``
+``nybble.models.io.hf.config.decoder_config_from_hf`` turns them into a ``LlamaConfig`` as ``from_pretrained``
 would. ``tiny-llama`` and ``tiny-moe`` are small stand-ins for tests.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from nybble.models.llama import LlamaConfig
+from nybble.models.definitions.llama import LlamaConfig
 
 _LLAMA3 = {
     "model_type": "llama",
@@ -85,7 +85,7 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
 
 def config_for(name: str, num_layers: int | None = None) -> LlamaConfig:
     """The ``LlamaConfig`` of a model of :data:`HF_CONFIGS`, optionally cut to ``num_layers`` layers."""
-    from nybble.models.hf.config import decoder_config_from_hf
+    from nybble.models.io.hf.config import decoder_config_from_hf
 
     if name not in HF_CONFIGS:
         raise ValueError(f"unknown model {name!r} for bench.decode; known: {sorted(HF_CONFIGS)}")

@@ -32,7 +32,7 @@ def abstract_model(cfg: Any, weights: str, *, fused: bool = False, int4_lm_head:
     from flax import nnx
 
     from nybble.models import QuantRule, quantize
-    from nybble.models.llama import Llama
+    from nybble.models.definitions.llama import Llama
 
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
@@ -43,7 +43,7 @@ def abstract_model(cfg: Any, weights: str, *, fused: bool = False, int4_lm_head:
             rules = [QuantRule(pattern=r"(^|\.)lm_head$")] if int4_lm_head else None
             quantize(model, group_size=GROUP_SIZE, symmetric=True, rules=rules, progress=False)
         if fused:
-            from nybble.models.fuse import fuse_projections
+            from nybble.models.definitions.fuse import fuse_projections
 
             fuse_projections(model)
         return model
@@ -70,8 +70,8 @@ def abstract_step(
     import jax.numpy as jnp
     from flax import nnx
 
-    from nybble.models.evaluate import decode_step
-    from nybble.models.llama import KVCache
+    from nybble.models.definitions.llama import KVCache
+    from nybble.models.evaluate.measure import decode_step
 
     if batch < 1 or context < 1:
         raise ValueError(f"batch ({batch}) and context ({context}) must be positive")

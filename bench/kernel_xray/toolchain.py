@@ -79,6 +79,12 @@ def cache_dir() -> Path:
     return Path(base) / "nybble"
 
 
+def plugin_version(site: Path) -> str | None:
+    """The version of jax's CUDA plugin installed in ``site`` (from its dist-info), or None."""
+    found = sorted(site.glob("jax_cuda12_plugin-*.dist-info"))
+    return found[-1].name.removeprefix("jax_cuda12_plugin-").removesuffix(".dist-info") if found else None
+
+
 def _find_in(site: Path) -> Toolchain | None:
     plugin = site / "jax_plugins" / "xla_cuda12" / "__init__.py"
     ptxas = site / "nvidia" / "cuda_nvcc" / "bin" / "ptxas"
@@ -109,10 +115,26 @@ def find_toolchain() -> Toolchain:
         site = Path(next(iter(nvcc.submodule_search_locations))).parent.parent
         if (found := _find_in(site)) is not None:
             return dataclasses.replace(found, site=None)
+    import jax
+
+    # The plugin must be the running jax's own release (each jax of nybble's range has its toolchain: `make
+    # xray` the pinned one's, `make xray-jax-latest` the newest's); another one's is passed over, named.
+    other = []
     for site in _site_candidates():
-        if (found := _find_in(site)) is not None:
+        if (found := _find_in(site)) is None:
+            continue
+        version = plugin_version(site)
+        if version in (None, jax.__version__):
             return found
+        other.append(f"{site} (jax-cuda12-plugin {version})")
     looked = ", ".join(str(p) for p in _site_candidates())
+    if other:
+        raise ToolchainMissing(
+            f"the kernel X-ray runs with jax {jax.__version__} but found only the toolchain of another jax "
+            f"in {', '.join(other)}: install the xray extra's packages with jax-cuda12-plugin and "
+            f"jax-cuda12-pjrt =={jax.__version__} there (`make xray-jax-latest` does, for the newest jax of "
+            f"the range)"
+        )
     raise ToolchainMissing(
         f"the kernel X-ray needs JAX's CUDA plugin, ptxas and nvdisasm, found neither importable nor in "
         f"{looked}: {EXTRA_HINT}"

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from bench.arg_specs import Shape
+from bench.xray.launch import dense_launch
 
 MOSAIC = "nybble:mosaic_gpu"
 NYBBLE_XLA = "nybble:xla"
@@ -234,16 +235,7 @@ def kernel_plan(case: Case, num_sms: int) -> dict[str, Any]:
     """The Mosaic GPU launch nybble plans for this case: its config and grid (``mosaic_gpu.plan``)."""
     from nybble.kernels import mosaic_gpu
 
-    p = mosaic_gpu.plan(case.m, abstract_weight(case), num_sms=num_sms)
-    return {
-        "config": dataclasses.asdict(p.config),
-        "m_pad": p.m_pad,
-        "m_tiles": p.m_tiles,
-        "ctas": p.ctas,
-        "threads": p.threads,
-        "weight_bytes_in_flight": p.weight_bytes_in_flight,
-        "dequantized_weights": p.dequantized_weights,
-    }
+    return dense_launch(mosaic_gpu.plan(case.m, abstract_weight(case), num_sms=num_sms))
 
 
 def kernel_key(case: Case, num_sms: int) -> tuple[Any, Any, bool]:

@@ -7,8 +7,9 @@ import itertools
 from collections.abc import Iterable
 
 from nybble.kernels.device import DEFAULT_NUM_SMS
-from nybble.kernels.mosaic_gpu.config import TuningConfig, heuristic_config
+from nybble.kernels.mosaic_gpu.config import TuningConfig
 from nybble.kernels.mosaic_gpu.grouped_config import grouped_heuristic_config
+from nybble.kernels.mosaic_gpu.heuristics import heuristic_config
 from nybble.packing import padded_weight_dims
 from nybble.packing.groups import group_rows
 

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.xray import launch
+
 MOSAIC = "nybble:mosaic_gpu"
 # The XLA programs beside the kernel (bench/moe.py times the same ones): launches and bytes, no main loop.
 # Their bytes are every operand of every launch in full (bench/xray/model.py), a gather's whole expert stack
@@ -165,15 +167,14 @@ def kernel_plan(case: MoeCase, num_sms: int) -> dict[str, Any]:
     active = active_experts(case.m, case.experts)
     rows = planned_rows(case.m, case.experts)
     m_tiles = active * c.m_tiles(rows)
-    steps = min(c.max_concurrent_steps, p.steps_per_split)
     return {
         "config": dataclasses.asdict(c),
         "m_pad": m_tiles * c.wgmma_n,
         "m_tiles": m_tiles,
         "ctas": m_tiles * p.n_tiles,
         "grid": work.ctas(p),
-        "threads": p.threads,
-        "weight_bytes_in_flight": steps * p.weight_bytes_per_step,
+        "threads": launch.threads(p),
+        "weight_bytes_in_flight": launch.steps_in_flight(p) * launch.weight_bytes_per_step(p),
         # Of W: a partial last K step dequantizes its zero-filled rows too (config.runs_past_k).
         "dequantized_weights": active * c.dequantized_weights(rows, p.n_pad, p.k_pad),
         "experts": case.experts,

@@ -14,6 +14,8 @@ import dataclasses
 import functools
 from typing import Any
 
+from bench.xray.launch import dense_launch
+
 MOSAIC = "nybble:mosaic_gpu"
 NYBBLE_XLA = "nybble:xla"
 XLA_BF16 = "xla:bf16"
@@ -160,17 +162,7 @@ def kernel_plans(case: ShardCase, num_sms: int) -> list[dict[str, Any]]:
             case.m, _abstract_weight(*local, case.group_size, case.symmetric, case.layout), num_sms=num_sms
         )
         out.append(
-            {
-                "split": split,
-                "local_shape": list(local),
-                "config": dataclasses.asdict(p.config),
-                "m_pad": p.m_pad,
-                "m_tiles": p.m_tiles,
-                "ctas": p.ctas,
-                "threads": p.threads,
-                "dequantized_weights": p.dequantized_weights,
-                "weight_bytes_in_flight": p.weight_bytes_in_flight,
-            }
+            {"split": split, "local_shape": list(local), **dense_launch(p)}
         )
     return out
 

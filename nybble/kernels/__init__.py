@@ -1,19 +1,16 @@
-"""int4 matmul implementations: the Hopper Mosaic GPU kernel, the XLA path, and the dispatch between them."""
+"""int4 matmul implementations: the ops (``ops/``), their backends (``mosaic_gpu/``, XLA) and the registry
+that chooses between them (``backends.py``)."""
 
 from typing import Any
 
-from nybble.kernels.api import (
-    IMPLEMENTATIONS,
-    Availability,
-    available_implementations,
-    explain,
-    matmul,
-    num_sms,
-)
-from nybble.kernels.ragged import available_ragged_implementations, ragged_matmul
-from nybble.kernels.reference import reference_dequantize, reference_matmul, relative_error
-from nybble.kernels.xla import xla_matmul
-from nybble.kernels.xla_ragged import xla_ragged_matmul
+from nybble.kernels.backends import IMPLEMENTATIONS, Availability
+from nybble.kernels.device import num_sms
+from nybble.kernels.ops.matmul.api import available_implementations, explain, matmul
+from nybble.kernels.ops.matmul.reference import reference_dequantize, reference_matmul, relative_error
+from nybble.kernels.ops.matmul.xla import xla_matmul
+from nybble.kernels.ops.ragged_matmul.api import available_ragged_implementations, ragged_matmul
+from nybble.kernels.ops.ragged_matmul.reference import reference_ragged_matmul
+from nybble.kernels.ops.ragged_matmul.xla import xla_ragged_matmul
 
 
 def __getattr__(name: str) -> Any:
@@ -37,6 +34,7 @@ __all__ = [
     "ragged_matmul",
     "reference_dequantize",
     "reference_matmul",
+    "reference_ragged_matmul",
     "relative_error",
     "xla_matmul",
     "xla_ragged_matmul",

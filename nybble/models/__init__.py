@@ -14,21 +14,21 @@ except ModuleNotFoundError:
 
     raise ModuleNotFoundError(missing_extra_message("flax", "nybble.models"), name="flax") from None
 
-from nybble.models import smollm2  # `models.smollm2.load()` works after `from nybble import models`
-from nybble.models.adapter import quantize, quantize_params
-from nybble.models.evaluate import generate, negative_log_likelihood, perplexity
-from nybble.models.fuse import fuse_projections, unfuse_projections
-from nybble.models.hf.pretrained import from_pretrained, load_tokenizer
-from nybble.models.hf.save import save_pretrained
-from nybble.models.layers import QDense, QLinear, QuantizedParam, dense
-from nybble.models.llama import KVCache, Llama, LlamaConfig
-from nybble.models.methods import GPTQ, RTN, AutoRound
-from nybble.models.moe import MoE, MoEConfig, QExperts
-from nybble.models.placement import DEFAULT_SHARD_RULES, ShardReport, ShardRule, shard
-from nybble.models.quant_plan import LayerReport, QuantizationReport, plan_quantization
-from nybble.models.rules import DEFAULT_RULES, INHERIT, QuantRule
-from nybble.models.serialization import load_model, save_model
-from nybble.models.text import eval_text
+from nybble.models.definitions.fuse import fuse_projections, unfuse_projections
+from nybble.models.definitions.layers import QDense, QLinear, QuantizedParam, dense
+from nybble.models.definitions.llama import KVCache, Llama, LlamaConfig
+from nybble.models.definitions.moe import MoE, MoEConfig, QExperts
+from nybble.models.evaluate.measure import generate, negative_log_likelihood, perplexity
+from nybble.models.evaluate.text import eval_text
+from nybble.models.io import smollm2  # `models.smollm2.load()` works after `from nybble import models`
+from nybble.models.io.hf.pretrained import from_pretrained, load_tokenizer
+from nybble.models.io.hf.save import save_pretrained
+from nybble.models.io.serialization import load_model, save_model
+from nybble.models.placement.shard import DEFAULT_SHARD_RULES, ShardReport, ShardRule, shard
+from nybble.models.quantization.adapter import quantize, quantize_params
+from nybble.models.quantization.methods import GPTQ, RTN, AutoRound
+from nybble.models.quantization.quant_plan import LayerReport, QuantizationReport, plan_quantization
+from nybble.models.quantization.rules import DEFAULT_RULES, INHERIT, QuantRule
 
 __all__ = [
     "DEFAULT_RULES",

@@ -76,11 +76,11 @@ def _nk_int4_unpack(packed: Any, k_pad: int) -> Any:
 def nk_int4_as_int4(packed: jax.Array) -> jax.Array:
     """Views ``nk_int4`` bytes (N_pad, K_pad // 2) as a ``jnp.int4`` array (N_pad, K_pad): a bitcast.
 
-    What the compiled HLO shows (jax 0.11.2): on CUDA (compiled deviceless for sm_90a,
-    /work/shared/KERNEL_XRAY.md) a free ``bitcast``, no copy. On the CPU XLA's BitcastDtypesExpander
-    rewrites it into a shift-and-mask loop fusion: inside the XLA matmul path that fusion merges into the
-    dequantization (no s4 array is written), but where the int4 array itself must exist (a jit output, an
-    operand XLA cannot fuse into) that fusion writes a fresh s4 copy of the codes.
+    What the compiled HLO shows (jax 0.11.2): on CUDA (compiled deviceless for sm_90a by
+    ``python -m bench.xray``; docs/kernel-design.md) a free ``bitcast``, no copy. On the CPU XLA's
+    BitcastDtypesExpander rewrites it into a shift-and-mask loop fusion: inside the XLA matmul path that
+    fusion merges into the dequantization (no s4 array is written), but where the int4 array itself must
+    exist (a jit output, an operand XLA cannot fuse into) that fusion writes a fresh s4 copy of the codes.
     """
     n_pad, half_k = packed.shape
     return jax.lax.bitcast_convert_type(packed, jnp.int4).reshape(n_pad, 2 * half_k)

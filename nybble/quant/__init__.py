@@ -12,12 +12,14 @@ from nybble.quant.formats import (
     to_torch_uint8_codes,
 )
 from nybble.quant.gptq import HessianAccumulator, gptq, hessian_from_inputs
+from nybble.quant.qformat import QuantFormat
 from nybble.quant.qweight import QuantizedWeight, dequantize, relayout
 from nybble.quant.refit import refit_group_params
 from nybble.quant.rtn import quantize
 
 __all__ = [
     "HessianAccumulator",
+    "QuantFormat",
     "QuantizedWeight",
     "dequantize",
     "from_awq",

@@ -22,7 +22,8 @@ lower, so the returned weights never do worse than the start on the calibration 
 
 Entry points: :func:`autoround_block` (any ``apply_fn(params, *inputs)`` and a params pytree: the engine),
 :func:`autoround` (one (K, N) weight and its inputs, ``y = x @ w``), and ``nybble.models.quantize(...,
-method="autoround", calibration=ids)`` (every block of an NNX model in turn, see ``nybble.models.autoround``).
+method="autoround", calibration=ids)`` (every block of an NNX model in turn, see
+``nybble.models.quantization.autoround``).
 Everything is deterministic given ``seed``: the mini-batch order is drawn from it and nothing else is random.
 """
 
@@ -47,14 +48,9 @@ from nybble.packing import (
     pad_to,
     padded_weight_dims,
 )
+from nybble.quant.qformat import QuantFormat, check_scale_dtype, check_zero_point
 from nybble.quant.qweight import QuantizedWeight, dequantize
-from nybble.quant.rtn import (
-    check_scale_dtype,
-    check_weight,
-    check_zero_point,
-    group_params,
-    integer_zero_factor,
-)
+from nybble.quant.rtn import check_weight, group_params, integer_zero_factor
 
 __all__ = [
     "PRESETS",
@@ -106,7 +102,7 @@ class AutoRoundConfig:
     chunk: int = 25
     # Whole models only (``nybble.models.quantize``): after the blocks, passes over the calibration windows
     # tuning every group's scale (and offset) against the float model's logits, codes fixed
-    # (``nybble.models.tune``; 0: none), and that stage's starting step.
+    # (``nybble.models.quantization.tune``; 0: none), and that stage's starting step.
     end_to_end_epochs: int = 0
     end_to_end_lr: float = 3e-3
 
@@ -161,6 +157,11 @@ class WeightSpec:
     symmetric: bool = True
     zero_point: str = "float"
 
+    @classmethod
+    def of(cls, fmt: QuantFormat) -> WeightSpec:
+        """The spec of a weight stored in ``fmt`` (its scale dtype and layout are the block's)."""
+        return cls(fmt.group_size, fmt.symmetric, fmt.zero_point)
+
 
 @dataclasses.dataclass(frozen=True)
 class AutoRoundResult:
@@ -207,8 +208,13 @@ def _start(
     wg = pad_to(w.astype(jnp.float32), (rows, shp.n_pad)).reshape(shp.ng, shp.g, shp.n_pad)
     valid = (jnp.arange(rows) < shp.k).reshape(shp.ng, shp.g, 1)
     if start is None:
-        zero_point = "integer" if shp.integer else "float"
-        scales, offsets = group_params(wg, valid, shp.symmetric, scale_dtype, zero_point=zero_point)
+        fmt = QuantFormat(
+            group_size=shp.group_size,
+            symmetric=shp.symmetric,
+            zero_point="integer" if shp.integer else "float",
+            scale_dtype=scale_dtype,
+        )
+        scales, offsets = group_params(wg, valid, fmt)
         v0 = jnp.zeros_like(wg)
     else:
         scales, offsets = start.scales, start.offsets

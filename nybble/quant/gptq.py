@@ -36,15 +36,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from nybble.packing import (
-    DEFAULT_LAYOUT,
-    check_group_size,
     group_rows,
     num_groups,
     pad_to,
@@ -52,15 +50,11 @@ from nybble.packing import (
     round_up,
 )
 from nybble.quant.lapack_threads import one_blas_thread, ready
+from nybble.quant.qformat import FormatFields, QuantFormat, with_fields
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.refit import damped_hessian, integer_zero_scales, least_squares_params
-from nybble.quant.rtn import (
-    check_scale_dtype,
-    check_weight,
-    check_zero_point,
-    group_params,
-    round_to_codes,
-)
+from nybble.quant.rtn import check_weight, group_params, round_to_codes
+from nybble.quant.stacked import check_stacked_float, stack_weights
 
 __all__ = ["HessianAccumulator", "gptq", "hessian_from_inputs"]
 
@@ -117,17 +111,14 @@ def gptq(
     hessian: Any = None,
     *,
     inputs: Any = None,
-    group_size: int | None = 128,
-    symmetric: bool = True,
+    format: QuantFormat | None = None,
     damp: float = 0.01,
     block_size: int = 128,
     act_order: bool = False,
     static_groups: bool | None = None,
-    scale_dtype: Any = jnp.bfloat16,
-    layout: str = DEFAULT_LAYOUT,
     clip_search: bool = False,
     refit_scales: bool = True,
-    zero_point: str = "float",
+    **fields: Unpack[FormatFields],
 ) -> QuantizedWeight:
     """GPTQ-quantizes a float weight (K, N) = (in_features, out_features) to a ``QuantizedWeight``.
 
@@ -138,7 +129,11 @@ def gptq(
         to each expert).
       hessian: (K, K) ``2 X^T X / n`` of the layer's inputs (see :func:`hessian_from_inputs`), or
       inputs: the calibration inputs (..., K) themselves (exactly one of the two).
-      group_size, symmetric, scale_dtype, layout: as in ``nybble.quantize``.
+      format: the stored format (a :class:`nybble.QuantFormat`), or its fields as keywords
+        (``group_size``, ``symmetric``, ``scale_dtype``, ``layout``, ``zero_point``), as in
+        ``nybble.quantize``. With ``zero_point="integer"`` (asymmetric groups with an integer zero point,
+        as the reference GPTQ and every GPTQ checkpoint) the refit keeps each group's zero and re-solves
+        its scale only (offsets stay ``(8 - z) * s``, float32, exact).
       damp: dampening, as a fraction of the mean Hessian diagonal added to the diagonal.
       block_size: rows per lazy-update block (raised to ``group_size`` when smaller).
       act_order: quantize rows by decreasing Hessian diagonal (implies static groups, see module doc).
@@ -150,35 +145,25 @@ def gptq(
       refit_scales: once the codes are chosen, re-solve every group's scale (and offset) by least squares
         on the layer's output error (``nybble.quant.refit``): never worse on the calibration data, and
         clearly better on SmolLM2-135M (README). ``False`` gives the paper's algorithm exactly.
-      zero_point: "float" or "integer" (asymmetric groups with an integer zero point, as the reference
-        GPTQ and every GPTQ checkpoint: see ``nybble.quantize``). With "integer" the refit keeps each
-        group's zero and re-solves its scale only (offsets stay ``(8 - z) * s``, float32, exact).
 
     Inputs with a zero Hessian diagonal ("dead" inputs, never non-zero in the calibration data) get
     weight 0 before quantization, as in the reference implementation. Runs under ``jax.jit`` (the
     algorithm is one jitted function per shape); all arithmetic is float32.
     """
+    fmt = with_fields(format, dict(fields), "gptq")
+    options = dict(
+        format=fmt,
+        damp=damp,
+        block_size=block_size,
+        act_order=act_order,
+        static_groups=static_groups,
+        clip_search=clip_search,
+        refit_scales=refit_scales,
+    )
     if getattr(w, "ndim", None) == 3:  # a stack of experts: each on its own Hessian (its routed tokens)
-        return _gptq_stacked(
-            w,
-            hessian,
-            inputs,
-            group_size=group_size,
-            symmetric=symmetric,
-            damp=damp,
-            block_size=block_size,
-            act_order=act_order,
-            static_groups=static_groups,
-            scale_dtype=scale_dtype,
-            layout=layout,
-            clip_search=clip_search,
-            refit_scales=refit_scales,
-        )
+        return _gptq_stacked(w, hessian, inputs, **options)
     check_weight(w, "gptq")
-    check_group_size(group_size)
-    check_scale_dtype(scale_dtype, "gptq")
-    check_zero_point(zero_point, "gptq")
-    integer = zero_point == "integer" and not symmetric
+    group_size, symmetric, integer = fmt.group_size, fmt.symmetric, fmt.integer_zero
     if (hessian is None) == (inputs is None):
         raise ValueError("gptq: pass exactly one of hessian= (K, K) or inputs= (..., K)")
     k, n = w.shape
@@ -209,15 +194,12 @@ def gptq(
                 k_pad=k_pad,
                 n_pad=n_pad,
                 k_loop=round_up(k_pad, block),
-                group_size=group_size,
-                symmetric=symmetric,
+                fmt=fmt,
                 damp=float(damp),
                 block=block,
                 act_order=act_order,
                 static_groups=static_groups or group_size is None,
-                scale_dtype=np.dtype(scale_dtype),
                 clip_search=bool(clip_search),
-                zero_point="integer" if integer else "float",
             )
         )
         if not isinstance(ok, jax.core.Tracer) and not bool(ok):
@@ -230,31 +212,32 @@ def gptq(
             if integer:  # the zeros stay, the scales are re-solved (nybble.quant.refit)
                 scales, offsets = ready(integer_zero_scales(
                     codes, target, damped_hessian(h, float(damp)), scales, offsets,
-                    group_size=group_size, scale_dtype=np.dtype(scale_dtype),
+                    group_size=group_size, scale_dtype=fmt.dtype,
                 ))  # fmt: skip
             else:
                 scales, offsets = ready(least_squares_params(
                     codes, target, damped_hessian(h, float(damp)), scales, offsets,
-                    group_size=group_size, symmetric=symmetric, scale_dtype=np.dtype(scale_dtype),
+                    group_size=group_size, symmetric=symmetric, scale_dtype=fmt.dtype,
                 ))  # fmt: skip
     return QuantizedWeight.from_codes(
-        codes, scales, offsets, shape=(k, n), group_size=group_size, layout=layout
+        codes, scales, offsets, shape=(k, n), group_size=group_size, layout=fmt.layout
     )
 
 
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "k", "k_pad", "n_pad", "k_loop", "group_size", "symmetric", "damp", "block", "act_order",
-        "static_groups", "scale_dtype", "clip_search", "zero_point",
+        "k", "k_pad", "n_pad", "k_loop", "fmt", "damp", "block", "act_order", "static_groups",
+        "clip_search",
     ),
 )  # fmt: skip
-def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, group_size, symmetric, damp, block, act_order,
-               static_groups, scale_dtype, clip_search, zero_point="float"):  # fmt: skip
+def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, fmt, damp, block, act_order, static_groups,
+               clip_search):  # fmt: skip
     """Returns (codes int8 (K_pad, N_pad) in natural row order, scales, offsets or None, ok).
 
     ``ok`` is False when a Cholesky factorization failed (non-finite factor).
     """
+    group_size, symmetric, scale_dtype = fmt.group_size, fmt.symmetric, fmt.dtype
     g, ng = group_rows(k_pad, group_size), num_groups(k_pad, group_size)
     groups_loop = -(-k_loop // g)
     real = jnp.arange(k_loop) < k
@@ -269,9 +252,7 @@ def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, group_size, symmetric, damp, bl
     if static_groups:  # parameters from the original weights, natural order: row k keeps group k // G
         wg = pad_to(w, (groups_loop * g, n_pad)).reshape(groups_loop, g, n_pad)
         vg = (jnp.arange(groups_loop * g) < k).reshape(groups_loop, g, 1)
-        st_scales, st_offsets = group_params(
-            wg, vg, symmetric, scale_dtype, clip_search=clip_search, zero_point=zero_point
-        )
+        st_scales, st_offsets = group_params(wg, vg, fmt, clip_search=clip_search)
         st_s = st_scales.astype(jnp.float32)
         st_b = jnp.zeros_like(st_s) if st_offsets is None else st_offsets.astype(jnp.float32)
 
@@ -301,10 +282,7 @@ def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, group_size, symmetric, damp, bl
         else:
             for start in range(0, block, g):  # a dynamic group: parameters from the updated rows
                 valid = jax.lax.dynamic_slice_in_dim(real, k0 + start, g)[:, None]
-                sc, of = group_params(
-                    blk[0][start : start + g], valid, symmetric, scale_dtype,
-                    clip_search=clip_search, zero_point=zero_point,
-                )  # fmt: skip
+                sc, of = group_params(blk[0][start : start + g], valid, fmt, clip_search=clip_search)
                 j = (k0 + start) // g
                 dyn_s = dyn_s.at[j].set(sc)
                 s_rows = jnp.broadcast_to(sc.astype(jnp.float32), (block, n_pad))
@@ -324,7 +302,7 @@ def _gptq_core(w, h, *, k, k_pad, n_pad, k_loop, group_size, symmetric, damp, bl
 
     no_params = jnp.zeros((groups_loop, n_pad), scale_dtype)
     # Integer zero points keep their offsets in float32 (exact), so the carry does too.
-    no_offsets = jnp.zeros((groups_loop, n_pad), jnp.float32 if zero_point == "integer" else scale_dtype)
+    no_offsets = jnp.zeros((groups_loop, n_pad), jnp.float32 if fmt.integer_zero else scale_dtype)
     carry = (w, jnp.zeros((k_loop, n_pad), jnp.float32), no_params, no_offsets)
     _, codes, dyn_scales, dyn_offsets = jax.lax.fori_loop(0, k_loop // block, quantize_block, carry)
 
@@ -351,8 +329,6 @@ def _row_step(u1, s_rows, b_rows, i, carry):
 
 def _gptq_stacked(w: Any, hessian: Any, inputs: Any, **options: Any) -> QuantizedWeight:
     """``gptq`` of each expert of an (E, K, N) stack on its own Hessian, stacked (nybble.quant.stacked)."""
-    from nybble.quant.stacked import check_stacked_float, stack_weights
-
     check_stacked_float(w, "gptq")
     e, k, _ = w.shape
     if (hessian is None) == (inputs is None):

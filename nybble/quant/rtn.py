@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nybble.packing import (
-    DEFAULT_LAYOUT,
-    check_group_size,
-    group_rows,
-    num_groups,
-    pad_to,
-    padded_weight_dims,
+from nybble.packing import group_rows, num_groups, pad_to, padded_weight_dims
+from nybble.quant.qformat import (
+    ZERO_POINTS,
+    FormatFields,
+    QuantFormat,
+    check_scale_dtype,
+    check_zero_point,
+    with_fields,
 )
-from nybble.quant.qweight import SCALE_DTYPES, QuantizedWeight
+from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.stacked import quantize_stacked
 
 
@@ -61,111 +62,66 @@ def check_weight(w: Any, what: str = "quantize") -> None:
 
 def quantize(
     w: Any,
+    format: QuantFormat | None = None,
     *,
-    group_size: int | None = 128,
-    symmetric: bool = True,
-    scale_dtype: Any = jnp.bfloat16,
-    layout: str = DEFAULT_LAYOUT,
     clip_search: bool = False,
-    zero_point: str = "float",
+    **fields: Unpack[FormatFields],
 ) -> QuantizedWeight:
     """Quantizes a float weight of shape (K, N) = (in_features, out_features) to int4, round to nearest.
+
+    The stored format is one :class:`nybble.QuantFormat` (``format``, default ``QuantFormat()``), or built
+    from its fields given as keywords (``quantize(w, group_size=64, symmetric=False)``); keywords given
+    beside a ``format`` override its fields.
 
     Args:
       w: float numpy/jax array, the layout of a Flax ``kernel`` (``y = x @ w``); or a stack of expert
         weights (E, K, N), which gives a stacked weight (``nybble.quant.stacked``): each expert
         quantized on its own, arrays stacked on axis 0, ``shape`` (K, N).
+      format: the stored format; its fields, or the keywords of the same names:
       group_size: rows of K sharing one scale (a power of two >= 16), or None for one scale per column.
-        K that is not a multiple is padded with zero rows, never refused.
+        K that is not a multiple is padded with zero rows, never refused. Default 128.
       symmetric: signed codes in [-8, 7] and one scale per group (``max(-min / 8, max / 7)``); else a zero
-        point per group too, stored as an offset so that dequantization is one multiply-add.
-      scale_dtype: dtype of the stored scales and offsets (bf16: 4.125 bits/weight at g128).
+        point per group too, stored as an offset so that dequantization is one multiply-add. Default True.
+      scale_dtype: dtype of the stored scales and offsets (bf16, the default: 4.125 bits/weight at g128).
       layout: the memory layout of the codes (see ``nybble.packing.LAYOUTS``).
-      clip_search: per group, try shrinking the range (``CLIP_GRID``) and keep the scale with the least
-        squared error; clips outliers for a finer step, so the half-step bound below no longer holds.
       zero_point: asymmetric groups only. "float" (default): the offset maps code -8 to the group
         minimum. "integer": unsigned codes u in 0..15 with an integer zero z per group, ``w = (u - z) * s``,
         as compressed-tensors, GPTQ and AWQ store them (the range is widened to include 0, as GPTQ's
         quantizer does, so z = round(-min / s) is a code; it is kept in 1..15, which GPTQ v1's stored
         ``z - 1`` can hold). Stored as ``q = u - 8`` and offsets
         ``(8 - z) * s`` kept in float32, where they are exact (see ``ZERO_POINTS``).
+      clip_search: per group, try shrinking the range (``CLIP_GRID``) and keep the scale with the least
+        squared error; clips outliers for a finer step, so the half-step bound below no longer holds.
 
     Without ``clip_search``, every element dequantizes to within half a quantization step of its input
     (for asymmetric groups, plus the rounding of the stored offset to ``scale_dtype``). An all-zero group
     dequantizes to exact zeros.
     """
+    fmt = with_fields(format, dict(fields), "quantize")
     if getattr(w, "ndim", None) == 3:  # a stack of experts (E, K, N): each expert on its own, stacked
-        return quantize_stacked(
-            quantize,
-            w,
-            group_size=group_size,
-            symmetric=symmetric,
-            scale_dtype=scale_dtype,
-            layout=layout,
-            clip_search=clip_search,
-        )
+        return quantize_stacked(quantize, w, format=fmt, clip_search=clip_search)
     check_weight(w)
-    check_group_size(group_size)
-    check_scale_dtype(scale_dtype)
-    check_zero_point(zero_point)
-    return _quantize(
-        w,
-        group_size=group_size,
-        symmetric=symmetric,
-        scale_dtype=scale_dtype,
-        layout=layout,
-        clip_search=clip_search,
-        zero_point=zero_point,
-    )
+    return _quantize(w, fmt=fmt, clip_search=bool(clip_search))
 
 
-# One XLA program per (shape, dtype, settings), not one per jnp operation: called eagerly, ``quantize``
+# One XLA program per (shape, dtype, format), not one per jnp operation: called eagerly, ``quantize``
 # compiles once per weight shape instead of some thirty times (and runs as one fused program).
-@functools.partial(
-    jax.jit,
-    static_argnames=("group_size", "symmetric", "scale_dtype", "layout", "clip_search", "zero_point"),
-)
-def _quantize(
-    w: Any,
-    *,
-    group_size: int | None,
-    symmetric: bool,
-    scale_dtype: Any,
-    layout: str,
-    clip_search: bool,
-    zero_point: str = "float",
-) -> QuantizedWeight:
+@functools.partial(jax.jit, static_argnames=("fmt", "clip_search"))
+def _quantize(w: Any, *, fmt: QuantFormat, clip_search: bool) -> QuantizedWeight:
     k, n = w.shape
     k_pad, n_pad = padded_weight_dims(k, n)
-    g, ng = group_rows(k_pad, group_size), num_groups(k_pad, group_size)
+    g, ng = group_rows(k_pad, fmt.group_size), num_groups(k_pad, fmt.group_size)
     # The last group may be partial: padded to whole groups for the statistics only.
     wf = pad_to(jnp.asarray(w, jnp.float32), (ng * g, n_pad)).reshape(ng, g, n_pad)
     # Padded rows take no part in the statistics and get code 0.
     valid = (jnp.arange(ng * g) < k).reshape(ng, g, 1)
-    scales, offsets = group_params(
-        wf, valid, symmetric, scale_dtype, clip_search=clip_search, zero_point=zero_point
-    )
+    scales, offsets = group_params(wf, valid, fmt, clip_search=clip_search)
     b = 0.0 if offsets is None else offsets.astype(jnp.float32)[:, None, :]
     q, _ = round_to_codes(wf, scales.astype(jnp.float32)[:, None, :], b)
     q = jnp.where(valid, q, 0).astype(jnp.int8).reshape(ng * g, n_pad)[:k_pad]
-    return QuantizedWeight.from_codes(q, scales, offsets, shape=(k, n), group_size=group_size, layout=layout)
-
-
-def check_scale_dtype(scale_dtype: Any, what: str = "quantize") -> None:
-    """Raises unless ``scale_dtype`` is one a ``QuantizedWeight`` stores (``SCALE_DTYPES``)."""
-    if np.dtype(scale_dtype).name not in SCALE_DTYPES:
-        raise ValueError(f"{what}: scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype}")
-
-
-# How asymmetric groups store their zero: "float" (offset = group minimum + 8 s, nybble's default) or
-# "integer" (w = (u - z) * s with an integer z in 1..15: what compressed-tensors, GPTQ and AWQ store).
-ZERO_POINTS = ("float", "integer")
-
-
-def check_zero_point(zero_point: str, what: str = "quantize") -> None:
-    """Raises unless ``zero_point`` is one of ``ZERO_POINTS``."""
-    if zero_point not in ZERO_POINTS:
-        raise ValueError(f"{what}: zero_point must be one of {ZERO_POINTS}, got {zero_point!r}")
+    return QuantizedWeight.from_codes(
+        q, scales, offsets, shape=(k, n), group_size=fmt.group_size, layout=fmt.layout
+    )
 
 
 def integer_zero_factor(scales: jax.Array, offsets: jax.Array) -> jax.Array:
@@ -179,15 +135,10 @@ CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 
 
 def group_params(
-    wg: jax.Array,
-    valid: jax.Array,
-    symmetric: bool,
-    scale_dtype: Any,
-    *,
-    clip_search: bool = False,
-    zero_point: str = "float",
+    wg: jax.Array, valid: jax.Array, fmt: QuantFormat, *, clip_search: bool = False
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Scales and offsets (None when symmetric) of weight groups ``wg`` (..., G, N) in float32.
+    """Scales and offsets (None when symmetric) of weight groups ``wg`` (..., G, N) in float32, in the
+    format ``fmt`` (its symmetry, zero-point kind and scale dtype).
 
     ``valid`` (..., G, 1) masks padded rows out of the statistics; a group of padding only gets scale 0
     and offset 0. Symmetric: ``scale = max(-min / 8, max / 7)``. Asymmetric: ``scale = (max - min) / 15``,
@@ -197,12 +148,12 @@ def group_params(
     ``clip_search``: per group and column, shrink the range by each factor of ``CLIP_GRID`` and keep the
     parameters whose codes give the smallest squared error (clipping a few outliers for a finer step).
 
-    ``zero_point="integer"`` (asymmetric): the range is widened to include 0, ``z = round(-min / s)`` is an
-    integer in 1..15 (a group without negative values: z = 1, step max / 14) and the offsets
+    ``fmt.zero_point == "integer"`` (asymmetric): the range is widened to include 0, ``z = round(-min / s)``
+    is an integer in 1..15 (a group without negative values: z = 1, step max / 14) and the offsets
     ``(8 - z) * s`` are returned in float32 (exact; ``scale_dtype`` could not hold them: up to 12
     significant bits for bfloat16 scales).
     """
-    integer = zero_point == "integer" and not symmetric
+    integer, symmetric, scale_dtype = fmt.integer_zero, fmt.symmetric, fmt.dtype
     if not clip_search:
         return _range_params(wg, valid, symmetric, scale_dtype, 1.0, integer)
     best = None
@@ -266,3 +217,18 @@ def round_to_codes(w: jax.Array, s: jax.Array, b: jax.Array | float) -> tuple[ja
     q = jnp.clip(jnp.round((w - b) / jnp.where(s == 0, 1, s)), -8, 7)
     q = jnp.where(s == 0, 0, q)
     return q, q * s + b
+
+
+# Re-exported: their home is nybble.quant.qformat.
+__all__ = [
+    "CLIP_GRID",
+    "ZERO_POINTS",
+    "QuantFormat",
+    "check_scale_dtype",
+    "check_weight",
+    "check_zero_point",
+    "group_params",
+    "integer_zero_factor",
+    "quantize",
+    "round_to_codes",
+]

@@ -29,13 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from nybble.packing import get_layout, num_groups, padded_weight_dims
+from nybble.kernels.ops.ragged_matmul.api import ragged_matmul
 from nybble.quant.qweight import QuantizedWeight
 from nybble.quant.stacked import check_stacked
+from nybble.sharding.base import ARRAYS, SplitWeight, block_slice, cut_block
 from nybble.sharding.split_plan import ShardingError, ShardPlan, plan_split
-from nybble.sharding.weight import ARRAYS, block_slice, cut_block
-
-ARRAY_NAMES = ARRAYS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +74,16 @@ class ExpertParallel:
     def tp_shards(self) -> int:
         return 1 if self.tp_axis is None else int(self.mesh.shape[self.tp_axis])
 
+    @property
+    def lead_axes(self) -> tuple[str | None, ...]:
+        """Mesh axes of the arrays' leading axes: the experts'."""
+        return (self.expert_axis,)
+
+    @property
+    def devices_per_copy(self) -> int:
+        """Devices that together hold one copy of the stack: each its experts' block."""
+        return self.expert_shards * self.tp_shards
+
     def plan(self, weight: Any, name: str = "experts") -> ShardPlan:
         """The per-expert tensor-parallel :class:`ShardPlan` (one shard when there is no split)."""
         return plan_split(
@@ -90,7 +98,7 @@ class ExpertParallel:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class ExpertShardedWeight:
+class ExpertShardedWeight(SplitWeight):
     """A stacked (E experts of (K, N)) int4 weight split over a mesh (see the module docstring).
 
     Arrays (pytree children): global ``jax.Array`` s (or ``ShapeDtypeStruct`` s) of shape (E, *per-expert
@@ -98,114 +106,24 @@ class ExpertShardedWeight:
     ``group_size``, ``symmetric``, ``layout`` and ``parallel``.
     """
 
-    codes: Any
-    scales: Any
-    offsets: Any | None
-    shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
-    group_size: int | None = dataclasses.field(metadata=dict(static=True))
-    symmetric: bool = dataclasses.field(metadata=dict(static=True))
-    layout: str = dataclasses.field(metadata=dict(static=True))
     parallel: ExpertParallel = dataclasses.field(metadata=dict(static=True))
 
     @property
     def num_experts(self) -> int:
         return int(self.codes.shape[0])
 
-    @property
-    def plan(self) -> ShardPlan:
-        return self.parallel.plan(self)
-
-    @property
-    def local_shape(self) -> tuple[int, int]:
-        """Logical (K, N) of each expert's block on one device."""
-        return self.plan.local_shape
-
-    def partition_specs(self) -> tuple[PartitionSpec, PartitionSpec]:
-        """``PartitionSpec`` s of the codes and of the scales (and offsets)."""
-        p, plan = self.parallel, self.plan
-
-        def spec(ndim: int, axis: int) -> PartitionSpec:
-            parts: list[Any] = [p.expert_axis] + [None] * ndim
-            if p.tp_axis is not None:
-                parts[1 + axis] = p.tp_axis
-            return PartitionSpec(*parts)
-
-        return spec(len(plan.local_codes_shape), plan.codes_axis), spec(2, plan.scales_axis)
-
-    def local(self, codes: Any, scales: Any, offsets: Any | None) -> QuantizedWeight:
-        """One device's stacked ``QuantizedWeight`` (its experts, its tensor-parallel block), in shard_map."""
-        return QuantizedWeight(
-            codes, scales, offsets, self.local_shape, self.group_size, self.symmetric, self.layout
-        )
-
     def local_problem(self, x: Any, group_sizes: Any) -> tuple[Any, QuantizedWeight, Any]:
         """Abstract (x, weight, group_sizes) of one device's product: shapes and dtypes only."""
-        plan, e_l = self.plan, self.num_experts // self.parallel.expert_shards
-
-        def struct(a: Any, shape: tuple[int, ...]) -> Any:
-            return None if a is None else jax.ShapeDtypeStruct((e_l, *shape), a.dtype)
-
-        qw = self.local(
-            struct(self.codes, plan.local_codes_shape),
-            struct(self.scales, plan.local_scales_shape),
-            struct(self.offsets, plan.local_scales_shape),
-        )
-        x_local = jax.ShapeDtypeStruct((x.shape[0], plan.local_shape[0]), x.dtype)
-        return x_local, qw, jax.ShapeDtypeStruct((e_l,), group_sizes.dtype)
-
-    @property
-    def nbytes_per_device(self) -> int:
-        arrays = [a for a in (self.codes, self.scales, self.offsets) if a is not None]
-        total = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in arrays)
-        return total // (self.parallel.expert_shards * self.parallel.tp_shards)
-
-    def gather(self) -> QuantizedWeight:
-        """The unsharded stacked ``QuantizedWeight`` (numpy arrays on the host)."""
-        plan, tp = self.plan, self.parallel.tp_shards
-        k_pad, n_pad = padded_weight_dims(*self.shape)
-        out: dict[str, Any] = {}
-        for name in ARRAY_NAMES:
-            a = getattr(self, name)
-            if a is None:
-                out[name] = None
-                continue
-            host = np.asarray(jax.device_get(a))
-            if tp == 1:
-                out[name] = host
-                continue
-            axis = block_slice(plan, name, 0).axis
-            if name == "codes":
-                extent = get_layout(self.layout).stored_shape(k_pad, n_pad)[axis]
-            else:
-                extent = n_pad if self.parallel.split == "column" else num_groups(k_pad, self.group_size)
-            full_shape = list(host.shape)
-            full_shape[1 + axis] = extent
-            full = np.zeros(full_shape, host.dtype)
-            for i in range(tp):
-                where = block_slice(plan, name, i)
-                src = [slice(None)] * host.ndim
-                src[1 + axis] = slice(i * where.length, i * where.length + where.stop - where.start)
-                dst = [slice(None)] * host.ndim
-                dst[1 + axis] = slice(where.start, where.stop)
-                full[tuple(dst)] = host[tuple(src)]
-            out[name] = full
-        return QuantizedWeight(
-            out["codes"],
-            out["scales"],
-            out["offsets"],
-            self.shape,
-            self.group_size,
-            self.symmetric,
-            self.layout,
-        )
+        e_l = self.num_experts // self.parallel.expert_shards
+        x_local = jax.ShapeDtypeStruct((x.shape[0], self.local_shape[0]), x.dtype)
+        return x_local, self.local_structs((e_l,)), jax.ShapeDtypeStruct((e_l,), group_sizes.dtype)
 
     def __repr__(self) -> str:
         p = self.parallel
         inside = "" if p.tp_axis is None else f", {p.split}-parallel over {p.tp_axis!r} x{p.tp_shards}"
-        return (
-            f"ExpertShardedWeight({self.num_experts} experts of {self.shape}, expert-parallel over "
-            f"{p.expert_axis!r} x{p.expert_shards}{inside}, layout={self.layout!r}, "
-            f"{self.nbytes_per_device / 2**20:.3f} MiB per device)"
+        return self._repr(
+            f"{self.num_experts} experts of {self.shape}, expert-parallel over {p.expert_axis!r} "
+            f"x{p.expert_shards}{inside}"
         )
 
 
@@ -236,7 +154,7 @@ def shard_experts(
     probe = ExpertShardedWeight(None, None, None, qw.shape, qw.group_size, qw.symmetric, qw.layout, parallel)
     codes_spec, scales_spec = probe.partition_specs()
     arrays: dict[str, Any] = {}
-    for array in ARRAY_NAMES:
+    for array in ARRAYS:
         a = getattr(qw, array)
         if a is None:
             arrays[array] = None
@@ -273,8 +191,6 @@ def sharded_ragged_matmul(
     x: Any, sw: ExpertShardedWeight, group_sizes: Any, *, implementation: str | None = None
 ) -> jax.Array:
     """``ragged_matmul`` of an :class:`ExpertShardedWeight` (module docstring): (rows, N) in x.dtype."""
-    from nybble.kernels.ragged import ragged_matmul  # the per-device op (kernels import this package)
-
     p = sw.parallel
     rows = x.shape[0]
     e_l = sw.num_experts // p.expert_shards

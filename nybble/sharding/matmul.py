@@ -20,7 +20,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from nybble.kernels.api import matmul
+from nybble.kernels.ops.matmul.api import matmul
 from nybble.sharding.weight import ShardedWeight
 
 

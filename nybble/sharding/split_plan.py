@@ -68,6 +68,25 @@ class TensorParallel:
         """tp: the size of the mesh axis."""
         return int(self.mesh.shape[self.axis])
 
+    # The placement as ``nybble.sharding.base.SplitWeight`` reads it (ExpertParallel answers the same).
+    @property
+    def lead_axes(self) -> tuple[str | None, ...]:
+        """Mesh axes of the arrays' leading axes: none (the stored arrays are the weight's)."""
+        return ()
+
+    @property
+    def tp_axis(self) -> str:
+        return self.axis
+
+    @property
+    def tp_shards(self) -> int:
+        return self.num_shards
+
+    @property
+    def devices_per_copy(self) -> int:
+        """Devices that together hold one copy of the weight: the shards."""
+        return self.num_shards
+
     def plan(self, weight: Any, name: str = "weight") -> ShardPlan:
         """The :class:`ShardPlan` of ``weight`` (anything with ``shape``, ``group_size`` and ``layout``)."""
         return plan_split(
@@ -170,7 +189,7 @@ def _layout_fix(local: int, split: Split, layout: str, group_size: int | None) -
     if split == "row" and group_size is not None and local % group_size:
         return ""  # the groups would be cut in any layout
     try:  # the kernel's layouts, named only in this message (importing the kernel package is lazy)
-        from nybble.kernels.mosaic_gpu.api import SUPPORTED_LAYOUTS as kernel_layouts
+        from nybble.kernels.mosaic_gpu.dense import SUPPORTED_LAYOUTS as kernel_layouts
     except ImportError:
         kernel_layouts = ()
     fits = [

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 import nybble
 from nybble import models
-from nybble.models.moe import MoE, MoEConfig, QExperts
+from nybble.models.definitions.moe import MoE, MoEConfig, QExperts
 from nybble.packing import get_layout
 from nybble.quant.stacked import stack_weights
 from nybble.sharding import ExpertParallel, ExpertShardedWeight, ShardingError, shard_experts
@@ -116,7 +116,7 @@ def test_mixtral_from_pretrained_on_a_mesh():
     # split 4 ways and gate/up 2 ways inside each expert; the rest replicated.
     from pathlib import Path
 
-    from nybble.models.hf.pretrained import from_pretrained
+    from nybble.models.io.hf.pretrained import from_pretrained
 
     d = Path(__file__).resolve().parents[1] / "fixtures" / "moe" / "mixtral"
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("expert", "model"))

@@ -26,7 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from nybble.kernels.mosaic_gpu import faults, split_k
+from nybble.kernels.mosaic_gpu import split_k
+from nybble.kernels.mosaic_gpu.compat import store_unoptimized
 from nybble.kernels.mosaic_gpu.config import (
     CHUNK_K,
     TuningConfig,
@@ -65,17 +66,8 @@ class Problem:
         return self.config.m_tiles(self.m)
 
     @property
-    def m_pad(self) -> int:
-        """M as the tensor cores see it: WGMMA's N per M tile (slices included)."""
-        return self.m_tiles * self.config.wgmma_n
-
-    @property
     def n_tiles(self) -> int:
         return self.n_pad // self.config.cta_rows
-
-    @property
-    def ctas(self) -> int:
-        return self.config.ctas(self.m, self.n_pad)
 
     @property
     def slice_k(self) -> int:
@@ -93,29 +85,6 @@ class Problem:
     @property
     def per_column(self) -> bool:
         return self.group >= self.k_pad
-
-    @property
-    def threads(self) -> int:
-        """Threads per CTA: 128 per compute warpgroup, plus the TMA warpgroup when warp-specialized or with a
-        producer."""
-        c = self.config
-        return 128 * (c.compute_wgs + (1 if c.compute_wgs > 1 or c.producer else 0))
-
-    @property
-    def weight_bytes_per_step(self) -> int:
-        """Code bytes one pipeline step of one CTA brings in (scales not counted)."""
-        return self.config.tiles * self.config.compute_wgs * 32 * self.config.tile_k
-
-    @property
-    def weight_bytes_in_flight(self) -> int:
-        """Code bytes a CTA keeps requested: one step per pipeline slot (the whole K when it is shorter)."""
-        return min(self.config.max_concurrent_steps, self.steps_per_split) * self.weight_bytes_per_step
-
-    @property
-    def dequantized_weights(self) -> int:
-        """Weights dequantized over the whole launch: every M tile dequantizes all of W again (a partial last
-        K step its zero-filled rows too)."""
-        return self.config.dequantized_weights(self.m, self.n_pad, self.k_pad)
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -241,6 +210,13 @@ def operand_views(p: Problem, x: jax.Array, codes: jax.Array, scales: Any, offse
     return views
 
 
+def scale_row(p: Problem, step: Any) -> Any:
+    """The block row of the scales (and offsets) K step ``step`` of a slice reads, for grouped weights: one
+    row when a group spans >= tile_k (row step * tile_k / G), else tile_k / G rows (block = step)."""
+    tile_k = p.config.tile_k
+    return (step * tile_k) // p.group if p.group >= tile_k else step
+
+
 def operand_specs(p: Problem, mi: Any, ni: Any, k_first: Any, delay_release: int) -> list[Any]:
     """BlockSpecs of one K step: codes (A tiles, 8, tile_k) words, x (WGMMA N, tile_k), scale [and
     offset] rows (slices, rows, CTA rows)."""
@@ -253,14 +229,7 @@ def operand_specs(p: Problem, mi: Any, ni: Any, k_first: Any, delay_release: int
     def scale_block(ki):
         if p.per_column:  # row 0 always; written in ki because warp-specialized pipelines require it
             return 0, ((k_first + ki) * c.tile_k) // p.k_pad, ni
-        # One row when a group spans >= tile_k (row k * tile_k / G), else tile_k / G rows (block = step).
-        if p.group >= c.tile_k:
-            row, last = ((k_first + ki) * c.tile_k) // p.group, -(-p.slice_k // p.group) - 1
-        else:
-            row, last = k_first + ki, p.steps_per_split - 1
-        if faults.injected() == "last-group-scale-row" and last > 0:  # a deliberate bug (faults.py)
-            row = jnp.where(row == last, row - 1, row)
-        return 0, row, ni
+        return 0, scale_row(p, k_first + ki), ni
 
     scale_spec = plgpu.BlockSpec(
         (scale_slices, p.scale_rows, c.cta_rows), scale_block, delay_release=delay_release
@@ -398,7 +367,6 @@ def scaled_accumulators_step(
     c = p.config
     span = min(c.tile_k, p.group)  # K of one accumulator: a group, or the step when groups span steps
     width = wgmma_k(c, p.group)  # K of one WGMMA call, and of the constant tile
-    bias = float(BIAS[jnp.dtype(p.dtype).name])
     rows = 64 * c.tiles
     shape = (rows, c.wgmma_n)
     fold = folds_bias(p)
@@ -438,23 +406,21 @@ def scaled_accumulators_step(
             group, plgpu.ACC(shape, jnp.float32), plgpu.ACC((64, c.wgmma_n), jnp.float32)
         )
         with jax.named_scope("scale_groups"):
-            # y += s * acc + (o - BIAS s) * sum(x): the bias and the offset are one per-row coefficient.
-            coef = s * -bias
-            bug = faults.injected() == "asym-bf16-dequant" and offsets is not None
-            if offsets is not None:
-                o = jnp.concatenate([_row_values(p, offsets, g, t, 0, jnp.float32) for t in range(c.tiles)])
-                coef = coef if bug else coef + o
-            xsum = jnp.concatenate([xsum] * c.tiles) if c.tiles > 1 else xsum
-            total = (
-                total
-                + acc * lax.broadcast_in_dim(s, shape, [0])
-                + xsum * lax.broadcast_in_dim(coef, shape, [0])
-            )
-            if bug:  # a deliberate bug (faults.py): the offset term rounded to the activation dtype
-                offset_term = xsum * lax.broadcast_in_dim(o, shape, [0])
-                total = total + offset_term.astype(p.dtype).astype(jnp.float32)
+            total = add_scaled_group(p, total, acc, xsum, s, offsets, g)
     plgpu.commit_smem()
     return total
+
+
+def add_scaled_group(p: Problem, total: Any, acc: Any, xsum: Any, s: Any, offsets: Any, g: int) -> Any:
+    """``total + s * acc + (o - BIAS s) * sum(x)`` per A row, for group ``g`` of the step (its scales
+    ``s``; ``offsets`` None: none): the bias and the offset are one per-row coefficient."""
+    c = p.config
+    coef = s * -float(BIAS[jnp.dtype(p.dtype).name])
+    if offsets is not None:
+        coef = coef + jnp.concatenate([_row_values(p, offsets, g, t, 0, jnp.float32) for t in range(c.tiles)])
+    xsum = jnp.concatenate([xsum] * c.tiles) if c.tiles > 1 else xsum
+    shape = acc.shape
+    return total + acc * lax.broadcast_in_dim(s, shape, [0]) + xsum * lax.broadcast_in_dim(coef, shape, [0])
 
 
 def k_step(p: Problem, const: Any = None, wg: Any = None) -> Callable[..., Any]:
@@ -548,14 +514,12 @@ def store_tiles(
     waits for the last one before it ends. ``rows``: store only that window of the tile's rows
     (:func:`store_rows`; not under split-K)."""
     c = p.config
-    if faults.injected() == "last-n-tile-zero":  # a deliberate bug (faults.py)
-        acc = acc * jnp.where(n_start >= p.n_pad - c.cta_rows, 0.0, 1.0).astype(acc.dtype)
     accs = [acc[64 * t : 64 * (t + 1)] for t in range(c.tiles)]
     with jax.named_scope("epilogue"):
         if c.slices > 1:
             red, y_tile = smem["slices"], smem["out"]
             for t, acc in enumerate(accs):
-                red.at[t][...] = acc
+                store_unoptimized(red.at[t], acc)
             sum_slices(red, y_tile, slices=c.slices, tiles=c.tiles, rows=c.tile_m)
             plgpu.commit_smem()
             if rows is None:

@@ -1,4 +1,5 @@
-"""Tuning configurations of the Mosaic GPU W4A16 kernel, their SMEM cost, and the heuristics choosing them.
+"""Tuning configurations of the Mosaic GPU W4A16 kernel: what each field means, the rules a config obeys,
+and its SMEM cost. The cost model ranking them is cost_model.py, the heuristics choosing one heuristics.py.
 
 Naming: the kernel computes y^T = W^T x^T, so the weight's N is WGMMA's M dimension (``tiles`` A tiles of
 64 rows of dequantized weights per warpgroup, in registers) and the batch M is WGMMA's N dimension.
@@ -14,135 +15,37 @@ decode GEMM needs no split-K (see dequant_registers.py). Two dequantization rout
     suits a narrow WGMMA N (decode) and groups of >= 64;
   * "weights": exact bf16 weights w = q * s (+ o), one multiply per weight pair, accumulated in one f32
     accumulator: for wide N (prefill) and groups of 16 or 32.
-Families from :func:`heuristic_config`:
-  * decode (M <= 64): one compute warpgroup per CTA, K slices for M <= 8. Where the pipeline refills its
-    slots (more K steps than slots), a producer warpgroup issues the TMA (``producer``): the compute loop
-    loses the copies' ~60 instructions a step and TMA runs the whole pipeline ahead; the CTA then holds the
-    SM's register file, one per SM. Where every step has a slot, all copies go out up front and no
-    producer is needed; small CTAs may then run two per SM. On the accumulator route with groups of >= 128
-    a step may be 512 deep (``WIDE_STEP_K``), which halves the step's fixed cost per weight;
-  * prefill (M > 64): warp-specialized, a TMA warpgroup feeding two compute warpgroups that share each x
-    tile, 128- or 256-wide WGMMA N. Where the model's times tie (the tensor cores bound every candidate),
-    the one issuing least wins: from M ~ 1024 (and at M = 256 of the widest N) that is
-    a 256-wide M tile with one A tile per warpgroup, which dequantizes each weight once per 256 rows of x
-    (about half the instructions per FLOP of two A tiles at 128-wide M).
-Decode's last K step may run past K_pad (:meth:`TuningConfig.runs_past_k`) where K_pad is an odd number
-of 64-wide chunks, so that no step deeper than 64 divides it (gpt-oss-120b: K = 2880 = 45 x 64): TMA
-zero-fills the step's rows past K_pad (no HBM read), and the candidates are ranked on instructions per
-weight of W, those rows included.
-Prefill launches with more output tiles than SMs run on a persistent grid of one CTA per SM
-(``persistent_ctas``). Either family may split K over ``split_k`` CTAs (2, 4 or 8 where the tile has
-that many 8-row slabs of y, :func:`split_k_shares`; prefill's 128-row tiles down to 16-row slabs, e.g.
-Llama-3-8B kv at M = 128: 8 output tiles, 64 CTAs; decode's 16-row tiles over 4 CTAs, 8 rows of one A
-tile each) when the output tiles alone leave SMs idle: those CTAs form one thread-block cluster and sum
-their f32 partials through distributed SMEM (split_k.py), so a split-K matmul is one launch like any
-other. Decode takes a config up to 3% slower in the model where it issues >= 0.10 fewer instructions per
-weight (the model cannot resolve a few percent). The model's tensor-core time counts the accumulator route's
-constant-tile WGMMAs, (tiles + 1) / tiles the weights' own: one A tile at WGMMA N = 32 is tensor-bound.
-The fitted coefficients are :class:`CostModel`'s; the dated X-ray figures behind each rule are in
-docs/performance-log.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
 import math
-from collections.abc import Callable, Iterable
-from typing import Literal, NamedTuple
+from typing import Literal
 
-from nybble.kernels.device import DEFAULT_NUM_SMS
-from nybble.kernels.gpu import H200, GpuSpec
-from nybble.packing.groups import MIN_GROUP_SIZE, group_rows
+from nybble.packing.groups import MIN_GROUP_SIZE
 
 # Hopper's opt-in SMEM per CTA (cudaDevAttrMaxSharedMemoryPerBlockOptin), what Mosaic checks against.
 SMEM_BUDGET_BYTES = 232448
 SMEM_PER_SM_BYTES = 233472
 # Barriers, alignment padding and the driver's reserve next to the buffers counted in `smem_bytes`.
-_SMEM_SLACK_BYTES = 1024
+SMEM_SLACK_BYTES = 1024
 TILE_M_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TILES_CHOICES = (1, 2, 4)
 TILE_K_CHOICES = (64, 128, 256, 512)
 # 512-deep steps halve a decode step's fixed cost per weight (barrier wait, slot bookkeeping, the end-of-step
-# fence; X-ray, Llama-3-8B down at M = 32: 2.03 -> 1.90 instructions per weight) on the accumulator route
-# of the one-warpgroup kernel, the only one they are compiled and interpreted for.
+# fence) on the accumulator route of the one-warpgroup kernel, the only one they are compiled and
+# interpreted for.
 WIDE_STEP_K = 512
 SLICES_CHOICES = (1, 2, 4, 8)
 CHUNK_K = 64  # one dequantization chunk: 64 x 64 codes, 8 bands x 64 words
 # K of one WGMMA call: two chunks are dequantized, then multiplied by one call, so Mosaic derives the x
-# tile's SMEM descriptor once for 8 HGMMAs instead of once for 4 (X-ray, Llama-3-8B q/o at M = 16: 269 ->
-# 253 instructions a step; gate-up at M = 8, four A tiles: 756 -> 736, 254 registers, no spill).
+# tile's SMEM descriptor once for 8 HGMMAs instead of once for 4 (fewer instructions a step, no spill).
 WGMMA_K = 128
 MAX_SPLIT_K = 8  # the split_k CTAs of one output tile form a cluster: 8 is the portable maximum
-# y rows one CTA of a warp-specialized split-K cluster sums (tile_m / split_k): 64 spill 32 bytes (X-ray).
+# y rows one CTA of a warp-specialized split-K cluster sums (tile_m / split_k): 64 spill.
 MAX_WS_SLAB_ROWS = 32
 ScalesOn = Literal["accumulators", "weights"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CostModel:
-    """The heuristics' fitted coefficients, in one place, each with what it was fitted on (the X-ray of this
-    kernel, ``python -m bench.xray``; docs/performance-log.md has the dated figures). Change one here and
-    rerun ``tools/heuristic_picks.py`` before and after to see which picks move.
-
-    Instruction estimate (:func:`estimated_instructions_per_weight`), per weight per thread unless said:
-    """
-
-    # 3 SHF + 4 LOP3 per 8 weights (the magic-number dequantization) and one HGMMA per 8.
-    dequant: float = 0.875
-    hgmma: float = 0.125
-    # A pipeline step of the one-warpgroup kernel that refills slots itself: ~100 instructions of barriers,
-    # descriptors and TMA, ~2 per HGMMA.
-    step: int = 100
-    step_per_hgmma: int = 2
-    # With a producer warpgroup, or nothing to refill: ~40 a step, ~8 a WGMMA call (its descriptor), ~17 a
-    # call with offsets on the accumulator route, ~1.1 an HGMMA (fitted to the X-ray of 70 accumulator-route
-    # decode picks, M <= 64, two WGMMA calls a step).
-    lean_step: int = 40
-    lean_per_call: int = 8
-    lean_per_call_offsets: int = 17
-    lean_per_hgmma: float = 1.1
-    # The warp-specialized kernel (constant slots, pipeline.py): ~15 a step, ~2.5 an HGMMA.
-    ws_step: int = 15
-    ws_per_hgmma: float = 2.5
-    # Exact weights: a bf16x2 subtract and multiply per pair; an offset rides in an HFMA2 (+0.03).
-    exact: float = 1.0
-    exact_offsets: float = 0.03
-    # Accumulator route, per group and accumulator column: ~2 FFMA and 8 more (~1 and 8 where the bias is
-    # folded, 14 with a producer: the X-ray of the 512-deep picks).
-    acc_per_column: int = 2
-    acc_fixed: int = 8
-    folded_fixed: int = 8
-    folded_fixed_producer: int = 14
-    # Decode near-ties (:func:`_fewer_instructions_nearly_as_fast`): a config this much slower in the model
-    # is still taken where it issues at least ``decode_ipw_gain`` fewer instructions per weight (Llama-3-8B
-    # down and q/o at M = 16-32, the X-ray).
-    decode_tie: float = 0.03
-    decode_ipw_gain: float = 0.10
-    # Modeled times within this fraction of the fastest candidate's count as equal (heuristic_config: the
-    # fastest, then prefill's issue and tensor-core times in steps of it). 0.1%: the picks of the former
-    # absolute 0.01 us at every named shape (tests/fixtures/golden_picks), where 0.3% moves 5 of 520.
-    tie_relative: float = 0.001
-
-
-COST_MODEL = CostModel()
-# The names these coefficients had before CostModel (kept importable).
-DECODE_TIE = COST_MODEL.decode_tie
-DECODE_IPW_GAIN = COST_MODEL.decode_ipw_gain
-
-
-class Rank(NamedTuple):
-    """How :func:`heuristic_config` orders candidates of equal modeled time: field by field, larger wins."""
-
-    issue: float  # prefill: minus the issue time in steps of CostModel.tie_relative; decode 0
-    tensor: float  # prefill: minus the tensor-core time in those steps; decode 0
-    hidden: bool  # decode: latency hidden (a producer, every copy up front, or two CTAs per SM)
-    ipw_tenths: float  # minus the estimated instructions per weight, to 0.1
-    tiles: int
-    tile_k: int
-    steps: int  # pipeline depth
-    neg_ipw: float  # minus the estimate, unrounded
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -200,7 +103,7 @@ class TuningConfig:
             raise ValueError(
                 f"TuningConfig: the warp-specialized kernel splits K into slabs of at most "
                 f"{MAX_WS_SLAB_ROWS} rows, got tile_m / split_k = {self.tile_m} / {self.split_k}: 64-row "
-                "slabs spill registers (the X-ray of tile_m=128, split_k=2: 32 bytes)"
+                "slabs spill registers"
             )
         if self.slices > 1 and self.split_k > 1:
             raise ValueError("TuningConfig: K slices or split-K, not both (slices already span all of K)")
@@ -416,115 +319,12 @@ def smem_bytes(
 
 def fits_smem(config: TuningConfig, *, group: int, has_offsets: bool, scale_bytes: int = 2) -> bool:
     """Whether ``config`` fits Hopper's SMEM budget (with room for barriers)."""
-    return _fits(smem_bytes(config, group=group, has_offsets=has_offsets, scale_bytes=scale_bytes))
+    return smem_fits(smem_bytes(config, group=group, has_offsets=has_offsets, scale_bytes=scale_bytes))
 
 
-def _fits(used: int) -> bool:
+def smem_fits(used: int) -> bool:
     """Whether ``used`` bytes of buffers fit one CTA's SMEM with room for barriers (:func:`fits_smem`)."""
-    return used + _SMEM_SLACK_BYTES <= SMEM_BUDGET_BYTES
-
-
-def _pow2_at_least(m: int) -> int:
-    return 1 << max(0, (m - 1).bit_length())
-
-
-def estimated_instructions_per_weight(
-    config: TuningConfig,
-    group: int,
-    has_offsets: bool,
-    *,
-    refills: bool = True,
-    model: CostModel = COST_MODEL,
-) -> float:
-    """A rough count of the main loop's SASS instructions per weight per thread, for ranking configs.
-
-    Calibrated on the X-ray of this kernel (bench/xray): 3 SHF + 4 LOP3 per 8 weights, one HGMMA per 8;
-    exact weights add a bf16x2 subtract and multiply per pair (with offsets a fused multiply-add); the
-    accumulator
-    route adds the constant tile's WGMMA of each 64-wide chunk and ~2 FFMA per accumulator element and group
-    (~1 where :func:`folds_bias`);
-    each step costs ~100 instructions of barriers, descriptors and TMA, and ~2 per HGMMA; with a producer
-    warpgroup issuing the TMA, or when nothing ``refills`` a slot (every step has its own and all copies go
-    out before the first), ~56 and ~1.1 per HGMMA, ~18 more with offsets on the accumulator route, for WGMMA
-    calls two chunks wide (:func:`wgmma_k`; ~8 more per call of one chunk); in the warp-specialized
-    kernel, whose pipeline has constant slots (pipeline.py), ~15 and ~2.5 per HGMMA. The coefficients are
-    ``model``'s (:class:`CostModel`); the fit's error against the X-ray is in docs/performance-log.md.
-    """
-    c, cm = config, model
-    per_thread_step = c.tiles * c.tile_k / 2  # weights a thread dequantizes per step
-    hgmmas = c.tiles * c.tile_k // 16 + (c.tile_k // 16 if c.scales_on == "accumulators" else 0)
-    if c.compute_wgs > 1:
-        per_step = cm.ws_step + cm.ws_per_hgmma * hgmmas
-    elif c.producer or not refills:
-        calls = c.tile_k // wgmma_k(c, group)
-        per_call = (
-            cm.lean_per_call_offsets if has_offsets and c.scales_on == "accumulators" else cm.lean_per_call
-        )
-        per_step = cm.lean_step + per_call * calls + cm.lean_per_hgmma * hgmmas
-    else:
-        per_step = cm.step + cm.step_per_hgmma * hgmmas
-    ipw = cm.dequant + cm.hgmma + per_step / per_thread_step
-    if c.scales_on == "weights":  # a subtract and a multiply per pair; an offset rides in an HFMA2
-        ipw += cm.exact + (cm.exact_offsets if has_offsets else 0.0)
-    elif folds_bias(c, has_offsets):  # one FFMA per accumulator element and group
-        ipw += (c.wgmma_n + (cm.folded_fixed_producer if c.producer else cm.folded_fixed)) / min(
-            group, c.tile_k
-        )
-    else:
-        ipw += (cm.acc_per_column * c.wgmma_n + cm.acc_fixed) / min(group, c.tile_k)
-    return ipw
-
-
-def modeled_times_us(
-    config: TuningConfig,
-    m: int,
-    n_pad: int,
-    k_pad: int,
-    group: int,
-    has_offsets: bool,
-    num_sms: int,
-    gpu: GpuSpec = H200,
-) -> dict[str, float]:
-    """The heuristics' cost model (``gpu``'s figures, the H200's by default; ``num_sms`` is the SM count
-    asked for), its parts in microseconds: ``hbm``, ``issue``, ``tensor`` and ``extra`` (split-K's
-    reduction, a launch); :func:`modeled_time_us` combines them.
-
-    HBM time counts the bytes over the bandwidth the busy SMs can pull (an idle SM is lost bandwidth);
-    issue time the instructions of :func:`estimated_instructions_per_weight` on the busiest SM; split-K
-    adds its reduction in the cluster (each CTA reads 1 / S of the f32 tile from each of S CTAs through
-    distributed SMEM at ``gpu.dsmem_bytes_per_cycle_per_sm``); an x copy by the wrapper a second launch
-    (``gpu.launch_s``).
-    """
-    ctas = config.ctas(m, n_pad)
-    weights = config.dequantized_weights(m, n_pad, k_pad)  # HBM bytes count K_pad's rows only
-    nbytes = n_pad * k_pad / 2 + 2 * (m * k_pad + m * n_pad) + 2 * n_pad * -(-k_pad // group)
-    t_reduce = 0.0
-    if config.split_k > 1:
-        t_reduce = config.tile_m * config.cta_rows * 4 / gpu.dsmem_bytes_per_cycle_per_sm / gpu.clock_hz
-    t_hbm = nbytes / (gpu.hbm_bytes_per_s * min(1.0, ctas / num_sms))
-    ipw = estimated_instructions_per_weight(config, group, has_offsets, refills=refills(config, k_pad))
-    busiest = weights / 32 * ipw / ctas * math.ceil(ctas / num_sms)  # warp-instructions on one SM
-    t_issue = busiest / (gpu.issue_per_sm_cycle * gpu.clock_hz)
-    # The accumulator route runs one more WGMMA a chunk, the constant A tile's, shared by the A tiles.
-    hgmma_share = (config.tiles + 1) / config.tiles if config.scales_on == "accumulators" else 1.0
-    t_tensor = 2.0 * config.wgmma_n * weights * hgmma_share / gpu.bf16_flops
-    # The wrapper's zero rows of x are a launch; where the kernel cannot store y's M rows itself, the slice
-    # of y is another (:func:`stores_any_rows`).
-    launch = gpu.launch_s * (x_rows(m, config) != m) * (1 if stores_any_rows(config) else 2)
-    extra = t_reduce + launch
-    return {"hbm": t_hbm * 1e6, "issue": t_issue * 1e6, "tensor": t_tensor * 1e6, "extra": extra * 1e6}
-
-
-def modeled_time_us(
-    config: TuningConfig, m: int, n_pad: int, k_pad: int, group: int, has_offsets: bool, num_sms: int
-) -> float:
-    """The heuristics' modeled time: the largest of HBM, issue and tensor-core time (they overlap), plus
-    the split-K reduction and a launch (:func:`modeled_times_us`)."""
-    return _combined(modeled_times_us(config, m, n_pad, k_pad, group, has_offsets, num_sms))
-
-
-def _combined(times: dict[str, float]) -> float:
-    return max(times["hbm"], times["issue"], times["tensor"]) + times["extra"]
+    return used + SMEM_SLACK_BYTES <= SMEM_BUDGET_BYTES
 
 
 def stores_any_rows(config: TuningConfig) -> bool:
@@ -548,200 +348,3 @@ def x_rows(m: int, config: TuningConfig) -> int:
         return m
     step = 8 // math.gcd(s, 8)
     return -(-m // step) * step
-
-
-@functools.lru_cache(maxsize=8192)  # frozen results; the suite and dispatch ask again and again
-def heuristic_config(
-    m: int,
-    n_pad: int,
-    k_pad: int,
-    group_size: int | None,
-    num_sms: int = DEFAULT_NUM_SMS,
-    *,
-    has_offsets: bool = True,
-    scale_bytes: int = 2,
-    experts: int = 1,
-    allow: Callable[[TuningConfig], bool] | None = None,
-) -> TuningConfig:
-    """Chooses a config for an (M, K_pad) x (K_pad, N_pad) problem on a GPU with ``num_sms`` SMs.
-
-    ``group_size`` None means one group over all of K_pad; K_pad and N_pad are multiples of 64.
-
-    Decode (M <= 64): one compute warpgroup per CTA (with a producer warpgroup issuing the TMA, or
-    without). Small M runs S K slices side by side in WGMMA's N (M = 1 puts 8 slices of K where padding
-    would be), so a CTA covers 64 * tiles / S rows of N over all of K and needs no split-K: one launch.
-    Every candidate (A tiles, tile_k, slices, split-K, scale route, producer where the pipeline refills
-    its slots) that fits SMEM, at every pipeline depth, is ranked by :func:`modeled_time_us`; ties go to
-    hidden latency (a producer running TMA ahead, every copy issued up front, or two CTAs per SM: a second
-    warp per scheduler hides the other's stalls), fewer instructions per weight, more A tiles per step,
-    then deeper pipelines; then a config within ``DECODE_TIE`` of that time that issues
-    ``DECODE_IPW_GAIN`` fewer instructions per weight replaces it
-    (:func:`_fewer_instructions_nearly_as_fast`). Prefill (M > 64): two compute warpgroups sharing 128-
-    or 256-row x tiles, weights dequantized exactly; ties go to the least issue time, then the least
-    tensor-core time.
-
-    ``experts`` > 1: one launch runs that many such problems, each against its own weight (the grouped
-    kernel, grouped.py): a config must fit one, the cost model counts the CTAs and weights of all. ``allow``:
-    a predicate on the candidates (what that kernel runs).
-    """
-    if m < 1 or n_pad < 1 or k_pad < 1:
-        raise ValueError(f"heuristic_config: bad problem M={m}, N_pad={n_pad}, K_pad={k_pad}")
-    group = group_rows(k_pad, group_size)
-    decode = m <= 64
-    candidates: list[tuple[float, dict[str, float], Rank, TuningConfig]] = []
-    for shape in _candidate_shapes(m, n_pad, k_pad, group, decode):
-        probe = TuningConfig(**shape)
-        if allow is not None and not allow(probe):
-            continue
-        try:
-            probe.check_problem(m, n_pad, k_pad, group)
-        except ValueError:
-            continue
-        k_steps = probe.k_steps(k_pad)
-        for steps in range(min(8 if decode else 4, max(2, k_steps)), 1, -1):
-            if probe.producer and k_steps <= steps:
-                continue  # every step has a slot: all copies go out up front, a producer saves nothing
-            config = dataclasses.replace(probe, max_concurrent_steps=steps)
-            used = smem_bytes(config, group=group, has_offsets=has_offsets, scale_bytes=scale_bytes)
-            if not _fits(used):
-                continue
-            # A producer's CTA takes the whole register file (two warpgroups, up to 256 registers each).
-            resident = 1 if config.producer else max(1, SMEM_PER_SM_BYTES // (used + _SMEM_SLACK_BYTES))
-            ctas = config.ctas(m, experts * n_pad)
-            times = modeled_times_us(config, m, experts * n_pad, k_pad, group, has_offsets, num_sms)
-            t = _combined(times)
-            # Per weight of W: a partial last K step's zero-filled rows cost instructions too.
-            ipw = estimated_instructions_per_weight(config, group, has_offsets, refills=k_steps > steps)
-            ipw *= k_steps * config.k_span() * config.split_k / k_pad
-            # Latency hidden: a producer running TMA ahead, every step's copy issued up front, or a second
-            # CTA's warp on each scheduler.
-            up_front = k_steps <= steps
-            hidden = decode and (config.producer or up_front or min(resident, -(-ctas // num_sms)) >= 2)
-            rank = Rank(0.0, 0.0, hidden, -round(ipw, 1), config.tiles, config.tile_k, steps, -ipw)
-            candidates.append((t, times, rank, config))
-    if not candidates:
-        raise ValueError(
-            f"heuristic_config: no config fits M={m}, N_pad={n_pad}, K_pad={k_pad}, group={group}"
-        )
-    fastest = min(t for t, _, _, _ in candidates)
-    # Times count as equal in steps of CostModel.tie_relative of the fastest. Prefill ties go to less issue
-    # time (the dequantization hides better behind WGMMA: a 256-wide M tile halves it per FLOP), then to
-    # less tensor-core time (no WGMMA columns wasted on padding).
-    quantum = fastest * COST_MODEL.tie_relative
-    scored: list[tuple[float, Rank, TuningConfig]] = []
-    for t, times, rank, config in candidates:
-        if not decode:
-            issue, tensor = _steps_of(times["issue"], quantum), _steps_of(times["tensor"], quantum)
-            rank = rank._replace(issue=-issue, tensor=-tensor)
-        scored.append((t, rank, config))
-    best: tuple[Rank, TuningConfig] | None = None
-    for t, rank, config in scored:  # the fastest (within the tie), then the best rank
-        if t <= fastest + quantum and (best is None or rank > best[0]):  # the first of equal ranks
-            best = (rank, config)
-    assert best is not None
-    if decode:
-        best = _fewer_instructions_nearly_as_fast(scored, best, fastest)
-    return _persistent_where_it_pays(best[1], m, n_pad, num_sms)
-
-
-def _steps_of(value: float, quantum: float) -> float:
-    """``value`` in whole steps of ``quantum`` (values in one step tie)."""
-    return float(round(value / quantum)) if quantum > 0 else value
-
-
-def _fewer_instructions_nearly_as_fast(
-    scored: list[tuple[float, Rank, TuningConfig]],
-    best: tuple[Rank, TuningConfig],
-    fastest: float,
-    model: CostModel = COST_MODEL,
-) -> tuple[Rank, TuningConfig]:
-    """A decode config within ``model.decode_tie`` of the fastest modeled time, hiding latency as well, that
-    issues at least ``model.decode_ipw_gain`` fewer instructions per weight (estimated) than ``best``, if
-    there is one.
-
-    The model does not resolve a few percent: a split-K cluster's reduction, a percent of the streaming
-    time, can be all that separates a config issuing fewer instructions per weight from one issuing more,
-    so the tie allows 3% (the cases: docs/performance-log.md). Accumulator-route tiles stay within tiles *
-    WGMMA N <= 64 (64 accumulator columns split 8 ways spill, and the candidates leave them out:
-    :func:`_candidate_shapes`)."""
-    # The gain is measured on the unrounded estimates (Rank.neg_ipw).
-    best_rank = best[0]
-    found = best
-    for t, rank, config in scored:
-        fits = config.scales_on == "accumulators"  # (within tiles * WGMMA N <= 64: _candidate_shapes)
-        if (
-            fits
-            and t <= fastest * (1 + model.decode_tie)
-            and rank.hidden >= best_rank.hidden
-            and rank.neg_ipw >= best_rank.neg_ipw + model.decode_ipw_gain
-            and rank > found[0]
-        ):
-            found = (rank, config)
-    return found
-
-
-def _persistent_where_it_pays(config: TuningConfig, m: int, n_pad: int, num_sms: int) -> TuningConfig:
-    """The warp-specialized ``config`` on a persistent grid of ``num_sms`` CTAs when its output tiles
-    outnumber the SMs: every CTA but the last wave's then runs several tiles, and each tile's epilogue
-    overlaps the next one's loads (not in the cost model, which counts the same waves either way)."""
-    if config.compute_wgs == 1 or config.split_k > 1:
-        return config
-    tiles = config.m_tiles(m) * (n_pad // config.cta_rows)
-    return dataclasses.replace(config, persistent_ctas=num_sms) if tiles > num_sms else config
-
-
-def _candidate_shapes(
-    m: int, n_pad: int, k_pad: int, group: int, decode: bool
-) -> Iterable[dict[str, object]]:
-    if not decode:
-        wgs = 2 if n_pad % 128 == 0 else 1
-        for tiles, tile_k, split_k in itertools.product((2, 1), (128, 64), (1, 2, 4, 8)):
-            if split_k > 1 and wgs > 1 and 128 // split_k > MAX_WS_SLAB_ROWS:
-                continue
-            if k_pad % (tile_k * split_k):
-                continue  # partial last K steps are decode's (TuningConfig.runs_past_k)
-            yield dict(
-                tiles=tiles, tile_m=128, tile_k=tile_k, compute_wgs=wgs, split_k=split_k, scales_on="weights"
-            )
-        if wgs > 1:
-            # 256-wide M tiles: each compute warpgroup one A tile against 256 rows of x (a 64 x 256 f32
-            # accumulator, 128 registers), so every weight is dequantized once per 256 rows of x, not 128.
-            # tile_k=64 only: a 128-deep step is 72 KB, two slots, and with slots released a step late
-            # (pipeline.py) two slots leave no copy in flight.
-            yield dict(tiles=1, tile_m=256, tile_k=64, compute_wgs=wgs, split_k=1, scales_on="weights")
-        return
-    tile_m = _pow2_at_least(m)
-    # (slices, tile_m): K slices filling a WGMMA N of 8..32, or none (N = max(8, M)).
-    layouts = [(s, tile_m) for s in SLICES_CHOICES if s > 1 and 8 <= s * tile_m <= 64]
-    layouts.append((1, max(8, tile_m)))
-    for (slices, t_m), tiles, tile_k, split_k in itertools.product(
-        layouts, TILES_CHOICES, TILE_K_CHOICES, range(1, 9)
-    ):
-        if split_k > 1 and (slices > 1 or not splits_k(t_m, split_k, tiles)):
-            continue
-        wgmma_n = slices * t_m
-        scales_on = "accumulators" if group % CHUNK_K == 0 and wgmma_n <= 32 else "weights"
-        if scales_on == "accumulators" and (
-            tiles * wgmma_n > 64 or (split_k == MAX_SPLIT_K and tiles * wgmma_n == 64)
-        ):
-            # The route keeps two f32 accumulators of tiles * WGMMA N columns (a group's and the total):
-            # 128 columns spill (X-ray, Llama-3-70B gate-up at M = 12, four A tiles at N = 32: 816-856
-            # bytes), and 64 split 8 ways spill in the split-K epilogue (Llama-3-8B down at M = 32, two A
-            # tiles: 16-48 bytes; q/o: 24 bytes, or 2.19 instructions per weight against 1.92 split 4 ways).
-            continue
-        if k_pad % (tile_k * slices * split_k) and (slices > 1 or split_k > 1 or k_pad % (2 * CHUNK_K) == 0):
-            # Partial last K steps (TuningConfig.runs_past_k) only where K_pad is an odd number of 64-wide
-            # chunks, so that no step deeper than 64 divides it (gpt-oss: K = 2880 = 45 x 64, whose 64-deep
-            # steps issue 2.81-3.25 instructions per weight in the X-ray); elsewhere a dividing step exists.
-            continue
-        if tile_k == WIDE_STEP_K and (
-            scales_on != "accumulators" or group < 2 * CHUNK_K or tiles > 2 or slices > 4
-        ):
-            # At most 4 groups a step. Four A tiles spill (X-ray: 24-72 bytes at M = 1 and 8), and with
-            # 8 K slices a step of 512 issues more than two of 256 (Llama-3-8B q/o at M = 1: 1.61 -> 1.63).
-            continue
-        shape = dict(
-            tiles=tiles, tile_m=t_m, tile_k=tile_k, slices=slices, split_k=split_k, scales_on=scales_on
-        )
-        yield shape
-        yield dict(shape, producer=True)

@@ -49,9 +49,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from nybble.kernels.mosaic_gpu.api import KERNEL_X_DTYPES, SUPPORTED_LAYOUTS, _requires_gpu_p
+from nybble.jax_range import outside_reason
+from nybble.kernels.device import DEFAULT_NUM_SMS
 from nybble.kernels.mosaic_gpu.common import CtaTile, Problem, RowWindow, StashedRows
-from nybble.kernels.mosaic_gpu.config import DEFAULT_NUM_SMS, TuningConfig, x_rows
+from nybble.kernels.mosaic_gpu.config import TuningConfig
+from nybble.kernels.mosaic_gpu.dense import kernel_x, problem, weight_options, weight_reason, x_reason
 from nybble.kernels.mosaic_gpu.grouped_config import (
     grouped_allows,
     grouped_heuristic_config,
@@ -181,8 +183,11 @@ def grouped_is_supported(x: Any, qw: Any, group_sizes: Any) -> str | None:
 
     Checks shapes and dtypes only (values may be traced): group_sizes' values (non-negative, summing to at
     most x's rows) are checked by :func:`grouped_matmul` where they are concrete. Says nothing about the
-    device (a Hopper GPU, or ``nybble.kernels.interpret()``).
+    device (a Hopper GPU, or ``nybble.kernels.interpret()``). Refuses every argument under a jax outside
+    nybble's range (``nybble.jax_range``).
     """
+    if (reason := outside_reason()) is not None:
+        return reason
     if not isinstance(qw, QuantizedWeight):
         return f"the weight is a {type(qw).__name__}, not a nybble.QuantizedWeight"
     if getattr(qw.codes, "ndim", 0) != 3:
@@ -192,21 +197,16 @@ def grouped_is_supported(x: Any, qw: Any, group_sizes: Any) -> str | None:
             f"per-expert QuantizedWeights stacked with jax.tree.map(jnp.stack, *weights))"
         )
     experts = qw.codes.shape[0]
-    if qw.layout not in SUPPORTED_LAYOUTS:
-        return (
-            f"the weight layout {qw.layout!r} is not one the kernel reads {SUPPORTED_LAYOUTS}: repack it "
-            f"with nybble.quant.relayout(qw, 'wgmma_int4') (exact)"
-        )
+    if (reason := weight_reason(qw)) is not None:
+        return reason
     for name in ("scales", "offsets"):
         a = getattr(qw, name)
         if a is not None and (a.ndim != 3 or a.shape[0] != experts):
             return f"the weight's {name} have shape {tuple(a.shape)}: expected ({experts}, groups, N_pad)"
     if getattr(x, "ndim", None) != 2:
         return f"x has shape {tuple(getattr(x, 'shape', ()))}: expected (rows, K), rows sorted by expert"
-    if np.dtype(x.dtype).name not in KERNEL_X_DTYPES:
-        return f"x has dtype {np.dtype(x.dtype).name}; the kernel multiplies in {KERNEL_X_DTYPES} (cast x)"
-    if x.shape[1] != qw.shape[0]:
-        return f"x has K={x.shape[1]} but the weight has K={qw.shape[0]}"
+    if (reason := x_reason(x, qw)) is not None:
+        return reason
     shape = tuple(getattr(group_sizes, "shape", ()))
     if shape != (experts,):
         return f"group_sizes has shape {shape}: expected ({experts},), one size per expert of the weight"
@@ -239,33 +239,14 @@ def grouped_plan(
     k_pad, n_pad = qw.padded_shape
     if config is None:
         config = grouped_heuristic_config(
-            rows,
-            experts,
-            n_pad,
-            k_pad,
-            qw.group_size,
-            num_sms,
-            has_offsets=qw.offsets is not None,
-            scale_bytes=np.dtype(qw.scales.dtype).itemsize,
+            rows, experts, n_pad, k_pad, qw.group_size, num_sms, **weight_options(qw)
         )
     if not grouped_allows(config):
         raise ValueError(
             f"grouped_matmul: the grouped kernel runs without split-K or a persistent grid: {config}"
         )
     config.check_problem(min(rows, config.tile_m), n_pad, k_pad, qw.group)
-    n = qw.shape[1]
-    n_out = n if n % 64 == 0 else n_pad  # as api.plan: a y of N columns where TMA can store it
-    p = Problem(
-        rows,
-        n_out,
-        n_pad,
-        k_pad,
-        qw.group,
-        jnp.bfloat16,
-        qw.offsets is not None,
-        config,
-        x_rows(rows, config),
-    )
+    p = problem(rows, qw, config, jnp.bfloat16)
     align = x_alignment(p)
     return p, GroupedWork(experts, rows, max_m_tiles(rows, experts, config.tile_m, align))
 
@@ -313,11 +294,7 @@ def grouped_matmul(
 def _forward(x, qw, group_sizes, config, num_sms) -> jax.Array:
     p, work = grouped_plan(x.shape[0], qw, num_sms=num_sms, config=config)
     p = dataclasses.replace(p, dtype=x.dtype)
-    if active_params() is None:
-        x = _requires_gpu_p.bind(x)
-    k = x.shape[1]
-    if k != p.k_pad or p.x_rows != p.m:  # as the dense wrapper (api._forward)
-        x = jnp.pad(x, ((0, p.x_rows - p.m), (0, p.k_pad - k)))
+    x = kernel_x(x, p)
     operands = [group_sizes, *_views(p, work.experts, x, qw)]
     run = w4a16_single_wg if p.config.compute_wgs == 1 else w4a16_warp_specialized
     y = run(p, operands, work)

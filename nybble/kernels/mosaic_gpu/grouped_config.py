@@ -17,9 +17,11 @@ over a count of tiles known only on the device).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from nybble.kernels.device import DEFAULT_NUM_SMS
-from nybble.kernels.mosaic_gpu.config import WIDE_STEP_K, TuningConfig, heuristic_config
+from nybble.kernels.mosaic_gpu.config import WIDE_STEP_K, TuningConfig
+from nybble.kernels.mosaic_gpu.heuristics import heuristic_config
 
 
 def active_experts(rows: int, experts: int) -> int:
@@ -35,8 +37,7 @@ def planned_rows(rows: int, experts: int) -> int:
 def grouped_allows(config: TuningConfig) -> bool:
     """Whether the grouped kernel runs ``config``: no split-K and no persistent grid (module docstring);
     and not 512-deep steps of 64 accumulator columns (tiles x WGMMA N) with a producer warpgroup, whose
-    compute warpgroup sits at 255 registers and spills the grouped CTA's state (X-ray, Qwen3 gate/up at
-    T = 512, 4096: two A tiles at N = 32, 12 bytes with the y rows in SMEM, 80 bytes without)."""
+    compute warpgroup sits at 255 registers and spills the grouped CTA's state."""
     wide = (
         config.producer
         and config.tile_k == WIDE_STEP_K
@@ -69,13 +70,12 @@ def grouped_heuristic_config(
     k_pad: int,
     group_size: int | None,
     num_sms: int = DEFAULT_NUM_SMS,
-    *,
-    has_offsets: bool = True,
-    scale_bytes: int = 2,
+    **options: Any,
 ) -> TuningConfig:
     """The config of a grouped matmul of ``rows`` rows of x over ``experts`` (K_pad, N_pad) weights: the
     dense heuristic's pick for :func:`planned_rows` rows on :func:`active_experts` weights at once,
-    among the configs :func:`grouped_allows`."""
+    among the configs :func:`grouped_allows`. ``options``: the dense heuristic's (``has_offsets``,
+    ``scale_bytes``), passed on as given."""
     if rows < 1 or experts < 1:
         raise ValueError(f"grouped_heuristic_config: bad problem rows={rows}, experts={experts}")
     config = heuristic_config(
@@ -84,10 +84,9 @@ def grouped_heuristic_config(
         k_pad,
         group_size,
         num_sms,
-        has_offsets=has_offsets,
-        scale_bytes=scale_bytes,
         experts=active_experts(rows, experts),
         allow=grouped_allows,
+        **options,
     )
     # The dense heuristic puts a warp-specialized pick on a persistent grid where tiles outnumber SMs.
     return dataclasses.replace(config, persistent_ctas=0)

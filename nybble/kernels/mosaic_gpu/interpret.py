@@ -6,19 +6,26 @@ TMA copies, and with ``detect_races=True`` it flags a missing barrier wait or ``
 checks numerics only; the hardware rules (layouts, SMEM budget, TMA alignment) are checked by lowering for
 CUDA (``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``).
 
-jax 0.11.2's interpreter cannot run ``plgpu.wgmma`` with its A operand in registers ("Expected shape (6,)
-but got (64, 128)"), which is exactly how the W4A16 kernel feeds the dequantized weights. ``interpret()``
-closes that gap with a small patch of ``jax._src.pallas.mosaic_gpu.interpret``, applied only while the
-context is active, and only on that jax version: on another one ``interpret()`` raises (the patches touch
-private functions that may have changed).
+The interpreters of jax 0.11.2 and 0.12.0.1 (the ends of nybble's range, ``nybble.jax_range``) cannot run
+``plgpu.wgmma`` with its A operand in registers ("Expected shape (6,) but got (64, 128)"), which is exactly
+how the W4A16 kernel feeds the dequantized weights. ``interpret()`` closes that gap with a small patch of
+``jax._src.pallas.mosaic_gpu.interpret``, applied only while the context is active, and only under a jax
+of the range whose interpreter has every function the patches touch (:func:`check_jax_version`; they are
+private and may change).
 
 Under ``jax.shard_map`` on several CPU devices (``nybble.sharding``) every device interprets its own kernel
-at the same time, in one shared simulated memory. jax 0.11.2 then checks, as each device finishes, that no
-barrier is left allocated *on any device*, and fails when another device is still mid-kernel. The same
+at the same time, in one shared simulated memory. The interpreter then checks, as each device finishes, that
+no barrier is left allocated *on any device*, and fails when another device is still mid-kernel. The same
 patch makes that check wait until every device of the kernel reached it. And there a kernel operand of a
-4-bit type (the int4 view of the codes) deadlocks: the host callback that copies it into the simulated
-memory waits for a CPU device busy running callbacks. The patch hands such values to the host widened to
-8 bits (exact) and narrows them back there.
+4-bit type deadlocked: the host callback that copies it into the simulated memory waits for a CPU device
+busy running callbacks. The patch hands such values to the host widened to 8 bits (exact) and narrows them
+back there.
+
+Re-verified on 0.12.0.1 (2026-12-04): the register-A WGMMA still fails there without its patch (the same
+error, ``JaxprInterpreter._interpret_wgmma_ref_p`` unchanged); the end-of-kernel barrier check and the
+allocation callbacks are unchanged too, so both patches stay. (No kernel operand is 4-bit today: the codes
+are uint32 words of the ``wgmma_int4`` layout, so the widening never triggers on either version.) 0.12's
+race detector raises inside the kernel unless told to warn: ``compat.interpret_params``.
 """
 
 from __future__ import annotations
@@ -35,9 +42,10 @@ import jax
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["active_params", "check_jax_version", "interpret", "races_found", "reset_state"]
+from nybble.jax_range import TESTED, outside_reason
+from nybble.kernels.mosaic_gpu.compat import interpret_params
 
-_PATCHED_JAX_VERSION = "0.11.2"
+__all__ = ["active_params", "check_jax_version", "interpret", "races_found", "reset_state"]
 
 # The InterpretGPUParams of the innermost active `interpret()` context, or None.
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("nybble_mgpu_interpret", default=None)
@@ -176,19 +184,54 @@ def _widening(call: Any, host_fn: Any) -> Any:
     return wrapped
 
 
-def check_jax_version(version: str | None = None) -> None:
-    """Refuses to patch a jax other than the one the patches were written against.
+# What the patches below replace or call, by module: checked before patching, so that a jax in the range
+# whose interpreter moved one of them fails here, by name, not inside a kernel.
+_PATCH_TARGETS = {
+    "jaxpr_interpret": ("JaxprInterpreter._interpret_wgmma_ref_p", "resolve_ref"),
+    "gpu_callbacks": (
+        "_assert_no_barriers_allocated",
+        "call_allocate_buffer_for_all_threads",
+        "_allocate_buffer_for_all_threads",
+        "call_allocate_buffer",
+        "_allocate_buffer",
+        "_get_shared_memory",
+        "_remove_noop_transforms",
+        "fail_on_exception",
+        "HostAllocationKey",
+        "TOKEN_SHAPE_DTYPE",
+    ),
+}
 
-    The patches replace private functions of ``jax._src.pallas.mosaic_gpu.interpret``; on another version
-    they could silently change what the interpreter checks, or the kernels could fail for reasons the
-    patches hide. Raises RuntimeError naming both versions and what to do."""
-    version = jax.__version__ if version is None else version
-    if version != _PATCHED_JAX_VERSION:
+
+def check_jax_version(version: str | None = None) -> None:
+    """Refuses to patch a jax outside nybble's range (``nybble.jax_range``), or one whose interpreter lacks
+    what the patches replace.
+
+    The patches replace private functions of ``jax._src.pallas.mosaic_gpu.interpret``, re-verified on each
+    tested release of the range (``nybble.jax_range.TESTED``); on another jax they could silently change
+    what the interpreter checks. Raises RuntimeError naming the range (or the missing function) and the
+    fix."""
+    reason = outside_reason(version)
+    if reason is not None:
         raise RuntimeError(
-            f"nybble.kernels.interpret() patches jax {_PATCHED_JAX_VERSION}'s Pallas GPU interpreter "
-            f"(private functions of jax._src.pallas.mosaic_gpu.interpret) and this is jax {version}: "
-            f"install jax=={_PATCHED_JAX_VERSION} (pyproject.toml pins it), or re-check the patches in "
-            f"nybble/kernels/mosaic_gpu/interpret.py against the new jax and update _PATCHED_JAX_VERSION"
+            f"nybble.kernels.interpret() patches private functions of jax's Pallas GPU interpreter: {reason}"
+        )
+    import importlib
+
+    missing = []
+    for module, names in _PATCH_TARGETS.items():
+        mod = importlib.import_module(f"jax._src.pallas.mosaic_gpu.interpret.{module}")
+        for name in names:
+            obj = mod
+            for part in name.split("."):
+                obj = getattr(obj, part, None)
+            if obj is None:
+                missing.append(f"{module}.{name}")
+    if missing:
+        raise RuntimeError(
+            f"nybble.kernels.interpret() patches private functions of jax's Pallas GPU interpreter, and this "
+            f"jax {jax.__version__} lacks {', '.join(missing)}: install one of the tested releases "
+            f"({' or '.join(TESTED)})"
         )
 
 
@@ -242,7 +285,7 @@ def interpret(detect_races: bool = False) -> Iterator[Any]:
     The interpret parameters are part of jit's cache key, so jitted functions retrace on entry.
     """
     global _undetected_since_reset
-    params = plgpu.InterpretGPUParams(detect_races=detect_races)
+    params = interpret_params(detect_races)
     if not detect_races:
         _undetected_since_reset = True
     token = _ACTIVE.set(params)

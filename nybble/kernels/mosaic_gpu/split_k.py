@@ -49,7 +49,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from nybble.kernels.mosaic_gpu import faults
 from nybble.kernels.mosaic_gpu.config import split_k_shares
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.kernels.mosaic_gpu.staging import y_staging
@@ -203,6 +202,14 @@ def reduce(
         pl.run_scoped(scoped, y_type, **({} if wg is None else {"collective_axes": "wg"}))
 
 
+def sum_partials(slabs: list[Any], partitions: int, t: int, r: int, row_slabs: int, tiles: int) -> jax.Array:
+    """Slab r of A tile t summed over the first ``partitions`` K partitions' partials, in partition order."""
+    total = peer_slab(slabs, 0, t, r, row_slabs, tiles)
+    for q in range(1, partitions):
+        total = total + peer_slab(slabs, q, t, r, row_slabs, tiles)
+    return total
+
+
 def _sum_shares(
     slabs: list[Any],
     y_stage: Any,
@@ -221,11 +228,8 @@ def _sum_shares(
     row_slabs = tile_m // rows
 
     def sum_share(r: int, t0: int, count: int) -> None:
-        summed = split_k - 1 if faults.injected() == "split-k-partial-sum" else split_k  # faults.py
         for t in range(t0, t0 + count):
-            total = peer_slab(slabs, 0, t, r, row_slabs, tiles)
-            for q in range(1, summed):
-                total = total + peer_slab(slabs, q, t, r, row_slabs, tiles)
+            total = sum_partials(slabs, split_k, t, r, row_slabs, tiles)
             y_stage.at[:, pl.ds((t - t0) * 64, 64)].T[...] = plgpu.layout_cast(
                 total.astype(y_stage.dtype), L.WGMMA_TRANSPOSED
             )

@@ -1,6 +1,6 @@
 """Checkpoint formats nybble reads and writes: GPTQ, AWQ, qwix, Hugging Face directories' quantized linears
-(compressed-tensors, GPTQ, AWQ, AutoRound, nybble: ``hf_scheme``) in; torch tinygemm, compressed-tensors, GPTQ
-out. All exact."""
+(compressed-tensors, GPTQ, AWQ, AutoRound, nybble: one module each, ``hf_scheme`` picks one) in; torch
+tinygemm, compressed-tensors, GPTQ out. All exact."""
 
 from nybble.quant.formats.awq_format import from_awq
 from nybble.quant.formats.foreign_checkpoint import load_awq_checkpoint, load_gptq_checkpoint

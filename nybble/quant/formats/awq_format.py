@@ -28,6 +28,14 @@ from nybble.quant.formats._common import (
     read_layer,
     unpack_words,
 )
+from nybble.quant.formats.gptq_format import _gptq_tensors, _group_size
+from nybble.quant.formats.hf_base import (
+    Getter,
+    HFScheme,
+    _check_bits,
+    _finish,
+    _unsupported,
+)
 from nybble.quant.qweight import QuantizedWeight
 
 # Nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8; AWQ_REVERSE_ORDER inverts it.
@@ -75,3 +83,35 @@ def from_awq(
     u = unpack_awq(qweight)
     zeros = unpack_awq(qzeros)
     return build_weight(u, zeros, scales, group_size, symmetric=sym, scale_dtype=scale_dtype, name=name)
+
+
+class AWQScheme(HFScheme):
+    """AWQ ``version: gemm`` (AutoAWQ / llm-awq) and AutoRound's AWQ-packed exports."""
+
+    quant_method = "awq"
+
+    def __init__(self, config: dict, *, check_version: bool = True) -> None:
+        super().__init__(config)
+        _check_bits(config.get("bits", config.get("w_bit", 4)), "bits")
+        version = str(config.get("version", "gemm")).lower()
+        if check_version and version != "gemm":
+            raise _unsupported(f"awq version={config.get('version')!r} (only 'gemm')")
+        self.group_size = _group_size(config.get("group_size", config.get("q_group_size", 128)), "group_size")
+        self.not_convert = list(config.get("modules_to_not_convert") or [])
+
+    def is_quantized(self, module_name: str) -> bool:
+        if module_name == "lm_head" or module_name.endswith(".lm_head"):
+            return False
+        return not any(m in module_name.split(".") or module_name.endswith(m) for m in self.not_convert)
+
+    def _required(self, module_name: str) -> list[str]:
+        return [f"{module_name}.{t}" for t in ("qweight", "qzeros", "scales")]
+
+    def read_linear_with_perm(
+        self, module_name: str, get: Getter, *, in_features: int, out_features: int
+    ) -> tuple[QuantizedWeight, np.ndarray | None]:
+        p, k, n = module_name, int(in_features), int(out_features)
+        qweight, qzeros, scales = _gptq_tensors(p, get, k, n, self.group_size, awq=True)
+        return _finish(
+            unpack_awq(qweight), unpack_awq(qzeros), scales, self.group_size, None, symmetric=None, name=p
+        )

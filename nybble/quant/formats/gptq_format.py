@@ -25,6 +25,9 @@ the zero itself (8 for symmetric). ``"auto"`` decides from the zeros when they a
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Container, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -38,6 +41,20 @@ from nybble.quant.formats._common import (
     natural_group_index,
     read_layer,
     unpack_words,
+)
+from nybble.quant.formats.hf_base import (
+    Getter,
+    HFScheme,
+    HFWriter,
+    _check_bits,
+    _check_int32,
+    _finish,
+    _get,
+    _get_optional,
+    _logical,
+    _unsupported,
+    integer_zeros,
+    pack_int32,
 )
 from nybble.quant.qweight import QuantizedWeight
 
@@ -162,3 +179,202 @@ def _resolve_zeros(stored: np.ndarray, convention: ZeroConvention, name: str) ->
         # AutoGPTQ adds 1 and masks to 4 bits: a stored 15 (zero 0 written as -1) wraps to 0.
         return ((stored.astype(np.int32) + 1) & 0xF).astype(np.uint8)
     return stored
+
+
+
+
+def _gptq_tensors(p: str, get: Getter, k: int, n: int, group_size: int | None, *, awq: bool) -> tuple:
+    """The checked qweight, qzeros, scales of one GPTQ-style (or AWQ) layer."""
+    groups = 1 if group_size is None else -(-k // group_size)
+    qweight = _get(get, f"{p}.qweight")
+    qzeros = _get(get, f"{p}.qzeros")
+    scales = _get(get, f"{p}.scales")
+    _check_int32(qweight, f"{p}.qweight")
+    _check_int32(qzeros, f"{p}.qzeros")
+    check_dtype(scales, f"{p}.scales", "f", "float16")
+    if awq:
+        check_shape(qweight, f"{p}.qweight", (k, n // 8), "(in, out / 8) int32, AWQ packs along N")
+    else:
+        check_shape(qweight, f"{p}.qweight", (k // 8, n), "(in / 8, out) int32, GPTQ packs along K")
+    check_shape(qzeros, f"{p}.qzeros", (groups, n // 8), "(ceil(in / group_size), out / 8) int32")
+    check_shape(scales, f"{p}.scales", (groups, n), "(ceil(in / group_size), out)")
+    if k % 8 or n % 8:
+        raise ValueError(
+            f"{p}: in_features={k} and out_features={n} must be multiples of 8 to pack 8 codes a word"
+        )
+    return qweight, qzeros, scales
+
+
+def _group_size(value: Any, where: str) -> int | None:
+    if value in (-1, None, 0):
+        return None
+    if not isinstance(value, int) or value <= 0:
+        raise _unsupported(f"{where}={value!r}")
+    return value
+
+
+class GPTQScheme(HFScheme):
+    """GPTQ directories (``quant_method: gptq``) and AutoRound's GPTQ-packed exports."""
+
+    quant_method = "gptq"
+
+    def __init__(self, config: dict, *, zero_convention: str | None = None) -> None:
+        super().__init__(config)
+        _check_bits(config.get("bits", 4), "bits")
+        fmt = config.get("checkpoint_format", config.get("format", "gptq"))
+        if zero_convention is None:
+            if fmt not in ("gptq", "gptq_v2"):
+                raise _unsupported(f"gptq checkpoint_format={fmt!r}")
+            zero_convention = "v1" if fmt == "gptq" else "v2"
+        self.zero_convention = zero_convention
+        if config.get("dynamic"):  # GPTQModel's per-module overrides ({"-:regex": {}, "+:regex": {...}})
+            raise _unsupported(f"gptq dynamic={json.dumps(config['dynamic'])} (per-module overrides)")
+        self.group_size = _group_size(config.get("group_size", 128), "group_size")
+        self.sym = bool(config.get("sym", True))
+        self.desc_act = bool(config.get("desc_act", False))
+        self.lm_head = bool(config.get("lm_head", False))
+        blocks = config.get("modules_in_block_to_quantize")
+        # A list of lists of in-block names ("self_attn.q_proj"); None quantizes every linear of a block.
+        self.in_block = (
+            None if not blocks else [m for sub in blocks for m in ([sub] if isinstance(sub, str) else sub)]
+        )
+        self.not_convert = list(config.get("modules_to_not_convert") or [])
+        # AutoGPTQ, optimum and GPTQModel always save g_idx; auto-round's GPTQ packers only with act-order.
+        self.writes_g_idx = True
+
+    def is_quantized(self, module_name: str) -> bool:
+        if module_name == "lm_head" or module_name.endswith(".lm_head"):
+            return self.lm_head
+        if any(module_name == m or module_name.endswith("." + m) for m in self.not_convert):
+            return False
+        if self.in_block is not None:
+            return any(module_name.endswith("." + m) for m in self.in_block)
+        return True
+
+    def _required(self, module_name: str) -> list[str]:
+        names = [f"{module_name}.{t}" for t in ("qweight", "qzeros", "scales")]
+        return names + ([f"{module_name}.g_idx"] if self.desc_act else [])
+
+    def optional_tensor_names(self, module_name: str) -> list[str]:
+        return [f"{module_name}.g_idx"]
+
+    def _usual(self, name: str) -> bool:
+        return self.writes_g_idx
+
+    def read_linear_with_perm(
+        self, module_name: str, get: Getter, *, in_features: int, out_features: int
+    ) -> tuple[QuantizedWeight, np.ndarray | None]:
+        p, k, n = module_name, int(in_features), int(out_features)
+        qweight, qzeros, scales = _gptq_tensors(p, get, k, n, self.group_size, awq=False)
+        u = unpack_words(qweight, axis=0)
+        zeros = _resolve_zeros(unpack_words(qzeros, axis=1), self.zero_convention, p)
+        g_idx = _get_optional(get, f"{p}.g_idx")
+        if g_idx is not None:
+            check_dtype(g_idx, f"{p}.g_idx", "iu", "int32")
+            check_shape(g_idx, f"{p}.g_idx", (k,), "(in_features,)")
+            g_idx = g_idx.astype(np.int64)
+        elif self.desc_act:
+            raise ValueError(f"{p}.g_idx: missing, and desc_act=True needs it (the group of each input row)")
+        return _finish(u, zeros, scales, self.group_size, g_idx, symmetric=True if self.sym else None, name=p)
+
+
+class GPTQWriter(HFWriter):
+    """GPTQ ``checkpoint_format: gptq`` (v1: stored zero - 1), what transformers and vLLM load:
+    ``qweight`` int32 (K / 8, N), ``qzeros`` int32 (groups, N / 8), ``scales`` float16 (groups, N),
+    ``g_idx`` int32 (K,) = k // G. One group size and one ``sym`` for the whole model."""
+
+    format = "gptq"
+
+    def __init__(self, *, scale_dtype: Any = np.float16) -> None:
+        super().__init__(scale_dtype=scale_dtype)
+
+    def write_linear(self, module_name: str, qw: QuantizedWeight) -> dict[str, np.ndarray]:
+        k, n = qw.shape
+        p = module_name
+        if k % 8 or n % 8:
+            raise ValueError(
+                f"{p}: GPTQ packs 8 codes per int32 along in_features and zeros along out_features; "
+                f"(in, out) = ({k}, {n}) must both be multiples of 8 (write format='compressed-tensors')"
+            )
+        # One group size for the model; a one-group layer (K <= G) fits any G >= K.
+        g_new = qw.group_size
+        for name, (_, g_old) in self.layers.items():
+            k_old = self.in_features[name]
+            clash = (g_new is not None and g_old is not None and g_new != g_old) or (
+                (g_new is None and g_old is not None and k > g_old)
+                or (g_old is None and g_new is not None and k_old > g_new)
+            )
+            if clash:
+                raise ValueError(
+                    f"{p}: group_size {g_new} (K={k}) differs from the {g_old} of {name} (K={k_old}); a GPTQ "
+                    "config has one group_size (format='compressed-tensors' has config groups)"
+                )
+        q, s, o = _logical(qw, module_name)
+        groups = 1 if qw.group_size is None else -(-k // qw.group_size)
+        s, o = s[:groups], None if o is None else o[:groups]
+        z = integer_zeros(p, s, o)
+        if (z == 0).any():
+            g, c = (int(i) for i in np.argwhere(z == 0)[0])
+            raise ValueError(
+                f"{p}: zero point 0 at (group, n) = ({g}, {c}): GPTQ v1 stores zero - 1, and -1 does not fit "
+                "the 4-bit field (vLLM's kernels would read zero 16); write format='compressed-tensors'"
+            )
+        self.layers[p] = (bool(qw.symmetric), qw.group_size)
+        self.in_features[p] = k
+        return {
+            f"{p}.qweight": pack_int32(q.astype(np.int16) + 8, axis=0),
+            f"{p}.qzeros": pack_int32(z - 1, axis=1),
+            f"{p}.scales": self._scales(p, qw, s),
+            f"{p}.g_idx": natural_group_index(k, qw.group_size).astype(np.int32),
+        }
+
+    def quantization_config(self, ignore: Sequence[str]) -> dict:
+        sizes = {g for _, g in self.layers.values() if g is not None}
+        g = sizes.pop() if sizes else None
+        sym = all(sym for sym, _ in self.layers.values())
+        config = {
+            "quant_method": "gptq", "bits": 4, "group_size": -1 if g is None else g, "desc_act": False,
+            "sym": sym, "checkpoint_format": "gptq", "static_groups": False, "true_sequential": True,
+            "damp_percent": 0.01, "lm_head": any(_is_lm_head(m) for m in self.layers),
+        }  # fmt: skip
+        in_block = _in_block_modules(self.layers, [m for m in ignore if not _is_lm_head(m)])
+        if in_block is not None:
+            config["modules_in_block_to_quantize"] = [in_block]
+        return config
+
+
+def _is_lm_head(name: str) -> bool:
+    return name == "lm_head" or name.endswith(".lm_head")
+
+
+_BLOCK = re.compile(r"^(.*\.layers\.\d+)\.(.+)$")
+
+
+def _in_block_modules(written: Container[str], ignored: Sequence[str]) -> list[str] | None:
+    """GPTQ's ``modules_in_block_to_quantize`` (in-block names, the same in every block) for float linears
+    inside the blocks; None when there are none. A config cannot leave one block's layer in float and
+    quantize it in another: that is refused, naming the layer."""
+    if not ignored:
+        return None
+    float_names = set()
+    for m in ignored:
+        match = _BLOCK.match(m)
+        if match is None:
+            raise ValueError(
+                f"{m}: a GPTQ config can leave in float only lm_head or in-block linears "
+                "(model.layers.N.<name>); write format='compressed-tensors' (its ignore list names any layer)"
+            )
+        float_names.add(match.group(2))
+    quantized = set()
+    for m in written:  # type: ignore[attr-defined]
+        match = _BLOCK.match(m)
+        if match is None:
+            continue
+        if match.group(2) in float_names:
+            raise ValueError(
+                f"{m}: quantized, while {match.group(2)} of another block is left in float; a GPTQ config "
+                "names in-block layers for every block alike (modules_in_block_to_quantize): write "
+                "format='compressed-tensors'"
+            )
+        quantized.add(match.group(2))
+    return sorted(quantized)

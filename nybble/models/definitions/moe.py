@@ -1,0 +1,262 @@
+"""A mixture-of-experts SwiGLU block in Flax NNX: Mixtral, Qwen3-MoE, shared experts (Qwen2-MoE, DeepSeek).
+
+    moe = MoE(MoEConfig(hidden_size=64, intermediate_size=32, num_experts=4, top_k=2), rngs=nnx.Rngs(0))
+    y = moe(x)                                     # x (..., hidden) -> (..., hidden)
+    nybble.models.quantize(moe)                    # expert stacks -> stacked int4 (QExperts), in place
+
+Module paths (what ``QuantRule`` and ``ShardRule`` patterns see): ``router`` (an ``nnx.Linear`` (hidden,
+experts), kept in float by ``DEFAULT_RULES``), ``experts.{gate,up,down}_proj`` (:class:`Experts` stacks,
+(experts, in, out) float kernels; :class:`QExperts` once quantized), and when configured
+``shared_expert.{gate,up,down}_proj`` (plain ``nnx.Linear`` s) and ``shared_expert_gate`` (hidden, 1).
+
+The forward pass, dropless and with static shapes under ``jit``: the router's logits in float32, softmax over
+the experts, the top k per token (renormalized to sum 1 when ``norm_topk_prob``: Mixtral always, Qwen3-MoE per
+its config), the T * k (token, expert) pairs sorted by expert (a stable sort, so each expert's rows keep token
+order), ``ragged_matmul`` (int4) or ``lax.ragged_dot`` (float) for gate/up and for down, then the rows put
+back in token order and summed with their router weights. Shared experts are added to every token, scaled by
+``sigmoid(shared_expert_gate(x))`` when that gate exists (Qwen2-MoE).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nybble.kernels.backends import Implementation
+from nybble.models.definitions.layers import QuantizedParam
+from nybble.ops import ragged_matmul
+from nybble.quant.qformat import QuantFormat
+from nybble.quant.qweight import QuantizedWeight
+from nybble.quant.rtn import quantize
+from nybble.quant.stacked import check_stacked
+from nybble.sharding.experts import ExpertShardedWeight
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Sizes and routing of one MoE block.
+
+    Attributes:
+      hidden_size: the model width (each expert's input and output).
+      intermediate_size: each routed expert's SwiGLU width (``moe_intermediate_size`` in Qwen configs).
+      num_experts: routed experts.
+      top_k: experts per token (``num_experts_per_tok``).
+      norm_topk_prob: renormalize the top-k router probabilities to sum 1 (Mixtral: True).
+      shared_intermediate_size: width of the shared expert added to every token (None: none).
+      shared_expert_gate: scale the shared expert by ``sigmoid(x @ w_gate)`` (Qwen2-MoE).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool = True
+    shared_intermediate_size: int | None = None
+    shared_expert_gate: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"MoEConfig: top_k = {self.top_k} must be in [1, num_experts = {self.num_experts}]"
+            )
+        if self.shared_expert_gate and self.shared_intermediate_size is None:
+            raise ValueError("MoEConfig: shared_expert_gate needs a shared expert (shared_intermediate_size)")
+
+
+def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """Router weights (T, k) float32 and experts (T, k) int32 from logits (T, E): softmax, then top k.
+
+    Softmax over all experts in float32, then the k largest probabilities (ties: the lower expert index),
+    renormalized to sum 1 when ``norm_topk_prob``.
+    """
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For (T, k) expert choices: ``order`` (T*k,) (the pairs sorted by expert, stably), ``inverse`` (its
+    inverse permutation) and ``group_sizes`` (E,) int32."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, inverse, group_sizes
+
+
+class Experts(nnx.Module):
+    """A stack of float linears, one per expert: ``kernel`` (experts, in, out); multiplies sorted rows."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        *,
+        rngs: nnx.Rngs,
+        dtype: Any = jnp.float32,
+    ) -> None:
+        init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        self.kernel = nnx.Param(init(rngs.params(), (num_experts, in_features, out_features), dtype))
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """``lax.ragged_dot`` of x (rows, in) sorted by expert: (rows, out) in x's dtype, f32 accumulation."""
+        w = self.kernel[...].astype(x.dtype)
+        return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+class QExperts(nnx.Module):
+    """An int4 :class:`Experts`: a stacked ``QuantizedWeight`` multiplied through ``nybble.ragged_matmul``.
+
+    Attributes:
+      qweight: ``QuantizedParam`` holding the stacked weight (or, once sharded, a
+        ``nybble.sharding.ExpertShardedWeight``).
+      implementation: passed to ``nybble.ragged_matmul``.
+    """
+
+    def __init__(self, qweight: Any, *, implementation: Implementation | None = None) -> None:
+        if isinstance(qweight, ExpertShardedWeight):
+            self.num_experts = qweight.num_experts
+        else:
+            self.num_experts = check_stacked(qweight, "QExperts")
+        self.in_features, self.out_features = qweight.shape
+        self.qweight = QuantizedParam(qweight)
+        self.implementation = implementation
+
+    @classmethod
+    def from_experts(
+        cls,
+        experts: Experts,
+        format: QuantFormat | None = None,
+        *,
+        qweight: QuantizedWeight | None = None,
+        implementation: Implementation | None = None,
+        clip_search: bool = False,
+        **fields: Any,
+    ) -> QExperts:
+        """An :class:`Experts` stack rounded to nearest, each expert on its own, in ``format`` (or its
+        fields as keywords, as ``nybble.quantize``); or wraps the given stacked ``qweight``."""
+        if qweight is None:
+            qweight = quantize(experts.kernel[...], format, clip_search=clip_search, **fields)
+        return cls(qweight, implementation=implementation)
+
+    @property
+    def weight(self) -> Any:
+        return self.qweight.get_value()
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        return ragged_matmul(x, self.qweight.get_value(), group_sizes, implementation=self.implementation)
+
+
+class ExpertMLP(nnx.Module):
+    """The routed experts' SwiGLU, ``down(silu(gate(x)) * up(x))``, over rows sorted by expert."""
+
+    def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> None:
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Experts(e, h, i, rngs=rngs, dtype=dtype)
+        self.up_proj = Experts(e, h, i, rngs=rngs, dtype=dtype)
+        self.down_proj = Experts(e, i, h, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        h = jax.nn.silu(self.gate_proj(x, group_sizes)) * self.up_proj(x, group_sizes)
+        return self.down_proj(h, group_sizes)
+
+
+class SharedMLP(nnx.Module):
+    """A dense SwiGLU added to every token (a shared expert)."""
+
+    def __init__(self, hidden: int, intermediate: int, *, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> None:
+        def linear(din: int, dout: int) -> nnx.Linear:
+            return nnx.Linear(din, dout, use_bias=False, param_dtype=dtype, dtype=dtype, rngs=rngs)
+
+        self.gate_proj = linear(hidden, intermediate)
+        self.up_proj = linear(hidden, intermediate)
+        self.down_proj = linear(intermediate, hidden)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        from nybble.models.definitions.llama import projections
+
+        gate, up = projections(self, "gate_up_proj", ("gate_proj", "up_proj"), x)
+        return self.down_proj(jax.nn.silu(gate) * up)
+
+
+class MoE(nnx.Module):
+    """A dropless top-k mixture of SwiGLU experts (see the module docstring); ``moe(x)`` keeps x's shape."""
+
+    def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> None:
+        self.config = cfg
+        self.router = nnx.Linear(
+            cfg.hidden_size, cfg.num_experts, use_bias=False, param_dtype=dtype, dtype=dtype, rngs=rngs
+        )
+        self.experts = ExpertMLP(cfg, rngs=rngs, dtype=dtype)
+        self.shared_expert = (
+            None
+            if cfg.shared_intermediate_size is None
+            else SharedMLP(cfg.hidden_size, cfg.shared_intermediate_size, rngs=rngs, dtype=dtype)
+        )
+        self.shared_expert_gate = (
+            nnx.Linear(cfg.hidden_size, 1, use_bias=False, param_dtype=dtype, dtype=dtype, rngs=rngs)
+            if cfg.shared_expert_gate
+            else None
+        )
+
+    def routing(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Router weights (T, k) float32 and experts (T, k) int32 for tokens x (T, hidden)."""
+        cfg = self.config
+        return route(self.router(x), cfg.top_k, norm_topk_prob=cfg.norm_topk_prob)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x (..., hidden) -> (..., hidden) in x's dtype."""
+        cfg = self.config
+        shape = x.shape
+        xt = x.reshape(-1, cfg.hidden_size)
+        tokens = xt.shape[0]
+        weights, experts = self.routing(xt)
+        order, inverse, group_sizes = sort_by_expert(experts, cfg.num_experts)
+        rows = xt[order // cfg.top_k]  # (T*k, hidden), sorted by expert
+        y = self.experts(rows, group_sizes)[inverse].reshape(tokens, cfg.top_k, cfg.hidden_size)
+        # Each expert's output is rounded to x's dtype, then weighted and summed in float32.
+        out = jnp.einsum("tkh,tk->th", y.astype(jnp.float32), weights)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(xt).astype(jnp.float32)
+            if self.shared_expert_gate is not None:
+                shared = shared * jax.nn.sigmoid(self.shared_expert_gate(xt).astype(jnp.float32))
+            out = out + shared
+        return out.astype(x.dtype).reshape(shape)
+
+
+def expert_stacks(model: nnx.Module) -> list[tuple[str, Any, str, Experts | QExperts]]:
+    """Every :class:`Experts` / :class:`QExperts` of ``model``: (dotted path, parent, attribute, module)."""
+    modules = {tuple(p): m for p, m in nnx.iter_modules(model)}
+    out = []
+    for p, m in modules.items():
+        if p and isinstance(m, Experts | QExperts):
+            out.append((".".join(str(k) for k in p), modules[p[:-1]], p[-1], m))
+    return out
+
+
+def num_weights(experts: Experts | QExperts) -> int:
+    """Weights of the whole stack (experts * in * out): what a rule's ``min_size`` compares."""
+    return int(np.prod((experts.num_experts, experts.in_features, experts.out_features)))
+
+
+__all__ = [
+    "ExpertMLP",
+    "Experts",
+    "MoE",
+    "MoEConfig",
+    "QExperts",
+    "SharedMLP",
+    "expert_stacks",
+    "num_weights",
+    "route",
+    "sort_by_expert",
+]

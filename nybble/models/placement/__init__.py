@@ -1,0 +1,1 @@
+"""Placing a model's weights on devices: sharding rules and ``shard`` (``shard``)."""
