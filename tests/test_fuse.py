@@ -1,5 +1,5 @@
-"""Fused projections (nybble.models.fuse_projections): q/k/v and gate/up as one layer give the unfused numbers,
-generate keeps its greedy tokens (SmolLM2, the HF fixtures), and checkpoints stay per projection."""
+"""Fused projections (nybble.models.fuse_projections): q/k/v and gate/up as one layer give the unfused
+numbers, generate keeps its greedy tokens (SmolLM2, the HF fixtures), and checkpoints stay per projection."""
 
 from __future__ import annotations
 
