@@ -2,8 +2,8 @@
 
 Families (``FAMILIES``), read off each launch's scope (``nybble.models.definitions.llama`` names
 its parts with ``jax.named_scope``) and the parameters it reads: ``embedding/lm_head`` (the embedding
-row gather, the LM head, and the final norm's parameter), ``attention`` (the KV-cache write, scores, softmax, values; any
-launch reading the cache), ``linear`` (the projections: nybble's kernels, XLA's GEMMs and every launch that
+row gather, the LM head, and the final norm's parameter), ``attention`` (the KV-cache write, scores,
+softmax, values; any launch reading the cache), ``linear`` (the projections: nybble's kernels, XLA's GEMMs and every launch that
 reads a projection's weights), ``norm/rope/elementwise`` (the rest). Launches of the first family are the
 step's non-layer part; every other launch belongs to a layer, so a model compiled with one layer gives the
 whole step as ``non-layer + layers x per-layer`` (:func:`extrapolate`; the tests check it against a whole
