@@ -1,17 +1,17 @@
 """What one compiled decode step costs, launch by launch: op family, bytes, flops, issue time, graphs.
 
-Families (``FAMILIES``), read off each launch's scope (``nybble.models.definitions.llama`` names
-its parts with ``jax.named_scope``) and the parameters it reads: ``embedding/lm_head`` (the embedding
-row gather, the LM head, and the final norm's parameter), ``attention`` (the KV-cache write, scores,
-softmax, values; any launch reading the cache), ``linear`` (the projections: nybble's kernels, XLA's GEMMs and every launch that
+Families (``FAMILIES``), read off each launch's scope (``nybble.models.definitions.llama`` names its parts
+with ``jax.named_scope``) and the parameters it reads: ``embedding/lm_head`` (the embedding row gather, the
+LM head, and the final norm's parameter), ``attention`` (the KV-cache write, scores, softmax, values; any
+launch reading the cache), ``linear`` (the projections: nybble's kernels, XLA's GEMMs and every launch that
 reads a projection's weights), ``norm/rope/elementwise`` (the rest). Launches of the first family are the
 step's non-layer part; every other launch belongs to a layer, so a model compiled with one layer gives the
 whole step as ``non-layer + layers x per-layer`` (:func:`extrapolate`; the tests check it against a whole
 compile of a small model).
 
-Bytes are each launch's operands and result as XLA types them (``bench.kernel_xray.hlo``), except where
-the type is not the traffic: a grouped (MoE) kernel's weight stack, of which it reads the experts that have
-rows (the expected number of distinct experts ``batch`` tokens routed uniformly to their top k reach,
+Bytes are each launch's operands and result as XLA types them (``bench.kernel_xray.hlo``), except where the
+type is not the traffic: a grouped (MoE) kernel's weight stack, of which it reads the experts that have rows
+(the expected number of distinct experts ``batch`` tokens routed uniformly to their top k reach,
 ``active_experts``); the embedding gather, which reads the rows it returns; and the in-place KV-cache
 update, which reads and writes the new row only.
 """
@@ -229,6 +229,7 @@ def _issue_seconds(launch: Any, op_name: str, qw: Any, m: int, kernels: list[Any
     """The X-ray model's issue-bound time of one nybble kernel launch (``bench.xray.model.model_case``)."""
     import dataclasses as dc
 
+    from bench.xray.launch import dense_launch
     from bench.xray.model import ceilings_for, model_case
     from nybble.kernels import mosaic_gpu
 
@@ -236,9 +237,7 @@ def _issue_seconds(launch: Any, op_name: str, qw: Any, m: int, kernels: list[Any
     kernel = next((k for k in kernels if name and name in k.name and k.loop is not None), None)
     if kernel is None:
         return None
-    p = mosaic_gpu.plan(m, qw, num_sms=gpu.sms)
-    plan = {"m_pad": p.m_pad, "ctas": p.ctas, "dequantized_weights": p.dequantized_weights}
-    plan["weight_bytes_in_flight"] = p.weight_bytes_in_flight
+    plan = dense_launch(mosaic_gpu.plan(m, qw, num_sms=gpu.sms))  # as the X-ray reads a launch
     k, n = qw.padded_shape
     record = {
         "case": {"m": m, "k": k, "n": n},
