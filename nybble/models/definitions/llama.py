@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nybble.models.definitions.layers import projections
 from nybble.models.definitions.moe import MoE
 
 
@@ -192,17 +193,6 @@ def rope(
 
 def _linear(din: int, dout: int, rngs: nnx.Rngs, dtype: Any, *, bias: bool = False) -> nnx.Linear:
     return nnx.Linear(din, dout, use_bias=bias, param_dtype=dtype, dtype=dtype, rngs=rngs)
-
-
-def projections(
-    module: nnx.Module, fused: str, names: tuple[str, ...], x: jax.Array
-) -> tuple[jax.Array, ...]:
-    """The outputs of ``module``'s projections ``names`` of one input ``x``: one launch when they are fused
-    into ``module.<fused>`` (``models.definitions.fuse``), else one per projection; the same numbers."""
-    layer = getattr(module, fused, None)
-    if layer is not None:
-        return layer(x)
-    return tuple(getattr(module, name)(x) for name in names)
 
 
 def _window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:

@@ -10,6 +10,7 @@ import jax
 from flax import nnx
 
 from nybble.checkpoint import Header, load, read_header_of, save
+from nybble.models.definitions.fuse import unfused_copy
 from nybble.models.definitions.layers import QLinear
 from nybble.models.definitions.moe import Experts, QExperts
 from nybble.models.placement.shard import checkpoint_placement
@@ -32,8 +33,6 @@ def save_model(path: str | os.PathLike[str], model: nnx.Module) -> Path:
     of the ``nybble.models.quantize`` pass that made them is saved with them (``read_metadata(path)
     ["info"]["quantization"]``) and restored by :func:`load_model`.
     """
-    from nybble.models.definitions.fuse import unfused_copy
-
     config = get_quantization(model)
     info = None if config is None else {"quantization": describe(config)}
     # fused projections (nybble.models.definitions.fuse) are written one by one: the checkpoint's names stay

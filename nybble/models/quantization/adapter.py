@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm.auto import tqdm
 
+from nybble.models.definitions.fuse import fuse_projections as fuse
 from nybble.models.definitions.layers import QLinear
 from nybble.models.definitions.moe import expert_stacks
 from nybble.models.quantization.autoround import autoround_params, quantize_autoround
@@ -153,8 +154,6 @@ def quantize(
     report_skipped_general(model, report)
     set_quantization(model, config)
     if fuse_projections:
-        from nybble.models.definitions.fuse import fuse_projections as fuse
-
         fuse(model)
     if verbose:
         print(report.summary())

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from nybble.extras import require
+from nybble.models.definitions.fuse import fuse_projections as fuse
 from nybble.models.definitions.layers import QLinear
 from nybble.models.definitions.llama import Llama, LlamaConfig
 from nybble.models.definitions.moe import QExperts
@@ -324,8 +325,6 @@ def from_pretrained(
         del value  # one tensor at a time
     model = nnx.merge(graphdef, state)
     if fuse_projections:
-        from nybble.models.definitions.fuse import fuse_projections as fuse
-
         fuse(model)
     if mesh is not None:
         # the QLinear layers and expert stacks; other float arrays are in place already
