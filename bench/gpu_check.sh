@@ -13,11 +13,12 @@
 # model benchmark is left out; the X-ray side by side is written (tests/test_gpu_check.py runs it so).
 #
 # Installs nothing from the network: runs the image's python3 with PYTHONPATH=<repo root> (plus pure-Python
-# wheels from .whl/ when that folder exists). Writes at most 9 files, flat, under $OUT when set, else
+# wheels from .whl/ when that folder exists). Writes at most 11 files, flat, under $OUT when set, else
 # bench/results/gpu-check-<date>/: system.txt, tests.log, bench.log, bench.json, bench.md, bench.png,
 # model_bench.json (SmolLM2-135M decode tok/s, float vs int4; its log goes to the end of bench.log),
 # predicted.json and predicted.md (each timed case beside the committed X-ray's modeled time, re-evaluated
-# with the copy bandwidth and bf16 rate this run measured; nothing is refitted).
+# with the copy bandwidth and bf16 rate this run measured; nothing is refitted), decode_side.json and
+# decode_side.md (model_bench's float and int4 tokens/s beside bench.decode's committed prediction).
 # Fits in 8 minutes (240 + 180 + 60 s at most, plus start-up): tests are capped at TEST_TIMEOUT_S, the
 # benchmark stops starting new points after BENCH_BUDGET_S (the rest is listed as skipped) and is killed
 # at BENCH_TIMEOUT_S, the model benchmark at MODEL_BENCH_TIMEOUT_S; a short table comes last.
@@ -171,6 +172,14 @@ timeout "$MODEL_BENCH_TIMEOUT_S" "$PY" -m bench.model_bench --out "$DEST" --no-m
 MODEL_RC=$?
 [ "$MODEL_RC" = 124 ] && echo "model benchmark: KILLED after ${MODEL_BENCH_TIMEOUT_S}s" >>"$DEST/bench.log"
 tail -n +"$((MARK + 1))" "$DEST/bench.log" | tail -n 12
+fi
+# The measured decode tokens/s (float vs int4) beside bench.decode's committed prediction for that model.
+DECODE_PREDICTION="${DECODE_PREDICTION:-$ROOT/bench/results/decode-2026-12-04/smollm2/decode.json}"
+if [ -f "$DEST/model_bench.json" ] && [ -f "$DECODE_PREDICTION" ]; then
+  echo "== decode tokens/s: measured beside predicted (decode_side.md)"
+  "$PY" -m bench.decode.side "$DEST/model_bench.json" "$DECODE_PREDICTION" --out "$DEST" | tail -n 8
+else
+  echo "== decode side by side: left out (no model_bench.json or no $DECODE_PREDICTION)"
 fi
 
 echo

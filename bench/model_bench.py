@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from flax import nnx
 
-        from nybble.models import eval_text, quantize
+        from nybble.models import eval_text, fuse_projections, quantize
         from nybble.models.evaluate.zoo import load_named
 
         float_model, tokenizer = load_named(args.model, dtype)
@@ -333,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         result.update(checks_ok=False, elapsed_s=time.monotonic() - start, skipped=f"cannot load model: {e}")
         write_json(result, out / "model_bench.json")
         return 3
+    # q/k/v and gate/up fused in both (nybble.models.fuse_projections): the step bench.decode predicts
+    fuse_projections(float_model)
     int4_model = quantize(nnx.clone(float_model), group_size=args.group_size, progress=False)
     config["int4_paths"] = int4_paths(int4_model, args.batches, dtype)
     stream = tokenizer.encode(eval_text()).ids

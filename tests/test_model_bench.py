@@ -69,7 +69,8 @@ def test_main_writes_json_and_markdown(tmp_path, capsys):
     assert model_bench.validate(result) == []
     assert result["config"]["dtype"] == "float32" and result["config"]["group_size"] == 128
     assert [r["batch"] for r in result["rows"]] == [1, 2] and result["checks_ok"]
-    assert set(result["config"]["int4_paths"]) == {"128x128", "128x64", "128x256", "256x128"}
+    # q/k/v and gate/up fused (nybble.models.fuse_projections): qkv 128x256, o 128x128, gate_up 128x512, down
+    assert set(result["config"]["int4_paths"]) == {"128x128", "128x256", "128x512", "256x128"}
     md = (tmp_path / "model_bench.md").read_text()
     assert "float tok/s" in md and "int4 tok/s" in md
     out = capsys.readouterr().out

@@ -49,7 +49,7 @@ def test_cache_layout_and_dtype(models):
     cache = models["float"].init_cache(3, 20, jnp.bfloat16)
     cfg = TINY_CONFIG
     assert len(cache.k) == len(cache.v) == cfg.num_layers
-    assert cache.k[0].shape == (3, 20, cfg.num_kv_heads, cfg.head_dim) and cache.k[0].dtype == jnp.bfloat16
+    assert cache.k[0].shape == (3, cfg.num_kv_heads, 20, cfg.head_dim) and cache.k[0].dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="cache length"):
         models["float"].prefill(_ids(3, 21), cache)
 

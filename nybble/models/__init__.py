@@ -14,6 +14,7 @@ except ModuleNotFoundError:
 
     raise ModuleNotFoundError(missing_extra_message("flax", "nybble.models"), name="flax") from None
 
+from nybble.models.definitions.fuse import fuse_projections, unfuse_projections
 from nybble.models.definitions.layers import QDense, QLinear, QuantizedParam, dense
 from nybble.models.definitions.llama import KVCache, Llama, LlamaConfig
 from nybble.models.definitions.moe import MoE, MoEConfig, QExperts
@@ -53,6 +54,7 @@ __all__ = [
     "dense",
     "eval_text",
     "from_pretrained",
+    "fuse_projections",
     "generate",
     "load_model",
     "load_tokenizer",
@@ -65,4 +67,5 @@ __all__ = [
     "save_pretrained",
     "shard",
     "smollm2",
+    "unfuse_projections",
 ]

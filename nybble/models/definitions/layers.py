@@ -147,4 +147,15 @@ class QDense(linen.Module):
         return y
 
 
-__all__ = ["InputPermutation", "QDense", "QLinear", "QuantizedParam", "dense"]
+def projections(
+    module: nnx.Module, fused: str, names: tuple[str, ...], x: jax.Array
+) -> tuple[jax.Array, ...]:
+    """The outputs of ``module``'s projections ``names`` of one input ``x``: one launch when they are fused
+    into ``module.<fused>`` (``models.definitions.fuse``), else one per projection; the same numbers."""
+    layer = getattr(module, fused, None)
+    if layer is not None:
+        return layer(x)
+    return tuple(getattr(module, name)(x) for name in names)
+
+
+__all__ = ["InputPermutation", "QDense", "QLinear", "QuantizedParam", "dense", "projections"]

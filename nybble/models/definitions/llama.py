@@ -13,8 +13,8 @@ scaling, a sliding attention window, the tied LM head). ``nybble.models.io.hf.co
 KV-cache decoding: ``cache = model.init_cache(batch, max_len)``, then
 ``logits, cache = model.prefill(ids, cache)`` and ``logits, cache = model.decode_step(next_ids, cache, pos)``
 one token at a time. The cache is a :class:`KVCache` pytree (per layer, keys and values of shape
-(batch, max_len, kv_heads, head_dim)), so it passes through ``jax.jit`` and ``lax`` loops as is; every row of
-a batch sits at the same position.
+(batch, kv_heads, max_len, head_dim): the layout the attention's dots read without a copy), so it passes
+through ``jax.jit`` and ``lax`` loops as is; every row of a batch sits at the same position.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nybble.models.definitions.layers import projections
 from nybble.models.definitions.moe import MoE
 
 
@@ -111,7 +112,7 @@ class LlamaConfig:
 
 
 class KVCache(NamedTuple):
-    """Keys and values of past positions, one array per layer, each (batch, max_len, kv_heads, head_dim).
+    """Keys and values of past positions, one array per layer, each (batch, kv_heads, max_len, head_dim).
 
     Keys are stored after the rotary embedding. A plain pytree: entries at or past the current position
     hold stale or zero values and are masked out by position, never read.
@@ -123,7 +124,7 @@ class KVCache(NamedTuple):
     @property
     def max_len(self) -> int:
         """Positions the cache holds."""
-        return int(self.k[0].shape[1])
+        return int(self.k[0].shape[2])
 
     @property
     def batch(self) -> int:
@@ -138,9 +139,10 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        with jax.named_scope("norm"):  # scopes name the op families of a compiled step (bench.decode)
+            xf = x.astype(jnp.float32)
+            xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+            return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
 @functools.lru_cache(maxsize=64)
@@ -179,13 +181,14 @@ def rope(
         inv_freq = rope_frequencies(x.shape[-1], float(theta))
     if inv_freq.shape != (half,):
         raise ValueError(f"rope: inv_freq shape {inv_freq.shape} != ({half},) for head_dim {x.shape[-1]}")
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # (batch, length, half)
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., :half], xf[..., half:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    with jax.named_scope("rope"):
+        angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # (batch, length, half)
+        cos = jnp.cos(angles)[:, :, None, :]
+        sin = jnp.sin(angles)[:, :, None, :]
+        xf = x.astype(jnp.float32)
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        return out.astype(x.dtype)
 
 
 def _linear(din: int, dout: int, rngs: nnx.Rngs, dtype: Any, *, bias: bool = False) -> nnx.Linear:
@@ -222,9 +225,10 @@ class Attention(nnx.Module):
 
     def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = projections(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"), x)
+        q = q.reshape(b, t, self.num_heads, self.head_dim)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_frequencies(self.head_dim, float(self.rope_theta), self.rope_scaling)
@@ -235,13 +239,15 @@ class Attention(nnx.Module):
         a query may see a key. Returns the output projection (b, t, hidden) in ``x.dtype``."""
         b, t = q.shape[:2]
         groups = self.num_heads // self.num_kv_heads
-        q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
-        scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
-        scores = scores * (self.head_dim**-0.5)
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, preferred_element_type=jnp.float32)
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim).astype(x.dtype))
+        with jax.named_scope("attention"):
+            q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
+            scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
+            scores = scores * (self.head_dim**-0.5)
+            scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+            probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+            out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, preferred_element_type=jnp.float32)
+            out = out.reshape(b, t, self.num_heads * self.head_dim).astype(x.dtype)
+        return self.o_proj(out)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         t = x.shape[1]
@@ -254,20 +260,67 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Attention of x (b, t, hidden) at positions ``position .. position + t - 1`` over the cache.
 
-        Writes this chunk's keys and values into ``k_cache``/``v_cache`` (b, max_len, kv_heads, d) at
+        Writes this chunk's keys and values into ``k_cache``/``v_cache`` (b, kv_heads, max_len, d) at
         ``position`` and attends causally to every cached position up to each query's own.
         Returns ``(output, k_cache, v_cache)``.
+
+        The cache is read once, before it is written: scores over the cached positions below ``position``
+        and over the chunk's own keys, one softmax over both, then the cache update in place (a donated
+        cache is never copied).
         """
         b, t, _ = x.shape
         position = jnp.asarray(position, jnp.int32)
         positions = jnp.broadcast_to(position + jnp.arange(t, dtype=jnp.int32), (b, t))
         q, k, v = self._qkv(x, positions)
-        start = (jnp.int32(0), position, jnp.int32(0), jnp.int32(0))
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
-        mask = _window_mask(positions[0], jnp.arange(k_cache.shape[1]), self.sliding_window)  # (t, max_len)
-        out = self._attend(x, q, k_cache.astype(k.dtype), v_cache.astype(v.dtype), mask)
-        return out, k_cache, v_cache
+        with jax.named_scope("attention"):
+            # the chunk's keys and values as the cache holds them
+            k_new = k.transpose(0, 2, 1, 3).astype(k_cache.dtype)  # (b, kv_heads, t, d), the cache's layout
+            v_new = v.transpose(0, 2, 1, 3).astype(v_cache.dtype)
+            q_pos, past = positions[0], jnp.arange(k_cache.shape[2])
+            past_mask = _window_mask(q_pos, past, self.sliding_window) & (past < position)[None, :]
+            new_mask = _window_mask(q_pos, q_pos, self.sliding_window)
+            out = self._attend_split(q, (k_cache, k_new), (v_cache, v_new), (past_mask, new_mask), x.dtype)
+            start = (jnp.int32(0), jnp.int32(0), position, jnp.int32(0))
+            k_cache = jax.lax.dynamic_update_slice(k_cache, k_new, start)
+            v_cache = jax.lax.dynamic_update_slice(v_cache, v_new, start)
+        return self.o_proj(out), k_cache, v_cache
+
+    def _attend_split(
+        self,
+        q: jax.Array,
+        keys: tuple[jax.Array, ...],
+        values: tuple[jax.Array, ...],
+        masks: tuple[jax.Array, ...],
+        dtype: Any,
+    ) -> jax.Array:
+        """Softmax attention of q (b, t, heads, d) over key/value blocks (b, kv_heads, s_i, d) as one
+        sequence (one softmax over all blocks' scores), without concatenating them; (b, t, heads * d)."""
+        b, t = q.shape[:2]
+        groups = self.num_heads // self.num_kv_heads
+        q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
+        scale = self.head_dim**-0.5
+        scores = [
+            jnp.where(
+                mask,
+                jnp.einsum("bqhgd,bhkd->bhgqk", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+                * scale,
+                jnp.finfo(jnp.float32).min,
+            )
+            for k, mask in zip(keys, masks, strict=True)
+        ]
+        top = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in scores]), axis=0)[..., None]
+        exps = [jnp.exp(s - top) for s in scores]
+        total = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
+        out = sum(
+            jnp.einsum(
+                "bhgqk,bhkd->bqhgd",
+                (e / total).astype(q.dtype),
+                v.astype(q.dtype),
+                preferred_element_type=jnp.float32,
+            )
+            for e, v in zip(exps, values, strict=True)
+        )
+        return out.reshape(b, t, self.num_heads * self.head_dim).astype(dtype)
 
 
 class MLP(nnx.Module):
@@ -279,7 +332,8 @@ class MLP(nnx.Module):
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, rngs, dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = projections(self, "gate_up_proj", ("gate_proj", "up_proj"), x)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class Block(nnx.Module):
@@ -318,6 +372,10 @@ class Llama(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_eps, param_dtype=dtype)
         self.lm_head = None if cfg.tie_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, rngs, dtype)
 
+    def _embed(self, token_ids: jax.Array) -> jax.Array:
+        with jax.named_scope("embedding"):
+            return self.embed(token_ids).astype(self.dtype)
+
     def hidden_states(self, token_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """The final normalized hidden states (batch, length, hidden) in the model dtype."""
         token_ids = jnp.asarray(token_ids)
@@ -325,19 +383,20 @@ class Llama(nnx.Module):
             token_ids = token_ids[None]
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(token_ids.shape[1]), token_ids.shape)
-        x = self.embed(token_ids).astype(self.dtype)
+        x = self._embed(token_ids)
         for layer in self.layers:
             x = layer(x, positions)
         return self.norm(x)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """LM head (tied: the embedding transposed) on hidden states, float32 logits."""
-        if self.lm_head is None:
-            emb = self.embed.embedding[...]
-            return jnp.einsum(
-                "...d,vd->...v", hidden, emb.astype(hidden.dtype), preferred_element_type=jnp.float32
-            )
-        return self.lm_head(hidden).astype(jnp.float32)
+        with jax.named_scope("lm_head"):
+            if self.lm_head is None:
+                emb = self.embed.embedding[...]
+                return jnp.einsum(
+                    "...d,vd->...v", hidden, emb.astype(hidden.dtype), preferred_element_type=jnp.float32
+                )
+            return self.lm_head(hidden).astype(jnp.float32)
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """Token ids (batch, length) (or (length,)) -> logits (batch, length, vocab), float32."""
@@ -348,7 +407,7 @@ class Llama(nnx.Module):
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
         """A zero cache for ``batch`` sequences of up to ``max_len`` positions (dtype: the model's)."""
         cfg = self.config
-        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         dtype = self.dtype if dtype is None else dtype
 
         def zeros() -> tuple[jax.Array, ...]:
@@ -367,7 +426,7 @@ class Llama(nnx.Module):
             token_ids = token_ids[None]
         if token_ids.shape[0] != cache.batch:
             raise ValueError(f"token batch {token_ids.shape[0]} != cache batch {cache.batch}")
-        x = self.embed(token_ids).astype(self.dtype)
+        x = self._embed(token_ids)
         ks, vs = [], []
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v, strict=True):
             x, k_cache, v_cache = layer.cached(x, position, k_cache, v_cache)

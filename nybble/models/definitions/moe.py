@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from nybble.kernels.backends import Implementation
-from nybble.models.definitions.layers import QuantizedParam
+from nybble.models.definitions.layers import QuantizedParam, projections
 from nybble.ops import ragged_matmul
 from nybble.quant.qformat import QuantFormat
 from nybble.quant.qweight import QuantizedWeight
@@ -182,7 +182,8 @@ class SharedMLP(nnx.Module):
         self.down_proj = linear(intermediate, hidden)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = projections(self, "gate_up_proj", ("gate_proj", "up_proj"), x)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class MoE(nnx.Module):

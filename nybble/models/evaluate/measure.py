@@ -115,6 +115,17 @@ def prefill_last(graphdef: Any, state: Any, ids: jax.Array, length: jax.Array, m
     return model.logits(last)[:, 0], cache
 
 
+def decode_step(
+    graphdef: Any, state: Any, token_ids: jax.Array, cache: Any, position: jax.Array
+) -> tuple[jax.Array, Any]:
+    """One greedy-decoding step of a split model: token ids (batch, 1) at ``position`` over ``cache``.
+
+    Returns float32 logits (batch, 1, vocab) and the updated cache. The step :func:`generate` runs in its
+    decoding loop, and the one ``python -m bench.decode`` compiles and counts.
+    """
+    return nnx.merge(graphdef, state).decode_step(token_ids, cache, position)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 6))
 def decode_loop(
     graphdef: Any,
@@ -133,7 +144,6 @@ def decode_loop(
     Returns ``(tokens, count)``: tokens (batch, out_len) of which the first ``count`` are generated;
     ``count - 1`` decode steps ran.
     """
-    model = nnx.merge(graphdef, state)
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     out = jnp.zeros((logits.shape[0], out_len), jnp.int32).at[:, 0].set(first)
 
@@ -144,7 +154,7 @@ def decode_loop(
     def body(carry):
         j, out, cache, done = carry
         prev = jax.lax.dynamic_slice_in_dim(out, j - 1, 1, axis=1)
-        step_logits, cache = model.decode_step(prev, cache, length + j - 1)
+        step_logits, cache = decode_step(graphdef, state, prev, cache, length + j - 1)
         nxt = jnp.argmax(step_logits[:, 0], axis=-1).astype(jnp.int32)
         nxt = jnp.where(done, eos, nxt)
         return j + 1, out.at[:, j].set(nxt), cache, done | (nxt == eos)
@@ -246,4 +256,4 @@ def generate(
     return new if batched else new[0]
 
 
-__all__ = ["decode_loop", "generate", "negative_log_likelihood", "perplexity", "prefill_last"]
+__all__ = ["decode_loop", "decode_step", "generate", "negative_log_likelihood", "perplexity", "prefill_last"]

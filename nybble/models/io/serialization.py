@@ -10,6 +10,7 @@ import jax
 from flax import nnx
 
 from nybble.checkpoint import Header, load, read_header_of, save
+from nybble.models.definitions.fuse import unfused_copy
 from nybble.models.definitions.layers import QLinear
 from nybble.models.definitions.moe import Experts, QExperts
 from nybble.models.placement.shard import checkpoint_placement
@@ -34,7 +35,8 @@ def save_model(path: str | os.PathLike[str], model: nnx.Module) -> Path:
     """
     config = get_quantization(model)
     info = None if config is None else {"quantization": describe(config)}
-    return save(path, nnx.to_pure_dict(nnx.state(model)), info=info)
+    # fused projections (nybble.models.definitions.fuse) are written one by one: the checkpoint's names stay
+    return save(path, nnx.to_pure_dict(nnx.state(unfused_copy(model))), info=info)
 
 
 def _shapes(model: nnx.Module) -> dict[str, tuple[int, ...]]:

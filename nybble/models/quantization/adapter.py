@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm.auto import tqdm
 
+from nybble.models.definitions.fuse import fuse_projections as fuse
 from nybble.models.definitions.layers import QLinear
 from nybble.models.definitions.moe import expert_stacks
 from nybble.models.quantization.autoround import autoround_params, quantize_autoround
@@ -62,6 +63,7 @@ def quantize(
     progress: bool = True,
     verbose: bool = False,
     return_report: bool = False,
+    fuse_projections: bool = False,
     **method_options: Any,
 ) -> nnx.Module | tuple[nnx.Module, QuantizationReport]:
     """Replaces the dense layers of a Flax NNX model by int4 :class:`QLinear` layers, in place.
@@ -89,6 +91,8 @@ def quantize(
       progress: show a tqdm progress bar.
       verbose: print the :class:`QuantizationReport` summary at the end.
       return_report: return ``(model, report)`` instead of the model alone.
+      fuse_projections: then fuse q/k/v and gate/up into one int4 layer each (``models.definitions.fuse``:
+        one launch each in a decode step, the same numbers; checkpoints still hold them one by one).
     """
     common = {
         k: v
@@ -149,6 +153,8 @@ def quantize(
     report.config = config
     report_skipped_general(model, report)
     set_quantization(model, config)
+    if fuse_projections:
+        fuse(model)
     if verbose:
         print(report.summary())
     return (model, report) if return_report else model

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from nybble.extras import require
+from nybble.models.definitions.fuse import fuse_projections as fuse
 from nybble.models.definitions.layers import QLinear
 from nybble.models.definitions.llama import Llama, LlamaConfig
 from nybble.models.definitions.moe import QExperts
@@ -242,6 +243,7 @@ def from_pretrained(
     axis: str = "model",
     rules: Any = None,
     expert_axis: str | None = None,
+    fuse_projections: bool = False,
 ) -> Llama:
     """A Llama-family model from a local Hugging Face checkpoint directory.
 
@@ -258,7 +260,15 @@ def from_pretrained(
     A hub id or URL is refused (download it first); a directory whose tensors do not fit config.json
     (missing, extra, mis-shaped, non-float where float is expected) raises ``CheckpointError`` naming the
     tensor. The tokenizer is separate: :func:`load_tokenizer`.
+
+    ``fuse_projections=True`` builds q/k/v and gate/up as one layer each (``models.definitions.fuse``: one
+    launch each in a decode step, the same numbers); not with ``mesh`` (the shard rules name the parts).
     """
+    if fuse_projections and mesh is not None:
+        raise ValueError(
+            "from_pretrained: fuse_projections=True cannot be combined with mesh= (the shard rules place "
+            "q/k/v and gate/up one by one); load without fusing, or without a mesh"
+        )
     ckpt = CheckpointDir(path)
     cfg = decoder_config_from_hf(ckpt.config)
     scheme = _scheme(ckpt.config)
@@ -314,6 +324,8 @@ def from_pretrained(
             var.set_value(jax.device_put(np.ascontiguousarray(value.astype(jnp.dtype(dtype))), place(leaf)))
         del value  # one tensor at a time
     model = nnx.merge(graphdef, state)
+    if fuse_projections:
+        fuse(model)
     if mesh is not None:
         # the QLinear layers and expert stacks; other float arrays are in place already
         shard(model, mesh, axis=axis, rules=rules, expert_axis=expert_axis)

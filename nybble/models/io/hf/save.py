@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from nybble.models.definitions.fuse import unfused_copy
 from nybble.models.definitions.layers import QLinear
 from nybble.models.definitions.llama import Llama
 from nybble.models.definitions.moe import Experts, QExperts
@@ -105,6 +106,7 @@ def save_pretrained(
 
     Nothing appears at ``path`` unless the whole directory was written.
     """
+    model = unfused_copy(model)  # checkpoints hold q/k/v and gate/up one by one
     fmt = "float" if format is None else format
     if fmt not in SAVE_FORMATS:
         raise ValueError(

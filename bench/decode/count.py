@@ -1,0 +1,277 @@
+"""What one compiled decode step costs, launch by launch: op family, bytes, flops, issue time, graphs.
+
+Families (``FAMILIES``), read off each launch's scope (``nybble.models.definitions.llama`` names its parts
+with ``jax.named_scope``) and the parameters it reads: ``embedding/lm_head`` (the embedding row gather, the
+LM head, and the final norm's parameter), ``attention`` (the KV-cache write, scores, softmax, values; any
+launch reading the cache), ``linear`` (the projections: nybble's kernels, XLA's GEMMs and every launch that
+reads a projection's weights), ``norm/rope/elementwise`` (the rest). Launches of the first family are the
+step's non-layer part; every other launch belongs to a layer, so a model compiled with one layer gives the
+whole step as ``non-layer + layers x per-layer`` (:func:`extrapolate`; the tests check it against a whole
+compile of a small model).
+
+Bytes are each launch's operands and result as XLA types them (``bench.kernel_xray.hlo``), except where the
+type is not the traffic: a grouped (MoE) kernel's weight stack, of which it reads the experts that have rows
+(the expected number of distinct experts ``batch`` tokens routed uniformly to their top k reach,
+``active_experts``); the embedding gather, which reads the rows it returns; and the in-place KV-cache
+update, which reads and writes the new row only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+LINEAR, ATTENTION, ELEMENTWISE, EMBED = "linear", "attention", "norm/rope/elementwise", "embedding/lm_head"
+FAMILIES = (LINEAR, ATTENTION, ELEMENTWISE, EMBED)
+_GEMM_KINDS = ("mosaic_gpu", "cublas", "cublasLt", "triton_gemm")
+_NON_LAYER_PARAMS = ("state['embed']", "state['norm']", "state['lm_head']")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCase:
+    """One compile: ``model`` (``bench.decode.models``) cut to ``layers`` layers, at ``batch``."""
+
+    model: str
+    weights: str  # "bf16" | "int4"
+    batch: int
+    context: int
+    layers: int  # layers compiled (the model's own count when equal)
+    fused: bool = False  # nybble.models.fuse_projections applied
+    donate: bool = False  # the cache donated to the step
+    int4_lm_head: bool = False  # int4 weights: the LM head int4 too (a QuantRule)
+
+    @property
+    def key(self) -> str:
+        tag = ("-fused" if self.fused else "") + ("-donated" if self.donate else "")
+        tag += "-int4head" if self.int4_lm_head else ""
+        return f"{self.model}/{self.weights}/B{self.batch}/ctx{self.context}/L{self.layers}{tag}"
+
+    # bench.xray.runner orders work by k * n * m (heaviest first)
+    @property
+    def k(self) -> int:
+        from bench.decode.models import config_for
+
+        return config_for(self.model).hidden_size
+
+    @property
+    def n(self) -> int:
+        return self.layers
+
+    @property
+    def m(self) -> int:
+        return self.batch
+
+    def config(self) -> Any:
+        from bench.decode.models import config_for
+
+        return config_for(self.model, self.layers)
+
+    def program(self) -> Any:
+        from bench.decode.program import abstract_step
+
+        return abstract_step(
+            self.config(),
+            self.weights,
+            self.batch,
+            self.context,
+            fused=self.fused,
+            donate=self.donate,
+            int4_lm_head=self.int4_lm_head and self.weights == "int4",
+        )
+
+
+def active_experts(batch: int, experts: int, top_k: int) -> float:
+    """Expected distinct experts ``batch`` tokens reach, each routed to ``top_k`` of ``experts`` uniformly."""
+    return experts * (1.0 - (1.0 - top_k / experts) ** batch)
+
+
+_THUNK = re.compile(r"^(?P<indent>\s*)(?P<id>\d+):\s+(?P<kind>k\w+)\s+\[[^\]]*\]\s*(?P<name>\S*)")
+
+
+def command_buffers(thunks: str) -> dict[str, Any]:
+    """XLA's thunk sequence (``*.thunk_sequence_after_thunk_passes.txt``): command buffers (CUDA graphs)
+    and the launches inside them (by HLO name, ``.`` written ``_`` as the thunks do)."""
+    captured: list[str] = []
+    top: dict[str, int] = {}
+    for line in thunks.splitlines():
+        m = _THUNK.match(line)
+        if not m:
+            continue
+        if m["indent"]:
+            captured.append(m["name"])
+        else:
+            top[m["kind"]] = top.get(m["kind"], 0) + 1
+    launches = len(captured) + sum(n for kind, n in top.items() if kind != "kCommandBuffer")
+    return {
+        "command_buffers": top.get("kCommandBuffer", 0),
+        "captured": captured,
+        "top_level": top,
+        "thunk_launches": launches,
+    }
+
+
+def _family(launch: Any, op_name: str, sources: list[str], cache_bytes: int) -> str:
+    scopes = op_name.split("/")
+    if not op_name and launch.result_bytes % cache_bytes == 0:
+        return ATTENTION  # copies of cache buffers (the cache not donated: the step returns new ones)
+    if "embedding" in scopes or "lm_head" in scopes or any(s.startswith(_NON_LAYER_PARAMS) for s in sources):
+        return EMBED
+    if "attention" in scopes or any(s.startswith("cache.") for s in sources):
+        return ATTENTION
+    if launch.kind in _GEMM_KINDS or "dot_general" in scopes[-1] or any(_is_projection(s) for s in sources):
+        return LINEAR
+    return ELEMENTWISE
+
+
+def _is_projection(source: str) -> bool:
+    return source.startswith("state[") and ("['kernel']" in source or "['qweight']" in source)
+
+
+def step_record(case: StepCase, program: Any, report: Any, thunks: str, gpu: Any) -> dict[str, Any]:
+    """The worker's record of one compiled step: every launch with family, bytes, flops, issue time."""
+    from bench.decode.program import param_leaves
+    from bench.kernel_xray import hlo
+    from nybble.quant.qweight import QuantizedWeight
+
+    cfg = case.config()
+    leaves = param_leaves(program.state)
+    qweights = {name: w for name, w in leaves.items() if isinstance(w, QuantizedWeight)}
+    values = hlo.entry_values(report.hlo_text)
+    graphs = command_buffers(thunks)
+    captured = set(graphs["captured"])
+    groups = cfg.num_heads // cfg.num_kv_heads
+    moe = cfg.moe
+    active = active_experts(case.batch, moe.num_experts, moe.top_k) if moe is not None else 0.0
+    launches = []
+    cache_bytes = case.batch * case.context * cfg.num_kv_heads * cfg.head_dim * 2
+    for launch in report.launches:
+        op_name = values[launch.name].op_name
+        # parameter names as XLA prints them: state[\'layers\'][0]... -> state['layers'][0]...
+        operands = {s.replace("\\'", "'"): v for s, v in launch.operand_bytes.items()}
+        launch = dataclasses.replace(launch, operand_bytes=operands)
+        sources = list(operands)
+        scopes = op_name.split("/")
+        bytes_, flops, issue_s = float(launch.result_bytes), 0.0, None
+        if "dynamic_update_slice" in scopes[-1]:
+            # In place: the result is the cache buffer, untouched but for the new row (read and written).
+            update = sum(operands.values()) - max(operands.values())
+            launches.append(_record(launch, op_name, sources, 2.0 * update, 0.0, None, captured, cache_bytes))
+            continue
+        for source, size in operands.items():
+            if source.startswith("state['embed']") and "embedding" in scopes:
+                size = launch.result_bytes  # a gather reads the rows it returns, not the table
+            qw_name, _, part = source.rpartition(".")
+            qw = qweights.get(qw_name)
+            stacked = qw is not None and len(qw.codes.shape) == 3
+            read = size * active / moe.num_experts if stacked and launch.kind == "mosaic_gpu" else size
+            bytes_ += read
+            if qw is not None and part == "codes":
+                weights = 2.0 * read  # 4 bits a weight
+                rows = case.batch * moe.top_k / active if stacked else case.batch
+                flops += 2.0 * rows * weights
+                if launch.kind == "mosaic_gpu" and not stacked:
+                    issue_s = _issue_seconds(launch, op_name, qw, case.batch, report.kernels, gpu)
+            elif (
+                _is_projection(source) and not source.endswith(".scales") and not source.endswith(".offsets")
+            ):
+                leaf = leaves.get(source.removesuffix(".value"))
+                stacked_f = leaf is not None and len(getattr(leaf, "shape", ())) == 3
+                rows = case.batch * moe.top_k / moe.num_experts if stacked_f and moe else case.batch
+                flops += 2.0 * rows * size / 2
+            elif source.startswith("cache."):
+                flops += 2.0 * groups * size / 2
+        launches.append(_record(launch, op_name, sources, bytes_, flops, issue_s, captured, cache_bytes))
+    return {
+        "launches": launches,
+        "command_buffers": graphs["command_buffers"],
+        "thunks_top_level": graphs["top_level"],
+        "thunk_launches": graphs["thunk_launches"],
+        "kernels": len(report.kernels),
+    }
+
+
+def _record(
+    launch: Any,
+    op_name: str,
+    sources: list[str],
+    bytes_: float,
+    flops: float,
+    issue_s: Any,
+    captured: set,
+    cache_bytes: int,
+) -> dict[str, Any]:
+    family = _family(launch, op_name, sources, cache_bytes)
+    return {
+        "name": launch.name,
+        "kind": launch.kind,
+        "family": family,
+        "layer": family != EMBED and not _shared(op_name, sources),
+        "bytes": bytes_,
+        "flops": flops,
+        "issue_s": issue_s,
+        "in_command_buffer": launch.name.replace(".", "_") in captured,
+        "op_name": op_name,
+        "operand_bytes": launch.operand_bytes,
+        "result_bytes": launch.result_bytes,
+    }
+
+
+def _shared(op_name: str, sources: list[str]) -> bool:
+    """Work on the position alone, computed once per step and shared by every layer: the rotary angles'
+    cos and sin (XLA computes them once for all layers)."""
+    scopes = op_name.split("/")
+    return set(sources) <= {"position"} or ("rope" in scopes and scopes[-1] in ("cos", "sin"))
+
+
+def _issue_seconds(launch: Any, op_name: str, qw: Any, m: int, kernels: list[Any], gpu: Any) -> float | None:
+    """The X-ray model's issue-bound time of one nybble kernel launch (``bench.xray.model.model_case``)."""
+    import dataclasses as dc
+
+    from bench.xray.launch import dense_launch
+    from bench.xray.model import ceilings_for, model_case
+    from nybble.kernels import mosaic_gpu
+
+    name = next((s for s in op_name.split("/") if s.startswith("nybble_")), None)
+    kernel = next((k for k in kernels if name and name in k.name and k.loop is not None), None)
+    if kernel is None:
+        return None
+    plan = dense_launch(mosaic_gpu.plan(m, qw, num_sms=gpu.sms))  # as the X-ray reads a launch
+    k, n = qw.padded_shape
+    record = {
+        "case": {"m": m, "k": k, "n": n},
+        "report": {"launches": [dc.asdict(launch)], "kernels": [dc.asdict(kernel)]},
+        "plan": plan,
+    }
+    t = model_case(record, gpu, ceilings_for(gpu))["t_issue_us"]
+    return None if t is None else t * 1e-6
+
+
+def extrapolate(launches: list[dict[str, Any]], compiled_layers: int, layers: int) -> list[dict[str, Any]]:
+    """The whole model's launches from a compile of ``compiled_layers`` layers: each layer launch
+    weighted ``layers / compiled_layers`` (field ``count``), non-layer launches once."""
+    scale = layers / compiled_layers
+    out = []
+    for la in launches:
+        layer = la["family"] != EMBED and not _shared(la["op_name"], list(la["operand_bytes"]))
+        out.append({**la, "layer": layer, "count": scale if layer else 1.0})
+    return out
+
+
+def totals(launches: list[dict[str, Any]]) -> dict[str, Any]:
+    """Launches and bytes per step, by family and in all (weighted by ``count``)."""
+    out: dict[str, Any] = {f: {"launches": 0.0, "bytes": 0.0} for f in FAMILIES}
+    for la in launches:
+        c = la.get("count", 1.0)
+        out[la["family"]]["launches"] += c
+        out[la["family"]]["bytes"] += c * la["bytes"]
+    out["launches"] = sum(out[f]["launches"] for f in FAMILIES)
+    out["bytes"] = sum(out[f]["bytes"] for f in FAMILIES)
+    out["in_command_buffers"] = sum(la.get("count", 1.0) for la in launches if la["in_command_buffer"])
+    return out
+
+
+def round_count(x: float) -> int:
+    """A launch count from a weighted sum (whole numbers when the layers scale exactly)."""
+    return math.floor(x + 0.5)

@@ -1,0 +1,77 @@
+"""The compiling side of ``bench.decode``: a process set up for deviceless CUDA compiles (the X-ray's).
+
+``python -m bench.decode.worker GPU`` reads one JSON :class:`~bench.decode.count.StepCase` a line on stdin
+and writes one JSON record a line (``bench.xray.worker.serve``'s protocol): the step's launches as the
+compiled HLO has them (``bench.kernel_xray.hlo``), each with its op family, flops and (nybble's kernels)
+issue-bound time, plus XLA's thunk sequence summary (which launches command buffers capture).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# XLA writes its thunk sequence (and the command buffers it formed) only into a dump folder, set before
+# jax starts: one folder per worker process.
+_XLA_DUMP = tempfile.mkdtemp(prefix="nybble-decode-xla-")
+
+
+def _start_dump() -> None:
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_dump_to={_XLA_DUMP}".strip()
+
+
+def compile_step(program: Any, gpu: Any) -> tuple[Any, str]:
+    """(CompileReport, thunk sequence text) of a ``StepProgram`` compiled for one deviceless ``gpu``."""
+    import jax
+
+    from bench.kernel_xray import compile as xc
+    from bench.kernel_xray import hlo
+    from bench.kernel_xray.target import deviceless_devices
+
+    args = xc.abstract(program.args, deviceless_devices(gpu, 1)[0])
+    for old in Path(_XLA_DUMP).iterdir():
+        old.unlink()
+    with tempfile.TemporaryDirectory(prefix="nybble-decode-") as tmp:
+        saved = {k: os.environ.get(k) for k in ("MOSAIC_GPU_DUMP_TO", *xc._DUMP_FLAGS)}
+        os.environ["MOSAIC_GPU_DUMP_TO"] = tmp
+        for flag in xc._DUMP_FLAGS:
+            os.environ[flag] = "1"
+        try:
+            jitted = jax.jit(program.fn, donate_argnums=program.donate_argnums)
+            compiled = jitted.trace(*args).lower(lowering_platforms=("cuda",)).compile()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        kernels = xc.read_kernel_dumps(Path(tmp))
+    text = compiled.as_text()
+    report = xc.CompileReport(hlo.launches(text), kernels, [], text)
+    thunk_files = sorted(Path(_XLA_DUMP).glob("*thunk_sequence_after_thunk_passes.txt"))
+    thunks = thunk_files[-1].read_text() if thunk_files else ""
+    return report, thunks
+
+
+def main() -> int:
+    _start_dump()
+    from bench.decode.count import StepCase, step_record
+    from bench.kernel_xray import get_gpu
+    from bench.xray.worker import serve
+
+    gpu = get_gpu(sys.argv[1] if len(sys.argv) > 1 else "h200")
+
+    def compile_case(case: StepCase, out: dict) -> None:
+        program = case.program()
+        report, thunks = compile_step(program, gpu)
+        out.update(step_record(case, program, report, thunks, gpu))
+
+    return serve(lambda d: StepCase(**d), compile_case)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

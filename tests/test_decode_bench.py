@@ -1,0 +1,178 @@
+"""bench.decode: a small Llama's decode step compiled for an H200 on this CPU (the X-ray toolchain), its
+launches and bytes checked against independent counts: XLA's own thunk sequence, the model's parameter
+bytes, and a whole-model compile for the one-layer extrapolation; and the fused step launches less."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.decode.count import EMBED, FAMILIES, StepCase, active_experts, command_buffers, extrapolate, totals
+from bench.decode.models import config_for
+from bench.decode.predict import launch_seconds, needed_bytes, predict
+from bench.kernel_xray import GPUS
+
+H200 = GPUS["h200"]
+CONTEXT = 128
+BATCH = 2
+CASES = {
+    "one": StepCase("tiny-llama", "bf16", BATCH, CONTEXT, 1, fused=True, donate=True),
+    "whole": StepCase("tiny-llama", "bf16", BATCH, CONTEXT, 3, fused=True, donate=True),
+    "int4-base": StepCase("tiny-llama", "int4", BATCH, CONTEXT, 1),
+    "int4": StepCase("tiny-llama", "int4", BATCH, CONTEXT, 1, fused=True, donate=True),
+}
+
+
+@pytest.fixture(scope="module")
+def records():
+    from bench.xray.runner import run_cases
+
+    out = run_cases(list(CASES.values()), gpu="h200", jobs=1, progress=False, worker="bench.decode.worker")
+    for key, record in out.items():
+        assert "error" not in record, (key, record.get("traceback"))
+    return {name: out[case.key] for name, case in CASES.items()}
+
+
+def test_launches_equal_xlas_thunk_sequence(records):
+    # The HLO's launches (bench.kernel_xray.hlo) against the thunks XLA's runtime executes, read apart.
+    for record in records.values():
+        assert len(record["launches"]) == record["thunk_launches"] > 0
+
+
+def test_bytes_read_of_weights_and_cache(records):
+    import jax
+
+    from bench.decode.program import abstract_model
+
+    launches = records["whole"]["launches"]
+    cfg = config_for("tiny-llama")
+    state = jax.tree.leaves(__import__("flax").nnx.state(abstract_model(cfg, "bf16")))
+    param_bytes = sum(a.size * a.dtype.itemsize for a in state)
+    embed_bytes = cfg.vocab_size * cfg.hidden_size * 2
+    read = sum(
+        v
+        for la in launches
+        for s, v in la["operand_bytes"].items()
+        if s.startswith("state[") and "embed" not in s
+    )
+    assert read == param_bytes - embed_bytes  # every weight (not the embedding table) read exactly once
+    cache = 2 * cfg.num_layers * BATCH * CONTEXT * cfg.num_kv_heads * cfg.head_dim * 2
+    cache_read = sum(v for la in launches for s, v in la["operand_bytes"].items() if s.startswith("cache."))
+    assert cache_read >= cache  # the attention reads each layer's keys and values at least once
+    gathers = [la for la in launches if la["family"] == EMBED and "embedding" in la["op_name"]]
+    assert gathers and all(la["bytes"] < embed_bytes for la in gathers)  # rows, not the table
+
+
+def test_one_layer_extrapolates_to_the_whole_model(records):
+    one = totals(extrapolate(records["one"]["launches"], 1, 3))
+    whole = totals(extrapolate(records["whole"]["launches"], 3, 3))
+    assert one["launches"] == whole["launches"]
+    # XLA fuses a few elementwise ops across a layer boundary differently (0.3% of this small model's bytes)
+    assert one["bytes"] == pytest.approx(whole["bytes"], rel=5e-3)
+    for f in FAMILIES:
+        assert one[f]["launches"] == whole[f]["launches"], f
+
+
+def test_fused_donated_step_launches_less(records):
+    base, fused = records["int4-base"]["launches"], records["int4"]["launches"]
+    assert len(fused) < len(base)
+    assert any(la["kind"] == "copy" for la in base)  # the undonated cache is copied each step
+    assert not any(la["kind"] == "copy" for la in fused)
+    kernels = [la for la in fused if la["kind"] == "mosaic_gpu"]
+    assert len([la for la in base if la["kind"] == "mosaic_gpu"]) == 7  # q, k, v, o, gate, up, down
+    assert len(kernels) == 4  # qkv, o, gate_up, down: one launch each
+    assert all(la["family"] == "linear" for la in kernels)
+    assert all(la["issue_s"] is not None and la["issue_s"] > 0 for la in kernels)
+
+
+def test_prediction_adds_the_same_overhead_per_launch():
+    launches = [
+        {
+            "family": "linear",
+            "bytes": 4.8e6,
+            "flops": 0.0,
+            "issue_s": None,
+            "in_command_buffer": False,
+            "layer": 1,
+        },
+        {
+            "family": "attention",
+            "bytes": 0.0,
+            "flops": 989e6,
+            "issue_s": None,
+            "in_command_buffer": True,
+            "layer": 1,
+        },
+        {
+            "family": EMBED,
+            "bytes": 48.0,
+            "flops": 0.0,
+            "issue_s": 3e-6,
+            "in_command_buffer": False,
+            "layer": 0,
+        },
+    ]
+    p = predict(launches, H200, batch=2)
+    assert launch_seconds(launches[0], H200) == pytest.approx(1e-6)  # 4.8 MB at 4.8 TB/s
+    assert launch_seconds(launches[1], H200) == pytest.approx(1e-6)  # 989 MFLOP at 989 TFLOP/s
+    assert launch_seconds(launches[2], H200) == 3e-6  # the issue bound
+    assert p["step_seconds"] == pytest.approx(5e-6 + 3 * H200.launch_s)
+    assert p["predicted_tokens_per_s"] == pytest.approx(2 / (5e-6 + 3 * H200.launch_s))
+
+
+def test_needed_bytes_and_active_experts():
+    cfg = config_for("llama3-8b")
+    bf16, int4 = needed_bytes(cfg, "bf16", 1, 4096), needed_bytes(cfg, "int4", 1, 4096)
+    # Llama-3-8B: 8.03e9 parameters, of which 0.525e9 in the embedding table (one row read) and the same in
+    # the bf16 LM head; a 4096-token cache of 32 layers x 8 heads x 128 x (k, v) bf16 = 0.54 GB.
+    assert bf16["weights"] == pytest.approx(2 * (8.03e9 - 0.525e9), rel=0.01)
+    assert bf16["kv_cache"] == 2 * 32 * 4096 * 8 * 128 * 2
+    assert int4["kv_cache"] == bf16["kv_cache"] and int4["weights"] < bf16["weights"] / 2.5
+    assert active_experts(1, 128, 8) == pytest.approx(8)
+    assert 125 < active_experts(64, 128, 8) < 126  # 128 (1 - (120/128)^64)
+
+
+def test_command_buffer_parser():
+    text = (
+        "001: kCopy          [source       | next=002 (1)] kCopy\n"
+        "002: kCustomCall    [prev=001 (1) | next=000 (1)] kCustomCall\n"
+        "000: kCommandBuffer [prev=002 (1) | sink       ] \n"
+        "    003: kCustomKernel [source       | next=004 (1)] input_reduce_fusion_7 grid: [2, 1, 1]\n"
+        "    004: kCustomKernel [prev=003 (1) | sink       ] gemm_fusion_dot_5 grid: [32, 1, 1]\n"
+    )
+    got = command_buffers(text)
+    assert got["command_buffers"] == 1
+    assert got["captured"] == ["input_reduce_fusion_7", "gemm_fusion_dot_5"]
+    assert got["thunk_launches"] == 4
+
+
+def test_side_by_side_of_measured_and_predicted(tmp_path):
+    import json
+
+    from bench.decode import side
+
+    measured = {
+        "config": {"model": "smollm2"},
+        "machine": {"device": "cpu"},
+        "rows": [
+            {"batch": 1, "float": {"tokens_per_s": 50.0}, "int4": {"tokens_per_s": 80.0}},
+            {"batch": 16, "float": {"tokens_per_s": 400.0}, "int4": {"tokens_per_s": 500.0}},
+        ],
+    }
+    predicted = {
+        "meta": {"gpu": "h200", "context": 128},
+        "rows": [
+            {"model": "smollm2-135m", "gpu": "h200", "batch": 1, "weights": w, "predicted_tokens_per_s": t}
+            for w, t in (("bf16", 100.0), ("int4", 160.0))
+        ],
+    }
+    (tmp_path / "m.json").write_text(json.dumps(measured))
+    (tmp_path / "d.json").write_text(json.dumps(predicted))
+    assert side.main([str(tmp_path / "m.json"), str(tmp_path / "d.json"), "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "decode_side.json").read_text())["rows"]
+    assert [(r["batch"], r["weights"], r["measured_over_predicted"]) for r in rows] == [
+        (1, "bf16", 0.5),
+        (1, "int4", 0.5),
+        (16, "bf16", None),
+        (16, "int4", None),
+    ]
+    assert "measured / predicted" in (tmp_path / "decode_side.md").read_text()
