@@ -29,8 +29,9 @@ def _fake(monkeypatch, gpu):
 
 
 def _weight():
+    """The Mosaic GPU kernels' layout, named: on a faked A100 the default would be the Triton kernel's."""
     w = np.random.default_rng(0).standard_normal((256, 128)).astype(np.float32)
-    return nybble.quantize(w, group_size=64)
+    return nybble.quantize(w, group_size=64, layout="wgmma_int4")
 
 
 @pytest.mark.parametrize(
