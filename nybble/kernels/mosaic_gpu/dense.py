@@ -8,6 +8,7 @@ device.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -185,13 +186,17 @@ def _matmul_fwd(x2d, qw, config, num_sms):
 
 
 def _matmul_bwd(config, num_sms, qw, g):
-    # dx = g @ dequant(W)^T through XLA, f32 accumulation; the weights get no gradient.
-    # The weight rounded once to g's dtype (nybble.dequantize's values), contracted over N: dx = g W^T.
+    return x_gradient(qw, g)
+
+
+def x_gradient(qw: QuantizedWeight, g: jax.Array) -> tuple[jax.Array, Any]:
+    """The backward pass of every Mosaic GPU kernel: dx = g @ dequant(W)^T through XLA with f32
+    accumulation (the weight rounded once to g's dtype, nybble.dequantize's values, contracted over N);
+    the weights get no gradient (zero cotangents)."""
     w = dequantize(qw, g.dtype)  # (K, N)
     dims = (((g.ndim - 1,), (1,)), ((), ()))
     dx = jax.lax.dot_general(g, w, dims, preferred_element_type=jnp.float32).astype(g.dtype)
-    zeros = jax.tree.map(_zero_cotangent, qw)
-    return dx, zeros
+    return dx, jax.tree.map(_zero_cotangent, qw)
 
 
 def _zero_cotangent(a: Any) -> Any:
@@ -222,18 +227,33 @@ def mosaic_gpu_matmul(
     weight). Outside ``nybble.kernels.interpret()`` it must be lowered for CUDA; lowering for another
     platform raises NotImplementedError.
     """
+    check_call("mosaic_gpu_matmul", x2d, qw, config, TuningConfig, num_sms, is_supported)
+    return _matmul(x2d, qw, config, int(num_sms))
+
+
+def check_call(
+    what: str,
+    x2d: Any,
+    qw: Any,
+    config: Any,
+    config_type: type,
+    num_sms: int,
+    supported: Callable[[Any, Any], str | None],
+) -> None:
+    """The argument rules of a Mosaic GPU kernel's public entry (Hopper's and Blackwell's alike): x2d is
+    (M, K), the kernel serves the arguments (``supported`` says why not), the config is the kernel's type
+    and the SM count is positive. Raises naming the rule and the fix."""
     if getattr(x2d, "ndim", None) != 2:
         raise ValueError(
-            f"mosaic_gpu_matmul: x2d must be 2-D (M, K), got shape {getattr(x2d, 'shape', None)}; "
-            f"reshape to (-1, K) first"
+            f"{what}: x2d must be 2-D (M, K), got shape {getattr(x2d, 'shape', None)}; "
+            "reshape to (-1, K) first"
         )
-    if (reason := is_supported(x2d, qw)) is not None:
-        raise NotImplementedError(f"mosaic_gpu_matmul cannot run these arguments: {reason}")
-    if config is not None and not isinstance(config, TuningConfig):
-        raise TypeError(f"mosaic_gpu_matmul: config must be a TuningConfig, got {type(config).__name__}")
+    if (reason := supported(x2d, qw)) is not None:
+        raise NotImplementedError(f"{what} cannot run these arguments: {reason}")
+    if config is not None and not isinstance(config, config_type):
+        raise TypeError(f"{what}: config must be a {config_type.__name__}, got {type(config).__name__}")
     if num_sms < 1:
-        raise ValueError(f"mosaic_gpu_matmul: num_sms={num_sms} must be positive")
-    return _matmul(x2d, qw, config, int(num_sms))
+        raise ValueError(f"{what}: num_sms={num_sms} must be positive")
 
 
 def matmul_supported(x2d: jax.Array, qw: QuantizedWeight, *, num_sms: int) -> jax.Array:

@@ -38,26 +38,14 @@ def _kernel(*refs, cfg: TuningConfig, p: int, group: int, steps: int, asymmetric
     first = pl.program_id(2) * per_split
     kw = cfg.block_kw
 
-    def body(t, acc):
-        j0 = pl.multiple_of((first + t) * kw, kw)
-        return dequant.step(
-            acc,
-            w_ref[pl.ds(j0, kw), :],
-            lambda k0: x_ref[:, pl.ds(pl.multiple_of(k0, kw), kw)],
-            lambda g: s_ref[pl.ds(g, 1), :],
-            None if o_ref is None else (lambda g: o_ref[pl.ds(g, 1), :]),
-            j0=j0,
-            plane_rows=p,
-            group=group,
-            x_dtype=x_ref.dtype,
-            route=cfg.route,
-        )
-
-    transposed = cfg.route == "weights"  # that route accumulates y^T (dequant.step)
-    shape = (cfg.block_n, cfg.block_m) if transposed else (cfg.block_m, cfg.block_n)
-    acc = jax.lax.fori_loop(0, per_split, body, jnp.zeros(shape, jnp.float32))
-    if transposed:
-        acc = acc.T
+    acc = dequant.k_loop(
+        lambda j0: w_ref[pl.ds(j0, kw), :],
+        lambda k0: x_ref[:, pl.ds(pl.multiple_of(k0, kw), kw)],
+        lambda g: s_ref[pl.ds(g, 1), :],
+        None if o_ref is None else (lambda g: o_ref[pl.ds(g, 1), :]),
+        first=first, steps=per_split, block_kw=kw, plane_rows=p, group=group, x_dtype=x_ref.dtype,
+        route=cfg.route, tile_m=cfg.block_m, tile_n=cfg.block_n,
+    )
     y_ref[...] = acc.astype(y_ref.dtype).reshape(y_ref.shape)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 from nybble.packing.planes import PLANES
 
@@ -103,3 +104,25 @@ def step(acc, words, x_at, scale_at, offset_at, *, j0, plane_rows: int, group: i
 
 
 __all__ = ["MAGIC", "PLANES", "bias", "plane_codes", "plane_dot", "plane_weights", "scale_terms", "step"]
+
+
+def k_loop(
+    words_at, x_at, scale_at, offset_at, *, first, steps, block_kw: int, plane_rows: int, group: int,
+    x_dtype, route: str, tile_m: int, tile_n: int,
+) -> jax.Array:
+    """The K loop of both Triton kernels (dense and grouped): ``steps`` steps of ``block_kw`` words from
+    step ``first``, ``words_at(j0)`` the step's (block_kw, tile_n) words; returns the (tile_m, tile_n) f32
+    product y (the weights route accumulates y^T, turned back here)."""
+    transposed = route == "weights"
+
+    def body(t, acc):
+        j0 = pl.multiple_of((first + t) * block_kw, block_kw)
+        return step(
+            acc, words_at(j0), x_at, scale_at, offset_at,
+            j0=j0, plane_rows=plane_rows, group=group, x_dtype=x_dtype, route=route,
+        )
+
+    zeros = jnp.zeros((tile_n, tile_m) if transposed else (tile_m, tile_n), jnp.float32)
+    lower = 0 if isinstance(steps, int) else jnp.int32(0)  # a static trip count stays static
+    acc = jax.lax.fori_loop(lower, steps, body, zeros)
+    return acc.T if transposed else acc

@@ -73,27 +73,14 @@ def _kernel(*refs, cfg: TuningConfig, p: int, group: int, experts: int, rows: in
         def x_at(k0):
             return plgpu.load(x_ref.at[pl.ds(r0, bm), pl.ds(pl.multiple_of(k0, kw), kw)], mask=in_x, other=0)
 
-        def body(t, acc):
-            j0 = pl.multiple_of(t * kw, kw)
-            return dequant.step(
-                acc,
-                w_ref[ex, pl.ds(j0, kw), :],
-                x_at,
-                lambda g: s_ref[ex, pl.ds(g, 1), :],
-                None if o_ref is None else (lambda g: o_ref[ex, pl.ds(g, 1), :]),
-                j0=j0,
-                plane_rows=p,
-                group=group,
-                x_dtype=x_ref.dtype,
-                route=cfg.route,
-            )
-
-        transposed = cfg.route == "weights"  # that route accumulates y^T (dequant.step)
-        acc = jax.lax.fori_loop(
-            jnp.int32(0), steps, body, jnp.zeros((bn, bm) if transposed else (bm, bn), jnp.float32)
+        acc = dequant.k_loop(
+            lambda j0: w_ref[ex, pl.ds(j0, kw), :],
+            x_at,
+            lambda g: s_ref[ex, pl.ds(g, 1), :],
+            None if o_ref is None else (lambda g: o_ref[ex, pl.ds(g, 1), :]),
+            first=0, steps=steps, block_kw=kw, plane_rows=p, group=group, x_dtype=x_ref.dtype,
+            route=cfg.route, tile_m=bm, tile_n=bn,
         )
-        if transposed:
-            acc = acc.T
         mine = (row >= lo) & (row < hi)
         plgpu.store(y_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], acc.astype(y_ref.dtype), mask=mine)
 

@@ -8,7 +8,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from nybble.kernels.mosaic_gpu import dense as hopper_api
 from nybble.kernels.mosaic_gpu.blackwell.config import (
@@ -20,7 +19,7 @@ from nybble.kernels.mosaic_gpu.blackwell.config import (
 from nybble.kernels.mosaic_gpu.blackwell.kernel import BlackwellProblem, w4a16_blackwell
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.kernels.mosaic_gpu.kernel import check_operands
-from nybble.quant.qweight import QuantizedWeight, dequantize
+from nybble.quant.qweight import QuantizedWeight
 
 # What the Blackwell kernel accepts is exactly what the Hopper one does (same layout, dtypes, groups).
 is_supported = hopper_api.is_supported
@@ -87,17 +86,7 @@ def _matmul_fwd(x2d, qw, config, num_sms):
 
 
 def _matmul_bwd(config, num_sms, qw, g):
-    # dx = g @ dequant(W)^T through XLA with f32 accumulation, as the Hopper kernel's; W gets no gradient.
-    w = dequantize(qw, g.dtype)
-    dims = (((g.ndim - 1,), (1,)), ((), ()))
-    dx = jax.lax.dot_general(g, w, dims, preferred_element_type=jnp.float32).astype(g.dtype)
-    return dx, jax.tree.map(_zero_cotangent, qw)
-
-
-def _zero_cotangent(a: Any) -> Any:
-    if jnp.issubdtype(a.dtype, jnp.floating):
-        return jnp.zeros_like(a)
-    return np.zeros(a.shape, dtype=jax.dtypes.float0)
+    return hopper_api.x_gradient(qw, g)  # the Hopper kernel's backward pass: XLA, the weights get none
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -126,15 +115,5 @@ def blackwell_matmul(
 
     Refuses what the Hopper kernel refuses, with the same messages. Differentiable with respect to x2d.
     """
-    if getattr(x2d, "ndim", None) != 2:
-        raise ValueError(
-            f"blackwell_matmul: x2d must be 2-D (M, K), got shape {getattr(x2d, 'shape', None)}; "
-            f"reshape to (-1, K) first"
-        )
-    if (reason := is_supported(x2d, qw)) is not None:
-        raise NotImplementedError(f"blackwell_matmul cannot run these arguments: {reason}")
-    if config is not None and not isinstance(config, BlackwellConfig):
-        raise TypeError(f"blackwell_matmul: config must be a BlackwellConfig, got {type(config).__name__}")
-    if num_sms < 1:
-        raise ValueError(f"blackwell_matmul: num_sms={num_sms} must be positive")
+    hopper_api.check_call("blackwell_matmul", x2d, qw, config, BlackwellConfig, num_sms, is_supported)
     return _matmul(x2d, qw, config, int(num_sms))
