@@ -12,6 +12,7 @@ import nybble
 import nybble.models as nm
 from nybble.models.definitions.layers import QLinear
 from nybble.models.quantization.autoround import quantize_autoround
+from nybble.quant.autoround import key_path_str
 
 OPTIONS = dict(steps=40, batch_size=2, chunk=20)
 
@@ -23,7 +24,7 @@ def calibration(seed=0):
 def weights_of(model):
     return {
         path: m.weight
-        for path, m in ((nm.adapter.path_str(p), m) for p, m in nnx.iter_modules(model))
+        for path, m in ((key_path_str(p), m) for p, m in nnx.iter_modules(model))
         if isinstance(m, QLinear)
     }
 

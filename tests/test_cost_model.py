@@ -23,7 +23,7 @@ def test_specs_and_lookup():
     assert spec_for_device_kind("NVIDIA H100 80GB HBM3") is H100_SXM
     assert spec_for_device_kind("NVIDIA H100 PCIe") is None  # other clocks and bandwidth: no spec
     with pytest.raises(ValueError, match="known"):
-        get_gpu("a100")
+        get_gpu("v100")  # no spec (Volta: no nybble kernel)
     assert current_gpu() is H200  # no GPU here: the default spec
     # The X-ray's deviceless topology takes the same spec.
     from bench.kernel_xray import target
