@@ -25,10 +25,13 @@ from typing import Any
 
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["interpret_params", "store_unoptimized"]
+__all__ = ["STRICT_LAYOUT_INFERENCE", "interpret_params", "store_unoptimized"]
 
 # plgpu.store(ref, value, *, optimized=...): jax >= 0.12.
 _HAS_STORE = hasattr(plgpu, "store")
+# The jax releases with plgpu.store (0.12) also infer layouts without 0.11.2's untiled-store fallback: a
+# few kernel variants that lower on 0.11.2 find no layout there (grouped_config.grouped_allows names them).
+STRICT_LAYOUT_INFERENCE = _HAS_STORE
 
 
 def store_unoptimized(ref: Any, value: Any) -> None:

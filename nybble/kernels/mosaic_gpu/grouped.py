@@ -55,8 +55,8 @@ from nybble.kernels.mosaic_gpu.common import CtaTile, Problem, RowWindow, Stashe
 from nybble.kernels.mosaic_gpu.config import TuningConfig
 from nybble.kernels.mosaic_gpu.dense import kernel_x, problem, weight_options, weight_reason, x_reason
 from nybble.kernels.mosaic_gpu.grouped_config import (
-    grouped_allows,
     grouped_heuristic_config,
+    grouped_refusal,
     max_m_tiles,
 )
 from nybble.kernels.mosaic_gpu.interpret import active_params
@@ -241,10 +241,8 @@ def grouped_plan(
         config = grouped_heuristic_config(
             rows, experts, n_pad, k_pad, qw.group_size, num_sms, **weight_options(qw)
         )
-    if not grouped_allows(config):
-        raise ValueError(
-            f"grouped_matmul: the grouped kernel runs without split-K or a persistent grid: {config}"
-        )
+    if (why := grouped_refusal(config)) is not None:
+        raise ValueError(f"grouped_matmul: {why}: {config}")
     config.check_problem(min(rows, config.tile_m), n_pad, k_pad, qw.group)
     p = problem(rows, qw, config, jnp.bfloat16)
     align = x_alignment(p)

@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any
 
 from nybble.kernels.device import DEFAULT_NUM_SMS
+from nybble.kernels.mosaic_gpu.compat import STRICT_LAYOUT_INFERENCE
 from nybble.kernels.mosaic_gpu.config import WIDE_STEP_K, TuningConfig
 from nybble.kernels.mosaic_gpu.heuristics import heuristic_config
 
@@ -37,14 +38,35 @@ def planned_rows(rows: int, experts: int) -> int:
 def grouped_allows(config: TuningConfig) -> bool:
     """Whether the grouped kernel runs ``config``: no split-K and no persistent grid (module docstring);
     and not 512-deep steps of 64 accumulator columns (tiles x WGMMA N) with a producer warpgroup, whose
-    compute warpgroup sits at 255 registers and spills the grouped CTA's state."""
-    wide = (
+    compute warpgroup sits at 255 registers and spills the grouped CTA's state. Under jax 0.12's layout
+    inference (``compat.STRICT_LAYOUT_INFERENCE``) also not the accumulator route with 4 tiles and no K
+    slices: Mosaic GPU finds no layout for it there (3 MoE kernels, symmetric and asymmetric, found by
+    ``make test-jax-latest``), so another candidate is picked and an explicit one is refused by name."""
+    return grouped_refusal(config) is None
+
+
+def grouped_refusal(config: TuningConfig) -> str | None:
+    """Why the grouped kernel does not run ``config`` (:func:`grouped_allows`), or None."""
+    if config.split_k != 1 or config.persistent_ctas != 0:
+        return "the grouped kernel runs without split-K or a persistent grid"
+    if (
         config.producer
         and config.tile_k == WIDE_STEP_K
         and config.scales_on == "accumulators"
         and config.tiles * config.wgmma_n >= 64
-    )
-    return config.split_k == 1 and config.persistent_ctas == 0 and not wide
+    ):
+        return "512-deep steps of 64 accumulator columns with a producer warpgroup spill the grouped CTA"
+    if (
+        STRICT_LAYOUT_INFERENCE
+        and config.scales_on == "accumulators"
+        and config.tiles == 4
+        and config.slices == 1
+    ):
+        return (
+            "on this jax (0.12's layout inference) the accumulator route with 4 tiles and no K slices "
+            "finds no layout in Mosaic GPU's grouped kernel"
+        )
+    return None
 
 
 def max_m_tiles(rows: int, experts: int, tile_m: int, align: int = 1) -> int:
