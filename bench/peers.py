@@ -425,7 +425,6 @@ class TokamaxPeer:
 def all_peers(include: Sequence[str] | None = None) -> list[Peer]:
     """Every nybble implementation, then the peers; ``include`` keeps the names (or prefixes) given."""
     from nybble.kernels import IMPLEMENTATIONS
-
     from nybble.kernels.triton.backend import LAYOUT as TRITON_LAYOUT
 
     layouts = {"triton": TRITON_LAYOUT}

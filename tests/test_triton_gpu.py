@@ -1,4 +1,4 @@
-"""The portable Triton kernels on a real NVIDIA GPU (compute capability >= 8.0), against the float64 reference.
+"""The portable Triton kernels on a real NVIDIA GPU (compute capability 8.0+) against the float64 reference.
 
 Where it runs:
   * on an NVIDIA GPU of compute capability 8.0 or newer (an H200 in ``make gpu-check``): every case below,

