@@ -79,7 +79,8 @@ TEST_RC=0
 # memory) and compile on the machine's cores in parallel.
 PARALLEL=()
 if [ "${GPU_TEST_WORKERS:-4}" -gt 1 ] && "$PY" -c 'import xdist' 2>/dev/null; then
-  PARALLEL=(-n "${GPU_TEST_WORKERS:-4}")
+  # A worker whose CUDA context a kernel crash lost exits and is replaced (tests/conftest.py): allow many.
+  PARALLEL=(-n "${GPU_TEST_WORKERS:-4}" --max-worker-restart 400)
 fi
 if [ "$DRY_RUN" = 1 ] && [ ${#TESTS[@]} -gt 0 ]; then
   "$PY" -m pytest -q -p no:cacheprovider --collect-only "${TESTS[@]}" >"$DEST/tests.log.part" 2>&1
