@@ -12,7 +12,8 @@ compile of a small model).
 Bytes are each launch's operands and result as XLA types them (``bench.kernel_xray.hlo``), except where the
 type is not the traffic: a grouped (MoE) kernel's weight stack, of which it reads the experts that have rows
 (the expected number of distinct experts ``batch`` tokens routed uniformly to their top k reach,
-``active_experts``); the embedding gather, which reads the rows it returns; and the in-place KV-cache
+``active_experts``); the embedding gather, which reads one table row per token (also where XLA fuses it
+into the first norm); and the in-place KV-cache
 update, which reads and writes the new row only.
 """
 
@@ -160,8 +161,9 @@ def step_record(case: StepCase, program: Any, report: Any, thunks: str, gpu: Any
             launches.append(_record(launch, op_name, sources, 2.0 * update, 0.0, None, captured, cache_bytes))
             continue
         for source, size in operands.items():
-            if source.startswith("state['embed']") and "embedding" in scopes:
-                size = launch.result_bytes  # a gather reads the rows it returns, not the table
+            if source.startswith("state['embed']") and "lm_head" not in scopes:
+                # a gather (alone or fused into the first norm) reads one row per token, not the table
+                size = size * case.batch / cfg.vocab_size
             qw_name, _, part = source.rpartition(".")
             qw = qweights.get(qw_name)
             stacked = qw is not None and len(qw.codes.shape) == 3
@@ -233,6 +235,8 @@ def _issue_seconds(launch: Any, op_name: str, qw: Any, m: int, kernels: list[Any
     from bench.xray.model import ceilings_for, model_case
     from nybble.kernels import mosaic_gpu
 
+    if gpu.name == "b200":
+        return None  # the X-ray's issue model is the Hopper kernel's (bench.xray.model)
     name = next((s for s in op_name.split("/") if s.startswith("nybble_")), None)
     kernel = next((k for k in kernels if name and name in k.name and k.loop is not None), None)
     if kernel is None:
