@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from nybble.models.definitions.decode_attention import write_and_attend
+from nybble.models.definitions.fuse import FusedParts
 from nybble.models.definitions.layers import projections
 from nybble.models.definitions.moe import MoE
 
@@ -217,7 +218,7 @@ def _window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.
     return mask
 
 
-class Attention(nnx.Module):
+class Attention(FusedParts, nnx.Module):
     """Grouped-query causal self-attention with rotary embeddings."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> None:
@@ -354,7 +355,7 @@ class Attention(nnx.Module):
         return out.reshape(b, t, self.num_heads * self.head_dim).astype(dtype)
 
 
-class MLP(nnx.Module):
+class MLP(FusedParts, nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> None:

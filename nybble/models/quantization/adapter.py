@@ -11,6 +11,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from nybble.models.definitions.fuse import fuse_projections as fuse
+from nybble.models.definitions.fuse import unfuse_projections as unfuse
 from nybble.models.definitions.layers import QLinear
 from nybble.models.definitions.moe import expert_stacks
 from nybble.models.quantization.autoround import autoround_params, quantize_autoround
@@ -63,7 +64,7 @@ def quantize(
     progress: bool = True,
     verbose: bool = False,
     return_report: bool = False,
-    fuse_projections: bool = False,
+    fuse_projections: bool = True,
     **method_options: Any,
 ) -> nnx.Module | tuple[nnx.Module, QuantizationReport]:
     """Replaces the dense layers of a Flax NNX model by int4 :class:`QLinear` layers, in place.
@@ -91,8 +92,10 @@ def quantize(
       progress: show a tqdm progress bar.
       verbose: print the :class:`QuantizationReport` summary at the end.
       return_report: return ``(model, report)`` instead of the model alone.
-      fuse_projections: then fuse q/k/v and gate/up into one int4 layer each (``models.definitions.fuse``:
-        one launch each in a decode step, the same numbers; checkpoints still hold them one by one).
+      fuse_projections: then fuse q/k/v and gate/up into one int4 layer each (the default;
+        ``models.definitions.fuse``: one launch each in a decode step, the same numbers; checkpoints still
+        hold them one by one). A model fused before (``from_pretrained``'s default) is split back first,
+        so rules, calibration and the report see q/k/v and gate/up one by one.
     """
     common = {
         k: v
@@ -111,6 +114,7 @@ def quantize(
             "a single layer"
         )
     fmt = config.format
+    unfuse(model)  # rules and calibration name q/k/v and gate/up one by one (exact; fused again below)
     if isinstance(config, GPTQ | AutoRound):
         calibrated = quantize_gptq if isinstance(config, GPTQ) else quantize_autoround
         model, report = calibrated(
