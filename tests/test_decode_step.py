@@ -69,8 +69,9 @@ def test_decode_steps_equal_the_full_forward(changes):
     ids = np.random.RandomState(2).randint(0, cfg.vocab_size, (2, 9)).astype(np.int32)
     full = np.asarray(model(ids))
     _, cache = model.prefill(ids[:, :2], max_len=12)
+    step = nnx.jit(lambda m, t, c, p: m.decode_step(t, c, p))  # one compile, position traced
     for pos in range(2, ids.shape[1]):
-        out, cache = model.decode_step(ids[:, pos : pos + 1], cache, pos)
+        out, cache = step(model, ids[:, pos : pos + 1], cache, jnp.int32(pos))
         np.testing.assert_allclose(np.asarray(out)[:, 0], full[:, pos], rtol=2e-5, atol=2e-5)
 
 
