@@ -192,3 +192,19 @@ def test_side_by_side_of_measured_and_predicted(tmp_path):
         (16, "int4", None),
     ]
     assert "measured / predicted" in (tmp_path / "decode_side.md").read_text()
+
+
+def test_compare_puts_two_runs_side_by_side():
+    from bench.decode.compare import compare_markdown
+
+    def doc(launches, tok_s):
+        rows = [
+            {"model": "m", "batch": 1, "weights": w, "launches_per_step": n, "predicted_tokens_per_s": t,
+             "pct_of_hbm_limit": t / 1000, "needed_bytes": {"total": b}}
+            for w, n, t, b in (("bf16", launches + 9, tok_s, 4.0), ("int4", launches, 2 * tok_s, 1.0))
+        ]  # fmt: skip
+        return {"rows": rows, "meta": {"gpu": "h200", "context": 8, "launch_overhead_s": 2e-6}}
+
+    text = compare_markdown(doc(30, 100.0), doc(20, 150.0), "t")
+    assert "| m | 1 | int4 | 30 -> 20 | 200 -> 300 | 20% -> 30% |" in text
+    assert "| m | 1 | 2.00x -> 2.00x | 4.00x | 50% |" in text
