@@ -54,7 +54,9 @@ def test_bytes_read_of_weights_and_cache(records):
         for s, v in la["operand_bytes"].items()
         if s.startswith("state[") and "embed" not in s
     )
-    assert read == param_bytes - embed_bytes  # every weight (not the embedding table) read exactly once
+    # every weight but the embedding table read once; XLA may pass one norm weight into a fusion under
+    # another value's name (its bytes still counted in that launch, not under the parameter's name)
+    assert 0 <= (param_bytes - embed_bytes) - read <= cfg.hidden_size * 2
     cache = 2 * cfg.num_layers * BATCH * CONTEXT * cfg.num_kv_heads * cfg.head_dim * 2
     cache_read = sum(v for la in launches for s, v in la["operand_bytes"].items() if s.startswith("cache."))
     assert cache_read >= cache  # the attention reads each layer's keys and values at least once
@@ -96,8 +98,10 @@ def test_decode_step_launch_count(records):
     layer = [la for la in launches if la["layer"]]
     assert len([la for la in layer if la["kind"] == "mosaic_gpu"]) == 4
     assert len([la for la in layer if la["family"] == "attention"]) <= 8
-    assert not any(la["op_name"].endswith("norm/convert_element_type") for la in layer)  # no norm applied
+    assert len([la for la in layer if "/norm/" in la["op_name"]]) == 1  # one pass per norm, none applying
     assert len(layer) <= 15
+    # 3 layers: + 2 input norms (layer 0 has its fused with the gather), + the rotary cos and sin once
+    assert totals(extrapolate(records["int4"]["launches"], 1, 3))["launches"] == 3 * len(layer) + 2 + 2 + 3
 
 
 def test_prediction_adds_the_same_overhead_per_launch():

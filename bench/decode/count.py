@@ -260,7 +260,34 @@ def extrapolate(launches: list[dict[str, Any]], compiled_layers: int, layers: in
     for la in launches:
         layer = la["family"] != EMBED and not _shared(la["op_name"], list(la["operand_bytes"]))
         out.append({**la, "layer": layer, "count": scale if layer else 1.0})
+    if compiled_layers == 1 and layers > 1:
+        out += _one_layer_missing(out, layers)
     return out
+
+
+def _one_layer_missing(launches: list[dict[str, Any]], layers: int) -> list[dict[str, Any]]:
+    """Launches a deeper model has that a one-layer compile fuses away (checked against whole compiles):
+
+    - the next layer's input norm: layer 0's is fused with the embedding gather; each later one is a
+      launch at the layer boundary, like the post-attention norm. When no layer launch follows the last
+      projection (the final norm fused whole into one non-layer launch), the post-attention norm's launch
+      stands for the layers - 1 boundaries;
+    - the rotary angles' cos and sin, computed once for all layers when more than one layer reads them,
+      fused into their one reader otherwise."""
+    extra = []
+    last = max((i for i, la in enumerate(launches) if la["family"] == LINEAR and la["layer"]), default=-1)
+    if not any(la["layer"] for la in launches[last + 1 :]):
+        norms = [la for la in launches if any("['post_norm']" in s for s in la["operand_bytes"])]
+        if norms:
+            extra.append({**norms[0], "name": "input_norm (layers 1..)", "count": float(layers - 1)})
+    if not any(_shared(la["op_name"], list(la["operand_bytes"])) for la in launches):
+        for fn in ("cos", "sin"):
+            extra.append(
+                {"name": f"rope {fn} (shared)", "kind": "fusion", "family": ELEMENTWISE, "layer": False,
+                 "bytes": 0.0, "flops": 0.0, "issue_s": None, "in_command_buffer": False,
+                 "op_name": f"rope/{fn}", "operand_bytes": {}, "result_bytes": 0, "count": 1.0}
+            )  # fmt: skip
+    return extra
 
 
 def totals(launches: list[dict[str, Any]]) -> dict[str, Any]:
