@@ -121,8 +121,6 @@ def split_columns(qw: QuantizedWeight, sizes: Sequence[int]) -> list[QuantizedWe
 
 
 def _fusable(parts: list[Any]) -> bool:
-    from nybble.models.definitions.moe import Experts, QExperts  # moe uses FusedParts: imported late
-
     if all(type(p) is QLinear for p in parts):
         ws = [p.weight for p in parts]
         return (
@@ -135,26 +133,26 @@ def _fusable(parts: list[Any]) -> bool:
     if all(type(p) is nnx.Linear for p in parts):
         keys = {(p.in_features, p.dtype, p.param_dtype, p.bias is None, p.precision) for p in parts}
         return len(keys) == 1
-    if all(type(p) is QExperts for p in parts):
+    # expert stacks by class name: models.definitions.moe imports this module (FusedParts)
+    if all(type(p).__name__ == "QExperts" for p in parts):
         ws = [p.weight for p in parts]
         return all(isinstance(w, QuantizedWeight) and np.ndim(w.codes) == 3 for w in ws) and (
             len({(p.implementation, p.num_experts) for p in parts}) == 1
             and len({(w.shape[0], w.group_size, w.symmetric, w.layout, np.dtype(w.scales.dtype)) for w in ws})
             == 1
         )
-    if all(type(p) is Experts for p in parts):
+    if all(type(p).__name__ == "Experts" for p in parts):
         return len({(p.num_experts, p.in_features, p.kernel[...].dtype) for p in parts}) == 1
     return False
 
 
 def _fuse(parts: list[Any]) -> Any:
-    from nybble.models.definitions.moe import Experts, QExperts
-
-    if isinstance(parts[0], QExperts):  # per expert, as concat_columns does for one weight
+    kind = type(parts[0])
+    if kind.__name__ == "QExperts":  # per expert, as concat_columns does for one weight
         qw = jax.vmap(concat_columns)([p.weight for p in parts])
-        return QExperts(qw, implementation=parts[0].implementation)
-    if isinstance(parts[0], Experts):
-        return _experts(jnp.concatenate([p.kernel[...] for p in parts], axis=2))
+        return kind(qw, implementation=parts[0].implementation)
+    if kind.__name__ == "Experts":
+        return _experts(kind, jnp.concatenate([p.kernel[...] for p in parts], axis=2))
     if isinstance(parts[0], QLinear):
         bias = None if parts[0].bias is None else jnp.concatenate([p.bias[...] for p in parts])
         qw = concat_columns([p.weight for p in parts])
@@ -178,24 +176,21 @@ def _fuse(parts: list[Any]) -> Any:
     return fused
 
 
-def _experts(kernel: jax.Array) -> Any:
-    from nybble.models.definitions.moe import Experts
-
+def _experts(kind: Any, kernel: jax.Array) -> Any:
     e, k, n = kernel.shape
-    out = nnx.eval_shape(lambda: Experts(e, k, n, rngs=nnx.Rngs(0), dtype=kernel.dtype))
+    out = nnx.eval_shape(lambda: kind(e, k, n, rngs=nnx.Rngs(0), dtype=kernel.dtype))
     out.kernel = nnx.Param(kernel)
     return out
 
 
 def _split(inner: Any, sizes: Sequence[int]) -> list[Any]:
-    from nybble.models.definitions.moe import Experts, QExperts
-
     offsets = np.cumsum([0, *sizes])
-    if isinstance(inner, QExperts):
+    kind = type(inner)
+    if kind.__name__ == "QExperts":
         stacks = jax.vmap(lambda w: split_columns(w, sizes))(inner.weight)
-        return [QExperts(w, implementation=inner.implementation) for w in stacks]
-    if isinstance(inner, Experts):
-        return [_experts(inner.kernel[...][:, :, a:b]) for a, b in itertools.pairwise(offsets)]
+        return [kind(w, implementation=inner.implementation) for w in stacks]
+    if kind.__name__ == "Experts":
+        return [_experts(kind, inner.kernel[...][:, :, a:b]) for a, b in itertools.pairwise(offsets)]
     if isinstance(inner, QLinear):
         weights = split_columns(inner.weight, sizes)
         bias = (
