@@ -54,12 +54,18 @@ def test_bytes_read_of_weights_and_cache(records):
         for s, v in la["operand_bytes"].items()
         if s.startswith("state[") and "embed" not in s
     )
-    assert read == param_bytes - embed_bytes  # every weight (not the embedding table) read exactly once
+    # every weight but the embedding table read once; XLA may pass one norm weight into a fusion under
+    # another value's name (its bytes still counted in that launch, not under the parameter's name)
+    assert 0 <= (param_bytes - embed_bytes) - read <= cfg.hidden_size * 2
     cache = 2 * cfg.num_layers * BATCH * CONTEXT * cfg.num_kv_heads * cfg.head_dim * 2
     cache_read = sum(v for la in launches for s, v in la["operand_bytes"].items() if s.startswith("cache."))
     assert cache_read >= cache  # the attention reads each layer's keys and values at least once
-    gathers = [la for la in launches if la["family"] == EMBED and "embedding" in la["op_name"]]
-    assert gathers and all(la["bytes"] < embed_bytes for la in gathers)  # rows, not the table
+    gathers = [  # the row gather, alone or fused into the first norm
+        la
+        for la in launches
+        if any(s.startswith("state['embed']") for s in la["operand_bytes"]) and "lm_head" not in la["op_name"]
+    ]
+    assert gathers and all(la["family"] == EMBED and la["bytes"] < embed_bytes / 8 for la in gathers)
 
 
 def test_one_layer_extrapolates_to_the_whole_model(records):
@@ -82,6 +88,20 @@ def test_fused_donated_step_launches_less(records):
     assert len(kernels) == 4  # qkv, o, gate_up, down: one launch each
     assert all(la["family"] == "linear" for la in kernels)
     assert all(la["issue_s"] is not None and la["issue_s"] > 0 for la in kernels)
+
+
+def test_decode_step_launch_count(records):
+    # One layer of the fused int4 step: 4 nybble kernels; the attention (cache writes, scores, softmax,
+    # values) and the norms in few XLA fusions: 15 launches a layer (21 before issue 46's second round:
+    # no second attention block for the new token, no launch applying a norm).
+    launches = extrapolate(records["int4"]["launches"], 1, 1)
+    layer = [la for la in launches if la["layer"]]
+    assert len([la for la in layer if la["kind"] == "mosaic_gpu"]) == 4
+    assert len([la for la in layer if la["family"] == "attention"]) <= 8
+    assert len([la for la in layer if "/norm/" in la["op_name"]]) == 1  # one pass per norm, none applying
+    assert len(layer) <= 15
+    # 3 layers: + 2 input norms (layer 0 has its fused with the gather), + the rotary cos and sin once
+    assert totals(extrapolate(records["int4"]["launches"], 1, 3))["launches"] == 3 * len(layer) + 2 + 2 + 3
 
 
 def test_prediction_adds_the_same_overhead_per_launch():
@@ -176,3 +196,19 @@ def test_side_by_side_of_measured_and_predicted(tmp_path):
         (16, "int4", None),
     ]
     assert "measured / predicted" in (tmp_path / "decode_side.md").read_text()
+
+
+def test_compare_puts_two_runs_side_by_side():
+    from bench.decode.compare import compare_markdown
+
+    def doc(launches, tok_s):
+        rows = [
+            {"model": "m", "batch": 1, "weights": w, "launches_per_step": n, "predicted_tokens_per_s": t,
+             "pct_of_hbm_limit": t / 1000, "needed_bytes": {"total": b}}
+            for w, n, t, b in (("bf16", launches + 9, tok_s, 4.0), ("int4", launches, 2 * tok_s, 1.0))
+        ]  # fmt: skip
+        return {"rows": rows, "meta": {"gpu": "h200", "context": 8, "launch_overhead_s": 2e-6}}
+
+    text = compare_markdown(doc(30, 100.0), doc(20, 150.0), "t")
+    assert "| m | 1 | int4 | 30 -> 20 | 200 -> 300 | 20% -> 30% |" in text
+    assert "| m | 1 | 2.00x -> 2.00x | 4.00x | 50% |" in text

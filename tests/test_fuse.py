@@ -33,7 +33,7 @@ IDS = (np.arange(12) * 37 % 256)[None].astype(np.int32)
 def tiny(kind: str, **changes) -> Llama:
     model = Llama(dataclasses.replace(TINY_CONFIG, **changes), rngs=nnx.Rngs(3), dtype=jnp.float32)
     if kind != "float":
-        quantize(model, group_size=64, symmetric=kind == "int4-sym", progress=False)
+        quantize(model, group_size=64, symmetric=kind == "int4-sym", progress=False, fuse_projections=False)
     return model
 
 
@@ -65,8 +65,9 @@ def test_fused_logits_equal_unfused(kind):
     ref = np.asarray(model(IDS))
     assert fuse_projections(model) == 2 * TINY_CONFIG.num_layers
     attn, mlp = model.layers[0].attn, model.layers[0].mlp
-    assert isinstance(attn.qkv_proj, FusedLinear) and not hasattr(attn, "q_proj")
-    assert isinstance(mlp.gate_up_proj, FusedLinear) and not hasattr(mlp, "up_proj")
+    assert isinstance(attn.qkv_proj, FusedLinear) and "q_proj" not in vars(attn)
+    assert isinstance(mlp.gate_up_proj, FusedLinear) and "up_proj" not in vars(mlp)
+    assert fuse_projections(model) == 0  # fused already
     if kind != "float":
         assert isinstance(attn.qkv_proj.inner, QLinear) and attn.qkv_proj.inner.weight.shape == (128, 256)
     out = np.asarray(model(IDS))
@@ -82,7 +83,7 @@ def test_generate_tokens_unchanged_and_saved_per_projection(tmp_path):
     model = tiny("int4-asym")
     before = generate(model, IDS[0], 8)
     quantized = tiny("float")
-    quantize(quantized, group_size=64, symmetric=False, progress=False, fuse_projections=True)
+    quantize(quantized, group_size=64, symmetric=False, progress=False)  # fused by default
     assert isinstance(quantized.layers[1].mlp.gate_up_proj, FusedLinear)
     np.testing.assert_array_equal(generate(quantized, IDS[0], 8), before)
     save_model(tmp_path / "m.safetensors", quantized)  # written one projection at a time
@@ -95,11 +96,13 @@ def test_generate_tokens_unchanged_and_saved_per_projection(tmp_path):
 @pytest.mark.parametrize("name", ["llama3"])
 def test_hf_fixture_greedy_tokens_unchanged(name):
     prompt = np.load(FIXTURES / name / "prompt_ids.npy").reshape(-1)[:8]
-    plain = from_pretrained(FIXTURES / name, dtype=jnp.float32)
-    quantize(plain, group_size=32, progress=False)
-    fused = from_pretrained(FIXTURES / name, dtype=jnp.float32)
-    quantize(fused, group_size=32, progress=False, fuse_projections=True)
+    plain = from_pretrained(FIXTURES / name, dtype=jnp.float32, fuse_projections=False)
+    quantize(plain, group_size=32, progress=False, fuse_projections=False)
+    assert "qkv_proj" not in vars(plain.layers[0].attn)
+    fused = from_pretrained(FIXTURES / name, dtype=jnp.float32)  # fused float, unfused, quantized, fused
     assert isinstance(fused.layers[0].attn.qkv_proj, FusedLinear)
+    quantize(fused, group_size=32, progress=False)
+    assert isinstance(fused.layers[0].attn.qkv_proj.inner, QLinear)
     np.testing.assert_array_equal(generate(fused, prompt, 6), generate(plain, prompt, 6))
 
 
@@ -108,7 +111,7 @@ def test_smollm2_greedy_tokens_unchanged():
     from nybble.models import smollm2
 
     model, tok = smollm2.load(jnp.float32)
-    quantize(model, group_size=128, progress=False)
+    quantize(model, group_size=128, progress=False, fuse_projections=False)
     prompt = tok.encode("The capital of France is").ids
     before = generate(model, prompt, 4)
     assert fuse_projections(model) == 2 * model.config.num_layers
@@ -116,7 +119,7 @@ def test_smollm2_greedy_tokens_unchanged():
 
 
 def test_from_pretrained_fuses_and_refuses_a_mesh():
-    model = from_pretrained(FIXTURES / "llama3", dtype=jnp.float32, fuse_projections=True)
+    model = from_pretrained(FIXTURES / "llama3", dtype=jnp.float32)  # fused by default
     assert isinstance(model.layers[0].attn.qkv_proj, FusedLinear)
     with pytest.raises(ValueError, match="cannot be combined with mesh"):
         from_pretrained(FIXTURES / "llama3", mesh=object(), fuse_projections=True)

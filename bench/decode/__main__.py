@@ -20,7 +20,7 @@ from bench.decode.predict import hbm_limit, needed_bytes, predict
 
 VARIANTS = {
     "baseline": {"fused": False, "donate": False},  # the step as the model first ran it
-    "fused": {"fused": True, "donate": True},  # fused projections, donated cache (issue 46's work)
+    "fused": {"fused": True, "donate": True},  # the model as quantize/from_pretrained build it, donated cache
 }
 DEFAULT_VARIANT = "fused"
 
@@ -123,11 +123,15 @@ NOTES: list[str] = [
     "",
     "- **Compiled, not run**: one decode step (`nybble.models.evaluate.decode_step`, the step `generate`'s "
     "loop runs) of nybble's own Llama/MoE model, for the GPU named, on a deviceless topology (JAX's CUDA "
-    "plugin, XLA's GPU compiler, ptxas for nybble's Mosaic GPU kernels), weights abstract "
-    "(`jax.ShapeDtypeStruct`): bf16, and int4 g128 symmetric as `nybble.models.quantize` makes them (the "
-    "LM head stays bf16, `DEFAULT_RULES`). Variant `baseline`: the model as it was before issue 46's work "
-    "(separate q/k/v and gate/up, cache not donated, attention reading the cache after writing it); "
-    "`fused`: q/k/v and gate/up fused (`fuse_projections=True`), the cache donated and read once.",
+    "plugin, XLA's GPU compiler, ptxas for nybble's Mosaic GPU kernels: Hopper's on h200, the Blackwell "
+    "tcgen05 kernel on b200, where the grouped MoE matmul takes XLA's path as it would there), weights "
+    "abstract (`jax.ShapeDtypeStruct`): bf16, and int4 g128 symmetric as `nybble.models.quantize` makes them "
+    "(the LM head stays bf16, `DEFAULT_RULES`). Variant `baseline`: separate q/k/v and gate/up, the cache "
+    "not donated (the model code of the commit otherwise); "
+    "`fused`: the model as `quantize` and `from_pretrained` build it now (q/k/v, gate/up and the MoE "
+    "experts' gate/up fused), the cache donated; the step as the model code of the commit computes it (one "
+    "token: written to the cache, then attended in a few fused reductions; each norm's row scale deferred "
+    "past its projections).",
     "- **One layer compiled, the rest multiplied**: the model is compiled with 1 layer; launches outside the "
     "layers (embedding gather, final norm, LM head, the rotary angles XLA computes once for all layers) "
     "count once, every other launch `layers` times. Checked against a whole compile of a 3-layer model in "
@@ -135,25 +139,32 @@ NOTES: list[str] = [
     "fusing a few elementwise ops across a layer boundary differently).",
     "- **Launches and bytes** are read off XLA's optimized HLO (`bench.kernel_xray.hlo`: every fusion, "
     "custom call and copy of the entry computation; bytes = operands + result as typed), with three "
-    "corrections where the type is not the traffic: the embedding gather reads the rows it returns; the "
-    "in-place cache update reads and writes one row; a grouped MoE kernel reads the experts its tokens reach "
-    "(expected distinct experts of `batch` tokens routed uniformly to their top k). Launch counts equal the "
-    "thunks XLA's runtime executes (its dumped thunk sequence; tested).",
+    "corrections where the type is not the traffic: the embedding gather (alone or fused into the first "
+    "norm) reads one row per token; the in-place cache update reads and writes one row; a grouped MoE "
+    "kernel reads the experts its tokens reach (expected distinct experts of `batch` tokens routed "
+    "uniformly to their top k). Launch counts equal the thunks XLA's runtime executes (its dumped thunk "
+    "sequence; tested).",
     "- **Prediction per launch**: max(bytes / HBM rate, flops / bf16 tensor rate, issue-bound time of "
-    "nybble's kernels from the X-ray model `bench.xray.model`) + one launch overhead. Flops: 2 x rows x "
-    "weights read, 2 x query heads per KV head x cache elements read. Step time = sum over launches; "
-    "tokens/s = batch / step time.",
-    "- **Launch overhead** `GpuSpec.launch_s` = 2 us per launch, the same for bf16 and int4: nybble's "
-    "working figure (`nybble.kernels.gpu`), between the ~1 us a back-to-back stream launch adds on the GPU "
-    "and the 4-6 us the host spends submitting one (NVIDIA's technical blog, 'Getting Started with CUDA "
-    "Graphs', 2019; the pegainfer CUDA-graph write-up, 2025).",
+    "nybble's Hopper kernels from the X-ray model `bench.xray.model`; none on b200) + one launch overhead. "
+    "Flops: 2 x rows x weights read, 2 x query heads per KV head x cache elements read. Step time = sum "
+    "over launches; tokens/s = batch / step time.",
+    "- **Launch overhead** `GpuSpec.launch_s` = 2 us per launch, the same for bf16 and int4 and for every "
+    "launch: nybble's working figure (`nybble.kernels.gpu`), between the ~1 us a back-to-back stream launch "
+    "adds on the GPU and the 4-6 us the host spends submitting one (NVIDIA's technical blog, 'Getting "
+    "Started with CUDA Graphs', 2019; the pegainfer CUDA-graph write-up, 2025). Not checked against a "
+    "measurement: none of decode tokens/s exists yet.",
     "- **Command buffers (CUDA graphs) in jax 0.11.2**: read from XLA's thunk sequence after its thunk "
-    "passes (`--xla_dump_to`). With the defaults XLA puts runs of its own fusions and Triton GEMMs into "
-    "command buffers, but not the Mosaic GPU custom calls (`mosaic_gpu_v2` stays a `kCustomCall` thunk "
-    "outside) nor copies, so every nybble kernel cuts the graph. Column `in graphs`: launches inside command "
-    "buffers. Captured launches would cost less than 2 us each (a graph replays without per-launch host "
-    "work); the prediction still charges every launch the same 2 us (an upper bound on the overhead term), "
-    "which favours neither bf16 (more launches captured) nor int4.",
+    "passes (`--xla_dump_to`). XLA captures runs of its own fusions and Triton GEMMs (at least "
+    "`--xla_gpu_graph_min_graph_size` of them in a row) into command buffers; nybble's Mosaic GPU kernels "
+    "(custom call `mosaic_gpu_v2`, a typed FFI handler) stay outside, and so cut the step into pieces: "
+    "with `--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN` and a minimum graph "
+    "size of 1 they still do (tried on this compile). XLA's scheduling asks the handler's *registration* "
+    "for the command-buffer trait; jaxlib's Mosaic GPU registration (`jaxlib/mosaic/gpu/custom_call.cc`) "
+    "puts that trait on the handler functions only, which is our reading of why. Column `in graphs`: "
+    "launches inside command buffers (the attention's chain of fusions, between two nybble kernels). A "
+    "captured launch would cost less than 2 us (a graph replays without per-launch host work); the "
+    "prediction still charges every launch the same 2 us, an upper bound on the overhead term that "
+    "favours neither bf16 (more of its launches captured: XLA's GEMMs are) nor int4.",
     "- **HBM limit**: (weights + KV cache + activations a step must read) / HBM rate, per batch: weights "
     "once (MoE: the experts reached), the embedding rows, the bf16 LM head, the whole KV cache "
     "(`--context` positions per sequence and layer), the rows of x each projection reads. The ideal "

@@ -12,7 +12,8 @@ compile of a small model).
 Bytes are each launch's operands and result as XLA types them (``bench.kernel_xray.hlo``), except where the
 type is not the traffic: a grouped (MoE) kernel's weight stack, of which it reads the experts that have rows
 (the expected number of distinct experts ``batch`` tokens routed uniformly to their top k reach,
-``active_experts``); the embedding gather, which reads the rows it returns; and the in-place KV-cache
+``active_experts``); the embedding gather, which reads one table row per token (also where XLA fuses it
+into the first norm); and the in-place KV-cache
 update, which reads and writes the new row only.
 """
 
@@ -160,8 +161,9 @@ def step_record(case: StepCase, program: Any, report: Any, thunks: str, gpu: Any
             launches.append(_record(launch, op_name, sources, 2.0 * update, 0.0, None, captured, cache_bytes))
             continue
         for source, size in operands.items():
-            if source.startswith("state['embed']") and "embedding" in scopes:
-                size = launch.result_bytes  # a gather reads the rows it returns, not the table
+            if source.startswith("state['embed']") and "lm_head" not in scopes:
+                # a gather (alone or fused into the first norm) reads one row per token, not the table
+                size = size * case.batch / cfg.vocab_size
             qw_name, _, part = source.rpartition(".")
             qw = qweights.get(qw_name)
             stacked = qw is not None and len(qw.codes.shape) == 3
@@ -233,6 +235,8 @@ def _issue_seconds(launch: Any, op_name: str, qw: Any, m: int, kernels: list[Any
     from bench.xray.model import ceilings_for, model_case
     from nybble.kernels import mosaic_gpu
 
+    if gpu.name == "b200":
+        return None  # the X-ray's issue model is the Hopper kernel's (bench.xray.model)
     name = next((s for s in op_name.split("/") if s.startswith("nybble_")), None)
     kernel = next((k for k in kernels if name and name in k.name and k.loop is not None), None)
     if kernel is None:
@@ -256,7 +260,34 @@ def extrapolate(launches: list[dict[str, Any]], compiled_layers: int, layers: in
     for la in launches:
         layer = la["family"] != EMBED and not _shared(la["op_name"], list(la["operand_bytes"]))
         out.append({**la, "layer": layer, "count": scale if layer else 1.0})
+    if compiled_layers == 1 and layers > 1:
+        out += _one_layer_missing(out, layers)
     return out
+
+
+def _one_layer_missing(launches: list[dict[str, Any]], layers: int) -> list[dict[str, Any]]:
+    """Launches a deeper model has that a one-layer compile fuses away (checked against whole compiles):
+
+    - the next layer's input norm: layer 0's is fused with the embedding gather; each later one is a
+      launch at the layer boundary, like the post-attention norm. When no layer launch follows the last
+      projection (the final norm fused whole into one non-layer launch), the post-attention norm's launch
+      stands for the layers - 1 boundaries;
+    - the rotary angles' cos and sin, computed once for all layers when more than one layer reads them,
+      fused into their one reader otherwise."""
+    extra = []
+    last = max((i for i, la in enumerate(launches) if la["family"] == LINEAR and la["layer"]), default=-1)
+    if not any(la["layer"] for la in launches[last + 1 :]):
+        norms = [la for la in launches if any("['post_norm']" in s for s in la["operand_bytes"])]
+        if norms:
+            extra.append({**norms[0], "name": "input_norm (layers 1..)", "count": float(layers - 1)})
+    if not any(_shared(la["op_name"], list(la["operand_bytes"])) for la in launches):
+        for fn in ("cos", "sin"):
+            extra.append(
+                {"name": f"rope {fn} (shared)", "kind": "fusion", "family": ELEMENTWISE, "layer": False,
+                 "bytes": 0.0, "flops": 0.0, "issue_s": None, "in_command_buffer": False,
+                 "op_name": f"rope/{fn}", "operand_bytes": {}, "result_bytes": 0, "count": 1.0}
+            )  # fmt: skip
+    return extra
 
 
 def totals(launches: list[dict[str, Any]]) -> dict[str, Any]:

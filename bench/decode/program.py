@@ -41,8 +41,9 @@ def abstract_model(cfg: Any, weights: str, *, fused: bool = False, int4_lm_head:
         model = Llama(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
         if weights == "int4":
             rules = [QuantRule(pattern=r"(^|\.)lm_head$")] if int4_lm_head else None
-            quantize(model, group_size=GROUP_SIZE, symmetric=True, rules=rules, progress=False)
-        if fused:
+            options = {"rules": rules, "progress": False, "fuse_projections": fused}
+            quantize(model, group_size=GROUP_SIZE, symmetric=True, **options)
+        elif fused:
             from nybble.models.definitions.fuse import fuse_projections
 
             fuse_projections(model)

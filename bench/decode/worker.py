@@ -8,9 +8,11 @@ issue-bound time, plus XLA's thunk sequence summary (which launches command buff
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +28,40 @@ def _start_dump() -> None:
 
 def compile_step(program: Any, gpu: Any) -> tuple[Any, str]:
     """(CompileReport, thunk sequence text) of a ``StepProgram`` compiled for one deviceless ``gpu``."""
+    from bench.kernel_xray import compile as xc
+    from bench.kernel_xray.target import deviceless_devices
+
+    args = xc.abstract(program.args, deviceless_devices(gpu, 1)[0])
+    with kernel_family(gpu):
+        return _compile(program, args)
+
+
+@contextlib.contextmanager
+def kernel_family(gpu: Any) -> Iterator[None]:
+    """The kernels a real ``gpu`` would run, on this CPU: for a B200, nybble's Blackwell (tcgen05) family
+    lowered for sm_100a (``blackwell.target.target_arch``), chosen as ``mosaic_gpu.backend.family`` chooses
+    it on a B200 (its grouped MoE kernel has no Blackwell version: the XLA path, as there); else Hopper."""
+    if gpu.name != "b200":
+        yield
+        return
+    from nybble.kernels.mosaic_gpu import backend
+    from nybble.kernels.mosaic_gpu.blackwell.target import target_arch
+
+    saved = backend.family
+    backend.family = lambda: "blackwell"
+    try:
+        with target_arch(10, 0):
+            yield
+    finally:
+        backend.family = saved
+
+
+def _compile(program: Any, args: Any) -> tuple[Any, str]:
     import jax
 
     from bench.kernel_xray import compile as xc
     from bench.kernel_xray import hlo
-    from bench.kernel_xray.target import deviceless_devices
 
-    args = xc.abstract(program.args, deviceless_devices(gpu, 1)[0])
     for old in Path(_XLA_DUMP).iterdir():
         old.unlink()
     with tempfile.TemporaryDirectory(prefix="nybble-decode-") as tmp:

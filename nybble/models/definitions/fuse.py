@@ -3,7 +3,9 @@
     nybble.models.fuse_projections(model)      # in place: attn.qkv_proj, mlp.gate_up_proj
     nybble.models.unfuse_projections(model)    # back to q/k/v_proj, gate/up_proj (exact)
 
-Projections that read the same input are concatenated along N into one weight: a ``QuantizedWeight`` of
+MoE expert stacks fuse too (``experts.gate_up_proj``: a :class:`FusedExperts`, each expert's gate and up
+side by side, one grouped launch). Projections that read the same input are concatenated along N into one
+weight: a ``QuantizedWeight`` of
 N = N_q + N_k + N_v (its codes and scales the parts' own, column for column: exact), or one float kernel.
 The fused layer's output is split back, so the numbers are those of the separate layers: bit for bit on
 nybble's kernels and XLA alike where every output column is computed alone (a GEMM's columns do not
@@ -12,7 +14,9 @@ interact). Checkpoints stay per projection: ``save_model`` and ``save_pretrained
 Fused: every ``Attention`` whose q/k/v (and ``MLP`` whose gate/up) are all ``QLinear`` of one format, or
 all float ``nnx.Linear`` of one dtype; others (sharded weights, activation-order layers, mixed kinds) are
 left as they are. Module paths then read ``layers.{i}.attn.qkv_proj.inner`` and
-``layers.{i}.mlp.gate_up_proj.inner``.
+``layers.{i}.mlp.gate_up_proj.inner``; ``attn.q_proj`` still reads (:class:`FusedParts`: the part split
+off, a copy). ``nybble.models.quantize`` and ``from_pretrained`` fuse by default (``fuse_projections``);
+``shard`` splits them back first (its rules place q/k/v and gate/up one by one).
 """
 
 from __future__ import annotations
@@ -47,6 +51,31 @@ class FusedLinear(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
         y = self.inner(x)
         return tuple(jnp.split(y, np.cumsum(self.sizes[:-1]).tolist(), axis=-1))
+
+    def part(self, name: str) -> QLinear | nnx.Linear:
+        """The projection ``name`` split off (a new layer holding copies of its columns)."""
+        return _split(self.inner, self.sizes)[self.names.index(name)]
+
+
+class FusedExperts(FusedLinear):
+    """Expert stacks of one input as one (MoE gate/up): ``inner`` (``QExperts`` or ``Experts``) of
+    N = sum(sizes) per expert; ``fused(x, group_sizes)`` returns the parts' outputs."""
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> tuple[jax.Array, ...]:  # type: ignore[override]
+        y = self.inner(x, group_sizes)
+        return tuple(jnp.split(y, np.cumsum(self.sizes[:-1]).tolist(), axis=-1))
+
+
+class FusedParts:
+    """For modules whose projections may be fused: ``attn.q_proj`` (any part's old name) still reads,
+    giving the part split off the fused layer (a copy: to change a part, ``unfuse_projections`` first)."""
+
+    def __getattr__(self, name: str) -> Any:
+        for fused_name, names in FUSIONS.items():
+            fused = vars(self).get(fused_name)
+            if name in names and isinstance(fused, FusedLinear) and name in fused.names:
+                return fused.part(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 def concat_columns(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
@@ -104,10 +133,26 @@ def _fusable(parts: list[Any]) -> bool:
     if all(type(p) is nnx.Linear for p in parts):
         keys = {(p.in_features, p.dtype, p.param_dtype, p.bias is None, p.precision) for p in parts}
         return len(keys) == 1
+    # expert stacks by class name: models.definitions.moe imports this module (FusedParts)
+    if all(type(p).__name__ == "QExperts" for p in parts):
+        ws = [p.weight for p in parts]
+        return all(isinstance(w, QuantizedWeight) and np.ndim(w.codes) == 3 for w in ws) and (
+            len({(p.implementation, p.num_experts) for p in parts}) == 1
+            and len({(w.shape[0], w.group_size, w.symmetric, w.layout, np.dtype(w.scales.dtype)) for w in ws})
+            == 1
+        )
+    if all(type(p).__name__ == "Experts" for p in parts):
+        return len({(p.num_experts, p.in_features, p.kernel[...].dtype) for p in parts}) == 1
     return False
 
 
-def _fuse(parts: list[Any]) -> QLinear | nnx.Linear:
+def _fuse(parts: list[Any]) -> Any:
+    kind = type(parts[0])
+    if kind.__name__ == "QExperts":  # per expert, as concat_columns does for one weight
+        qw = jax.vmap(concat_columns)([p.weight for p in parts])
+        return kind(qw, implementation=parts[0].implementation)
+    if kind.__name__ == "Experts":
+        return _experts(kind, jnp.concatenate([p.kernel[...] for p in parts], axis=2))
     if isinstance(parts[0], QLinear):
         bias = None if parts[0].bias is None else jnp.concatenate([p.bias[...] for p in parts])
         qw = concat_columns([p.weight for p in parts])
@@ -131,8 +176,21 @@ def _fuse(parts: list[Any]) -> QLinear | nnx.Linear:
     return fused
 
 
+def _experts(kind: Any, kernel: jax.Array) -> Any:
+    e, k, n = kernel.shape
+    out = nnx.eval_shape(lambda: kind(e, k, n, rngs=nnx.Rngs(0), dtype=kernel.dtype))
+    out.kernel = nnx.Param(kernel)
+    return out
+
+
 def _split(inner: Any, sizes: Sequence[int]) -> list[Any]:
     offsets = np.cumsum([0, *sizes])
+    kind = type(inner)
+    if kind.__name__ == "QExperts":
+        stacks = jax.vmap(lambda w: split_columns(w, sizes))(inner.weight)
+        return [kind(w, implementation=inner.implementation) for w in stacks]
+    if kind.__name__ == "Experts":
+        return [_experts(kind, inner.kernel[...][:, :, a:b]) for a, b in itertools.pairwise(offsets)]
     if isinstance(inner, QLinear):
         weights = split_columns(inner.weight, sizes)
         bias = (
@@ -169,11 +227,14 @@ def fuse_projections(model: nnx.Module) -> int:
     count = 0
     for _, module in list(nnx.iter_modules(model)):
         for fused_name, names in FUSIONS.items():
-            parts = [getattr(module, n, None) for n in names]
+            if isinstance(vars(module).get(fused_name), FusedLinear):
+                continue  # fused already
+            parts = [vars(module).get(n) for n in names]
             if any(p is None for p in parts) or not _fusable(parts):
                 continue
             sizes = [p.out_features for p in parts]
-            setattr(module, fused_name, FusedLinear(_fuse(parts), names, sizes))
+            kind = FusedExperts if type(parts[0]).__name__ in ("Experts", "QExperts") else FusedLinear
+            setattr(module, fused_name, kind(_fuse(parts), names, sizes))
             for n in names:
                 delattr(module, n)
             count += 1
@@ -213,7 +274,9 @@ def unfused_copy(model: nnx.Module) -> nnx.Module:
 
 
 __all__ = [
+    "FusedExperts",
     "FusedLinear",
+    "FusedParts",
     "concat_columns",
     "fuse_projections",
     "has_fused",

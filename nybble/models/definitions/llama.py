@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nybble.models.definitions.decode_attention import write_and_attend
+from nybble.models.definitions.fuse import FusedParts
 from nybble.models.definitions.layers import projections
 from nybble.models.definitions.moe import MoE
 
@@ -144,6 +146,17 @@ class RMSNorm(nnx.Module):
             xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
             return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
+    def deferred(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(x * weight, 1 / rms(x))``: the norm with its per-row scale left for after a bias-free
+        projection, ``norm(x) @ W == (x * weight) @ W * scale`` (the scale is one number per row, so it
+        commutes with the matmul; the weight multiplies K and would not, folded into int4 weights). The
+        product is computed with the sum of squares in one pass, so no launch applies the norm.
+        ``scale`` is float32 (..., 1)."""
+        with jax.named_scope("norm"):
+            xf = x.astype(jnp.float32)
+            scale = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+            return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype), scale
+
 
 @functools.lru_cache(maxsize=64)
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
@@ -205,7 +218,7 @@ def _window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.
     return mask
 
 
-class Attention(nnx.Module):
+class Attention(FusedParts, nnx.Module):
     """Grouped-query causal self-attention with rotary embeddings."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> None:
@@ -223,9 +236,13 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(hd, eps=cfg.rms_eps, param_dtype=dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, eps=cfg.rms_eps, param_dtype=dtype) if cfg.qk_norm else None
 
-    def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _qkv(
+        self, x: jax.Array, positions: jax.Array, row_scale: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         b, t, _ = x.shape
         q, k, v = projections(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"), x)
+        if row_scale is not None:  # RMSNorm.deferred's scale, after the (bias-free) projections
+            q, k, v = (scaled(y, row_scale) for y in (q, k, v))
         q = q.reshape(b, t, self.num_heads, self.head_dim)
         k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
         v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -256,22 +273,37 @@ class Attention(nnx.Module):
         return self._attend(x, q, k, v, _window_mask(pos, pos, self.sliding_window))
 
     def cached(
-        self, x: jax.Array, position: jax.Array | int, k_cache: jax.Array, v_cache: jax.Array
+        self,
+        x: jax.Array,
+        position: jax.Array | int,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        row_scale: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Attention of x (b, t, hidden) at positions ``position .. position + t - 1`` over the cache.
 
         Writes this chunk's keys and values into ``k_cache``/``v_cache`` (b, kv_heads, max_len, d) at
         ``position`` and attends causally to every cached position up to each query's own.
-        Returns ``(output, k_cache, v_cache)``.
+        Returns ``(output, k_cache, v_cache)``. ``row_scale`` (b, t, 1): the input norm's deferred scale
+        (``RMSNorm.deferred``), applied to q, k and v.
 
-        The cache is read once, before it is written: scores over the cached positions below ``position``
-        and over the chunk's own keys, one softmax over both, then the cache update in place (a donated
-        cache is never copied).
+        The cache is read once. One token (a decode step): written at ``position`` first, in place, then
+        attended as one sequence (``decode_attention``: a few fused reductions, no GEMM). A chunk (a
+        prefill): read before it is written, scores over the cached positions below ``position`` and over
+        the chunk's own keys, one softmax over both, then the cache update in place (a donated cache is
+        never copied).
         """
         b, t, _ = x.shape
         position = jnp.asarray(position, jnp.int32)
         positions = jnp.broadcast_to(position + jnp.arange(t, dtype=jnp.int32), (b, t))
-        q, k, v = self._qkv(x, positions)
+        q, k, v = self._qkv(x, positions, row_scale)
+        if t == 1:  # a decode step: written first, then one read of the cache (decode_attention)
+            with jax.named_scope("attention"):
+                k_new, v_new = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+                out, k_cache, v_cache = write_and_attend(
+                    q, k_new, v_new, k_cache, v_cache, position, self.sliding_window
+                )
+            return self.o_proj(out.astype(x.dtype)), k_cache, v_cache
         with jax.named_scope("attention"):
             # the chunk's keys and values as the cache holds them
             k_new = k.transpose(0, 2, 1, 3).astype(k_cache.dtype)  # (b, kv_heads, t, d), the cache's layout
@@ -323,7 +355,7 @@ class Attention(nnx.Module):
         return out.reshape(b, t, self.num_heads * self.head_dim).astype(dtype)
 
 
-class MLP(nnx.Module):
+class MLP(FusedParts, nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> None:
@@ -332,8 +364,27 @@ class MLP(nnx.Module):
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, rngs, dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        return self.scaled(x, None)
+
+    def scaled(self, x: jax.Array, row_scale: jax.Array | None) -> jax.Array:
+        """The MLP of ``x`` whose rows still need ``row_scale`` (``RMSNorm.deferred``), or None."""
         gate, up = projections(self, "gate_up_proj", ("gate_proj", "up_proj"), x)
+        if row_scale is not None:
+            gate, up = scaled(gate, row_scale), scaled(up, row_scale)
         return self.down_proj(jax.nn.silu(gate) * up)
+
+
+def scaled(y: jax.Array, row_scale: jax.Array) -> jax.Array:
+    """``y * row_scale`` in float32, rounded to y's dtype (fused by XLA into y's consumers)."""
+    return (y.astype(jnp.float32) * row_scale).astype(y.dtype)
+
+
+def _bias_free(module: nnx.Module, fused: str, names: tuple[str, ...]) -> bool:
+    """Whether ``module``'s projections ``names`` (or their fusion ``fused``) add no bias: a deferred norm
+    scale must multiply before a bias is added."""
+    layer = getattr(module, fused, None)
+    parts = [getattr(layer, "inner", None)] if layer is not None else [getattr(module, n) for n in names]
+    return all(p is not None and getattr(p, "bias", None) is None for p in parts)
 
 
 class Block(nnx.Module):
@@ -355,9 +406,23 @@ class Block(nnx.Module):
     def cached(
         self, x: jax.Array, position: jax.Array | int, k_cache: jax.Array, v_cache: jax.Array
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The block on a chunk at ``position`` with this layer's KV cache (see ``Attention.cached``)."""
-        a, k_cache, v_cache = self.attn.cached(self.input_norm(x), position, k_cache, v_cache)
+        """The block on a chunk at ``position`` with this layer's KV cache (see ``Attention.cached``).
+
+        One token (a decode step): each norm's per-row scale is deferred past the bias-free projections
+        that read it (``RMSNorm.deferred``), which saves the launch that would apply it."""
+        if x.shape[1] == 1 and _bias_free(self.attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")):
+            h, r = self.input_norm.deferred(x)
+            a, k_cache, v_cache = self.attn.cached(h, position, k_cache, v_cache, row_scale=r)
+        else:
+            a, k_cache, v_cache = self.attn.cached(self.input_norm(x), position, k_cache, v_cache)
         x = x + a
+        if (
+            x.shape[1] == 1
+            and isinstance(self.mlp, MLP)
+            and _bias_free(self.mlp, "gate_up_proj", ("gate_proj", "up_proj"))
+        ):
+            h, r = self.post_norm.deferred(x)
+            return x + self.mlp.scaled(h, r), k_cache, v_cache
         return x + self.mlp(self.post_norm(x)), k_cache, v_cache
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from nybble.kernels.backends import Implementation
+from nybble.models.definitions.fuse import FusedParts
 from nybble.models.definitions.layers import QuantizedParam, projections
 from nybble.ops import ragged_matmul
 from nybble.quant.qformat import QuantFormat
@@ -156,7 +157,7 @@ class QExperts(nnx.Module):
         return ragged_matmul(x, self.qweight.get_value(), group_sizes, implementation=self.implementation)
 
 
-class ExpertMLP(nnx.Module):
+class ExpertMLP(FusedParts, nnx.Module):
     """The routed experts' SwiGLU, ``down(silu(gate(x)) * up(x))``, over rows sorted by expert."""
 
     def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> None:
@@ -166,11 +167,15 @@ class ExpertMLP(nnx.Module):
         self.down_proj = Experts(e, i, h, rngs=rngs, dtype=dtype)
 
     def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        h = jax.nn.silu(self.gate_proj(x, group_sizes)) * self.up_proj(x, group_sizes)
-        return self.down_proj(h, group_sizes)
+        fused = vars(self).get("gate_up_proj")  # models.definitions.fuse: one grouped launch for both
+        if fused is not None:
+            gate, up = fused(x, group_sizes)
+        else:
+            gate, up = self.gate_proj(x, group_sizes), self.up_proj(x, group_sizes)
+        return self.down_proj(jax.nn.silu(gate) * up, group_sizes)
 
 
-class SharedMLP(nnx.Module):
+class SharedMLP(FusedParts, nnx.Module):
     """A dense SwiGLU added to every token (a shared expert)."""
 
     def __init__(self, hidden: int, intermediate: int, *, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from nybble.models.definitions.fuse import unfuse_projections
 from nybble.models.definitions.layers import QLinear
 from nybble.models.definitions.moe import Experts, QExperts
 from nybble.models.quantization.rules import warn_unmatched
@@ -231,6 +232,7 @@ def shard(
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"shard expects a flax.nnx.Module, got {type(model).__name__}")
+    unfuse_projections(model)  # the rules place q/k/v and gate/up one by one (exact)
     mesh = check_mesh(mesh, axis)
     if expert_axis is not None:
         check_mesh(mesh, expert_axis)

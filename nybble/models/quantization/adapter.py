@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, overload
 
 import jax
@@ -11,6 +12,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from nybble.models.definitions.fuse import fuse_projections as fuse
+from nybble.models.definitions.fuse import unfuse_projections as unfuse
 from nybble.models.definitions.layers import QLinear
 from nybble.models.definitions.moe import expert_stacks
 from nybble.models.quantization.autoround import autoround_params, quantize_autoround
@@ -63,7 +65,7 @@ def quantize(
     progress: bool = True,
     verbose: bool = False,
     return_report: bool = False,
-    fuse_projections: bool = False,
+    fuse_projections: bool = True,
     **method_options: Any,
 ) -> nnx.Module | tuple[nnx.Module, QuantizationReport]:
     """Replaces the dense layers of a Flax NNX model by int4 :class:`QLinear` layers, in place.
@@ -91,8 +93,10 @@ def quantize(
       progress: show a tqdm progress bar.
       verbose: print the :class:`QuantizationReport` summary at the end.
       return_report: return ``(model, report)`` instead of the model alone.
-      fuse_projections: then fuse q/k/v and gate/up into one int4 layer each (``models.definitions.fuse``:
-        one launch each in a decode step, the same numbers; checkpoints still hold them one by one).
+      fuse_projections: then fuse q/k/v and gate/up into one int4 layer each (the default;
+        ``models.definitions.fuse``: one launch each in a decode step, the same numbers; checkpoints still
+        hold them one by one). A model fused before (``from_pretrained``'s default) is split back first,
+        so rules, calibration and the report see q/k/v and gate/up one by one.
     """
     common = {
         k: v
@@ -111,45 +115,47 @@ def quantize(
             "a single layer"
         )
     fmt = config.format
-    if isinstance(config, GPTQ | AutoRound):
-        calibrated = quantize_gptq if isinstance(config, GPTQ) else quantize_autoround
-        model, report = calibrated(
-            model,
-            calibration=calibration,
-            rules=rules,
-            forward=forward,
-            progress=progress,
-            verbose=False,
-            return_report=True,
-            format=fmt,
-            **config.options(),
-        )
-    else:
-        if calibration is not None or forward is not None:
-            raise ValueError(
-                "nybble.models.quantize: calibration data and forward are used by the calibrated "
-                "methods only (GPTQ, AutoRound)"
+    with _parts_apart(model):  # rules and calibration name q/k/v and gate/up one by one
+        if isinstance(config, GPTQ | AutoRound):
+            calibrated = quantize_gptq if isinstance(config, GPTQ) else quantize_autoround
+            model, report = calibrated(
+                model,
+                calibration=calibration,
+                rules=rules,
+                forward=forward,
+                progress=progress,
+                verbose=False,
+                return_report=True,
+                format=fmt,
+                **config.options(),
             )
-        planned, _ = plan_quantization(
-            model, rules=rules, group_size=fmt.group_size, symmetric=fmt.symmetric, warn=False
-        )
-        # MoE expert stacks (nybble.models.definitions.moe): quantized per expert, stacked
-        stacks = expert_stacks(model)
-        unmatched = warn_unmatched(
-            check_rules(rules),
-            [pl.path for pl in planned] + [s[0] for s in stacks],
-            "nnx.Linear layer or expert stack" if stacks else "nnx.Linear layer",
-        )
-        report = QuantizationReport(unmatched_rules=unmatched, method=config.name)
-        quantize_expert_stacks(stacks, rules, format=fmt, report=report, **config.options())
-        for pl in tqdm(planned, desc="nybble: quantizing", unit="layer", disable=not progress, leave=False):
-            d = pl.decision
-            if not d.quantize:
-                report.add(pl.path, pl.shape, d, pl.nbytes)
-                continue
-            qweight = quantize_weight(pl.linear.kernel[...], d.applied_to(fmt), **config.options())
-            pl.replace(QLinear.from_linear(pl.linear, qweight=qweight))
-            report.add(pl.path, pl.shape, d, pl.nbytes, qweight)
+        else:
+            if calibration is not None or forward is not None:
+                raise ValueError(
+                    "nybble.models.quantize: calibration data and forward are used by the calibrated "
+                    "methods only (GPTQ, AutoRound)"
+                )
+            planned, _ = plan_quantization(
+                model, rules=rules, group_size=fmt.group_size, symmetric=fmt.symmetric, warn=False
+            )
+            # MoE expert stacks (nybble.models.definitions.moe): quantized per expert, stacked
+            stacks = expert_stacks(model)
+            unmatched = warn_unmatched(
+                check_rules(rules),
+                [pl.path for pl in planned] + [s[0] for s in stacks],
+                "nnx.Linear layer or expert stack" if stacks else "nnx.Linear layer",
+            )
+            report = QuantizationReport(unmatched_rules=unmatched, method=config.name)
+            quantize_expert_stacks(stacks, rules, format=fmt, report=report, **config.options())
+            bar = {"desc": "nybble: quantizing", "unit": "layer", "disable": not progress, "leave": False}
+            for pl in tqdm(planned, **bar):
+                d = pl.decision
+                if not d.quantize:
+                    report.add(pl.path, pl.shape, d, pl.nbytes)
+                    continue
+                qweight = quantize_weight(pl.linear.kernel[...], d.applied_to(fmt), **config.options())
+                pl.replace(QLinear.from_linear(pl.linear, qweight=qweight))
+                report.add(pl.path, pl.shape, d, pl.nbytes, qweight)
     report.config = config
     report_skipped_general(model, report)
     set_quantization(model, config)
@@ -158,6 +164,18 @@ def quantize(
     if verbose:
         print(report.summary())
     return (model, report) if return_report else model
+
+
+@contextlib.contextmanager
+def _parts_apart(model: nnx.Module) -> Iterator[None]:
+    """Inside: ``model``'s fused projections split back (exact); on an error, fused again as they were."""
+    split = unfuse(model)
+    try:
+        yield
+    except BaseException:
+        if split:
+            fuse(model)
+        raise
 
 
 def _is_kernel(path: Sequence[Any], leaf: Any) -> bool:

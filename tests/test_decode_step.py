@@ -1,0 +1,110 @@
+"""The decode step's fused parts (issue 46): one-token attention after the cache write, the norm's deferred
+row scale, fused projections by default; against float64 references and the model's own full forward."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from nybble.models import QLinear, quantize
+from nybble.models.definitions.decode_attention import attend_one
+from nybble.models.definitions.fuse import FusedLinear
+from nybble.models.definitions.llama import Llama, RMSNorm
+from nybble.models.evaluate.zoo import TINY_CONFIG
+
+
+def _reference(q, k, v, position, window):
+    """Softmax attention in float64 over positions <= position (and within window)."""
+    pos = np.arange(k.shape[2])
+    seen = (pos <= position) & ((position - pos < window) if window else True)
+    d = q.shape[-1]
+    s = np.einsum("bhgd,bhsd->bhgs", q, k) / np.sqrt(d)
+    s = np.where(seen, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhgs,bhsd->bhgd", p, v)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_attend_one_equals_float64_softmax(window):
+    rng = np.random.default_rng(0)
+    b, h, g, s, d, position = 2, 2, 3, 16, 8, 9
+    q = rng.standard_normal((b, h, g, d))
+    k = rng.standard_normal((b, h, s, d))
+    v = rng.standard_normal((b, h, s, d))
+    k[:, :, position + 1 :] = 1e4  # stale positions: they must not be seen
+    v[:, :, position + 1 :] = -1e4
+    ref = _reference(q, k, v, position, window)
+    got = attend_one(*(jnp.asarray(a, jnp.float32) for a in (q, k, v)), jnp.int32(position), window)
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-5, atol=2e-5)
+
+
+def test_deferred_norm_scale_commutes_with_the_projection():
+    rng = np.random.default_rng(1)
+    norm = RMSNorm(32, eps=1e-5)
+    norm.weight = nnx.Param(jnp.asarray(rng.uniform(0.5, 2.0, 32), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((3, 1, 32)) * 5, jnp.float32)
+    w = rng.standard_normal((32, 16))
+    h, r = norm.deferred(x)
+    x64, g64 = np.asarray(x, np.float64), np.asarray(norm.weight[...], np.float64)
+    ref = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-5) * g64 @ w
+    np.testing.assert_allclose(np.asarray(h, np.float64) @ w * np.asarray(r), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(norm(x), np.float64) @ w, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"sliding_window": 3}, {"qk_norm": True}, {"qkv_bias": True}],
+    ids=["window", "qk_norm", "bias"],
+)
+def test_decode_steps_equal_the_full_forward(changes):
+    # The decode path (write, then attend_one; deferred norm scale where no bias) against model(ids).
+    cfg = dataclasses.replace(TINY_CONFIG, num_layers=2, **changes)
+    model = Llama(cfg, rngs=nnx.Rngs(5), dtype=jnp.float32)
+    quantize(model, group_size=64, progress=False)
+    ids = np.random.RandomState(2).randint(0, cfg.vocab_size, (2, 9)).astype(np.int32)
+    full = np.asarray(model(ids))
+    _, cache = model.prefill(ids[:, :2], max_len=12)
+    step = nnx.jit(lambda m, t, c, p: m.decode_step(t, c, p))  # one compile, position traced
+    for pos in range(2, ids.shape[1]):
+        out, cache = step(model, ids[:, pos : pos + 1], cache, jnp.int32(pos))
+        np.testing.assert_allclose(np.asarray(out)[:, 0], full[:, pos], rtol=2e-5, atol=2e-5)
+
+
+def test_quantize_fuses_by_default_and_the_parts_still_read():
+    model = Llama(TINY_CONFIG, rngs=nnx.Rngs(1), dtype=jnp.float32)
+    kernel = np.asarray(model.layers[0].attn.k_proj.kernel[...])
+    plain = quantize(Llama(TINY_CONFIG, rngs=nnx.Rngs(1), dtype=jnp.float32), progress=False,
+                     fuse_projections=False)  # fmt: skip
+    quantize(model, progress=False)
+    attn = model.layers[0].attn
+    assert isinstance(attn.qkv_proj, FusedLinear) and "k_proj" not in vars(attn)
+    part = attn.k_proj  # split off the fused layer: the same codes and scales as the unfused one
+    assert isinstance(part, QLinear) and part.weight.shape == kernel.shape
+    ref = plain.layers[0].attn.k_proj.weight
+    np.testing.assert_array_equal(np.asarray(part.weight.codes), np.asarray(ref.codes))
+    np.testing.assert_array_equal(np.asarray(part.weight.scales), np.asarray(ref.scales))
+    with pytest.raises(AttributeError, match="no attribute 'kk_proj'"):
+        attn.kk_proj  # noqa: B018
+
+
+def test_moe_gate_up_fused_gives_the_unfused_numbers():
+    from nybble.models import fuse_projections, unfuse_projections
+    from nybble.models.definitions.fuse import FusedExperts
+    from nybble.models.definitions.moe import MoE, MoEConfig, QExperts
+
+    moe = MoE(MoEConfig(hidden_size=64, intermediate_size=64, num_experts=4, top_k=2), rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 64)), jnp.float32)
+    quantize(moe, group_size=32, progress=False, fuse_projections=False)
+    ref = np.asarray(moe(x))
+    assert fuse_projections(moe) == 1
+    fused = moe.experts.gate_up_proj
+    assert isinstance(fused, FusedExperts) and isinstance(fused.inner, QExperts)
+    assert fused.inner.weight.shape == (64, 128) and fused.inner.num_experts == 4
+    np.testing.assert_array_equal(np.asarray(moe(x)), ref)  # each expert's columns computed alone
+    assert unfuse_projections(moe) == 1 and isinstance(moe.experts.up_proj, QExperts)
+    np.testing.assert_array_equal(np.asarray(moe(x)), ref)
