@@ -242,6 +242,63 @@ class XlaInt4Peer:
         )
 
 
+def xla_int4_group_matmul(
+    x: jax.Array, q: jax.Array, scales: jax.Array, offsets: jax.Array | None, group: int
+) -> jax.Array:
+    """XLA's own int4 with group scales, as a user writes it: ``jnp.int4`` codes (K, N) turned into
+    ``x.dtype`` and scaled per group in the dot's operand, then one dot with f32 accumulation.
+
+    ``scales``/``offsets`` are (ceil(K / group), N). When ``group`` divides K the scale is broadcast over
+    a (K / group, group, N) view; otherwise (a partial last group) it is repeated along K and cut to K.
+    """
+    k, n = q.shape
+
+    def per_group(a: jax.Array) -> jax.Array:
+        a = a.astype(x.dtype)
+        return a[:, None, :] if k % group == 0 else jnp.repeat(a, group, axis=0)[:k]
+
+    w = q.astype(x.dtype)
+    if k % group == 0:
+        w = w.reshape(k // group, group, n)
+    w = w * per_group(scales)
+    if offsets is not None:
+        w = w + per_group(offsets)
+    y = jnp.dot(x, w.reshape(k, n), preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+@dataclasses.dataclass
+class XlaInt4GroupPeer:
+    """``jnp.int4`` codes (K, N) dequantized with nybble's group scales (and offsets) in the dot's operand:
+    XLA's own int4 with group scales, the bar nybble's XLA path must meet (the X-ray's ``xla:int4``)."""
+
+    name: str = "xla:int4-group"
+    reference: str = REF_GROUPED
+    description: str = "dot(x, jnp.int4 W -> bf16 * group scale (+ offset)) (XLA's int4, group scales)"
+
+    def unavailable(self, case: Case) -> str | None:
+        return None
+
+    def weight_bytes(self, case: Case) -> int:
+        qw: QuantizedWeight = case.weights[REF_GROUPED]
+        groups = -(-case.k // qw.group)
+        terms = 1 if qw.offsets is None else 2
+        return case.k * case.n // 2 + terms * groups * case.n * qw.scales.dtype.itemsize
+
+    def prepare(self, case: Case, n_sets: int) -> Prepared:
+        qw: QuantizedWeight = case.weights[REF_GROUPED]
+        k, n, group = case.k, case.n, qw.group
+        groups = -(-k // group)
+        q = qw.logical_codes()[:k, :n].astype(jnp.int4)
+        offsets = None if qw.offsets is None else qw.offsets[:groups, :n]
+        return _jax_prepared(
+            lambda x, w: xla_int4_group_matmul(x, w[0], w[1], w[2], group),
+            case.x_sets(n_sets),
+            (q, qw.scales[:groups, :n], offsets),
+            self.weight_bytes(case),
+        )
+
+
 def torch_unavailable() -> str | None:
     """Why torch's int4 kernel cannot run here, or None."""
     try:
@@ -429,7 +486,7 @@ def all_peers(include: Sequence[str] | None = None) -> list[Peer]:
 
     layouts = {"triton": TRITON_LAYOUT}
     peers: list[Peer] = [NybblePeer(impl, layout=layouts.get(impl)) for impl in IMPLEMENTATIONS]
-    peers += [XlaBf16Peer(), XlaInt4Peer(), TorchInt4Peer(), TokamaxPeer()]
+    peers += [XlaBf16Peer(), XlaInt4Peer(), XlaInt4GroupPeer(), TorchInt4Peer(), TokamaxPeer()]
     if include:
         peers = [p for p in peers if any(p.name == s or p.name.startswith(s) for s in include)]
     return peers

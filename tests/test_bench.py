@@ -22,6 +22,7 @@ from bench.peers import (
     TokamaxPeer,
     TorchInt4Peer,
     XlaBf16Peer,
+    XlaInt4GroupPeer,
     XlaInt4Peer,
     torch_inner_k_tiles,
     torch_shape_unavailable,
@@ -172,6 +173,21 @@ def test_torch_peer_operands_dequantize_like_nybble(symmetric):
     np.testing.assert_array_equal(tinygemm.astype(np.float32), np.asarray(nybble.dequantize(qw)))
 
 
+@pytest.mark.parametrize(("k", "g", "symmetric"), [(192, 64, False), (200, 128, True)])
+def test_xla_int4_group_matches_reference(k, g, symmetric):
+    """XLA's int4 with group scales: whole groups (a reshape) and a partial last one (K = 200 at g128: the
+    scales repeated along K), symmetric and with offsets, against nybble's float64 reference."""
+    case = _case(k=k, n=64, m=8, g=g, symmetric=symmetric)
+    qw = case.weights[REF_GROUPED]
+    assert (qw.offsets is None) == symmetric
+    out = XlaInt4GroupPeer().prepare(case, 1)
+    y = out.call()[0]
+    ref = nybble.kernels.reference_matmul(case.xs[0], qw)
+    assert y.shape == (8, 64) and nybble.kernels.relative_error(y, ref) < runner.BF16_TOLERANCE
+    terms = 1 if symmetric else 2  # scales (and offsets), bf16, one row a group
+    assert XlaInt4GroupPeer().weight_bytes(case) == k * 64 // 2 + terms * -(-k // g) * 64 * 2
+
+
 def test_xla_int4_matches_reference():
     case = _case(k=192, n=128, m=8)
     qw = case.weights["per-column"]
@@ -191,7 +207,7 @@ def test_nybble_mosaic_available_only_on_hopper():
         assert reason is None
 
 
-@pytest.mark.parametrize("peer", [NybblePeer("xla"), XlaBf16Peer(), XlaInt4Peer()])
+@pytest.mark.parametrize("peer", [NybblePeer("xla"), XlaBf16Peer(), XlaInt4Peer(), XlaInt4GroupPeer()])
 def test_run_case_times_correct_peers(peer):
     case = _case()
     ceil = metrics.Ceilings(1e10, 1e11)

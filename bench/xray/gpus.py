@@ -445,11 +445,27 @@ def rows(records: dict[str, dict[str, Any]], cases: list[Case]) -> list[dict[str
     return out
 
 
+def _merged_note(meta: dict[str, Any]) -> str:
+    """Which runs a merged table's rows come from (their dates and commits), or nothing."""
+
+    def runs(m: dict[str, Any]) -> list[str]:
+        inner = m.get("merged_from")
+        return [r for x in inner for r in runs(x)] if inner else [f"{m['date']} {m['commit']}"]
+
+    found = list(dict.fromkeys(runs(meta))) if meta.get("merged_from") else []
+    return (
+        f" (rows merged from runs {'; '.join(found)}: a later run's case replaces an earlier's)"
+        if found
+        else ""
+    )
+
+
 def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         "# X-ray of nybble's kernels on six GPUs (compiled without a GPU; a static model, not a timing)",
         "",
-        f"{meta['date']}, commit {meta['commit']}, jax {meta['jax']}. g128 symmetric, bf16 x. "
+        f"{meta['date']}, commit {meta['commit']}, jax {meta['jax']}{_merged_note(meta)}. "
+        "g128 symmetric, bf16 x. "
         "`bytes/ideal`: bytes per call from the compiled program over int4 codes + bf16 scales (active "
         "experts for MoE) + x + y. `vs bf16`: predicted time over XLA's bf16 dot's on the same GPU "
         "(the largest of: bytes at the spec's HBM rate, 2MNK at its bf16 rate, and for the Triton kernel "
@@ -561,7 +577,16 @@ def merge(folders: list[Path]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             case = Case(**{f.name: r[f.name] for f in dataclasses.fields(Case)})
             cases[case.key] = case
             records[case.key] = {k: r[k] for k in _RECORD_FIELDS if k in r}
-    ordered = sorted(cases.values(), key=lambda c: (GPU_NAMES + tuple(TPUS)).index(c.gpu))
+    shapes = (*DENSE_SHAPES, *MOE_SHAPES)
+    ordered = sorted(  # by GPU, then shape, M and peer, whichever run a case came from
+        cases.values(),
+        key=lambda c: (
+            (GPU_NAMES + tuple(TPUS)).index(c.gpu),
+            shapes.index(c.shape) if c.shape in shapes else len(shapes),
+            c.m,
+            PEERS.index(c.peer) if c.peer in PEERS else len(PEERS),
+        ),
+    )
     table = rows({c.key: records[c.key] for c in ordered}, ordered)
     meta = {**metas[-1], "merged_from": metas}
     return table, meta

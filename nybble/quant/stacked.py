@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nybble.quant.qweight import QuantizedWeight
+from nybble.quant.qweight import QuantizedWeight, relayout
 
 
 def num_experts(qw: QuantizedWeight) -> int | None:
@@ -72,6 +72,23 @@ def unstack_weight(qw: QuantizedWeight, expert: int) -> QuantizedWeight:
     if not 0 <= expert < e:
         raise IndexError(f"unstack_weight: expert {expert} is not in [0, {e})")
     return jax.tree.map(lambda a: a[expert], qw)
+
+
+def relayout_any(qw: QuantizedWeight, layout: str) -> QuantizedWeight:
+    """``nybble.quant.relayout`` of a plain or a stacked weight (each expert repacked; exact)."""
+    if qw.layout == layout:
+        return qw
+    if num_experts(qw) is None:
+        return relayout(qw, layout)
+    return jax.vmap(lambda one: relayout(one, layout))(qw)
+
+
+def in_default_layout(qw: QuantizedWeight) -> QuantizedWeight:
+    """``qw`` (plain or stacked) stored in this machine's layout, ``nybble.packing.default_layout()``: what
+    loaders return, so that the kernel of the local GPU reads it as it lies (converted once, at load)."""
+    from nybble.packing import default_layout
+
+    return relayout_any(qw, default_layout())
 
 
 def check_stacked_float(w: Any, what: str = "quantize") -> None:

@@ -22,7 +22,7 @@ from nybble.models.quantization.methods import (
     to_json,
 )
 from nybble.quant.qweight import QuantizedWeight
-from nybble.quant.stacked import num_experts
+from nybble.quant.stacked import in_default_layout, num_experts
 from nybble.sharding import ShardedWeight
 
 
@@ -99,14 +99,22 @@ def load_model(
     state is replaced by the saved arrays. The model is modified in place and returned. Raises
     ``ValueError`` if the checkpoint does not fit the model.
 
-    With a ``mesh``, the checkpoint is read straight into arrays placed as ``nybble.models.shard(model,
-    mesh, axis=axis, rules=rules)`` would place them (quantized layers as ``ShardedWeight``), each process
-    reading only the bytes of its own shards; start from an abstract model (``nnx.eval_shape``) and no
-    process ever holds a whole copy.
+    Without a ``mesh``, every int4 weight is stored in this machine's layout
+    (``nybble.packing.default_layout()``: ``planes_int4`` on NVIDIA GPUs without a nybble Mosaic GPU
+    kernel), converted once here if the file holds another. With a ``mesh``, the checkpoint is read
+    straight into arrays placed as ``nybble.models.shard(model, mesh, axis=axis, rules=rules)`` would place
+    them (quantized layers as ``ShardedWeight``), each process reading only the bytes of its own shards, in
+    the layout the file holds (the shard plan cuts that layout); start from an abstract model
+    (``nnx.eval_shape``) and no process ever holds a whole copy.
     """
     header = check_checkpoint_fits(path, model)
     if mesh is None:
-        state_dict = load(path)
+        # each int4 weight (plain or an expert stack) in this machine's layout, converted once here
+        state_dict = jax.tree.map(
+            lambda x: in_default_layout(x) if isinstance(x, QuantizedWeight) else x,
+            load(path),
+            is_leaf=lambda x: isinstance(x, QuantizedWeight),
+        )
     else:
         state_dict = load(path, placement=checkpoint_placement(model, mesh, axis=axis, rules=rules))
     if not isinstance(state_dict, dict):

@@ -14,7 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from nybble.packing import MIN_GROUP_SIZE, check_group_size
+from nybble.packing import MIN_GROUP_SIZE, check_group_size, default_layout
 from nybble.quant.qweight import QuantizedWeight
 
 # Nibble i of a 32-bit word sits at bits [4i, 4i + 4): the shift that brings it to the bottom.
@@ -141,7 +141,8 @@ def build_weight(
     offset_dtype: Any = None,
     name: str = "weight",
 ) -> QuantizedWeight:
-    """Unsigned codes ``u`` (K, N), zeros (groups, N) ints and scales (groups, N) -> ``QuantizedWeight``.
+    """Unsigned codes ``u`` (K, N), zeros (groups, N) ints and scales (groups, N) -> ``QuantizedWeight``,
+    packed in this machine's layout (``nybble.packing.default_layout()``).
 
     The source computes ``w = (u - z) * s`` in the scale dtype (one rounding of an exact product). nybble
     stores ``q = u - 8`` and computes ``q * scale + offset`` in float32, then casts:
@@ -182,7 +183,10 @@ def build_weight(
             s, offsets = scales, off.astype(np.dtype(offset_dtype))
         else:
             s, offsets = s64.astype(stored), off.astype(stored)
-    return QuantizedWeight.from_codes(q, s, offsets, shape=(k, n), group_size=group_size)
+    # packed once, in the layout of this machine's kernel
+    return QuantizedWeight.from_codes(
+        q, s, offsets, shape=(k, n), group_size=group_size, layout=default_layout()
+    )
 
 
 def natural_group_index(k: int, group_size: int | None) -> np.ndarray:

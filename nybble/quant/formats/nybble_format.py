@@ -8,7 +8,14 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from nybble.packing import DEFAULT_LAYOUT, check_group_size, get_layout, num_groups, padded_weight_dims
+from nybble.packing import (
+    DEFAULT_LAYOUT,
+    check_group_size,
+    default_layout,
+    get_layout,
+    num_groups,
+    padded_weight_dims,
+)
 from nybble.quant.formats._common import (
     check_shape,
 )
@@ -75,9 +82,7 @@ class NybbleScheme(HFScheme):
             )  # fmt: skip
         except ValueError as e:
             raise ValueError(f"{p}.codes: {e}") from None
-        if self.layout != DEFAULT_LAYOUT:
-            qw = relayout(qw, DEFAULT_LAYOUT)
-        return qw, None
+        return relayout(qw, default_layout()), None  # this machine's layout, converted once here
 
 
 class NybbleWriter(HFWriter):

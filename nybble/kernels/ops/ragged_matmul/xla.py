@@ -15,12 +15,14 @@ The loops have dynamic trip counts (XLA ``while``): the path is differentiable f
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from nybble.kernels.ops.matmul.xla import dequantized_operand
+from nybble.kernels.ops.matmul.xla import codes_kn, dequantized_operand
 from nybble.packing import pad_to
-from nybble.quant.qweight import QuantizedWeight
+from nybble.quant.qweight import QuantizedWeight, scale_codes
 
 # Bounds of the row window: at least one 8-row sublane tile, at most 128 rows (a GEMM tall enough that XLA
 # runs it at full rate; a window's unused rows cost compute only).
@@ -48,11 +50,28 @@ def expert_weight(qw: QuantizedWeight, expert: jax.Array) -> QuantizedWeight:
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, expert, 0, keepdims=False), qw)
 
 
+def expert_operand(qw: QuantizedWeight, dtype: jnp.dtype, kn: bool) -> tuple[jax.Array, int]:
+    """One expert's weight in ``dtype`` and the axis that holds K: (K_pad, N_pad) when ``kn`` (the CPU's
+    orientation), else (N_pad, K_pad); the dense XLA path's two formulations."""
+    if kn:
+        return scale_codes(codes_kn(qw), qw, k_axis=0, dtype=dtype), 0
+    return dequantized_operand(qw, dtype)
+
+
 def xla_ragged_matmul(
     x: jax.Array, qw: QuantizedWeight, group_sizes: jax.Array, *, window: int | None = None
 ) -> jax.Array:
     """``ragged_dot(x, dequantize(qw), group_sizes)`` for x (rows, K), qw stacked (E, ...): (rows, N) in
     x's dtype, float32 accumulation, rows past the groups' sum zero. Arguments are checked by the caller."""
+    run = functools.partial(_ragged_matmul, window=window)
+    return jax.lax.platform_dependent(
+        x, qw, group_sizes, cpu=functools.partial(run, kn=True), default=functools.partial(run, kn=False)
+    )
+
+
+def _ragged_matmul(
+    x: jax.Array, qw: QuantizedWeight, group_sizes: jax.Array, *, window: int | None, kn: bool
+) -> jax.Array:
     rows, _ = x.shape
     experts = qw.codes.shape[0]
     n = qw.shape[1]
@@ -68,14 +87,14 @@ def xla_ragged_matmul(
 
     def one_expert(i: jax.Array, out: jax.Array) -> jax.Array:
         e = active[i]
-        w_nk, _ = dequantized_operand(expert_weight(qw, e), x.dtype)  # (N_pad, K_pad): this expert only
+        w, k_axis = expert_operand(expert_weight(qw, e), x.dtype, kn)  # this expert only
         start, size = starts[e], sizes[e]
 
         def one_window(c: jax.Array, out: jax.Array) -> jax.Array:
             r0 = start + c * window
             xw = jax.lax.dynamic_slice(x_pad, (r0, 0), (window, k_pad))
             yw = jax.lax.dot_general(
-                xw, w_nk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                xw, w, (((1,), (k_axis,)), ((), ())), preferred_element_type=jnp.float32
             ).astype(x.dtype)
             mine = (jnp.arange(window) < size - c * window)[:, None]
             held = jax.lax.dynamic_slice(out, (r0, 0), (window, n_pad))
