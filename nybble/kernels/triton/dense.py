@@ -28,7 +28,7 @@ from nybble.packing import pad_to
 from nybble.quant.qweight import QuantizedWeight
 
 
-def _kernel(*refs, cfg: TuningConfig, p: int, group: int, steps: int, asymmetric: bool):
+def _kernel(*refs, cfg: TuningConfig, p: int, group: int, steps: int, asymmetric: bool, asm: bool):
     if asymmetric:
         x_ref, w_ref, s_ref, o_ref, y_ref = refs
     else:
@@ -44,7 +44,7 @@ def _kernel(*refs, cfg: TuningConfig, p: int, group: int, steps: int, asymmetric
         lambda g: s_ref[pl.ds(g, 1), :],
         None if o_ref is None else (lambda g: o_ref[pl.ds(g, 1), :]),
         first=first, steps=per_split, block_kw=kw, plane_rows=p, group=group, x_dtype=x_ref.dtype,
-        route=cfg.route, tile_m=cfg.block_m, tile_n=cfg.block_n,
+        route=cfg.route, tile_m=cfg.block_m, tile_n=cfg.block_n, asm=asm,
     )
     y_ref[...] = acc.astype(y_ref.dtype).reshape(y_ref.shape)
 
@@ -79,7 +79,8 @@ def dense_matmul(
         out_shape = jax.ShapeDtypeStruct((cfg.splits, m, n_pad), jnp.float32)
         out_spec = pl.BlockSpec((None, cfg.block_m, cfg.block_n), lambda j, i, s: (s, i, j))
     kernel = functools.partial(
-        _kernel, cfg=cfg, p=p, group=qw.group, steps=steps, asymmetric=qw.offsets is not None
+        _kernel, cfg=cfg, p=p, group=qw.group, steps=steps, asymmetric=qw.offsets is not None,
+        asm=not interpret,  # inline PTX in the compiled kernel; its jnp equivalents in interpret mode
     )
     y = pl.pallas_call(
         kernel,
@@ -98,8 +99,8 @@ def dense_matmul(
 
 def reference(x2d, qw: QuantizedWeight, cfg: TuningConfig) -> np.ndarray:
     """The kernel's arithmetic in float64 numpy, in its order of steps and planes. Accumulators route:
-    ``sum over (plane, step) of d s + sum(x) (o - (B + 8) s)``, with ``d = x (B + 8 + q)`` exact (equal
-    to the exact product up to float64 rounding). Weights route: ``x @ w``, each weight ``q s + o``
+    ``sum over (plane, step) of (x q) s + sum(x) o`` for bf16/f16 x (exact codes into the MMA); for f32
+    x ``d s + sum(x) (o - 8 s)``, with ``d = x (8 + q)``. Weights route: ``x @ w``, each weight ``q s + o``
     rounded once to f32, then to x's dtype."""
     from nybble.kernels.ops.matmul.reference import reference_codes
 
@@ -121,7 +122,10 @@ def reference(x2d, qw: QuantizedWeight, cfg: TuningConfig) -> np.ndarray:
                 w = (q[k0 : k0 + kw] * s[g] + o[g]).astype(np.float32).astype(x2d.dtype)
                 y += xt @ w.astype(np.float64)
                 continue
-            d = xt @ (b + q[k0 : k0 + kw])
+            if b > 8:  # bf16/f16 x: exact codes into the MMA, then the scale (and the offset times sum(x))
+                y += (xt @ q[k0 : k0 + kw]) * s[g] + xt.sum(1, keepdims=True) * o[g]
+                continue
+            d = xt @ (b + q[k0 : k0 + kw])  # f32 x: u = q + 8 into the MMA, the bias out in f32
             y += d * s[g] + xt.sum(1, keepdims=True) * (o[g] - b * s[g])
     return y[:, : qw.shape[1]]
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from nybble.packing.planes import PLANES
 
@@ -71,19 +72,101 @@ def plane_weights(words: jax.Array, plane: int, scale_row, offset_row, x_dtype) 
     return w.astype(x_dtype)
 
 
-def step(acc, words, x_at, scale_at, offset_at, *, j0, plane_rows: int, group: int, x_dtype, route: str):
+# Per 16-bit activation dtype, the constants of the exact-code trick (``plane_pair_codes``), each as a pair
+# of 16-bit halves: the magic exponent OR'ed onto a nibble (``magic | u`` reads as ``B + u``), the float's
+# 1.0 and ``-(B + 8)``, so that one ``fma(x, 1.0, -(B + 8))`` per half turns ``B + u`` into ``u - 8 = q``.
+PAIR_TRICK = {
+    "bfloat16": {"magic": 0x43004300, "one": 0x3F803F80, "minus_bias": 0xC308C308, "ptx": "bf16x2"},
+    "float16": {"magic": 0x64006400, "one": 0x3C003C00, "minus_bias": 0xE408E408, "ptx": "f16x2"},
+}
+NIBBLE_PAIR_MASK = 0x000F000F  # bits 0-3 and 16-19: plane i's nibble and plane i + 4's, once shifted
+
+
+def pair_codes_word(shifted: jax.Array, x_dtype, asm: bool) -> jax.Array:
+    """Per uint32 word already shifted right by ``4 i``: the word whose low half holds plane i's exact code
+    ``q`` and whose high half holds plane i + 4's, both in x's 16-bit float format. Compiled: two PTX
+    instructions on the whole word, for two weights (a ``lop3`` and a ``fma.rn.{b}f16x2``); interpret
+    mode: the same bits from jnp integer arithmetic."""
+    name = np.dtype(x_dtype).name
+    trick = PAIR_TRICK[name]
+    if not asm:
+        u = shifted & jnp.uint32(NIBBLE_PAIR_MASK)
+        lo = (u & jnp.uint32(0xF)).astype(jnp.int32) - 8
+        hi = (u >> jnp.uint32(16)).astype(jnp.int32) - 8
+        bits = [
+            jax.lax.bitcast_convert_type(h.astype(jnp.float32).astype(x_dtype), jnp.uint16).astype(jnp.uint32)
+            for h in (lo, hi)
+        ]
+        return bits[0] | (bits[1] << jnp.uint32(16))
+    (out,) = plgpu.elementwise_inline_asm(
+        "{ .reg .b32 t, one, nb;\n"
+        # t = (w & 0x000F000F) | magic: each half B + u (LUT 0xEA: (a & b) | c, one LOP3)
+        f"lop3.b32 t, $1, {NIBBLE_PAIR_MASK:#010x}, {trick['magic']:#010x}, 0xEA;\n"
+        f"mov.b32 one, {trick['one']:#010x};\n"
+        f"mov.b32 nb, {trick['minus_bias']:#010x};\n"
+        # each half (B + u) * 1 - (B + 8) = u - 8 = q, exact (one HFMA2 for both planes)
+        f"fma.rn.{trick['ptx']} $0, t, one, nb;\n"
+        "}",
+        args=[jax.lax.bitcast_convert_type(shifted, jnp.int32)],  # Triton's asm takes signless integers
+        constraints="=r,r",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(shifted.shape, jnp.int32)],
+    )
+    return jax.lax.bitcast_convert_type(out, jnp.uint32)
+
+
+def fma(a: jax.Array, b: jax.Array, c: jax.Array, asm: bool) -> jax.Array:
+    """``a * b + c`` in f32, one FFMA where ``asm`` (Triton's Pallas lowering leaves a multiply and an add
+    that ptxas does not contract); ``b`` broadcasts to ``a``'s shape."""
+    b = jnp.broadcast_to(b, a.shape)
+    if not asm:
+        return a * b + c
+    (out,) = plgpu.elementwise_inline_asm(
+        "fma.rn.f32 $0, $1, $2, $3;",
+        args=[a, b, c],
+        constraints="=f,f,f,f",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
+    )
+    return out
+
+
+def plane_pair_codes(words: jax.Array, plane: int, x_dtype, asm: bool) -> tuple[jax.Array, jax.Array]:
+    """Planes ``plane`` and ``plane + 4`` (``plane`` < 4) of a (T, tile_n) word tile as exact codes ``q``
+    in x's dtype (bf16/f16): a shift (none for plane 0), then ``pair_codes_word``; the word's low and
+    high halves are the two planes' codes (Triton packs the MMA operand's K-adjacent pairs with one PRMT
+    per two codes)."""
+    shifted = jax.lax.shift_right_logical(words, jnp.uint32(4 * plane)) if plane else words
+    both = pair_codes_word(shifted, x_dtype, asm)
+    lo = jax.lax.bitcast_convert_type(both.astype(jnp.uint16), x_dtype)
+    hi = jax.lax.bitcast_convert_type(
+        jax.lax.shift_right_logical(both, jnp.uint32(16)).astype(jnp.uint16), x_dtype
+    )
+    return lo, hi
+
+
+def step(
+    acc, words, x_at, scale_at, offset_at, *, j0, plane_rows: int, group: int, x_dtype, route: str,
+    asm: bool = False,
+):
     """Adds one step's 8 plane products to ``acc`` (tile_m, tile_n) f32.
 
     ``x_at(k0)``: the (tile_m, T) x tile at K column ``k0``; ``scale_at(g)`` / ``offset_at(g)`` (or None):
-    the (1, tile_n) row of group ``g``. ``route``: "accumulators" (decode: the magic-number codes straight
-    into the MMA, the group's scale applied to the f32 product once per plane tile: a few instructions
-    per weight, and per output element a multiply-add per plane, cheap at 16 rows) or "weights"
-    (prefill: each weight dequantized once per CTA, ``(u - 8) s + o``, then the MMA accumulates in place:
-    the per-output-element work of the other route would grow with the tile's rows and bind on the CUDA
-    cores at 64 rows and more). The weights route accumulates y^T, (tile_n, tile_m): the dequantized
-    weights are the MMA's A operand, whose warps split its rows, so each warp dequantizes its own rows of
-    W^T; as the B operand every warp along M would dequantize the same weights again (on sm_80, 50 against
-    10.6 thread-instructions per weight at 128 x 128 tiles and 8 warps)."""
+    the (1, tile_n) row of group ``g``. ``route``: "accumulators" (decode: the codes straight into the
+    MMA, the group's scale applied to the f32 product once per plane tile: a few instructions per weight,
+    and per output element a multiply-add per plane, cheap at 16 rows) or "weights" (prefill: each weight
+    dequantized once per CTA, ``(u - 8) s + o``, then the MMA accumulates in place: the per-output-element
+    work of the other route would grow with the tile's rows and bind on the CUDA cores at 64 rows and
+    more). The weights route accumulates y^T, (tile_n, tile_m): the dequantized weights are the MMA's A
+    operand, whose warps split its rows, so each warp dequantizes its own rows of W^T; as the B operand
+    every warp along M would dequantize the same weights again (on sm_80, 50 against 10.6
+    thread-instructions per weight at 128 x 128 tiles and 8 warps). ``asm``: the inline-PTX forms of
+    ``_mask_or`` and ``fma`` (compiled kernels; interpret mode runs their jnp equivalents)."""
+    exact_codes = route == "accumulators" and MAGIC[np.dtype(x_dtype).name][0] is not None
+    codes = {}
+    if exact_codes:  # bf16/f16 x: planes i and i + 4 share their word's shift and mask
+        for plane in range(PLANES // 2):
+            codes[plane], codes[plane + PLANES // 2] = plane_pair_codes(words, plane, x_dtype, asm)
     for plane in range(PLANES):
         k0 = plane * plane_rows + j0
         x_tile = x_at(k0)
@@ -96,7 +179,13 @@ def step(acc, words, x_at, scale_at, offset_at, *, j0, plane_rows: int, group: i
                 w, x_tile, (((0,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
             )
             continue
-        d = plane_dot(x_tile, plane_codes(words, plane, x_dtype))
+        if exact_codes:  # acc += (x q) s (+ sum(x) o): no bias left to take out
+            acc = fma(plane_dot(x_tile, codes[plane]), scale_at(g).astype(jnp.float32), acc, asm)
+            if offset_row is not None:
+                xsum = jnp.sum(x_tile.astype(jnp.float32), axis=1, keepdims=True)
+                acc = fma(jnp.broadcast_to(xsum, acc.shape), offset_row.astype(jnp.float32), acc, asm)
+            continue
+        d = plane_dot(x_tile, plane_codes(words, plane, x_dtype))  # f32 x: u as f32, bias 8
         xsum = jnp.sum(x_tile.astype(jnp.float32), axis=1, keepdims=True)
         s, shift = scale_terms(scale_at(g), offset_row, x_dtype)
         acc = acc + d * s + xsum * shift
@@ -108,7 +197,7 @@ __all__ = ["MAGIC", "PLANES", "bias", "plane_codes", "plane_dot", "plane_weights
 
 def k_loop(
     words_at, x_at, scale_at, offset_at, *, first, steps, block_kw: int, plane_rows: int, group: int,
-    x_dtype, route: str, tile_m: int, tile_n: int,
+    x_dtype, route: str, tile_m: int, tile_n: int, asm: bool = False,
 ) -> jax.Array:
     """The K loop of both Triton kernels (dense and grouped): ``steps`` steps of ``block_kw`` words from
     step ``first``, ``words_at(j0)`` the step's (block_kw, tile_n) words; returns the (tile_m, tile_n) f32
@@ -119,7 +208,7 @@ def k_loop(
         j0 = pl.multiple_of((first + t) * block_kw, block_kw)
         return step(
             acc, words_at(j0), x_at, scale_at, offset_at,
-            j0=j0, plane_rows=plane_rows, group=group, x_dtype=x_dtype, route=route,
+            j0=j0, plane_rows=plane_rows, group=group, x_dtype=x_dtype, route=route, asm=asm,
         )
 
     zeros = jnp.zeros((tile_n, tile_m) if transposed else (tile_m, tile_n), jnp.float32)
