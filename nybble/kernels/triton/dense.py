@@ -43,8 +43,16 @@ def _kernel(*refs, cfg: TuningConfig, p: int, group: int, steps: int, asymmetric
         lambda k0: x_ref[:, pl.ds(pl.multiple_of(k0, kw), kw)],
         lambda g: s_ref[pl.ds(g, 1), :],
         None if o_ref is None else (lambda g: o_ref[pl.ds(g, 1), :]),
-        first=first, steps=per_split, block_kw=kw, plane_rows=p, group=group, x_dtype=x_ref.dtype,
-        route=cfg.route, tile_m=cfg.block_m, tile_n=cfg.block_n, asm=asm,
+        first=first,
+        steps=per_split,
+        block_kw=kw,
+        plane_rows=p,
+        group=group,
+        x_dtype=x_ref.dtype,
+        route=cfg.route,
+        tile_m=cfg.block_m,
+        tile_n=cfg.block_n,
+        asm=asm,
     )
     y_ref[...] = acc.astype(y_ref.dtype).reshape(y_ref.shape)
 
@@ -79,7 +87,12 @@ def dense_matmul(
         out_shape = jax.ShapeDtypeStruct((cfg.splits, m, n_pad), jnp.float32)
         out_spec = pl.BlockSpec((None, cfg.block_m, cfg.block_n), lambda j, i, s: (s, i, j))
     kernel = functools.partial(
-        _kernel, cfg=cfg, p=p, group=qw.group, steps=steps, asymmetric=qw.offsets is not None,
+        _kernel,
+        cfg=cfg,
+        p=p,
+        group=qw.group,
+        steps=steps,
+        asymmetric=qw.offsets is not None,
         asm=not interpret,  # inline PTX in the compiled kernel; its jnp equivalents in interpret mode
     )
     y = pl.pallas_call(

@@ -79,7 +79,10 @@ PAIR_TRICK = {
     "bfloat16": {"magic": 0x43004300, "one": 0x3F803F80, "minus_bias": 0xC308C308, "ptx": "bf16x2"},
     "float16": {"magic": 0x64006400, "one": 0x3C003C00, "minus_bias": 0xE408E408, "ptx": "f16x2"},
 }
-NIBBLE_PAIR_MASK = 0x000F000F  # bits 0-3 and 16-19: plane i's nibble and plane i + 4's, once shifted
+NIBBLE_PAIR_MASK = 0x000F000F
+# The exact-code route multiplies plane i + 4 right after plane i: both come from the same words, so their
+# codes live in registers together for the shortest time.
+PLANE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # bits 0-3 and 16-19: plane i's nibble and plane i + 4's, once shifted
 
 
 def pair_codes_word(shifted: jax.Array, x_dtype, asm: bool) -> jax.Array:
@@ -146,7 +149,17 @@ def plane_pair_codes(words: jax.Array, plane: int, x_dtype, asm: bool) -> tuple[
 
 
 def step(
-    acc, words, x_at, scale_at, offset_at, *, j0, plane_rows: int, group: int, x_dtype, route: str,
+    acc,
+    words,
+    x_at,
+    scale_at,
+    offset_at,
+    *,
+    j0,
+    plane_rows: int,
+    group: int,
+    x_dtype,
+    route: str,
     asm: bool = False,
 ):
     """Adds one step's 8 plane products to ``acc`` (tile_m, tile_n) f32.
@@ -164,10 +177,8 @@ def step(
     ``_mask_or`` and ``fma`` (compiled kernels; interpret mode runs their jnp equivalents)."""
     exact_codes = route == "accumulators" and MAGIC[np.dtype(x_dtype).name][0] is not None
     codes = {}
-    if exact_codes:  # bf16/f16 x: planes i and i + 4 share their word's shift and mask
-        for plane in range(PLANES // 2):
-            codes[plane], codes[plane + PLANES // 2] = plane_pair_codes(words, plane, x_dtype, asm)
-    for plane in range(PLANES):
+    order = PLANE_ORDER if exact_codes else range(PLANES)
+    for plane in order:
         k0 = plane * plane_rows + j0
         x_tile = x_at(k0)
         g = k0 // group
@@ -180,6 +191,8 @@ def step(
             )
             continue
         if exact_codes:  # acc += (x q) s (+ sum(x) o): no bias left to take out
+            if plane not in codes:  # bf16/f16 x: planes i and i + 4 share their word's shift and mask
+                codes[plane], codes[plane + PLANES // 2] = plane_pair_codes(words, plane, x_dtype, asm)
             acc = fma(plane_dot(x_tile, codes[plane]), scale_at(g).astype(jnp.float32), acc, asm)
             if offset_row is not None:
                 xsum = jnp.sum(x_tile.astype(jnp.float32), axis=1, keepdims=True)
@@ -196,8 +209,21 @@ __all__ = ["MAGIC", "PLANES", "bias", "plane_codes", "plane_dot", "plane_weights
 
 
 def k_loop(
-    words_at, x_at, scale_at, offset_at, *, first, steps, block_kw: int, plane_rows: int, group: int,
-    x_dtype, route: str, tile_m: int, tile_n: int, asm: bool = False,
+    words_at,
+    x_at,
+    scale_at,
+    offset_at,
+    *,
+    first,
+    steps,
+    block_kw: int,
+    plane_rows: int,
+    group: int,
+    x_dtype,
+    route: str,
+    tile_m: int,
+    tile_n: int,
+    asm: bool = False,
 ) -> jax.Array:
     """The K loop of both Triton kernels (dense and grouped): ``steps`` steps of ``block_kw`` words from
     step ``first``, ``words_at(j0)`` the step's (block_kw, tile_n) words; returns the (tile_m, tile_n) f32
@@ -207,8 +233,17 @@ def k_loop(
     def body(t, acc):
         j0 = pl.multiple_of((first + t) * block_kw, block_kw)
         return step(
-            acc, words_at(j0), x_at, scale_at, offset_at,
-            j0=j0, plane_rows=plane_rows, group=group, x_dtype=x_dtype, route=route, asm=asm,
+            acc,
+            words_at(j0),
+            x_at,
+            scale_at,
+            offset_at,
+            j0=j0,
+            plane_rows=plane_rows,
+            group=group,
+            x_dtype=x_dtype,
+            route=route,
+            asm=asm,
         )
 
     zeros = jnp.zeros((tile_n, tile_m) if transposed else (tile_m, tile_n), jnp.float32)

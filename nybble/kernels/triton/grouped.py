@@ -80,8 +80,16 @@ def _kernel(
             x_at,
             lambda g: s_ref[ex, pl.ds(g, 1), :],
             None if o_ref is None else (lambda g: o_ref[ex, pl.ds(g, 1), :]),
-            first=0, steps=steps, block_kw=kw, plane_rows=p, group=group, x_dtype=x_ref.dtype,
-            route=cfg.route, tile_m=bm, tile_n=bn, asm=asm,
+            first=0,
+            steps=steps,
+            block_kw=kw,
+            plane_rows=p,
+            group=group,
+            x_dtype=x_ref.dtype,
+            route=cfg.route,
+            tile_m=bm,
+            tile_n=bn,
+            asm=asm,
         )
         mine = (row >= lo) & (row < hi)
         plgpu.store(y_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], acc.astype(y_ref.dtype), mask=mine)
