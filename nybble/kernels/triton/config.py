@@ -88,8 +88,8 @@ def _splits(k_steps: int, tiles: int, sms: int, m: int, k_pad: int) -> int:
 
 
 # Per branch of M (the largest M it takes): block_m, block_n, the largest step (words per plane), warps,
-# stages. A last N tile past N_pad is masked by Pallas. The decode branch's block_n and warps are the widest
-# of DECODE_TILES that fills the SMs (``_decode_tile``).
+# stages. block_n shrinks to a divisor of N_pad (a multiple of 64; a tile past it would write past y).
+# The decode branch's block_n and warps are the widest of DECODE_TILES that fills the SMs (``_decode_tile``).
 BRANCHES = ((DECODE_M, MIN_DOT, 64, 128, 4, 3), (64, 64, 128, 32, 4, 3), (None, 128, 128, 16, 8, 3))
 # Prefill rows per tile on datacenter Blackwell (sm_100): its MMA accumulates outside the registers, so a
 # tile of twice the rows halves the dequantization per weight (each weight is dequantized once per M tile).
@@ -142,6 +142,9 @@ def choose_config(m: int, k_pad: int, n_pad: int, group: int, x_itemsize: int, g
             splits = _splits(plane_rows(k_pad) // kw, -(-n_pad // bn), gpu.sms, max(m, 1), k_pad)
         else:
             bn, warps = tile
+    while n_pad % bn:  # no N tile past N_pad (a multiple of 64): the compiled kernel masks rows only
+        bn //= 2
+        warps = max(1, warps // 2) if bm == MIN_DOT else warps
     if bm == BRANCHES[-1][1] and gpu.compute_capability.startswith("10.") and m > bm:
         bm = BLACKWELL_PREFILL_M
     cfg = TuningConfig(block_m=bm, block_n=bn, block_kw=kw, splits=splits, num_warps=warps, num_stages=stages)
@@ -166,7 +169,7 @@ def candidate_configs(gpus: tuple[GpuSpec, ...]) -> set[TuningConfig]:
     4-byte x."""
     out = set()
     for _, bm, bn, kw_max, warps, stages in BRANCHES:
-        tiles = DECODE_TILES if bm == MIN_DOT else ((bn, warps),)
+        tiles = DECODE_TILES if bm == MIN_DOT else ((bn, warps), (bn // 2, warps))  # N_pad % 128 = 64
         for tile_n, tile_warps in tiles:
             kw = MIN_DOT
             while kw <= kw_max:

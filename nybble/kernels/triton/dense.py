@@ -9,7 +9,8 @@ uint32 words (the packed codes, 4 bits a weight, straight from HBM: no dequantiz
 (splits, M, N_pad), summed and cast by one XLA fusion (the second launch).
 
 The blocks are whole arrays along K (x: (block_m, K_pad), words: (P, block_n), scales: (groups,
-block_n)): the kernel indexes them per step with ``pl.ds``; Pallas masks the last M tile's rows.
+block_n)): the kernel indexes them per step with ``pl.ds``, and masks the last M tile's rows itself (Pallas'
+Triton lowering masks nothing at block bounds); ``block_n`` divides N_pad.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from nybble.packing import pad_to
 from nybble.quant.qweight import QuantizedWeight
 
 
-def _kernel(*refs, cfg: TuningConfig, p: int, group: int, steps: int, asymmetric: bool, asm: bool):
+def _kernel(*refs, cfg: TuningConfig, p: int, group: int, steps: int, asymmetric: bool, asm: bool, m: int):
     if asymmetric:
         x_ref, w_ref, s_ref, o_ref, y_ref = refs
     else:
@@ -37,10 +38,19 @@ def _kernel(*refs, cfg: TuningConfig, p: int, group: int, steps: int, asymmetric
     per_split = steps // cfg.splits
     first = pl.program_id(2) * per_split
     kw = cfg.block_kw
+    # Rows of the last M tile past x's M: Pallas' Triton lowering masks nothing at block bounds (an
+    # unmasked access there reads or writes past the array: other rows, other splits' partials), so the
+    # x loads and the y store carry the row mask themselves (interpret mode drops such writes).
+    row = pl.program_id(1) * cfg.block_m + jax.lax.broadcasted_iota(jnp.int32, (cfg.block_m, 1), 0)
+    in_x = row < m
+
+    def x_at(k0):
+        tile = x_ref.at[:, pl.ds(pl.multiple_of(k0, kw), kw)]
+        return tile[...] if m % cfg.block_m == 0 else plgpu.load(tile, mask=in_x, other=0)
 
     acc = dequant.k_loop(
         lambda j0: w_ref[pl.ds(j0, kw), :],
-        lambda k0: x_ref[:, pl.ds(pl.multiple_of(k0, kw), kw)],
+        x_at,
         lambda g: s_ref[pl.ds(g, 1), :],
         None if o_ref is None else (lambda g: o_ref[pl.ds(g, 1), :]),
         first=first,
@@ -54,7 +64,11 @@ def _kernel(*refs, cfg: TuningConfig, p: int, group: int, steps: int, asymmetric
         tile_n=cfg.block_n,
         asm=asm,
     )
-    y_ref[...] = acc.astype(y_ref.dtype).reshape(y_ref.shape)
+    y = acc.astype(y_ref.dtype).reshape(y_ref.shape)
+    if m % cfg.block_m == 0:
+        y_ref[...] = y
+    else:
+        plgpu.store(y_ref, y, mask=jnp.broadcast_to(in_x, y.shape))
 
 
 def dense_matmul(
@@ -69,6 +83,8 @@ def dense_matmul(
     steps = p // cfg.block_kw
     if steps % cfg.splits:
         raise ValueError(f"TuningConfig {cfg}: splits must divide the {steps} K steps")
+    if n_pad % cfg.block_n:  # no N tile may pass N_pad: the compiled kernel would write past y
+        raise ValueError(f"TuningConfig {cfg}: block_n must divide N_pad = {n_pad}")
     x_pad = x2d if x2d.shape[1] == k_pad else pad_to(x2d, (m, k_pad))
     grid = (pl.cdiv(n_pad, cfg.block_n), pl.cdiv(m, cfg.block_m), cfg.splits)
     in_specs = [
@@ -94,6 +110,7 @@ def dense_matmul(
         steps=steps,
         asymmetric=qw.offsets is not None,
         asm=not interpret,  # inline PTX in the compiled kernel; its jnp equivalents in interpret mode
+        m=m,
     )
     y = pl.pallas_call(
         kernel,
