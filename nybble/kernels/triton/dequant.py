@@ -3,21 +3,31 @@
 Walking the bytes. A step at word row ``j0`` holds a (T, tile_n) block of uint32 words (T = ``block_kw``),
 4 bytes per word, 8 nibbles per word: 8 T tile_n codes in 4 T tile_n bytes, the only weight bytes read
 from HBM. Nibble i of every word is plane i: the codes of K rows ``i P + j0 ... i P + j0 + T`` (P =
-K_pad / 8, ``nybble.packing.planes``), stored offset binary ``u = q + 8`` in 0..15.
+K_pad / 8, ``nybble.packing.planes``), stored offset binary ``u = q + 8`` in 0..15. Plane i sits in bits
+4i..4i+3 and plane i + 4 in bits 16+4i..16+4i+3: the same nibble of the word's two 16-bit halves.
 
-Per plane i, per word, in registers (what the SASS shows per weight on sm_80):
-  1. ``(w >> 4 i) & 0xF``: one shift and one mask (Triton folds them and the OR below into one LOP3
-     where it can);
-  2. ``| 0x4300`` then read as bfloat16: exactly ``128 + u`` = ``136 + q`` (``0x6400`` as float16: ``1024
-     + u``), Marlin's magic-number conversion: no integer-to-float instruction, the 16-bit value is
-     truncated from the 32-bit lane and two of them are packed into one MMA register;
-  3. the MMA of the x tile (tile_m, T) by that (T, tile_n) tile, f32 accumulation, ``d = sum_k x_k (B + 8
-     + q_k)`` with B the magic bias (128 or 1024);
-then per (plane, step), once per output element and not per weight, the group's scale and offset:
-``acc += d s + sum_k(x_k) (o - (B + 8) s)``, which equals ``sum_k x_k (q_k s + o)``: the dequantized
-weight's product, the bias taken out in f32. A plane tile never straddles a group (T divides P and the
-group), so one scale row serves it. f32 x skips the magic (it would cost 23 bits): ``u`` is converted
-to f32 and the dot runs in IEEE f32 (no TF32).
+Accumulators route (decode, bf16/f16 x), per word and per pair of planes (i, i + 4), i = 0..3, in
+registers (``plane_pair_codes``; thread-instructions per weight on sm_80 in brackets):
+  1. ``w >> 4 i`` (none for i = 0; 3 SHF per word [0.375]): both planes' nibbles to bits 0-3 and 16-19;
+  2. ``lop3(w, 0x000F000F, 0x43004300, 0xEA)`` = ``(w & mask) | magic`` (one LOP3 [0.5]): the two halves
+     read as bfloat16 are exactly ``128 + u`` each (``0x64006400`` in float16: ``1024 + u``), Marlin's
+     magic-number conversion, no integer-to-float instruction and no per-half work;
+  3. ``fma.rn.bf16x2(t, 1.0, -136.0)`` (one HFMA2 for both halves [0.5]): ``u - 8 = q``, exact (small
+     integers), so no bias is left for the f32 side to take out;
+  4. the halves become the two planes' 16-bit codes; the MMA's B operand pairs K rows j and j + 1, which
+     sit in two different words, so Triton packs each pair with one PRMT [0.5];
+  5. the MMA of the x tile (tile_m, T) by the (T, tile_n) code tile, f32 accumulation (HMMA [0.25]);
+then per (plane, step), once per output element and not per weight, the group's scale: ``acc = fma(d,
+s, acc)`` (one FFMA per output element [0.25 at T = 64, 0.125 at T = 128]), plus ``sum_k(x_k) o`` for
+asymmetric groups. A plane tile never straddles a group (T divides P and the group), so one scale row
+serves it. The planes run in the order 0, 4, 1, 5, ...: a pair's codes live in registers together for the
+shortest time. Steps 2 and 3 and the FFMA are inline PTX in the compiled kernel (Pallas' lowering leaves
+an AND and an OR, a multiply and an add, that ptxas does not fuse); interpret mode computes the same
+bits with jnp (``pair_codes_word``, checked bit for bit against a numpy model of the PTX).
+
+f32 x skips the magic (it would cost 23 bits): ``u`` is converted to f32, the dot runs in IEEE f32 (no
+TF32) and ``acc += d s + sum_k(x_k) (o - 8 s)``. The weights route (prefill) dequantizes each weight to
+x's dtype once per CTA, ``(u - 8) s + o`` (``plane_weights``), and lets the MMA accumulate.
 """
 
 from __future__ import annotations
