@@ -135,7 +135,7 @@ def test_f16_f32_activations(x_dtype, cfg):
     y = dense.dense_matmul(x, qw, cfg, interpret=True)
     assert y.dtype == x_dtype and y.shape == (5, 100)
     assert_kernel_close(y, x, qw, cfg.route)
-    exact = exact_weight(rng, 256, 64, 32, True, layout="planes_int4")
+    exact = exact_weight(rng, 256, 128, 32, True, layout="planes_int4")
     xe = activations(rng, 4, 256, dtype=x_dtype, exact=True)
     assert_exact(dense.dense_matmul(xe, exact, cfg, interpret=True), xe, exact)
 
