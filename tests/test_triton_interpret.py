@@ -71,11 +71,11 @@ def test_candidate_configs_are_what_the_heuristics_pick():
         code_path(choose_config(m, k, n, g, 2, gpu))
         for gpu in GPUS.values()
         for m in (1, 8, 16, 33, 64, 500, 2048)
-        for n in (128, 4096, 14336, 28672)
+        for n in (128, 192, 1024, 4096, 14336, 28672)
         for k, g in ((4096, 128), (14336, 128), (8192, 4096), (1024, 32), (2048, 64))
     }
     assert seen <= set(CONFIGS)
-    assert {c.block_m for c in seen} == {16, 64, 128} and any(c.splits > 1 for c in seen)
+    assert {c.block_m for c in seen} == {16, 64, 128, 256} and any(c.splits > 1 for c in seen)
 
 
 def _shape_for(cfg: TuningConfig) -> tuple[int, int, int]:
@@ -103,7 +103,8 @@ def test_every_config_exact(cfg):
     [
         c
         for c in CODE_PATHS
-        if c.block_kw == {16: 64, 64: 32, 128: 16}[c.block_m] and c.splits > 1 - (c.block_m > 16)
+        if c.block_kw == {16: 128, 64: 32, 128: 16, 256: 16}[c.block_m]
+        and (c.splits > 1 or c.block_m > 16 or c.block_n < 64)
     ],
     ids=str,
 )
@@ -134,7 +135,7 @@ def test_f16_f32_activations(x_dtype, cfg):
     y = dense.dense_matmul(x, qw, cfg, interpret=True)
     assert y.dtype == x_dtype and y.shape == (5, 100)
     assert_kernel_close(y, x, qw, cfg.route)
-    exact = exact_weight(rng, 256, 64, 32, True, layout="planes_int4")
+    exact = exact_weight(rng, 256, 128, 32, True, layout="planes_int4")
     xe = activations(rng, 4, 256, dtype=x_dtype, exact=True)
     assert_exact(dense.dense_matmul(xe, exact, cfg, interpret=True), xe, exact)
 
@@ -208,3 +209,37 @@ def test_grouped_random_traced_sizes_through_backend():
     one = dataclasses.replace(qw, codes=qw.codes[1], scales=qw.scales[1])
     assert_kernel_close(y[7:24], x[7:24], one)
     np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=2**-7, atol=0.05)
+
+
+@pytest.mark.parametrize("x_dtype", ["bfloat16", "float16"])
+def test_pair_trick_exhaustive(x_dtype):
+    """The compiled kernel's inline PTX (``dequant.pair_codes_word``: ``lop3`` (a & b) | c, then one
+    ``fma.rn`` per 16-bit half) emulated bit by bit in numpy over every pair of nibbles at every shift,
+    against q = u - 8; and the interpret-mode jnp path gives the same bits."""
+    import ml_dtypes
+
+    from nybble.kernels.triton import dequant
+
+    trick = dequant.PAIR_TRICK[x_dtype]
+    fmt = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[x_dtype]
+    u = np.arange(16, dtype=np.uint32)
+    lo, hi = np.meshgrid(u, u, indexing="ij")
+    rng = np.random.default_rng(5)
+    for shift in (0, 4, 8, 12):
+        noise = rng.integers(0, 2**32, lo.shape, dtype=np.uint32) & ~np.uint32(0x000F000F << shift)
+        words = (lo << shift) | (hi << (16 + shift)) | noise  # other planes' nibbles: random bits
+        shifted = words >> shift
+        t = (shifted & np.uint32(dequant.NIBBLE_PAIR_MASK)) | np.uint32(trick["magic"])  # lop3 0xEA
+        halves = [(t & 0xFFFF).astype(np.uint16), (t >> 16).astype(np.uint16)]
+        consts = [np.uint16(trick[k] & 0xFFFF) for k in ("one", "minus_bias")]
+        one, minus_bias = (np.array(c).view(fmt).astype(np.float64) for c in consts)
+        assert one == 1.0 and minus_bias == -(dequant.MAGIC[x_dtype][1] + 8)
+        for half, want in zip(halves, (lo, hi), strict=True):
+            value = half.view(fmt).astype(np.float64) * one + minus_bias  # exact: small integers
+            np.testing.assert_array_equal(value.astype(fmt).astype(np.float64), want.astype(np.int64) - 8)
+        got = np.asarray(dequant.pair_codes_word(jnp.asarray(shifted), getattr(jnp, x_dtype), asm=False))
+        want_bits = [
+            ((half.view(fmt).astype(np.float64) + minus_bias).astype(fmt)).view(np.uint16).astype(np.uint32)
+            for half in halves
+        ]
+        np.testing.assert_array_equal(got, want_bits[0] | (want_bits[1] << 16))

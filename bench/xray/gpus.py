@@ -316,15 +316,18 @@ def _is_mma(ins: Any) -> bool:
     return op in ("HMMA", "HGMMA") or (op.startswith("UTC") and "MMA" in op)
 
 
+# A branch's target label, the uniform-predicate form too (``BRA.U UP0, `(.L_x_0)``: sm_100/sm_120 loops).
+_LOOP_BRANCH = re.compile(r"BRA(?:\.U\s+!?UP\d+,)?\s+`?\(?(?P<label>\.L_x_\d+)\)?`?")
+
+
 def mma_loop(code: Any) -> list[Any] | None:
     """The main loop of a Triton kernel: the backward branch (Triton's loops end in an unconditional one,
     the exit test at the top) whose body holds the most MMAs and no EXIT; the innermost on ties."""
-    from bench.kernel_xray import sass as sass_lib
 
     ins = code.instructions
     best = None
     for end, i in enumerate(ins):
-        target = sass_lib._BRANCH_TARGET.search(i.text) if i.base_opcode == "BRA" else None
+        target = _LOOP_BRANCH.search(i.text) if i.base_opcode == "BRA" else None
         if target is None or target["label"] not in code.labels:
             continue
         start = code.labels[target["label"]]

@@ -15,7 +15,8 @@ size and P: one scale row per (plane, tile).
 
 Offset binary, not two's complement: ``nibble | 0x4300`` read as a bfloat16 is exactly ``128 + nibble``
 (``0x6400`` in float16: ``1024 + nibble``), the magic-number conversion that turns a code into a float
-with one OR (the kernel subtracts the bias once per tile, not once per weight).
+with one OR. Planes i and i + 4 share a nibble position in the word's two 16-bit halves, so one shift, one
+mask-and-OR and one paired ``fma`` turn both into exact codes at once (``nybble.kernels.triton.dequant``).
 
 K is not a plain slice of this layout (plane i interleaves rows ``i * P``), so tensor-parallel cuts along
 K go through another layout (``nybble.relayout``); cuts along N are plain column slices.

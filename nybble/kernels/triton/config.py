@@ -88,33 +88,72 @@ def _splits(k_steps: int, tiles: int, sms: int, m: int, k_pad: int) -> int:
 
 
 # Per branch of M (the largest M it takes): block_m, block_n, the largest step (words per plane), warps,
-# stages. A last N tile past N_pad is masked by Pallas.
-BRANCHES = ((DECODE_M, MIN_DOT, 64, 64, 4, 4), (64, 64, 128, 32, 4, 3), (None, 128, 128, 16, 8, 3))
+# stages. block_n shrinks to a divisor of N_pad (a multiple of 64; a tile past it would write past y).
+# The decode branch's block_n and warps are the widest of DECODE_TILES that fills the SMs (``_decode_tile``).
+BRANCHES = ((DECODE_M, MIN_DOT, 64, 128, 4, 3), (64, 64, 128, 32, 4, 3), (None, 128, 128, 16, 8, 3))
+# Prefill rows per tile on datacenter Blackwell (sm_100): its MMA accumulates outside the registers, so a
+# tile of twice the rows halves the dequantization per weight (each weight is dequantized once per M tile).
+BLACKWELL_PREFILL_M = 256
+# Decode (block_n, warps): one warp per 16 output columns (a warp's MMA tile: 16 rows x 2 x 8 columns).
+DECODE_TILES = ((64, 4), (32, 2), (16, 1))
 
 
 def _fit_stages(cfg: TuningConfig, x_itemsize: int, gpu: GpuSpec) -> TuningConfig:
-    """Fewer pipeline stages (down to 2) until the pipeline fits the GPU's shared memory for one block."""
+    """Fewer pipeline stages (down to 2), then shorter steps, until the pipeline fits the GPU's shared
+    memory for one block."""
+    stages = cfg.num_stages
     while cfg.num_stages > 2 and cfg.smem_bytes(x_itemsize) > gpu.smem_per_block_optin:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    if cfg.smem_bytes(x_itemsize) > gpu.smem_per_block_optin and cfg.block_kw > MIN_DOT:
+        return _fit_stages(
+            dataclasses.replace(cfg, block_kw=cfg.block_kw // 2, num_stages=stages), x_itemsize, gpu
+        )
     return cfg
+
+
+def _decode_tile(n_pad: int, sms: int) -> tuple[int, int] | None:
+    """(block_n, warps) of the widest decode tile whose N tiles alone fill the SMs (one launch, no split),
+    the narrowest if its tiles reach a quarter of the SMs (a second launch costs more than idle SMs at
+    these sizes); None: too few columns, split K instead."""
+    for bn, warps in DECODE_TILES:
+        if -(-n_pad // bn) >= sms:
+            return bn, warps
+    bn, warps = DECODE_TILES[-1]
+    return (bn, warps) if 4 * -(-n_pad // bn) >= sms else None
 
 
 def choose_config(m: int, k_pad: int, n_pad: int, group: int, x_itemsize: int, gpu: GpuSpec) -> TuningConfig:
     """The config for an (m, K_pad) x (K_pad, N_pad) product on ``gpu``.
 
-    Decode (m <= 16): one 16-row tile, 64-column tiles, 64-word steps (512 K rows), split-K to fill two
-    waves of SMs: the weight streams once and the partials (splits x m x N floats) are small. Up to 64
-    rows: 64 x 128 tiles, 32-word steps, no split. Prefill: 128 x 128 tiles, 16-word steps (128 K rows),
-    8 warps. Steps shrink to what the group and P allow (a plane tile in one group); stages drop to what
-    the GPU's shared memory holds (Ada's and sm_120's 99 KB per block take fewer).
+    Decode (m <= 16): one 16-row tile, 128-word steps (1024 K rows), the widest of 64/32/16-column tiles
+    (4/2/1 warps) whose tiles fill the SMs: one launch, no partial sums; where even 16-column tiles leave
+    more than three quarters of the SMs idle, 64-column tiles and split-K to fill two waves of SMs (the
+    partials, splits x m x N floats, are small). Up to 64 rows: 64 x 128 tiles, 32-word steps, no split.
+    Prefill: 128 x 128 tiles (256 x 128 on sm_100 past 128 rows), 16-word steps (128 K rows), 8 warps.
+    Steps shrink to what the group and P allow (a plane tile in one group); stages, then steps, drop to
+    what the GPU's shared memory holds (Ada's and sm_120's 99 KB per block take fewer).
     """
     _, bm, bn, kw_max, warps, stages = next(b for b in BRANCHES if b[0] is None or m <= b[0])
     kw = largest_block_kw(k_pad, group, kw_max)
-    splits = (
-        _splits(plane_rows(k_pad) // kw, -(-n_pad // bn), gpu.sms, max(m, 1), k_pad) if bm == MIN_DOT else 1
-    )
+    splits = 1
+    if bm == MIN_DOT:
+        tile = _decode_tile(n_pad, gpu.sms)
+        if tile is None:
+            splits = _splits(plane_rows(k_pad) // kw, -(-n_pad // bn), gpu.sms, max(m, 1), k_pad)
+        else:
+            bn, warps = tile
+    while n_pad % bn:  # no N tile past N_pad (a multiple of 64): the compiled kernel masks rows only
+        bn //= 2
+        warps = max(1, warps // 2) if bm == MIN_DOT else warps
+    if bm == BRANCHES[-1][1] and gpu.compute_capability.startswith("10.") and m > bm:
+        bm = BLACKWELL_PREFILL_M
     cfg = TuningConfig(block_m=bm, block_n=bn, block_kw=kw, splits=splits, num_warps=warps, num_stages=stages)
-    return _fit_stages(cfg, x_itemsize, gpu)
+    cfg = _fit_stages(cfg, x_itemsize, gpu)
+    if cfg.splits > 1 and (plane_rows(k_pad) // cfg.block_kw) % cfg.splits:  # shorter steps: a divisor again
+        cfg = dataclasses.replace(
+            cfg, splits=_splits(plane_rows(k_pad) // cfg.block_kw, -(-n_pad // bn), gpu.sms, max(m, 1), k_pad)
+        )
+    return cfg
 
 
 def code_path(cfg: TuningConfig) -> TuningConfig:
@@ -125,24 +164,41 @@ def code_path(cfg: TuningConfig) -> TuningConfig:
 
 def candidate_configs(gpus: tuple[GpuSpec, ...]) -> set[TuningConfig]:
     """Every config :func:`choose_config` can return on these GPUs, as :func:`code_path` s, by
-    construction: each branch of M, every step size from 16 to the branch's largest, one split or several
-    (decode), the stage counts each GPU's shared memory leaves for 2- and 4-byte x."""
+    construction: each branch of M (each decode tile), every step size from 16 to the branch's largest,
+    one split or several (decode), the stage counts and steps each GPU's shared memory leaves for 2- and
+    4-byte x."""
     out = set()
     for _, bm, bn, kw_max, warps, stages in BRANCHES:
-        kw = MIN_DOT
-        while kw <= kw_max:
-            for splits in (1, 2) if bm == MIN_DOT else (1,):
-                base = TuningConfig(
-                    block_m=bm, block_n=bn, block_kw=kw, splits=splits, num_warps=warps, num_stages=stages
-                )
-                out.update(_fit_stages(base, size, gpu) for gpu in gpus for size in (2, 4))
-            kw *= 2
+        tiles = DECODE_TILES if bm == MIN_DOT else ((bn, warps), (bn // 2, warps))  # N_pad % 128 = 64
+        for tile_n, tile_warps in tiles:
+            kw = MIN_DOT
+            while kw <= kw_max:
+                for splits in (1, 2) if bm == MIN_DOT and tile_n == bn else (1,):
+                    base = TuningConfig(
+                        block_m=bm,
+                        block_n=tile_n,
+                        block_kw=kw,
+                        splits=splits,
+                        num_warps=tile_warps,
+                        num_stages=stages,
+                    )
+                    out.update(_fit_stages(base, size, gpu) for gpu in gpus for size in (2, 4))
+                    if bm == BRANCHES[-1][1]:
+                        wide = dataclasses.replace(base, block_m=BLACKWELL_PREFILL_M)
+                        out.update(
+                            _fit_stages(wide, size, gpu)
+                            for gpu in gpus
+                            if gpu.compute_capability.startswith("10.")
+                            for size in (2, 4)
+                        )
+                kw *= 2
     return out
 
 
 __all__ = [
     "BRANCHES",
     "DECODE_M",
+    "DECODE_TILES",
     "MIN_DOT",
     "TuningConfig",
     "block_kw_unsupported",

@@ -9,7 +9,8 @@ uint32 words (the packed codes, 4 bits a weight, straight from HBM: no dequantiz
 (splits, M, N_pad), summed and cast by one XLA fusion (the second launch).
 
 The blocks are whole arrays along K (x: (block_m, K_pad), words: (P, block_n), scales: (groups,
-block_n)): the kernel indexes them per step with ``pl.ds``; Pallas masks the last M tile's rows.
+block_n)): the kernel indexes them per step with ``pl.ds``, and masks the last M tile's rows itself (Pallas'
+Triton lowering masks nothing at block bounds); ``block_n`` divides N_pad.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from nybble.packing import pad_to
 from nybble.quant.qweight import QuantizedWeight
 
 
-def _kernel(*refs, cfg: TuningConfig, p: int, group: int, steps: int, asymmetric: bool):
+def _kernel(*refs, cfg: TuningConfig, p: int, group: int, steps: int, asymmetric: bool, asm: bool, m: int):
     if asymmetric:
         x_ref, w_ref, s_ref, o_ref, y_ref = refs
     else:
@@ -37,16 +38,37 @@ def _kernel(*refs, cfg: TuningConfig, p: int, group: int, steps: int, asymmetric
     per_split = steps // cfg.splits
     first = pl.program_id(2) * per_split
     kw = cfg.block_kw
+    # Rows of the last M tile past x's M: Pallas' Triton lowering masks nothing at block bounds (an
+    # unmasked access there reads or writes past the array: other rows, other splits' partials), so the
+    # x loads and the y store carry the row mask themselves (interpret mode drops such writes).
+    row = pl.program_id(1) * cfg.block_m + jax.lax.broadcasted_iota(jnp.int32, (cfg.block_m, 1), 0)
+    in_x = row < m
+
+    def x_at(k0):
+        tile = x_ref.at[:, pl.ds(pl.multiple_of(k0, kw), kw)]
+        return tile[...] if m % cfg.block_m == 0 else plgpu.load(tile, mask=in_x, other=0)
 
     acc = dequant.k_loop(
         lambda j0: w_ref[pl.ds(j0, kw), :],
-        lambda k0: x_ref[:, pl.ds(pl.multiple_of(k0, kw), kw)],
+        x_at,
         lambda g: s_ref[pl.ds(g, 1), :],
         None if o_ref is None else (lambda g: o_ref[pl.ds(g, 1), :]),
-        first=first, steps=per_split, block_kw=kw, plane_rows=p, group=group, x_dtype=x_ref.dtype,
-        route=cfg.route, tile_m=cfg.block_m, tile_n=cfg.block_n,
+        first=first,
+        steps=per_split,
+        block_kw=kw,
+        plane_rows=p,
+        group=group,
+        x_dtype=x_ref.dtype,
+        route=cfg.route,
+        tile_m=cfg.block_m,
+        tile_n=cfg.block_n,
+        asm=asm,
     )
-    y_ref[...] = acc.astype(y_ref.dtype).reshape(y_ref.shape)
+    y = acc.astype(y_ref.dtype).reshape(y_ref.shape)
+    if m % cfg.block_m == 0:
+        y_ref[...] = y
+    else:
+        plgpu.store(y_ref, y, mask=jnp.broadcast_to(in_x, y.shape))
 
 
 def dense_matmul(
@@ -61,6 +83,8 @@ def dense_matmul(
     steps = p // cfg.block_kw
     if steps % cfg.splits:
         raise ValueError(f"TuningConfig {cfg}: splits must divide the {steps} K steps")
+    if n_pad % cfg.block_n:  # no N tile may pass N_pad: the compiled kernel would write past y
+        raise ValueError(f"TuningConfig {cfg}: block_n must divide N_pad = {n_pad}")
     x_pad = x2d if x2d.shape[1] == k_pad else pad_to(x2d, (m, k_pad))
     grid = (pl.cdiv(n_pad, cfg.block_n), pl.cdiv(m, cfg.block_m), cfg.splits)
     in_specs = [
@@ -79,7 +103,14 @@ def dense_matmul(
         out_shape = jax.ShapeDtypeStruct((cfg.splits, m, n_pad), jnp.float32)
         out_spec = pl.BlockSpec((None, cfg.block_m, cfg.block_n), lambda j, i, s: (s, i, j))
     kernel = functools.partial(
-        _kernel, cfg=cfg, p=p, group=qw.group, steps=steps, asymmetric=qw.offsets is not None
+        _kernel,
+        cfg=cfg,
+        p=p,
+        group=qw.group,
+        steps=steps,
+        asymmetric=qw.offsets is not None,
+        asm=not interpret,  # inline PTX in the compiled kernel; its jnp equivalents in interpret mode
+        m=m,
     )
     y = pl.pallas_call(
         kernel,
@@ -98,8 +129,8 @@ def dense_matmul(
 
 def reference(x2d, qw: QuantizedWeight, cfg: TuningConfig) -> np.ndarray:
     """The kernel's arithmetic in float64 numpy, in its order of steps and planes. Accumulators route:
-    ``sum over (plane, step) of d s + sum(x) (o - (B + 8) s)``, with ``d = x (B + 8 + q)`` exact (equal
-    to the exact product up to float64 rounding). Weights route: ``x @ w``, each weight ``q s + o``
+    ``sum over (plane, step) of (x q) s + sum(x) o`` for bf16/f16 x (exact codes into the MMA); for f32
+    x ``d s + sum(x) (o - 8 s)``, with ``d = x (8 + q)``. Weights route: ``x @ w``, each weight ``q s + o``
     rounded once to f32, then to x's dtype."""
     from nybble.kernels.ops.matmul.reference import reference_codes
 
@@ -121,7 +152,10 @@ def reference(x2d, qw: QuantizedWeight, cfg: TuningConfig) -> np.ndarray:
                 w = (q[k0 : k0 + kw] * s[g] + o[g]).astype(np.float32).astype(x2d.dtype)
                 y += xt @ w.astype(np.float64)
                 continue
-            d = xt @ (b + q[k0 : k0 + kw])
+            if b > 8:  # bf16/f16 x: exact codes into the MMA, then the scale (and the offset times sum(x))
+                y += (xt @ q[k0 : k0 + kw]) * s[g] + xt.sum(1, keepdims=True) * o[g]
+                continue
+            d = xt @ (b + q[k0 : k0 + kw])  # f32 x: u = q + 8 into the MMA, the bias out in f32
             y += d * s[g] + xt.sum(1, keepdims=True) * (o[g] - b * s[g])
     return y[:, : qw.shape[1]]
 

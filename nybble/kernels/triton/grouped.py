@@ -50,7 +50,9 @@ def _find_tile(sizes_ref, t, *, experts: int, rows: int, bm: int):
     return e, tile, lo, hi
 
 
-def _kernel(*refs, cfg: TuningConfig, p: int, group: int, experts: int, rows: int, asymmetric: bool):
+def _kernel(
+    *refs, cfg: TuningConfig, p: int, group: int, experts: int, rows: int, asymmetric: bool, asm: bool
+):
     if asymmetric:
         sizes_ref, x_ref, w_ref, s_ref, o_ref, y_ref = refs
     else:
@@ -78,8 +80,16 @@ def _kernel(*refs, cfg: TuningConfig, p: int, group: int, experts: int, rows: in
             x_at,
             lambda g: s_ref[ex, pl.ds(g, 1), :],
             None if o_ref is None else (lambda g: o_ref[ex, pl.ds(g, 1), :]),
-            first=0, steps=steps, block_kw=kw, plane_rows=p, group=group, x_dtype=x_ref.dtype,
-            route=cfg.route, tile_m=bm, tile_n=bn,
+            first=0,
+            steps=steps,
+            block_kw=kw,
+            plane_rows=p,
+            group=group,
+            x_dtype=x_ref.dtype,
+            route=cfg.route,
+            tile_m=bm,
+            tile_n=bn,
+            asm=asm,
         )
         mine = (row >= lo) & (row < hi)
         plgpu.store(y_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], acc.astype(y_ref.dtype), mask=mine)
@@ -122,6 +132,7 @@ def grouped_matmul(
         experts=experts,
         rows=rows,
         asymmetric=qw.offsets is not None,
+        asm=not interpret,  # inline PTX in the compiled kernel; its jnp equivalents in interpret mode
     )
     y = pl.pallas_call(
         kernel,
