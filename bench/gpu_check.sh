@@ -68,24 +68,26 @@ if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
 fi
 
 # GPU tests first, so that their verdict is the first line printed. GPU_TESTS: space-separated test files
-# (default: the kernel's GPU tests). NYBBLE_GPU_TESTS_REQUIRE_GPU=1 makes tests/test_kernel_gpu.py refuse
-# to run anywhere but on a Hopper GPU (never in interpret mode).
+# (default: the Mosaic GPU kernels' and the Triton kernels' GPU tests). NYBBLE_GPU_TESTS_REQUIRE_GPU=1 makes
+# them refuse to run anywhere but on a GPU that runs their kernels (never in interpret mode).
 TESTS=()
 MISSING=()
-for t in ${GPU_TESTS:-tests/test_kernel_gpu.py}; do if [ -f "$t" ]; then TESTS+=("$t"); else MISSING+=("$t"); fi; done
+for t in ${GPU_TESTS:-tests/test_kernel_gpu.py tests/test_triton_gpu.py}; do if [ -f "$t" ]; then TESTS+=("$t"); else MISSING+=("$t"); fi; done
 TEST_RC=0
+# -v: a line per test as it ends, so a run stopped at TEST_TIMEOUT_S still shows what passed and failed.
 # ~280 kernels to compile: with pytest-xdist, GPU_TEST_WORKERS processes share the GPU (each a slice of its
 # memory) and compile on the machine's cores in parallel.
 PARALLEL=()
 if [ "${GPU_TEST_WORKERS:-4}" -gt 1 ] && "$PY" -c 'import xdist' 2>/dev/null; then
-  PARALLEL=(-n "${GPU_TEST_WORKERS:-4}")
+  # A worker whose CUDA context a kernel crash lost exits and is replaced (tests/conftest.py): allow many.
+  PARALLEL=(-n "${GPU_TEST_WORKERS:-4}" --max-worker-restart 400)
 fi
 if [ "$DRY_RUN" = 1 ] && [ ${#TESTS[@]} -gt 0 ]; then
   "$PY" -m pytest -q -p no:cacheprovider --collect-only "${TESTS[@]}" >"$DEST/tests.log.part" 2>&1
   TEST_RC=$?
 elif [ ${#TESTS[@]} -gt 0 ]; then
   XLA_PYTHON_CLIENT_MEM_FRACTION="${GPU_TEST_MEM_FRACTION:-0.2}" NYBBLE_GPU_TESTS_REQUIRE_GPU=1 \
-    timeout "$TEST_TIMEOUT_S" "$PY" -m pytest -q -p no:cacheprovider -rfEs ${PARALLEL[@]+"${PARALLEL[@]}"} \
+    timeout "$TEST_TIMEOUT_S" "$PY" -m pytest -v -p no:cacheprovider -rfEs ${PARALLEL[@]+"${PARALLEL[@]}"} \
     --durations=15 "${TESTS[@]}" >"$DEST/tests.log.part" 2>&1
   TEST_RC=$?
 else

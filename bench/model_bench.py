@@ -278,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default="smollm2",
-        help="smollm2 (default), smollm2-shapes (random weights, same architecture) or tiny-random",
+        help="smollm2 (default), smollm2-shapes (random weights, same architecture), llama3-8b-shapes "
+        "(random weights in Llama-3-8B's architecture: for a GPU) or tiny-random",
     )
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--new-tokens", type=int, default=None, help="decode steps (default 64 on GPU, 16 on CPU)")

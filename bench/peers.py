@@ -137,10 +137,22 @@ class NybblePeer:
 
     implementation: str
     reference: str = REF_GROUPED
+    # The layout this implementation reads (the Triton kernel: planes_int4); the benchmark's weight is
+    # converted once, outside the timing, as a user quantizing for that GPU would store it.
+    layout: str | None = None
 
     @property
     def name(self) -> str:
         return f"nybble:{self.implementation}"
+
+    def _weight(self, case: Case) -> QuantizedWeight:
+        qw = case.weights[REF_GROUPED]
+        if self.layout is None or qw.layout == self.layout:
+            return qw
+        key = f"{REF_GROUPED}@{self.layout}"
+        if key not in case.weights:
+            case.weights[key] = relayout(qw, self.layout)
+        return case.weights[key]
 
     @property
     def description(self) -> str:
@@ -148,7 +160,7 @@ class NybblePeer:
 
     def unavailable(self, case: Case) -> str | None:
         try:
-            avail = available_implementations(case.xs[0], case.weights[REF_GROUPED])
+            avail = available_implementations(case.xs[0], self._weight(case))
             return avail[self.implementation].reason
         except KeyError:
             return f"nybble has no implementation {self.implementation!r}"
@@ -158,7 +170,7 @@ class NybblePeer:
 
     def prepare(self, case: Case, n_sets: int) -> Prepared:
         impl = self.implementation
-        qw = case.weights[REF_GROUPED]
+        qw = self._weight(case)
         return _jax_prepared(
             lambda x, w: nybble.matmul(x, w, implementation=impl),
             case.x_sets(n_sets),
@@ -413,8 +425,10 @@ class TokamaxPeer:
 def all_peers(include: Sequence[str] | None = None) -> list[Peer]:
     """Every nybble implementation, then the peers; ``include`` keeps the names (or prefixes) given."""
     from nybble.kernels import IMPLEMENTATIONS
+    from nybble.kernels.triton.backend import LAYOUT as TRITON_LAYOUT
 
-    peers: list[Peer] = [NybblePeer(impl) for impl in IMPLEMENTATIONS]
+    layouts = {"triton": TRITON_LAYOUT}
+    peers: list[Peer] = [NybblePeer(impl, layout=layouts.get(impl)) for impl in IMPLEMENTATIONS]
     peers += [XlaBf16Peer(), XlaInt4Peer(), TorchInt4Peer(), TokamaxPeer()]
     if include:
         peers = [p for p in peers if any(p.name == s or p.name.startswith(s) for s in include)]

@@ -91,3 +91,13 @@ def test_main_without_weights_writes_reason_and_exits_3(tmp_path, monkeypatch, c
     result = json.loads((tmp_path / "model_bench.json").read_text())
     assert result["rows"] == [] and not result["checks_ok"] and "weights not found" in result["skipped"]
     assert "cannot load smollm2" in capsys.readouterr().err
+
+
+def test_llama3_8b_shapes_is_the_published_architecture():
+    """The zoo's Llama-3-8B stand-in has the fields bench.decode reads from the published config.json."""
+    from bench.decode.models import HF_CONFIGS
+    from nybble.models.evaluate.zoo import LLAMA3_8B_CONFIG, MODELS
+    from nybble.models.io.hf.config import decoder_config_from_hf
+
+    assert decoder_config_from_hf(HF_CONFIGS["llama3-8b"]) == LLAMA3_8B_CONFIG
+    assert "llama3-8b-shapes" in MODELS

@@ -58,23 +58,28 @@ def test_default_layout_follows_the_gpu(gpu):
 
 
 @pytest.mark.parametrize("dev", [A100, RTX5090], ids=lambda d: d.device_kind)
-def test_none_takes_triton_off_hopper(gpu, dev):
+def test_none_passes_triton_over_on_a_gpu_until_a_hardware_check_passes(gpu, dev):
     gpu(dev)
     x = jax.ShapeDtypeStruct((4, 512), jnp.bfloat16)
     text = nybble.kernels.explain(x, _weight("planes_int4"))
-    assert "runs 'triton' (implementation=None)" in text
-    assert "Triton kernel config for M=4 on" in text and "not 'mosaic_gpu'" in text
-    out = jax.eval_shape(lambda x: nybble.matmul(x, _weight("planes_int4")), x)  # traced through the kernel
-    assert out.shape == (4, 256) and out.dtype == jnp.bfloat16
+    assert "runs 'xla' (implementation=None)" in text
+    assert "not 'triton': the Triton kernels returned wrong outputs on their first real GPU" in text
+    assert "not 'mosaic_gpu'" in text
+    forced = nybble.kernels.explain(x, _weight("planes_int4"), implementation="triton")
+    assert "runs 'triton' (forced)" in forced and "Triton kernel config for M=4 on" in forced
+    out = jax.eval_shape(lambda x: nybble.matmul(x, _weight("planes_int4"), implementation="triton"), x)
+    assert out.shape == (4, 256) and out.dtype == jnp.bfloat16  # traced through the kernel
+    with triton_backend.interpret("rtx5090" if dev is RTX5090 else "a100"):  # no gate in interpret mode
+        assert "runs 'triton' (implementation=None)" in nybble.kernels.explain(x, _weight("planes_int4"))
 
 
-def test_hopper_takes_mosaic_and_f32_x_goes_to_triton(gpu):
+def test_hopper_takes_mosaic_and_f32_x_goes_to_xla_naming_triton(gpu):
     gpu(H100)
     assert "runs 'mosaic_gpu'" in nybble.kernels.explain(
         jnp.zeros((4, 512), jnp.bfloat16), _weight("wgmma_int4")
     )
     text = nybble.kernels.explain(jnp.zeros((4, 512), jnp.float32), _weight("planes_int4"))
-    assert "runs 'triton'" in text and "not 'mosaic_gpu'" in text
+    assert "runs 'xla'" in text and "not 'mosaic_gpu'" in text and "not 'triton': the Triton" in text
 
 
 def test_cpu_takes_xla_and_says_why_not_triton(gpu):

@@ -9,6 +9,10 @@ A backend is one module, imported on first use, that exposes six plain functions
     ragged_unsupported(x, qw, group_sizes) -> str | None
     ragged_matmul(x, qw, group_sizes) -> jax.Array
 
+and, optionally, ``unverified(x, qw)`` / ``ragged_unverified(x, qw, group_sizes)`` -> str | None: why
+``implementation=None`` passes it over although it could run (on a real GPU, no config of it has passed a
+hardware check for these arguments); a forced implementation ignores it.
+
 :data:`BACKENDS` maps each ``implementation=`` name to its module, in the order ``implementation=None``
 tries them; adding a backend is one line there. An op (``ops/matmul/api.py``, ``ops/ragged_matmul/api.py``)
 names its pair of functions as an :class:`Op` and calls :func:`run`, :func:`availability` and
@@ -65,6 +69,7 @@ class Op:
     what: str  # "nybble.matmul"
     unsupported: str  # "unsupported" / "ragged_unsupported"
     compute: str  # "matmul" / "ragged_matmul"
+    unverified: str  # "unverified" / "ragged_unverified"
 
 
 _LOADED: dict[str, ModuleType | str] = {}
@@ -99,6 +104,24 @@ def _reason(op: Op, name: str, args: tuple[Any, ...]) -> str | None:
     return _unsupported(op, name, args) or load(name).not_here()
 
 
+def _unverified(op: Op, name: str, args: tuple[Any, ...]) -> str | None:
+    """Why ``implementation=None`` passes over backend ``name``, which could run: not hardware-checked."""
+    gate = getattr(load(name), op.unverified, None)
+    return None if gate is None else gate(*args)
+
+
+def default_choice(op: Op, args: tuple[Any, ...]) -> tuple[str, list[str]]:
+    """The backend ``implementation=None`` runs ``op`` on ``args`` with, and why each one before it was
+    passed over ("not 'mosaic_gpu': ..."). NotImplementedError when none can run them."""
+    passed_over = []
+    for name in IMPLEMENTATIONS:
+        why = _reason(op, name, args) or _unverified(op, name, args)
+        if why is None:
+            return name, passed_over
+        passed_over.append(f"not {name!r}: {why}")
+    raise NotImplementedError(f"{op.what}: nothing can run these arguments: " + "; ".join(passed_over))
+
+
 def availability(op: Op, args: tuple[Any, ...]) -> dict[str, Availability]:
     """Each backend, in dispatch order, and whether it can run ``op`` on ``args`` here (with the reason)."""
     reasons = {name: _reason(op, name, args) for name in IMPLEMENTATIONS}
@@ -109,23 +132,18 @@ def run(op: Op, implementation: Implementation | None, args: tuple[Any, ...]) ->
     """``op`` on ``args`` by the backend asked for, or by the first that can run here.
 
     A forced backend is checked against the arguments only (``NotImplementedError`` saying why): the
-    machine is its own business at lowering, so tracing and lowering for a GPU work on a CPU. None tries
-    each backend in turn; landing on :data:`FALLBACK` on a GPU machine warns once per reason.
+    machine is its own business at lowering, so tracing and lowering for a GPU work on a CPU. None takes
+    :func:`default_choice`; landing on :data:`FALLBACK` on a GPU machine warns once per reason.
     """
     if implementation is not None:
         why = _unsupported(op, implementation, args)
         if why is not None:
             raise NotImplementedError(f"{op.what}(implementation={implementation!r}) cannot run: {why}")
         return getattr(load(implementation), op.compute)(*args)
-    passed_over = []
-    for name in IMPLEMENTATIONS:
-        why = _reason(op, name, args)
-        if why is None:
-            if name == FALLBACK and passed_over:
-                _warn_fallback(op.what, "; ".join(passed_over))
-            return getattr(load(name), op.compute)(*args)
-        passed_over.append(f"not {name!r}: {why}")
-    raise NotImplementedError(f"{op.what}: nothing can run these arguments: " + "; ".join(passed_over))
+    name, passed_over = default_choice(op, args)
+    if name == FALLBACK and passed_over:
+        _warn_fallback(op.what, "; ".join(passed_over))
+    return getattr(load(name), op.compute)(*args)
 
 
 # Reasons already warned about by implementation=None on a GPU machine (once per reason and process).
@@ -162,6 +180,7 @@ __all__ = [
     "Op",
     "availability",
     "check_implementation",
+    "default_choice",
     "describe",
     "load",
     "run",

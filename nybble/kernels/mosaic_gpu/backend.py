@@ -6,6 +6,10 @@ kernel, dense only; the grouped matmul takes the XLA path there, saying so). Ins
 ``nybble.kernels.interpret(gpu=...)`` the family of that GPU runs on any machine. With no GPU and no
 interpreter (lowering for CUDA on a CPU) the Hopper kernels are traced. The SM count their heuristics plan
 for is asked of the device once per call, never at trace time inside a kernel.
+
+On a real Hopper GPU the heuristics choose among the configs that passed the hardware check
+(``hardware.py``), forced or not; where none fits, ``implementation=None`` passes the kernel over
+(:func:`unverified`) and a forced call runs the heuristics' own pick.
 """
 
 from __future__ import annotations
@@ -13,10 +17,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from nybble.kernels import device
-from nybble.kernels.mosaic_gpu import dense, grouped
+from nybble.kernels.mosaic_gpu import dense, grouped, hardware
+from nybble.kernels.mosaic_gpu.config import TuningConfig
 from nybble.kernels.mosaic_gpu.dense import is_interpret_active
+from nybble.kernels.mosaic_gpu.grouped_config import grouped_heuristic_config
 from nybble.kernels.mosaic_gpu.interpret import active_gpu
 from nybble.kernels.ops.ragged_matmul.xla import group_bounds
 from nybble.quant.qweight import QuantizedWeight
@@ -60,6 +67,56 @@ def _num_sms(default: int) -> int:
     return int(sms) if sms else default
 
 
+def _on_hopper_hardware() -> bool:
+    """Whether the Hopper kernels run on a real GPU here (not interpreted, not lowered on a CPU)."""
+    return not is_interpret_active() and family() == "hopper"
+
+
+def _dense_config(m: int, qw: QuantizedWeight) -> tuple[TuningConfig, bool]:
+    """The Hopper kernel's config for M rows on this GPU, and whether it is hardware-verified: on a real
+    GPU the heuristics' pick among verified configs where one fits, else their own pick."""
+    sms = device.num_sms()
+    if _on_hopper_hardware():
+        try:
+            return dense.plan(m, qw, num_sms=sms, allow=hardware.verified).config, True
+        except ValueError:
+            pass
+    config = dense.plan(m, qw, num_sms=sms).config
+    return config, hardware.verified(config)
+
+
+def _grouped_config(rows: int, qw: QuantizedWeight) -> tuple[TuningConfig, bool]:
+    """The grouped kernel's config, as :func:`_dense_config` chooses the dense one."""
+    k_pad, n_pad = qw.padded_shape
+    args = (rows, int(qw.codes.shape[0]), n_pad, k_pad, qw.group_size, device.num_sms())
+    options = dense.weight_options(qw)
+    if _on_hopper_hardware():
+        try:
+            return grouped_heuristic_config(*args, allow=hardware.verified, **options), True
+        except ValueError:
+            pass
+    config = grouped_heuristic_config(*args, **options)
+    return config, hardware.verified(config)
+
+
+def unverified(x: Any, qw: QuantizedWeight) -> str | None:
+    """Why ``implementation=None`` passes the dense kernel over although it could run: on a real Hopper GPU,
+    no config that passed the hardware check fits these arguments. None elsewhere."""
+    if not _on_hopper_hardware():
+        return None
+    config, ok = _dense_config(int(np.prod(x.shape[:-1])), qw)
+    return None if ok else hardware.unverified_reason(config)
+
+
+def ragged_unverified(x: Any, qw: QuantizedWeight, group_sizes: Any) -> str | None:
+    """:func:`unverified` for the grouped kernel."""
+    del group_sizes
+    if not _on_hopper_hardware():
+        return None
+    config, ok = _grouped_config(int(x.shape[0]), qw)
+    return None if ok else hardware.unverified_reason(config)
+
+
 def unsupported(x: Any, qw: QuantizedWeight) -> str | None:
     """Why the dense kernel cannot compute ``x @ dequantize(qw)`` at all (dtype, layout), or None."""
     return dense.is_supported(x, qw)
@@ -87,7 +144,8 @@ def matmul(x2d: jax.Array, qw: QuantizedWeight) -> jax.Array:
         from nybble.kernels.mosaic_gpu.blackwell import api as blackwell
 
         return blackwell.matmul_supported(x2d, qw, num_sms=_num_sms(blackwell.DEFAULT_NUM_SMS))
-    return dense.matmul_supported(x2d, qw, num_sms=device.num_sms())
+    config = _dense_config(x2d.shape[0], qw)[0] if _on_hopper_hardware() else None
+    return dense.matmul_supported(x2d, qw, num_sms=device.num_sms(), config=config)
 
 
 def describe(m: int, qw: QuantizedWeight) -> str:
@@ -98,8 +156,11 @@ def describe(m: int, qw: QuantizedWeight) -> str:
         sms = _num_sms(blackwell.DEFAULT_NUM_SMS)
         config = blackwell.plan(m, qw, num_sms=sms).config
         return f"Blackwell (tcgen05) kernel config for M={m} on {sms} SMs: {config}"
-    sms = device.num_sms()
-    return f"kernel config for M={m} on {sms} SMs: {dense.plan(m, qw, num_sms=sms).config}"
+    config, ok = _dense_config(m, qw)
+    checked = ""
+    if _on_hopper_hardware():
+        checked = " (a structure that passed the hardware check)" if ok else " (NOT hardware-checked)"
+    return f"kernel config for M={m} on {device.num_sms()} SMs: {config}{checked}"
 
 
 def ragged_unsupported(x: Any, qw: Any, group_sizes: Any) -> str | None:
@@ -122,7 +183,8 @@ def ragged_matmul(x: jax.Array, qw: QuantizedWeight, group_sizes: jax.Array) -> 
     if (why := _no_kernel_here()) is not None:
         raise NotImplementedError(f"nybble.ragged_matmul(implementation='mosaic_gpu') cannot run: {why}")
     _, sizes = group_bounds(group_sizes, x.shape[0])
-    return grouped.grouped_matmul(x, qw, sizes, num_sms=device.num_sms())
+    config = _grouped_config(int(x.shape[0]), qw)[0] if _on_hopper_hardware() else None
+    return grouped.grouped_matmul(x, qw, sizes, config=config, num_sms=device.num_sms())
 
 
 __all__ = [
@@ -133,5 +195,7 @@ __all__ = [
     "not_here",
     "ragged_matmul",
     "ragged_unsupported",
+    "ragged_unverified",
     "unsupported",
+    "unverified",
 ]

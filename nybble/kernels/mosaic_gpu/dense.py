@@ -111,19 +111,23 @@ def plan(
     num_sms: int = DEFAULT_NUM_SMS,
     config: TuningConfig | None = None,
     dtype: Any = jnp.bfloat16,
+    allow: Callable[[TuningConfig], bool] | None = None,
 ) -> Problem:
     """The kernel launch one ``nybble.matmul`` of M rows against ``qw`` makes: config, padding, grid.
 
-    ``config`` None takes :func:`heuristic_config`'s choice for a GPU of ``num_sms`` SMs; ``dtype`` is the
-    activations' (bf16 or f16: both 2 bytes, so the same config). What the X-ray (``bench.xray``) reads to
-    model a call, and what the wrapper itself runs.
+    ``config`` None takes :func:`heuristic_config`'s choice for a GPU of ``num_sms`` SMs (among the configs
+    ``allow`` accepts: on a real GPU, those that passed the hardware check, ``hardware.py``); ``dtype`` is
+    the activations' (bf16 or f16: both 2 bytes, so the same config). What the X-ray (``bench.xray``) reads
+    to model a call, and what the wrapper itself runs.
     """
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"plan: activations must be bfloat16 or float16, got {jnp.dtype(dtype)}")
     k_pad, n_pad = qw.padded_shape
     m = max(m, 1)
     if config is None:
-        config = heuristic_config(m, n_pad, k_pad, qw.group_size, num_sms, **weight_options(qw))
+        config = heuristic_config(
+            m, n_pad, k_pad, qw.group_size, num_sms, allow=allow, **weight_options(qw)
+        )
     config.check_problem(m, n_pad, k_pad, qw.group)
     return problem(m, qw, config, dtype)
 
@@ -256,7 +260,10 @@ def check_call(
         raise ValueError(f"{what}: num_sms={num_sms} must be positive")
 
 
-def matmul_supported(x2d: jax.Array, qw: QuantizedWeight, *, num_sms: int) -> jax.Array:
-    """:func:`mosaic_gpu_matmul` with the heuristic config, for arguments :func:`is_supported` already
-    accepted: what ``nybble.matmul`` calls, so that one call checks its arguments once."""
-    return _matmul(x2d, qw, None, int(num_sms))
+def matmul_supported(
+    x2d: jax.Array, qw: QuantizedWeight, *, num_sms: int, config: TuningConfig | None = None
+) -> jax.Array:
+    """:func:`mosaic_gpu_matmul` (``config`` None: the heuristic config), for arguments
+    :func:`is_supported` already accepted: what ``nybble.matmul`` calls, so that one call checks its
+    arguments once."""
+    return _matmul(x2d, qw, config, int(num_sms))

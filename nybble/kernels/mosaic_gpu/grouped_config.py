@@ -17,6 +17,7 @@ over a count of tiles known only on the device).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from nybble.kernels.device import DEFAULT_NUM_SMS
@@ -92,12 +93,14 @@ def grouped_heuristic_config(
     k_pad: int,
     group_size: int | None,
     num_sms: int = DEFAULT_NUM_SMS,
+    allow: Callable[[TuningConfig], bool] | None = None,
     **options: Any,
 ) -> TuningConfig:
     """The config of a grouped matmul of ``rows`` rows of x over ``experts`` (K_pad, N_pad) weights: the
     dense heuristic's pick for :func:`planned_rows` rows on :func:`active_experts` weights at once,
-    among the configs :func:`grouped_allows`. ``options``: the dense heuristic's (``has_offsets``,
-    ``scale_bytes``), passed on as given."""
+    among the configs :func:`grouped_allows` (and ``allow``, where given: on a real GPU, the configs that
+    passed the hardware check). ``options``: the dense heuristic's (``has_offsets``, ``scale_bytes``),
+    passed on as given."""
     if rows < 1 or experts < 1:
         raise ValueError(f"grouped_heuristic_config: bad problem rows={rows}, experts={experts}")
     config = heuristic_config(
@@ -107,7 +110,7 @@ def grouped_heuristic_config(
         group_size,
         num_sms,
         experts=active_experts(rows, experts),
-        allow=grouped_allows,
+        allow=grouped_allows if allow is None else (lambda c: grouped_allows(c) and allow(c)),
         **options,
     )
     # The dense heuristic puts a warp-specialized pick on a persistent grid where tiles outnumber SMs.

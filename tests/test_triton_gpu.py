@@ -1,0 +1,130 @@
+"""The portable Triton kernels on a real NVIDIA GPU (compute capability 8.0+) against the float64 reference.
+
+Where it runs:
+  * on an NVIDIA GPU of compute capability 8.0 or newer (an H200 in ``make gpu-check``): every case below,
+    compiled by Triton with each config's own launch parameters (warps, pipeline stages), which interpret
+    mode does not model;
+  * without one (CI): the first case of each test in Pallas' interpret mode (a smoke check of this module;
+    tests/test_triton_interpret.py is CI's full check of the numbers);
+  * ``NYBBLE_GPU_TESTS_REQUIRE_GPU=1`` (bench/gpu_check.sh sets it): the module refuses to be collected
+    unless a GPU runs it, so a GPU check never passes on interpret mode.
+
+What is checked: every config the heuristics can pick for any GPU of ``nybble.kernels.gpu.GPUS``, bit-exact on
+small integers on the smallest problem that runs each code path; ``nybble.matmul(implementation="triton")``
+at Llama-3-8B shapes and M = 1, 16, 64, 2048 on random data within the rounding bound of the float64
+reference; f16 and f32 activations; the grouped kernel with empty experts and rows past the group sizes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nybble
+from nybble.kernels.triton import backend, dense, grouped
+from nybble.kernels.triton.config import TuningConfig
+from tests.kernel_checks import activations, assert_exact, env_flag, exact_weight
+from tests.test_triton_interpret import CONFIGS, _random_weight, _shape_for, _stack, assert_kernel_close
+
+
+def _mode() -> tuple[str, str]:
+    """("gpu", the device) where Triton compiles for a real GPU here, else ("interpret", why not)."""
+    reason = backend.not_here()
+    mode = ("interpret", reason) if reason is not None else ("gpu", str(jax.devices()[0].device_kind))
+    if env_flag("NYBBLE_GPU_TESTS_REQUIRE_GPU") and mode[0] != "gpu":
+        raise RuntimeError(
+            f"NYBBLE_GPU_TESTS_REQUIRE_GPU=1 but the Triton GPU tests would run in interpret mode ({mode[1]})"
+        )
+    return mode
+
+
+MODE = _mode()
+ON_GPU = MODE[0] == "gpu"
+INTERPRET = not ON_GPU
+
+
+def _cases(cases: list) -> list:
+    """Every case on a GPU; the first one (a smoke check) in interpret mode."""
+    return cases if ON_GPU else cases[:1]
+
+
+@pytest.mark.parametrize("cfg", _cases(CONFIGS), ids=str)
+def test_every_config_exact(cfg):
+    rng = np.random.default_rng(abs(hash(str(cfg))) % 2**32)
+    m, k, n = _shape_for(cfg)
+    for symmetric, group in ((True, cfg.block_kw if cfg.block_kw < 64 else 128), (False, None)):
+        qw = exact_weight(rng, k, n, group, symmetric, layout="planes_int4")
+        x = activations(rng, m, k, exact=True)
+        y = dense.dense_matmul(x, qw, cfg, interpret=INTERPRET)
+        assert_exact(y, x, qw)
+
+
+_REAL_SHAPES = [  # (M, K, N, group, symmetric): Llama-3-8B's q/o, gate/up and down projections
+    (1, 4096, 4096, 128, True),
+    (16, 4096, 14336, 128, True),
+    (1, 14336, 4096, 128, False),
+    (64, 4096, 4096, 32, False),
+    (2048, 4096, 4096, 128, True),
+    (16, 14336, 4096, None, True),
+]
+if INTERPRET:
+    _REAL_SHAPES = [(3, 512, 256, 128, True)]
+
+
+@pytest.mark.parametrize("m, k, n, group, symmetric", _REAL_SHAPES)
+def test_matmul_through_the_heuristics_within_rounding(m, k, n, group, symmetric):
+    rng = np.random.default_rng(m + k + n)
+    qw = _random_weight(rng, k, n, group, symmetric)
+    x = activations(rng, m, k)
+    cfg = backend.plan(m, qw, x.dtype)
+    if ON_GPU:
+        y = jax.jit(lambda x, w: nybble.matmul(x, w, implementation="triton"))(x, qw)
+    else:
+        with backend.interpret("h200"):
+            y = jax.jit(lambda x, w: nybble.matmul(x, w, implementation="triton"))(x, qw)
+    y.block_until_ready()
+    assert y.shape == (m, n) and y.dtype == x.dtype
+    assert_kernel_close(y, x, qw, cfg.route)
+
+
+@pytest.mark.parametrize(
+    "x_dtype, cfg",
+    _cases(
+        [
+            (jnp.float16, TuningConfig(block_m=16, block_n=64, block_kw=16, splits=2)),
+            (jnp.float32, TuningConfig(block_m=64, block_n=128, block_kw=16)),
+            (jnp.float16, TuningConfig(block_m=128, block_n=128, block_kw=16, num_warps=8, num_stages=3)),
+        ]
+    ),
+    ids=str,
+)
+def test_f16_f32_activations(x_dtype, cfg):
+    rng = np.random.default_rng(2)
+    qw = _random_weight(rng, 750, 200, 32, symmetric=False, scale_dtype=jnp.float16)
+    x = activations(rng, 37, 750, dtype=x_dtype)
+    y = dense.dense_matmul(x, qw, cfg, interpret=INTERPRET)
+    assert y.dtype == x_dtype and y.shape == (37, 200)
+    assert_kernel_close(y, x, qw, cfg.route)
+
+
+@pytest.mark.parametrize(
+    "symmetric, cfg",
+    _cases(
+        [
+            (True, TuningConfig(block_m=16, block_n=64, block_kw=16)),
+            (False, TuningConfig(block_m=64, block_n=128, block_kw=16)),
+        ]
+    ),
+    ids=str,
+)
+def test_grouped_exact_with_empty_experts_and_tail(symmetric, cfg):
+    rng = np.random.default_rng(5)
+    qw = _stack(rng, 4, 256, 128, 32, symmetric, exact=True)
+    x = activations(rng, 41, 256, exact=True)
+    sizes = jnp.asarray([9, 0, 20, 3], jnp.int32)  # rows 32..40 past the sum: zeros
+    y = grouped.grouped_matmul(x, qw, sizes, cfg, interpret=INTERPRET)
+    expected = grouped.reference(x, qw, sizes).astype(np.float32).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(y), expected)
+    assert (np.asarray(y)[32:] == 0).all() and np.abs(np.asarray(y)[:32]).sum() > 0
