@@ -300,12 +300,37 @@ def test_cuda_root_links_the_tools(tmp_path, monkeypatch):
 _CASES = gate_cases(H200.sms)
 
 
+def _folded_twins() -> list[tuple]:
+    """(symmetric, asymmetric) pairs: a gate case compiled asymmetric whose symmetric twin has the same
+    config and folds the bias into WGMMA (other code than the asymmetric kernel's)."""
+    import dataclasses
+
+    from bench.xray.cases import kernel_key
+    from nybble.kernels.mosaic_gpu.config import folds_bias
+
+    twins = []
+    for asym in _CASES:
+        if asym.symmetric:
+            continue
+        config = kernel_key(asym, H200.sms)[0]
+        sym = dataclasses.replace(asym, symmetric=True)
+        if folds_bias(config, has_offsets=False) and kernel_key(sym, H200.sms)[0] == config:
+            twins.append((sym, asym))
+    return twins
+
+
+_FOLDED_TWINS = _folded_twins()
+
+
 @pytest.fixture(scope="module")
 def compiled() -> dict:
+    """The gate's cases and the first folded symmetric twin, in one run of the compile workers (each
+    worker's start, jax and the CUDA plugin, is paid once)."""
     from bench.xray.runner import run_cases
 
     try:
-        return run_cases(_CASES, gpu="h200", jobs=2, progress=False)
+        twin = [sym for sym, _ in _FOLDED_TWINS[:1] if sym not in _CASES]
+        return run_cases([*_CASES, *twin], gpu="h200", jobs=2, progress=False)
     except ToolchainMissing as e:
         pytest.fail(f"the X-ray toolchain is missing: {e}")
 
@@ -357,24 +382,13 @@ def test_gate_compiles_every_config_once():
 def test_folded_symmetric_loop_is_shorter_than_its_asymmetric_twin(compiled):
     """Why the gate compiles the asymmetric twin of a kernel that folds the bias when symmetric: the
     symmetric kernel (one FMA a group fewer, one accumulator) has the shorter main loop and no more
-    registers. Compiles the symmetric twin of a gate case and compares it with the gate's compile."""
-    import dataclasses
-
-    from bench.xray.cases import kernel_key
-    from bench.xray.runner import run_cases
-    from nybble.kernels.mosaic_gpu.config import folds_bias
-
-    twins = []
-    for asym in _CASES:
-        if asym.symmetric:
-            continue
-        config = kernel_key(asym, H200.sms)[0]
-        sym = dataclasses.replace(asym, symmetric=True)
-        if folds_bias(config, has_offsets=False) and kernel_key(sym, H200.sms)[0] == config:
-            twins.append((sym, asym))
-    assert twins, "no gate case folds the bias when symmetric"
-    sym, asym = twins[0]
-    sym_kernel = run_cases([sym], gpu="h200", jobs=1, progress=False)[sym.key]["report"]["kernels"][0]
+    registers. The symmetric twin of a gate case is compiled beside the gate (the ``compiled`` fixture)
+    and compared with the gate's compile of the asymmetric one."""
+    assert _FOLDED_TWINS, "no gate case folds the bias when symmetric"
+    sym, asym = _FOLDED_TWINS[0]
+    sym_record = compiled[sym.key]
+    assert "error" not in sym_record, sym_record.get("traceback", sym_record.get("error"))
+    sym_kernel = sym_record["report"]["kernels"][0]
     asym_kernel = compiled[asym.key]["report"]["kernels"][0]
     assert sym_kernel["loop"]["instructions"] < asym_kernel["loop"]["instructions"]
     assert sym_kernel["registers"] <= asym_kernel["registers"] and sym_kernel["spill_bytes"] == 0
@@ -442,12 +456,33 @@ def _moe_gate_cases() -> list:
 _MOE_CASES = _moe_gate_cases()
 
 
+def _moe_peer_cases() -> list:
+    """Qwen3-30B-A3B down at one token, g128 symmetric (a gate case), and the XLA programs bench/moe.py
+    times beside it (``moe_cases.XLA_PEERS``)."""
+    import dataclasses
+
+    from bench.xray import moe_cases
+
+    (kernel,) = [
+        c
+        for c in moe_cases.build_cases({"qwen3-30b-a3b": moe_cases.MOE_SHAPES["qwen3-30b-a3b"]}, (1,))
+        if c.shape.endswith("down") and c.symmetric
+    ]
+    return [kernel] + [dataclasses.replace(kernel, peer=p) for p in moe_cases.XLA_PEERS]
+
+
+_MOE_PEER_CASES = _moe_peer_cases()
+
+
 @pytest.fixture(scope="module")
 def moe_compiled() -> dict:
+    """The grouped gate's cases and the XLA peers' programs, in one run of the compile workers (their
+    start is paid once, and the peers' kernel case is the gate's compile)."""
     from bench.xray.runner import run_cases
 
+    cases = [*_MOE_CASES, *(c for c in _MOE_PEER_CASES if c not in _MOE_CASES)]
     try:
-        return run_cases(_MOE_CASES, gpu="h200", jobs=2, progress=False, worker="bench.xray.moe_worker")
+        return run_cases(cases, gpu="h200", jobs=2, progress=False, worker="bench.xray.moe_worker")
     except ToolchainMissing as e:
         pytest.fail(f"the X-ray toolchain is missing: {e}")
 
@@ -487,22 +522,15 @@ def test_moe_kernel_xray_gate(case, moe_compiled, baseline):
         assert instructions_per_weight_of_w(case, record) <= 2.0
 
 
-def test_moe_xla_peers_compile_to_launches_and_bytes():
+def test_moe_xla_peers_compile_to_launches_and_bytes(moe_compiled):
     """The XLA programs bench/moe.py times beside the grouped kernel (ragged_dot on the bf16 stack, on the
     dequantized int4 stack, nybble's XLA path) have X-ray rows: their launches and bytes, no main loop; the
     kernel reads less than any of them at decode (4 of 128 experts' weights)."""
-    import dataclasses
-
     from bench.xray import moe_cases
-    from bench.xray.runner import run_cases
 
-    (kernel,) = [
-        c
-        for c in moe_cases.build_cases({"qwen3-30b-a3b": moe_cases.MOE_SHAPES["qwen3-30b-a3b"]}, (1,))
-        if c.shape.endswith("down") and c.symmetric
-    ]
-    cases = [kernel] + [dataclasses.replace(kernel, peer=p) for p in moe_cases.XLA_PEERS]
-    records = run_cases(cases, gpu="h200", jobs=2, progress=False, worker="bench.xray.moe_worker")
+    records = {c.key: moe_compiled[c.key] for c in _MOE_PEER_CASES}
+    for key, record in records.items():
+        assert "error" not in record, (key, record.get("traceback", record.get("error")))
     ceilings = model.ceilings_for(H200)
     rows = {
         r["peer"]: r
