@@ -1,7 +1,7 @@
 """Dispatch to the Blackwell kernel family by compute capability, with faked devices (no GPU needed): the
 "mosaic_gpu" backend takes 10.x (B200, GB200, B300), a forced "mosaic_gpu" on a GPU with no nybble kernel
-raises naming it and the GPUs that have one, and the grouped matmul on Blackwell takes the XLA path saying
-why."""
+raises naming it and the GPUs that have one, and the grouped matmul on Blackwell takes the grouped tcgen05
+kernel."""
 
 from __future__ import annotations
 
@@ -68,13 +68,27 @@ def test_forced_on_a_gpu_without_a_kernel_names_it(monkeypatch):
     assert not nybble.kernels.available_implementations(x, qw)["mosaic_gpu"]
 
 
-def test_grouped_matmul_on_blackwell_takes_xla_and_says_why(monkeypatch):
-    _fake(monkeypatch, _Gpu("NVIDIA B200", "10.0", 148))
+@pytest.mark.parametrize("kind,cc,sms", [("NVIDIA B200", "10.0", 148), ("NVIDIA GB200", "10.0", 152)])
+def test_grouped_matmul_on_blackwell_takes_the_tcgen05_kernel(monkeypatch, kind, cc, sms):
+    """Traced, not run (no GPU here): nybble.ragged_matmul on a 10.x GPU is the grouped tcgen05 kernel,
+    planned for the device's SM count, with no warning of a fallback."""
+    import warnings
+
+    from nybble.kernels.mosaic_gpu.blackwell import grouped as blackwell_grouped
+
+    _fake(monkeypatch, _Gpu(kind, cc, sms))
+    seen = []
+    real = blackwell_grouped.blackwell_grouped_matmul
+    monkeypatch.setattr(
+        blackwell_grouped,
+        "blackwell_grouped_matmul",
+        lambda *a, **kw: seen.append(kw["num_sms"]) or real(*a, **kw),
+    )
     w = np.random.default_rng(1).standard_normal((2, 64, 64)).astype(np.float32)
-    qw = nybble.quantize(w, group_size=32)
+    qw = nybble.quantize(w, group_size=32, layout="wgmma_int4")
     x, sizes = jnp.ones((4, 64), jnp.bfloat16), jnp.asarray([1, 3], jnp.int32)
-    why = backend.ragged_unsupported(x, qw, sizes)
-    assert "no Blackwell (tcgen05) version yet" in why and "NVIDIA B200" in why
-    with pytest.warns(RuntimeWarning, match="no Blackwell"):
-        y = nybble.ragged_matmul(x, qw, sizes)
-    assert y.shape == (4, 64)
+    assert backend.ragged_unsupported(x, qw, sizes) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        jaxpr = str(jax.make_jaxpr(lambda x, s: nybble.ragged_matmul(x, qw, s))(x, sizes))
+    assert "nybble_grouped_w4a16_bw_" in jaxpr and seen == [sms]

@@ -136,3 +136,47 @@ def test_xray_finds_the_tcgen05_loop():
 """
     loop = tcgen05_loop(sass.parse_sass(text))
     assert loop is not None and loop.size == 5 and loop.stall_cycles == 2 + 3 + 1 + 1 + 9
+
+
+# ------------------------------------------------------------------------------ the grouped kernel
+
+
+def _lower_grouped(rows, experts, k, n, group, symmetric, x_dtype=jnp.bfloat16):
+    from nybble.kernels.mosaic_gpu.blackwell import blackwell_grouped_matmul
+
+    quant = lambda w: quantize(w, group_size=group, symmetric=symmetric)
+    qw = jax.eval_shape(quant, jax.ShapeDtypeStruct((experts, k, n), jnp.float32))
+    x = jax.ShapeDtypeStruct((rows, k), x_dtype)
+    sizes = jax.ShapeDtypeStruct((experts,), jnp.int32)
+    fn = lambda x, qw, s: blackwell_grouped_matmul(x, qw, s)
+    with target_arch(10, 0):
+        return jax.jit(fn).trace(x, qw, sizes).lower(lowering_platforms=("cuda",))
+
+
+def _grouped_cases():
+    """MoE layers (gate and down of Qwen3-30B-A3B, DeepSeek-V3, Mixtral) at 1..2048 tokens until every
+    (tile_m, tile_k) the grouped heuristics pick is lowered once, asymmetric (the kernel with offsets)."""
+    from bench.xray.moe_cases import MOE_SHAPES
+    from nybble.kernels.mosaic_gpu.blackwell.grouped import grouped_heuristic_config
+
+    seen, cases = set(), []
+    for name in ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"):
+        hidden, inter, experts, top_k = MOE_SHAPES[name]
+        for k, n in ((hidden, inter), (inter, hidden)):
+            for tokens in (1, 4, 8, 16, 32, 64, 512, 2048):
+                c = grouped_heuristic_config(tokens * top_k, experts, n, k, 128)
+                if (c.tile_m, c.tile_k) not in seen:
+                    seen.add((c.tile_m, c.tile_k))
+                    cases.append((tokens * top_k, experts, k, n))
+    return cases
+
+
+@pytest.mark.parametrize("rows,experts,k,n", _grouped_cases())
+def test_grouped_lowers_every_heuristic_tiling(rows, experts, k, n):
+    text = _lower_grouped(rows, experts, k, n, 128, False).as_text()
+    assert "tcgen05" in text and "nybble_grouped_w4a16_bw_" in text
+    assert text.count("stablehlo.custom_call") == 1  # one launch
+
+
+def test_grouped_float16_per_column_and_odd_shapes():
+    _lower_grouped(10, 4, 100, 7392, None, True, x_dtype=jnp.float16)

@@ -10,6 +10,14 @@ not a timing): HBM-bound = the call's bytes over 8 TB/s; issue-bound = the loop'
 (one warp per scheduler, one CTA per SM: the cycles of a step) x steps x waves; tensor-bound = 2 M_pad N K
 over the dense bf16 rate. The largest is the model's time.
 
+The MoE rows (``moe/<model>-<projection>/T<tokens>/...``, the grouped kernel
+``blackwell_grouped_matmul`` against ``nybble.ragged_matmul``'s XLA path) are one grouped matmul of tokens x
+top-k rows at the MoE shapes of bench/xray/moe_cases.py (gate: K = hidden, N = expert intermediate; down:
+the reverse), modelled for the balanced grouping the config is chosen for (``planned_rows`` rows on each of
+``active_experts``): the CTAs that work, and HBM bytes of x, y and the active experts' weights only (an
+expert without rows is never read). The XLA path's bytes are its launches' operands in full, the whole
+expert stack included: an upper bound at decode.
+
 The peer, tokamax's sm100 int4 ``ragged_dot``, is left out: see ``PEER_NOTE``.
 """
 
@@ -42,6 +50,11 @@ SHAPES: dict[str, tuple[int, int]] = {
     "deepseek-v3-expert-down": (2048, 7168),
 }
 DEFAULT_MS = (1, 16, 64, 2048)
+# The MoE models of issue 45 (bench/xray/moe_cases.MOE_SHAPES' names) and tokens per step: decode and prefill.
+MOE_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3")
+MOE_TOKENS = (1, 8, 64, 512)
+B200_SMS = 148
+TOKAMAX = "tokamax:sm100"  # tokamax's sm100 int4 ragged_dot (Mosaic GPU, tcgen05): MoE rows, symmetric groups
 PEER_NOTE = (
     "tokamax's sm100 int4 ragged_dot is not compiled here: bench/xray/peers.py builds tokamax's sm90 path "
     "(cases.tokamax_deviceless forces compute capability 9.0 in its deviceless process); wiring its sm100 "
@@ -60,11 +73,16 @@ class Case:
     group_size: int | None = 128
     symmetric: bool = True
     peer: str = "nybble:blackwell"
+    experts: int = 0  # > 0: a grouped matmul of m rows over this many (K, N) experts
+    tokens: int = 0  # the MoE rows' tokens (m = tokens x top-k)
 
     @property
     def key(self) -> str:
         g = "col" if self.group_size is None else f"g{self.group_size}"
-        return f"{self.shape}/M{self.m}/{g}-{'sym' if self.symmetric else 'asym'}/{self.peer}"
+        quant = f"{g}-{'sym' if self.symmetric else 'asym'}"
+        if self.experts:
+            return f"moe/{self.shape}/T{self.tokens}/{quant}/{self.peer}"
+        return f"{self.shape}/M{self.m}/{quant}/{self.peer}"
 
 
 def build_cases(shapes: dict[str, tuple[int, int]], ms: Any, groups: Any, xla: bool = True) -> list[Case]:
@@ -75,6 +93,23 @@ def build_cases(shapes: dict[str, tuple[int, int]], ms: Any, groups: Any, xla: b
                 out.append(Case(name, k, n, m, group, symmetric))
                 if xla:
                     out.append(Case(name, k, n, m, group, symmetric, "nybble:xla"))
+    return out
+
+
+def build_moe_cases(
+    models: Any, tokens: Any, groups: Any, xla: bool = True, tokamax: bool = False
+) -> list[Case]:
+    """The grouped matmuls of ``models``' MoE layers (bench/xray/moe_cases.problems) for each tokens count."""
+    from bench.xray.moe_cases import MOE_SHAPES, problems
+
+    out = []
+    for name, t, rows, experts, k, n in problems({m: MOE_SHAPES[m] for m in models}, tuple(tokens)):
+        for group, symmetric in groups:
+            out.append(Case(name, k, n, rows, group, symmetric, experts=experts, tokens=t))
+            if xla:
+                out.append(Case(name, k, n, rows, group, symmetric, "nybble:xla", experts, t))
+            if tokamax and symmetric and group is not None:  # tokamax has no zero points
+                out.append(Case(name, k, n, rows, group, symmetric, TOKAMAX, experts, t))
     return out
 
 
@@ -113,6 +148,21 @@ def _program(case: Case) -> tuple[Any, tuple[Any, ...]]:
     import nybble
     from nybble.kernels.mosaic_gpu.blackwell import blackwell_matmul
 
+    if case.experts:
+        from bench.xray.moe_cases import abstract_weight
+        from nybble.kernels.mosaic_gpu.blackwell import blackwell_grouped_matmul
+
+        qw = abstract_weight(case.experts, case.k, case.n, case.group_size, case.symmetric)
+        args = (
+            jax.ShapeDtypeStruct((case.m, case.k), jnp.bfloat16),
+            qw,
+            jax.ShapeDtypeStruct((case.experts,), jnp.int32),
+        )
+        if case.peer == "nybble:xla":
+            return (lambda x, qw, s: nybble.ragged_matmul(x, qw, s, implementation="xla")), args
+        if case.peer == TOKAMAX:
+            return tokamax_program(case)
+        return blackwell_grouped_matmul, args
     quant = functools.partial(nybble.quantize, group_size=case.group_size, symmetric=case.symmetric)
     qw = jax.eval_shape(quant, jax.ShapeDtypeStruct((case.k, case.n), jnp.float32))
     x = jax.ShapeDtypeStruct((case.m, case.k), jnp.bfloat16)
@@ -121,12 +171,38 @@ def _program(case: Case) -> tuple[Any, tuple[Any, ...]]:
     return (lambda x, qw: blackwell_matmul(x, qw)), (x, qw)
 
 
+def tokamax_sm100_deviceless(num_sms: int) -> None:
+    """Makes tokamax pick its sm100 kernels in a process whose default device is the CPU (as
+    ``cases.tokamax_deviceless`` does for sm90): its capability check answers 10.0, and its int4 kernels'
+    grid reads the SM count of a B200."""
+    import types
+
+    from tokamax._src import gpu_utils
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_kernel_sm100_quant as quant
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_kernel_sm100_quant_post_scale as post_scale
+
+    gpu_utils._compute_capability = lambda device=None: 10.0
+    device = types.SimpleNamespace(core_count=num_sms)
+    for module in (quant, post_scale):
+        module.backend = types.SimpleNamespace(get_default_device=lambda: device)
+
+
+def tokamax_program(case: Case) -> tuple[Any, tuple[Any, ...]]:
+    """``tokamax.ragged_dot(x, QArray(int4 codes, bf16 scales), group_sizes)`` on ``case.experts`` (K, N)
+    weights, its heuristic config (bench/xray/cases.tokamax_program's call, M = the case's rows)."""
+    from bench.xray import cases
+
+    tokamax_sm100_deviceless(B200_SMS)
+    # cases.Case's rows are m x top_k: m rows as one token each routed to one expert.
+    peer = cases.Case(cases.TOKAMAX, "moe", case.k, case.n, case.m, case.group_size, True, case.experts, 1)
+    return cases.tokamax_program(peer)
+
+
 def compile_case(case: Case, out: dict) -> None:
     """Compiles one case (in a process set up by the X-ray toolchain) and fills ``out``."""
     import tempfile
 
     from bench.kernel_xray import xray_compile
-    from nybble.kernels.mosaic_gpu.blackwell import plan
     from nybble.kernels.mosaic_gpu.blackwell.target import target_arch
 
     fn, args = _program(case)
@@ -135,18 +211,10 @@ def compile_case(case: Case, out: dict) -> None:
         out["report"] = report.to_dict()
         if case.peer != "nybble:blackwell":
             return
-        p = plan(case.m, args[1])
-        c = p.config
+        out["plan"] = grouped_plan_record(case, args[1]) if case.experts else dense_plan_record(case, args[1])
         sass_files = sorted(Path(tmp).glob("*.sass_ctrl"))
         loop = tcgen05_loop(sass_mod.parse_sass(sass_files[0].read_text())) if sass_files else None
-        weights_per_thread = c.tile_n * c.tile_k / 128
-        out["plan"] = {
-            "config": c.tag,
-            "ctas": p.m_tiles * p.n_tiles,
-            "k_steps": p.k_steps,
-            "m_pad": p.m_tiles * c.tile_m,
-            "tmem_columns": c.tmem_columns(),
-        }
+        weights_per_thread = out["plan"]["weights_per_thread"]
         if loop is not None:
             out["loop"] = {
                 "instructions": loop.size,
@@ -157,13 +225,64 @@ def compile_case(case: Case, out: dict) -> None:
             }
 
 
+def dense_plan_record(case: Case, qw: Any) -> dict[str, Any]:
+    """The dense kernel's launch as the model reads it."""
+    from nybble.kernels.mosaic_gpu.blackwell import plan
+
+    p = plan(case.m, qw)
+    c = p.config
+    return {
+        "config": c.tag,
+        "ctas": p.m_tiles * p.n_tiles,
+        "k_steps": p.k_steps,
+        "m_pad": p.m_tiles * c.tile_m,
+        "tmem_columns": c.tmem_columns(),
+        "weights_per_thread": c.tile_n * c.tile_k / 128,
+    }
+
+
+def grouped_plan_record(case: Case, qw: Any) -> dict[str, Any]:
+    """The grouped kernel's launch for the balanced grouping its config is chosen for: the CTAs that work
+    (``grid``: the launch's, the bound on M tiles), M as the tensor cores see it, and the bytes it reads
+    (x, y and the active experts' weights)."""
+    import numpy as np
+
+    from nybble.kernels.mosaic_gpu.blackwell.grouped import grouped_plan
+    from nybble.kernels.mosaic_gpu.grouped_config import active_experts, planned_rows
+
+    p, work = grouped_plan(case.m, qw)
+    c = p.config
+    active = active_experts(case.m, case.experts)
+    m_tiles = active * c.m_tiles(planned_rows(case.m, case.experts))
+    per_expert = sum(
+        int(np.prod(a.shape[1:])) * np.dtype(a.dtype).itemsize
+        for a in (qw.codes, qw.scales, qw.offsets)
+        if a is not None
+    )
+    return {
+        "config": c.tag,
+        "ctas": m_tiles * p.n_tiles,
+        "grid": work.ctas(p),
+        "k_steps": p.k_steps,
+        "m_pad": m_tiles * c.tile_m,
+        "tmem_columns": c.tmem_columns(),
+        "weights_per_thread": c.tile_n * c.tile_k / 128,
+        "active_experts": active,
+        "read_bytes": active * per_expert + 2 * case.m * (case.k + case.n),
+    }
+
+
 def model(record: dict, gpu: Any) -> dict[str, Any]:
     """HBM-, issue- and tensor-bound times of one record (seconds) and the bound."""
     case = record["case"]
     launches = record["report"]["launches"]
-    hbm = sum(sum(la["operand_bytes"].values()) + la["result_bytes"] for la in launches) / gpu.hbm_bytes_per_s
-    times = {"hbm": hbm}
     plan, loop = record.get("plan"), record.get("loop")
+    if plan and "read_bytes" in plan:  # the grouped kernel: the active experts' weights only
+        hbm = plan["read_bytes"] / gpu.hbm_bytes_per_s
+    else:
+        hbm = sum(sum(la["operand_bytes"].values()) + la["result_bytes"] for la in launches)
+        hbm /= gpu.hbm_bytes_per_s
+    times = {"hbm": hbm}
     m_pad = plan["m_pad"] if plan else case["m"]
     times["tensor"] = 2 * m_pad * case["n"] * case["k"] / gpu.bf16_flops
     if plan and loop:
@@ -185,7 +304,7 @@ def main(ms: Any, groups: Any, shapes: Any, out: Path, jobs: int | None) -> int:
     from bench.xray.runner import run_cases
 
     gpu = get_gpu("b200")
-    names = shapes or list(SHAPES)
+    names = [s for s in shapes or list(SHAPES) if s not in MOE_MODELS]
     unknown = [s for s in names if s not in SHAPES]
     if unknown:
         print(
@@ -194,6 +313,8 @@ def main(ms: Any, groups: Any, shapes: Any, out: Path, jobs: int | None) -> int:
         )
         return 2
     cases = build_cases({s: SHAPES[s] for s in names}, ms, groups)
+    models = [m for m in MOE_MODELS if shapes is None or m in shapes]
+    cases += build_moe_cases(models, MOE_TOKENS, groups)
     print(
         f"X-ray: {len(cases)} compiles for an {gpu.description} (sm_100a) on this CPU; a static view, not a "
         "timing.",

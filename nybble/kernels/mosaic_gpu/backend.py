@@ -2,7 +2,7 @@
 
 Two families, chosen by the GPU's compute capability: Hopper (9.x: ``dense.py``'s WGMMA kernel and
 ``grouped.py``'s mixture-of-experts one) and Blackwell (10.x, B200/GB200 and B300: ``blackwell/``'s tcgen05
-kernel, dense only; the grouped matmul takes the XLA path there, saying so). Inside
+kernels, dense and grouped). Inside
 ``nybble.kernels.interpret(gpu=...)`` the family of that GPU runs on any machine. With no GPU and no
 interpreter (lowering for CUDA on a CPU) the Hopper kernels are traced. The SM count their heuristics plan
 for is asked of the device once per call, never at trace time inside a kernel.
@@ -164,17 +164,9 @@ def describe(m: int, qw: QuantizedWeight) -> str:
 
 
 def ragged_unsupported(x: Any, qw: Any, group_sizes: Any) -> str | None:
-    """Why the grouped kernel cannot compute these arguments (shapes, dtypes, layout; on Blackwell: it has
-    no Blackwell version yet), or None."""
-    if (why := grouped.grouped_is_supported(x, qw, group_sizes)) is not None:
-        return why
-    if family() == "blackwell":
-        where = "interpret(gpu='b200')" if is_interpret_active() else device.gpu_device().device_kind
-        return (
-            f"the grouped kernel has no Blackwell (tcgen05) version yet, and this is {where}: the dense "
-            f"Blackwell kernel covers nybble.matmul only"
-        )
-    return None
+    """Why the grouped kernel cannot compute these arguments (shapes, dtypes, layout), or None: the
+    Hopper and Blackwell grouped kernels accept the same ones."""
+    return grouped.grouped_is_supported(x, qw, group_sizes)
 
 
 def ragged_matmul(x: jax.Array, qw: QuantizedWeight, group_sizes: jax.Array) -> jax.Array:
@@ -183,6 +175,11 @@ def ragged_matmul(x: jax.Array, qw: QuantizedWeight, group_sizes: jax.Array) -> 
     if (why := _no_kernel_here()) is not None:
         raise NotImplementedError(f"nybble.ragged_matmul(implementation='mosaic_gpu') cannot run: {why}")
     _, sizes = group_bounds(group_sizes, x.shape[0])
+    if family() == "blackwell":
+        from nybble.kernels.mosaic_gpu.blackwell import grouped as blackwell_grouped
+
+        sms = _num_sms(blackwell_grouped.DEFAULT_NUM_SMS)
+        return blackwell_grouped.blackwell_grouped_matmul(x, qw, sizes, num_sms=sms)
     config = _grouped_config(int(x.shape[0]), qw)[0] if _on_hopper_hardware() else None
     return grouped.grouped_matmul(x, qw, sizes, config=config, num_sms=device.num_sms())
 

@@ -147,21 +147,28 @@ def _sm_time(m: int, n_pad: int, k_pad: int, c: BlackwellConfig, num_sms: int) -
 
 @functools.lru_cache(maxsize=4096)
 def heuristic_config(
-    m: int, n_pad: int, k_pad: int, group: int, num_sms: int = DEFAULT_NUM_SMS, *, has_offsets: bool = True
+    m: int,
+    n_pad: int,
+    k_pad: int,
+    group: int,
+    num_sms: int = DEFAULT_NUM_SMS,
+    *,
+    has_offsets: bool = True,
+    sliced: bool = True,
 ) -> BlackwellConfig:
     """The B200 config for an (M, K_pad) x (K_pad, N_pad) problem (frozen rules, no search).
 
     tcgen05's M is 128 weight columns, its N M x S rounded up to 16..256. At decode (M <= 32) K slices
     S = 4 where they shorten the slowest SM's K walk (waves of CTAs x K / S); K steps of 128 at
     decode (the step's fixed cost over more weights), 64 at prefill (the x slots grow with M); the deepest
-    pipeline that fits SMEM.
+    pipeline that fits SMEM. ``sliced`` False: no K slices (the grouped kernel's candidates).
     """
     del has_offsets
     tile_n = 128
     best = None
     # Slices 4 or none: 2 and 8 gain little over them in the model (waves x K / S at the Llama and MoE
     # shapes) and each is more code for the suite to interpret.
-    for slices in (1, 4) if m <= 32 else (1,):
+    for slices in (1, 4) if m <= 32 and sliced else (1,):
         tile_m = next((t for t in TILE_M_CHOICES if t >= m * slices), None if slices > 1 else 256)
         if tile_m is None or (slices > 1 and tile_m > 128):  # x slots past 128 rows outgrow SMEM
             continue

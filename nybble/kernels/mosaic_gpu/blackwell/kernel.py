@@ -19,6 +19,11 @@ MMA's descriptor directly; x, the B operand, stays in the swizzled SMEM slot TMA
             rewritten two steps later, the x slot released one step later (delay_release=1)
     epilogue: wait for the last MMA, TMEM -> registers -> y^T into SMEM (transposed view) -> TMA to y
 
+The grid's CTAs come from a ``work`` object, as in the Hopper kernel (``common.DenseWork``): this
+module's :class:`DenseTiles` (one CTA per M tile and N tile), or the Hopper grouped kernel's
+``grouped.GroupedWork`` (blackwell/grouped.py), whose CTAs find their expert and rows from the group sizes
+on the device and store only those rows of y (``common.store_rows``), or zeros past the groups.
+
 Scales are applied to the weights (the Hopper kernel's ``scales_on="weights"`` route), so one accumulator
 serves every group size, and f32 accumulation spans all of K.
 """
@@ -36,6 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nybble.kernels.mosaic_gpu import compat
 from nybble.kernels.mosaic_gpu.blackwell.config import BlackwellConfig, scale_rows_per_step
+from nybble.kernels.mosaic_gpu.common import CtaTile, run_tile, store_rows
 from nybble.kernels.mosaic_gpu.config import CHUNK_K
 from nybble.kernels.mosaic_gpu.dequant_registers import dequantize_chunk, slot_rows, sum_slices
 from nybble.kernels.mosaic_gpu.interpret import active_params
@@ -88,7 +94,25 @@ class BlackwellProblem:
 
     @property
     def kernel_name(self) -> str:
-        return f"nybble_w4a16_{self.config.tag}{'_o' if self.has_offsets else ''}"
+        return self.kernel_name_for("nybble_w4a16")
+
+    def kernel_name_for(self, base: str) -> str:
+        """``<base>_<config tag>``, ``_o`` with offsets (``base``: the family, dense or grouped)."""
+        return f"{base}_{self.config.tag}{'_o' if self.has_offsets else ''}"
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseTiles:
+    """The dense kernel's CTAs: one per (M tile, N tile), N fastest, every one computing its whole tile."""
+
+    name: str = "nybble_w4a16"
+
+    def ctas(self, p: BlackwellProblem) -> int:
+        return p.m_tiles * p.n_tiles
+
+    def tile(self, p: BlackwellProblem, ins: Any) -> CtaTile:
+        lin = lax.axis_index("mn")
+        return CtaTile(lin // p.n_tiles, lin % p.n_tiles, list(ins))
 
 
 def _swizzled(dtype: Any) -> tuple[Any, ...]:
@@ -138,26 +162,40 @@ def dequantize_step(p: BlackwellProblem, codes: Any, scales: Any, offsets: Any, 
         out.at[:, pl.ds(k0, CHUNK_K)][...] = a
 
 
+def operand_views(p: BlackwellProblem, codes: Any, x: jax.Array, scales: Any, offsets: Any) -> list[Any]:
+    """The kernel's GMEM views, by reshape (dequant_registers.py): a 64-row A tile is 8 slots of 8 rows,
+    slot = band * S + slice; x row m * S + j is x[m] over slice j; scale rows (S, groups / S, N_pad), per
+    slice. A leading expert axis of a stacked weight (``codes.ndim == 3``) is kept."""
+    s = p.config.slices
+    lead = codes.shape[:-2]
+    views = [codes.reshape(*lead, p.n_pad // (64 // s), 8, p.slice_k), x.reshape(p.x_rows * s, p.slice_k)]
+    for a in (scales, offsets) if p.has_offsets else (scales,):
+        views.append(a.reshape(*lead, 1, 1, p.n_pad) if p.per_column else a.reshape(*lead, s, -1, p.n_pad))
+    return views
+
+
 def w4a16_blackwell(
     p: BlackwellProblem, codes: jax.Array, x: jax.Array, scales: Any, offsets: Any
 ) -> jax.Array:
-    """Runs the kernel: ``codes`` (N_pad / 8, K_pad) words, ``x`` (x_rows, K_pad), ``scales`` [``offsets``]
-    (num_groups, N_pad); returns (out_rows, n) in x's dtype."""
+    """Runs the dense kernel: ``codes`` (N_pad / 8, K_pad) words, ``x`` (x_rows, K_pad), ``scales``
+    [``offsets``] (num_groups, N_pad); returns (out_rows, n) in x's dtype."""
+    return launch(p, operand_views(p, codes, x, scales, offsets), DenseTiles())
+
+
+def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
+    """The kernel over ``work``'s CTAs (:class:`DenseTiles`, or the grouped kernel's): each CTA's
+    ``common.CtaTile`` gives its GMEM operands (indexed by block (mi, ki) for x, (ni, ki) for the weight),
+    whether it computes or stores zeros, and which of its y rows it stores (all: ``rows`` None)."""
     c = p.config
     s = c.slices
-    n_tiles = p.n_tiles
-    # Views by reshape (dequant_registers.py): a 64-row A tile is 8 slots of 8 rows, slot = band * S +
-    # slice; x row m * S + j is x[m] over slice j; scale rows (S, groups / S, N_pad), per slice.
-    operands = [codes.reshape(p.n_pad // (64 // s), 8, p.slice_k), x.reshape(p.x_rows * s, p.slice_k)]
-    for a in (scales, offsets) if p.has_offsets else (scales,):
-        operands.append(a.reshape(1, 1, p.n_pad) if p.per_column else a.reshape(s, -1, p.n_pad))
     n_in = len(operands)
 
     def kernel(*refs: Any) -> None:
         ins, y_gmem = refs[:n_in], refs[n_in]
         w_smem, acc_tmem, mma_done, y_smem, *sliced = refs[n_in + 1 :]
-        lin = lax.axis_index("mn")
-        mi, ni = lin // n_tiles, lin % n_tiles
+        tile = work.tile(p, ins)
+        mi, ni = tile.mi, tile.ni
+        cols = pl.ds(ni * c.cta_cols, c.cta_cols)
 
         def step(indices: Any, codes: Any, x: Any, scales: Any, *offsets: Any) -> None:
             (ki,) = indices
@@ -173,48 +211,62 @@ def w4a16_blackwell(
             with jax.named_scope("tcgen05"):
                 plgpu.tcgen05_mma(acc_tmem, a, x.T, mma_done, accumulate=ki > 0)
 
-        specs = [
-            plgpu.BlockSpec((c.tiles, 8, c.tile_k), lambda ki: (ni, 0, ki), delay_release=1),
-            plgpu.BlockSpec(
-                (c.tile_m, c.tile_k), lambda ki: (mi, ki), transforms=_swizzled(p.dtype), delay_release=1
-            ),
-        ]
-        scale_spec = plgpu.BlockSpec(
-            (1 if p.per_column else s, p.scale_rows, c.cta_cols),
-            lambda ki: _scale_block(p, ki, ni),
-            delay_release=1,
-        )
-        specs += [scale_spec] * (n_in - 2)
-        plgpu.emit_pipeline(
-            step, grid=(p.k_steps,), in_specs=specs, max_concurrent_steps=c.max_concurrent_steps
-        )(*ins)
-        plgpu.barrier_wait(mma_done)  # the last MMA
-        with jax.named_scope("epilogue"):
-            acc = plgpu.async_load_tmem(acc_tmem)
-            plgpu.wait_load_tmem()
-            cols = pl.ds(ni * c.cta_cols, c.cta_cols)
-            if s == 1:
-                y_smem.T[...] = acc.astype(p.dtype)  # y^T into the transposed view: y itself
-                plgpu.commit_smem()
-                rows = pl.ds(mi * c.tile_m, c.tile_m)
-                plgpu.copy_smem_to_gmem(y_smem, y_gmem.at[rows, cols])
-            else:  # the S slices' partial sums of each column, added (dequant_registers.sum_slices)
-                (partials,) = sliced
-                compat.store_unoptimized(partials, acc)  # untiled f32 SMEM (jax 0.12 asks to say so)
-                plgpu.commit_smem()
-                # The GPU sum reads (tile, row, column); the interpreter has no reshaped refs, and its
-                # twin of the sum reshapes the values itself.
-                if active_params() is None:
-                    partials = partials.reshape(c.tiles, 64, c.tile_m)
-                sum_slices(partials, y_smem, slices=s, tiles=c.tiles, rows=c.x_rows_per_tile)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(y_smem.at[: p.out_rows], y_gmem.at[:, cols])
+        def store() -> None:
+            """y_smem's rows to y: the whole M tile, or the tile's window of rows (grouped)."""
+            if tile.rows is None:
+                plgpu.copy_smem_to_gmem(y_smem, y_gmem.at[pl.ds(mi * c.tile_m, c.tile_m), cols])
+            else:
+                store_rows(y_smem, y_gmem, cols, tile.rows)
+
+        def compute() -> None:
+            specs = [
+                plgpu.BlockSpec((c.tiles, 8, c.tile_k), lambda ki: (ni, 0, ki), delay_release=1),
+                plgpu.BlockSpec(
+                    (c.tile_m, c.tile_k), lambda ki: (mi, ki), transforms=_swizzled(p.dtype), delay_release=1
+                ),
+            ]
+            scale_spec = plgpu.BlockSpec(
+                (1 if p.per_column else s, p.scale_rows, c.cta_cols),
+                lambda ki: _scale_block(p, ki, ni),
+                delay_release=1,
+            )
+            specs += [scale_spec] * (len(tile.gmem) - 2)
+            plgpu.emit_pipeline(
+                step, grid=(p.k_steps,), in_specs=specs, max_concurrent_steps=c.max_concurrent_steps
+            )(*tile.gmem)
+            plgpu.barrier_wait(mma_done)  # the last MMA
+            with jax.named_scope("epilogue"):
+                acc = plgpu.async_load_tmem(acc_tmem)
+                plgpu.wait_load_tmem()
+                if s == 1:
+                    y_smem.T[...] = acc.astype(p.dtype)  # y^T into the transposed view: y itself
+                    plgpu.commit_smem()
+                    store()
+                else:  # the S slices' partial sums of each column, added (dequant_registers.sum_slices)
+                    (partials,) = sliced
+                    compat.store_unoptimized(partials, acc)  # untiled f32 SMEM (jax 0.12 asks to say so)
+                    plgpu.commit_smem()
+                    # The GPU sum reads (tile, row, column); the interpreter has no reshaped refs, and its
+                    # twin of the sum reshapes the values itself.
+                    if active_params() is None:
+                        partials = partials.reshape(c.tiles, 64, c.tile_m)
+                    sum_slices(partials, y_smem, slices=s, tiles=c.tiles, rows=c.x_rows_per_tile)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(y_smem.at[: p.out_rows], y_gmem.at[:, cols])
+                plgpu.wait_smem_to_gmem(0)
+
+        def zeros() -> None:  # the grouped kernel's rows past the groups: no weight read
+            y_smem[...] = jnp.zeros(y_smem.shape, p.dtype)
+            plgpu.commit_smem()
+            store()
             plgpu.wait_smem_to_gmem(0)
+
+        run_tile(tile, compute, zeros)
 
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((p.out_rows, p.n), p.dtype),
-        grid=(p.m_tiles * n_tiles,),
+        grid=(work.ctas(p),),
         grid_names=("mn",),
         scratch_types=[
             plgpu.SMEM((2, c.tile_n, c.tile_k), p.dtype, transforms=_swizzled(p.dtype)),
@@ -225,6 +277,6 @@ def w4a16_blackwell(
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=active_params(),
-        kernel_name=p.kernel_name,
+        kernel_name=p.kernel_name_for(work.name),
     )
     return call(*operands)

@@ -1,0 +1,153 @@
+"""The grouped (mixture-of-experts) Blackwell kernel in GPU interpret mode as a B200, races checked.
+
+Every (tile_m, tile_k) the grouped B200 heuristics can pick runs once
+(:func:`test_heuristics_pick_only_covered_configs` keeps that true at the MoE shapes), bit-exact on
+small-integer data against each group's rows times its expert's float64 weight (zeros past the groups),
+or, on random data, within the rounding bound of the float64 reference group by group. Along the way:
+empty experts, rows past the sum, groups across M tiles, one expert holding every row, per-column and
+16-row groups, f16, asymmetric and symmetric weights, N an odd multiple of 64, K and N not multiples of
+64. Tiny shapes: interpret mode is slow. The Hopper grouped kernel's own tests are
+tests/test_grouped_interpret.py; lowering for sm_100a is tests/test_blackwell_lowering.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nybble
+import nybble.kernels.mosaic_gpu as mg
+from bench.xray.moe_cases import MOE_SHAPES
+from nybble.kernels.mosaic_gpu.blackwell import BlackwellConfig
+from nybble.kernels.mosaic_gpu.blackwell.grouped import (
+    blackwell_grouped_matmul,
+    grouped_heuristic_config,
+    grouped_plan,
+)
+from nybble.kernels.mosaic_gpu.interpret import interpret
+from tests.kernel_checks import activations, assert_kernel_within_rounding, exact_weight, random_weight
+from tests.test_grouped_interpret import assert_exact, reference
+
+f16, bf16 = jnp.float16, jnp.bfloat16
+# (sizes, rows, K, N, group, symmetric, x dtype, exact) -> the (tile_m, tile_k) the heuristics pick.
+CASES = [
+    (([3, 0, 5, 2], 12, 128, 128, 32, False, bf16, True), (16, 128)),  # 2 rows past the sum
+    (([0, 7, 0], 9, 192, 192, 64, True, f16, True), (16, 64)),  # one expert, N = 3 x 64
+    (([20, 0, 30], 50, 256, 128, None, False, bf16, True), (32, 128)),  # per column, x padded to 56 rows
+    (([25, 15], 40, 192, 100, 16, True, bf16, False), (32, 64)),  # random data, N = 100
+    (([40, 50], 90, 128, 128, 128, False, f16, True), (64, 128)),  # groups across 64-row tiles
+    (([0, 60, 40], 100, 150, 128, 32, False, bf16, False), (64, 64)),  # random, K = 150
+    (([0, 150], 200, 128, 64, 64, True, bf16, True), (128, 64)),  # 50 rows past the sum
+    (([140, 130], 300, 64, 64, None, False, bf16, True), (256, 64)),  # 256-row tiles
+]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+    mg.reset_state()
+
+
+def _stacked(rng, experts, k, n, group, symmetric, exact):
+    make = exact_weight if exact else random_weight
+    ws = [make(rng, k, n, group, symmetric) for _ in range(experts)]
+    return jax.tree.map(lambda *a: jnp.stack(a), *ws), ws
+
+
+def _run(x, qw, sizes, config=None, *, jit=False):
+    fn = lambda x, s: blackwell_grouped_matmul(x, qw, s, config=config)
+    with interpret(detect_races=True, gpu="b200"):
+        y = (jax.jit(fn) if jit else fn)(x, jnp.asarray(sizes, jnp.int32))
+    assert not mg.races_found(), "the race detector flagged a data race"
+    return y
+
+
+def _assert_random_close(y, x, ws, sizes):
+    """Each group's rows within the rounding bound of the float64 reference; zeros past the sum."""
+    row = 0
+    for w, g in zip(ws, sizes, strict=True):
+        if g:
+            assert_kernel_within_rounding(y[row : row + g], x[row : row + g], w, "weights")
+        row += g
+    assert (np.asarray(y[row:], np.float64) == 0).all()
+
+
+@pytest.mark.parametrize("case,tiling", CASES, ids=[f"m{t[0]}_k{t[1]}" for _, t in CASES])
+def test_heuristic_configs(case, tiling):
+    sizes, rows, k, n, group, symmetric, dtype, exact = case
+    rng = np.random.default_rng(rows * 100 + k)
+    qw, ws = _stacked(rng, len(sizes), k, n, group, symmetric, exact)
+    c = grouped_plan(rows, qw)[0].config
+    assert (c.tile_m, c.tile_k, c.slices) == (*tiling, 1)
+    x = activations(rng, rows, k, dtype, exact=exact)
+    y = _run(x, qw, sizes)
+    assert y.shape == (rows, n) and y.dtype == x.dtype
+    if exact:
+        assert_exact(np.asarray(y, np.float64), reference(x, ws, sizes))
+    else:
+        _assert_random_close(y, x, ws, sizes)
+
+
+def test_traced_sizes_and_the_dispatcher():
+    """Under jit the sizes are traced: a negative one counts as zero, rows past x's are dropped (as in the
+    XLA path); ``nybble.ragged_matmul`` inside ``interpret(gpu="b200")`` runs this kernel; no rows in any
+    group stores zeros without reading a weight."""
+    rng = np.random.default_rng(3)
+    qw, ws = _stacked(rng, 3, 128, 64, 64, True, True)
+    x = activations(rng, 6, 128, exact=True)
+    config = BlackwellConfig(tile_m=16, tile_k=128, max_concurrent_steps=2)
+    y = _run(x, qw, [2, -3, 9], config, jit=True)
+    assert_exact(np.asarray(y, np.float64), reference(x, ws, [2, 0, 4]))
+    assert (np.asarray(_run(x, qw, [0, 0, 0], config)) == 0).all()
+    sizes = jnp.asarray([4, 0, 2], jnp.int32)
+    with interpret(detect_races=True, gpu="b200"):
+        text = str(
+            jax.make_jaxpr(lambda x: nybble.ragged_matmul(x, qw, sizes, implementation="mosaic_gpu"))(x)
+        )
+        y = nybble.ragged_matmul(x, qw, sizes, implementation="mosaic_gpu")
+    assert "nybble_grouped_w4a16_bw_" in text and not mg.races_found()
+    assert_exact(np.asarray(y, np.float64), reference(x, ws, [4, 0, 2]))
+
+
+def test_refusals_by_name():
+    """What the Hopper grouped kernel refuses, refused with its words; and K slices, by name."""
+    rng = np.random.default_rng(1)
+    qw, _ = _stacked(rng, 3, 128, 64, 128, True, True)
+    x = jnp.zeros((5, 128), bf16)
+    sizes = jnp.asarray([1, 2, 2], jnp.int32)
+    one = exact_weight(rng, 128, 64, 128, True)
+    for args, match in [
+        ((x, one, sizes), "stacked expert weight"),
+        ((x, qw, jnp.asarray([1, 2], jnp.int32)), r"expected \(3,\)"),
+        ((jnp.zeros((5, 100), bf16), qw, sizes), "K=100"),
+        ((x.astype(jnp.float32), qw, sizes), "float32"),
+    ]:
+        with pytest.raises(NotImplementedError, match=match):
+            blackwell_grouped_matmul(*args)
+        with pytest.raises(NotImplementedError, match=match):
+            mg.grouped_matmul(*args)
+    with pytest.raises(ValueError, match=">= 0"):
+        blackwell_grouped_matmul(x, qw, jnp.asarray([3, -1, 2], jnp.int32))
+    with pytest.raises(ValueError, match="more than x's 5 rows"):
+        blackwell_grouped_matmul(x, qw, jnp.asarray([3, 2, 1], jnp.int32))
+    with pytest.raises(ValueError, match="without K slices"):
+        blackwell_grouped_matmul(x, qw, sizes, config=BlackwellConfig(tile_k=64, slices=4))
+    with pytest.raises(TypeError, match="must be a BlackwellConfig"):
+        blackwell_grouped_matmul(x, qw, sizes, config=mg.TuningConfig())
+    assert blackwell_grouped_matmul(x[:0], qw, jnp.zeros(3, jnp.int32)).shape == (0, 64)
+
+
+def test_heuristics_pick_only_covered_configs():
+    """At the MoE shapes (gate-up and down of each model) for 1..8192 tokens and every group size, every
+    config the grouped B200 heuristics pick is one of :data:`CASES`' tilings, without K slices."""
+    covered = {tiling for _, tiling in CASES}
+    picked = set()
+    for hidden, inter, experts, top_k in MOE_SHAPES.values():
+        for kk, nn in ((hidden, inter), (hidden, 2 * inter), (inter, hidden)):
+            for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192):
+                for group in (16, 32, 64, 128, 256, kk):
+                    c = grouped_heuristic_config(tokens * top_k, experts, -(-nn // 64) * 64, kk, group)
+                    assert c.slices == 1
+                    picked.add((c.tile_m, c.tile_k))
+    assert picked <= covered, f"configs picked but never interpreted: {sorted(picked - covered)}"
