@@ -336,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     # q/k/v and gate/up fused in both (nybble.models.fuse_projections): the step bench.decode predicts
     fuse_projections(float_model)
-    int4_model = quantize(nnx.clone(float_model), group_size=args.group_size, progress=False)
+    int4_model = quantize(
+        nnx.clone(float_model), group_size=args.group_size, progress=False, fuse_projections=True
+    )
     config["int4_paths"] = int4_paths(int4_model, args.batches, dtype)
     stream = tokenizer.encode(eval_text()).ids
     print(f"model_bench: {args.model}, {dtype_name}, {result['machine']['device']}; {new_tokens} steps")

@@ -75,12 +75,12 @@ def test_decode_steps_equal_the_full_forward(changes):
         np.testing.assert_allclose(np.asarray(out)[:, 0], full[:, pos], rtol=2e-5, atol=2e-5)
 
 
-def test_quantize_fuses_by_default_and_the_parts_still_read():
+def test_quantize_fuses_on_request_and_the_parts_still_read():
     model = Llama(TINY_CONFIG, rngs=nnx.Rngs(1), dtype=jnp.float32)
     kernel = np.asarray(model.layers[0].attn.k_proj.kernel[...])
-    plain = quantize(Llama(TINY_CONFIG, rngs=nnx.Rngs(1), dtype=jnp.float32), progress=False,
-                     fuse_projections=False)  # fmt: skip
-    quantize(model, progress=False)
+    plain = quantize(Llama(TINY_CONFIG, rngs=nnx.Rngs(1), dtype=jnp.float32), progress=False)
+    assert "qkv_proj" not in vars(plain.layers[0].attn)  # not fused by default: the model keeps its modules
+    quantize(model, progress=False, fuse_projections=True)
     attn = model.layers[0].attn
     assert isinstance(attn.qkv_proj, FusedLinear) and "k_proj" not in vars(attn)
     part = attn.k_proj  # split off the fused layer: the same codes and scales as the unfused one

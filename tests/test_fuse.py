@@ -71,10 +71,9 @@ def test_fused_logits_equal_unfused(kind):
     if kind != "float":
         assert isinstance(attn.qkv_proj.inner, QLinear) and attn.qkv_proj.inner.weight.shape == (128, 256)
     out = np.asarray(model(IDS))
-    if kind == "float":  # one wider float GEMM: XLA may block the sum differently
-        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
-    else:  # every int4 output column is computed alone, from the same codes and scales
-        np.testing.assert_array_equal(out, ref)
+    # One wider GEMM, float or int4 (same codes and scales): XLA's CPU dot may block the K sum differently
+    # for a wider N, so the logits agree to f32 rounding (int4 rounding error is ~1e-2 here, 1000x more).
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     assert unfuse_projections(model) == 2 * TINY_CONFIG.num_layers
     np.testing.assert_array_equal(np.asarray(model(IDS)), ref) if kind != "float" else None
 
@@ -83,7 +82,7 @@ def test_generate_tokens_unchanged_and_saved_per_projection(tmp_path):
     model = tiny("int4-asym")
     before = generate(model, IDS[0], 8)
     quantized = tiny("float")
-    quantize(quantized, group_size=64, symmetric=False, progress=False)  # fused by default
+    quantize(quantized, group_size=64, symmetric=False, progress=False, fuse_projections=True)
     assert isinstance(quantized.layers[1].mlp.gate_up_proj, FusedLinear)
     np.testing.assert_array_equal(generate(quantized, IDS[0], 8), before)
     save_model(tmp_path / "m.safetensors", quantized)  # written one projection at a time
@@ -99,9 +98,9 @@ def test_hf_fixture_greedy_tokens_unchanged(name):
     plain = from_pretrained(FIXTURES / name, dtype=jnp.float32, fuse_projections=False)
     quantize(plain, group_size=32, progress=False, fuse_projections=False)
     assert "qkv_proj" not in vars(plain.layers[0].attn)
-    fused = from_pretrained(FIXTURES / name, dtype=jnp.float32)  # fused float, unfused, quantized, fused
-    assert isinstance(fused.layers[0].attn.qkv_proj, FusedLinear)
-    quantize(fused, group_size=32, progress=False)
+    fused = from_pretrained(FIXTURES / name, dtype=jnp.float32, fuse_projections=True)
+    assert isinstance(fused.layers[0].attn.qkv_proj, FusedLinear)  # fused float, unfused, quantized, fused
+    quantize(fused, group_size=32, progress=False, fuse_projections=True)
     assert isinstance(fused.layers[0].attn.qkv_proj.inner, QLinear)
     np.testing.assert_array_equal(generate(fused, prompt, 6), generate(plain, prompt, 6))
 
@@ -118,8 +117,9 @@ def test_smollm2_greedy_tokens_unchanged():
     np.testing.assert_array_equal(generate(model, prompt, 4), before)
 
 
-def test_from_pretrained_fuses_and_refuses_a_mesh():
-    model = from_pretrained(FIXTURES / "llama3", dtype=jnp.float32)  # fused by default
+def test_from_pretrained_fuses_on_request_and_refuses_a_mesh():
+    assert "qkv_proj" not in vars(from_pretrained(FIXTURES / "llama3", dtype=jnp.float32).layers[0].attn)
+    model = from_pretrained(FIXTURES / "llama3", dtype=jnp.float32, fuse_projections=True)
     assert isinstance(model.layers[0].attn.qkv_proj, FusedLinear)
     with pytest.raises(ValueError, match="cannot be combined with mesh"):
         from_pretrained(FIXTURES / "llama3", mesh=object(), fuse_projections=True)

@@ -20,7 +20,7 @@ from bench.decode.predict import hbm_limit, needed_bytes, predict
 
 VARIANTS = {
     "baseline": {"fused": False, "donate": False},  # the step as the model first ran it
-    "fused": {"fused": True, "donate": True},  # the model as quantize/from_pretrained build it, donated cache
+    "fused": {"fused": True, "donate": True},  # fuse_projections=True (the serving setup), donated cache
 }
 DEFAULT_VARIANT = "fused"
 
@@ -128,7 +128,7 @@ NOTES: list[str] = [
     "abstract (`jax.ShapeDtypeStruct`): bf16, and int4 g128 symmetric as `nybble.models.quantize` makes them "
     "(the LM head stays bf16, `DEFAULT_RULES`). Variant `baseline`: separate q/k/v and gate/up, the cache "
     "not donated (the model code of the commit otherwise); "
-    "`fused`: the model as `quantize` and `from_pretrained` build it now (q/k/v, gate/up and the MoE "
+    "`fused`: the serving setup, `quantize(..., fuse_projections=True)` (q/k/v, gate/up and the MoE "
     "experts' gate/up fused), the cache donated; the step as the model code of the commit computes it (one "
     "token: written to the cache, then attended in a few fused reductions; each norm's row scale deferred "
     "past its projections).",

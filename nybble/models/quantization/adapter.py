@@ -65,7 +65,7 @@ def quantize(
     progress: bool = True,
     verbose: bool = False,
     return_report: bool = False,
-    fuse_projections: bool = True,
+    fuse_projections: bool = False,
     **method_options: Any,
 ) -> nnx.Module | tuple[nnx.Module, QuantizationReport]:
     """Replaces the dense layers of a Flax NNX model by int4 :class:`QLinear` layers, in place.
@@ -93,10 +93,11 @@ def quantize(
       progress: show a tqdm progress bar.
       verbose: print the :class:`QuantizationReport` summary at the end.
       return_report: return ``(model, report)`` instead of the model alone.
-      fuse_projections: then fuse q/k/v and gate/up into one int4 layer each (the default;
-        ``models.definitions.fuse``: one launch each in a decode step, the same numbers; checkpoints still
-        hold them one by one). A model fused before (``from_pretrained``'s default) is split back first,
-        so rules, calibration and the report see q/k/v and gate/up one by one.
+      fuse_projections: then fuse q/k/v and gate/up into one int4 layer each (opt-in, for serving:
+        ``models.definitions.fuse``, one launch each in a decode step, the same numbers; ``attn.q_proj``
+        still reads and checkpoints still hold them one by one). Off by default, so the model keeps the
+        modules it had (the names fine-tuning rules and adapters target). A model fused before is split
+        back first, so rules, calibration and the report see q/k/v and gate/up one by one.
     """
     common = {
         k: v

@@ -256,7 +256,9 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                 plgpu.wait_smem_to_gmem(0)
 
         def zeros() -> None:  # the grouped kernel's rows past the groups: no weight read
-            y_smem[...] = jnp.zeros(y_smem.shape, p.dtype)
+            # Through the transposed view, as the accumulator is stored: a plain splat store into y_smem
+            # leaves Mosaic GPU's layout inference no solution at 16- and 32-row M tiles (out of fuel).
+            y_smem.T[...] = jnp.zeros(y_smem.T.shape, p.dtype)
             plgpu.commit_smem()
             store()
             plgpu.wait_smem_to_gmem(0)

@@ -243,7 +243,7 @@ def from_pretrained(
     axis: str = "model",
     rules: Any = None,
     expert_axis: str | None = None,
-    fuse_projections: bool | None = None,
+    fuse_projections: bool = False,
 ) -> Llama:
     """A Llama-family model from a local Hugging Face checkpoint directory.
 
@@ -261,12 +261,11 @@ def from_pretrained(
     (missing, extra, mis-shaped, non-float where float is expected) raises ``CheckpointError`` naming the
     tensor. The tokenizer is separate: :func:`load_tokenizer`.
 
-    ``fuse_projections`` (default: True without ``mesh``) builds q/k/v and gate/up as one layer each
+    ``fuse_projections=True`` (opt-in, for serving) builds q/k/v and gate/up as one layer each
     (``models.definitions.fuse``: one launch each in a decode step, the same numbers; ``attn.q_proj``
-    still reads); not with ``mesh`` (the shard rules name the parts).
+    still reads); not with ``mesh`` (the shard rules name the parts). Off by default: the model has the
+    checkpoint's modules, one per Hugging Face projection.
     """
-    if fuse_projections is None:
-        fuse_projections = mesh is None
     if fuse_projections and mesh is not None:
         raise ValueError(
             "from_pretrained: fuse_projections=True cannot be combined with mesh= (the shard rules place "
