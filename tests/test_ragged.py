@@ -267,8 +267,8 @@ class _NotHopper:  # a GPU with no Mosaic GPU kernel (Hopper and Blackwell have 
 
 
 def test_fallback_warns_once_per_reason_on_a_gpu_machine(monkeypatch):
-    """As nybble.matmul: on a GPU with no grouped kernel it may run, implementation=None says once per reason it
-    runs XLA; a forced XLA says nothing."""
+    """As nybble.matmul: on a GPU with no grouped kernel it may run, implementation=None says once per
+    reason that it runs XLA; a forced XLA says nothing."""
     monkeypatch.setattr(device, "gpu_device", lambda: _NotHopper())
     monkeypatch.setattr(device, "hopper_device", lambda: None)
     monkeypatch.setattr(backends, "_WARNED", set())
