@@ -118,7 +118,8 @@ test-fast: $(STAMP)
 LATEST_TESTS := $(FAST_TESTS) tests/test_jax_range.py tests/test_dispatch.py tests/test_kernel_lowering.py \
 	tests/test_grouped_lowering.py tests/test_grouped_interpret.py tests/test_kernel_interpret.py \
 	tests/test_triton_dispatch.py tests/test_triton_interpret.py \
-	tests/test_blackwell_interpret.py tests/test_blackwell_lowering.py tests/test_blackwell_dispatch.py
+	tests/test_blackwell_interpret.py tests/test_blackwell_lowering.py tests/test_blackwell_dispatch.py \
+	tests/test_blackwell_grouped.py
 # And one race-detector meta-test: jax 0.12's detector (on_race="warn", compat.interpret_params) lets the
 # run go on and the outputs differ, where the test expects 0.11.2's barrier-phase error.
 LATEST_DESELECT := not test_every_heuristic_config_in_interpret_mode and not test_injected_bugs_change_exactly \

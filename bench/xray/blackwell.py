@@ -18,7 +18,8 @@ the reverse), modelled for the balanced grouping the config is chosen for (``pla
 expert without rows is never read). The XLA path's bytes are its launches' operands in full, the whole
 expert stack included: an upper bound at decode.
 
-The peer, tokamax's sm100 int4 ``ragged_dot``, is left out: see ``PEER_NOTE``.
+The MoE rows' peer is tokamax's sm100 int4 ``ragged_dot`` (``tokamax:sm100``, symmetric groups only): see
+``PEER_NOTE`` for how it is compiled and modelled.
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ MOE_TOKENS = (1, 8, 64, 512)
 B200_SMS = 148
 TOKAMAX = "tokamax:sm100"  # tokamax's sm100 int4 ragged_dot (Mosaic GPU, tcgen05): MoE rows, symmetric groups
 PEER_NOTE = (
-    "tokamax's sm100 int4 ragged_dot is not compiled here: bench/xray/peers.py builds tokamax's sm90 path "
-    "(cases.tokamax_deviceless forces compute capability 9.0 in its deviceless process); wiring its sm100 "
-    "path into the b200 X-ray was not attempted yet."
+    "MoE peer: tokamax's sm100 int4 ragged_dot (tokamax:sm100; bench/xray/peer_tools' tokamax, its own "
+    "heuristic config, compute capability 10.0 and a B200's 148 SMs forced in its deviceless process), "
+    "symmetric groups only (it has no zero points). Its model time, like nybble:xla's, counts every launch's "
+    "operands in full, the whole expert stack included: an upper bound at decode, where nybble:blackwell "
+    "counts the active experts' weights only; compare launches, registers and spills as compiled."
 )
 _MMA = re.compile(r"^UTC[A-Z]*MMA")
 _BACK_BRANCH = re.compile(r"BRA(?:\.U)?\s+(?:!?U?P\d+,\s*)?`?\(?(?P<label>\.L_x_\d+)\)?`?")
@@ -314,13 +317,18 @@ def main(ms: Any, groups: Any, shapes: Any, out: Path, jobs: int | None) -> int:
         return 2
     cases = build_cases({s: SHAPES[s] for s in names}, ms, groups)
     models = [m for m in MOE_MODELS if shapes is None or m in shapes]
-    cases += build_moe_cases(models, MOE_TOKENS, groups)
+    cases += build_moe_cases(models, MOE_TOKENS, groups, tokamax=True)
     print(
         f"X-ray: {len(cases)} compiles for an {gpu.description} (sm_100a) on this CPU; a static view, not a "
         "timing.",
         file=sys.stderr,
     )
-    records = run_cases(cases, gpu="b200", jobs=jobs, worker="bench.xray.blackwell_worker")
+    env = None
+    if any(c.peer == TOKAMAX for c in cases):
+        from bench.xray import peer_tools
+
+        env = peer_tools.environment_site_env()
+    records = run_cases(cases, gpu="b200", jobs=jobs, worker="bench.xray.blackwell_worker", extra_env=env)
     rows = []
     for case in cases:
         r = records[case.key]
