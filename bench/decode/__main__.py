@@ -124,7 +124,7 @@ NOTES: list[str] = [
     "- **Compiled, not run**: one decode step (`nybble.models.evaluate.decode_step`, the step `generate`'s "
     "loop runs) of nybble's own Llama/MoE model, for the GPU named, on a deviceless topology (JAX's CUDA "
     "plugin, XLA's GPU compiler, ptxas for nybble's Mosaic GPU kernels: Hopper's on h200, the Blackwell "
-    "tcgen05 kernel on b200, where the grouped MoE matmul takes XLA's path as it would there), weights "
+    "tcgen05 kernels on b200, dense and grouped), weights "
     "abstract (`jax.ShapeDtypeStruct`): bf16, and int4 g128 symmetric as `nybble.models.quantize` makes them "
     "(the LM head stays bf16, `DEFAULT_RULES`). Variant `baseline`: separate q/k/v and gate/up, the cache "
     "not donated (the model code of the commit otherwise); "
