@@ -180,3 +180,21 @@ def test_grouped_lowers_every_heuristic_tiling(rows, experts, k, n):
 
 def test_grouped_float16_per_column_and_odd_shapes():
     _lower_grouped(10, 4, 100, 7392, None, True, x_dtype=jnp.float16)
+
+
+def test_xray_moe_rows_pair_each_kernel_case_with_its_peers():
+    """The B200 X-ray's MoE rows: every (model, projection, tokens, quantization) has nybble's grouped kernel
+    and the XLA path; tokamax's sm100 ragged_dot only where it can run (symmetric groups: no zero points)."""
+    from bench.xray.blackwell import TOKAMAX, build_moe_cases
+    from bench.xray.moe_cases import MOE_SHAPES
+
+    cases = build_moe_cases(["qwen3-30b-a3b"], [1, 64], [(128, True), (128, False)], tokamax=True)
+    hidden, inter, experts, top_k = MOE_SHAPES["qwen3-30b-a3b"]
+    by_peer: dict[str, list] = {}
+    for c in cases:
+        by_peer.setdefault(c.peer, []).append(c)
+    assert len(by_peer["nybble:blackwell"]) == len(by_peer["nybble:xla"]) == 2 * 2 * 2
+    assert len(by_peer[TOKAMAX]) == 2 * 2 and all(c.symmetric for c in by_peer[TOKAMAX])
+    assert {(c.k, c.n) for c in cases} == {(hidden, inter), (inter, hidden)}
+    assert {c.m for c in cases} == {top_k, 64 * top_k} and {c.experts for c in cases} == {experts}
+    assert len({c.key for c in cases}) == len(cases)  # one row each
