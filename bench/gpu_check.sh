@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One-call GPU check for an H200 (or any Hopper) machine: GPU tests + the benchmark, all output in one folder.
+# One-call GPU check for a Hopper (H100, H200) or Blackwell (B200, GB200, B300) machine: GPU tests + the
+# benchmark, all output in one folder.
 #
 #   bash bench/gpu_check.sh            # or: make gpu-check
 #
 # The first line it prints is the verdict on the GPU tests ("VERDICT: PASS ..." or "VERDICT: FAIL ..."),
 # repeated first in the closing summary and at the top of tests.log. The exit status is non-zero when the
-# GPU tests are missing, skipped (even one), not run on a Hopper GPU, timed out or failed, or when the
+# GPU tests are missing, skipped (even one), not run on a GPU of their family, timed out or failed, or when the
 # benchmark fails.
 #
 # DRY_RUN=1 runs every step on a machine without a GPU but the timing: the GPU tests are collected, not run;
@@ -68,11 +69,18 @@ if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
 fi
 
 # GPU tests first, so that their verdict is the first line printed. GPU_TESTS: space-separated test files
-# (default: the Mosaic GPU kernels' and the Triton kernels' GPU tests). NYBBLE_GPU_TESTS_REQUIRE_GPU=1 makes
-# them refuse to run anywhere but on a GPU that runs their kernels (never in interpret mode).
+# (default: the Mosaic GPU kernels' GPU tests of this GPU's family, Blackwell's on compute capability 10.x
+# and Hopper's elsewhere, and the Triton kernels'). NYBBLE_GPU_TESTS_REQUIRE_GPU=1 makes them refuse to run
+# anywhere but on a GPU that runs their kernels (never in interpret mode).
+CC_MAJOR="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | cut -d. -f1)"
+if [ "${CC_MAJOR:-0}" = 10 ]; then
+  MOSAIC_GPU_TESTS=tests/test_blackwell_gpu.py
+else
+  MOSAIC_GPU_TESTS=tests/test_kernel_gpu.py
+fi
 TESTS=()
 MISSING=()
-for t in ${GPU_TESTS:-tests/test_kernel_gpu.py tests/test_triton_gpu.py}; do if [ -f "$t" ]; then TESTS+=("$t"); else MISSING+=("$t"); fi; done
+for t in ${GPU_TESTS:-$MOSAIC_GPU_TESTS tests/test_triton_gpu.py}; do if [ -f "$t" ]; then TESTS+=("$t"); else MISSING+=("$t"); fi; done
 TEST_RC=0
 # -v: a line per test as it ends, so a run stopped at TEST_TIMEOUT_S still shows what passed and failed.
 # ~280 kernels to compile: with pytest-xdist, GPU_TEST_WORKERS processes share the GPU (each a slice of its
@@ -108,7 +116,7 @@ elif [ "$DRY_RUN" = 1 ]; then
 elif [ "$TEST_RC" = 124 ]; then
   VERDICT="VERDICT: FAIL: GPU tests TIMED OUT after ${TEST_TIMEOUT_S}s (raise TEST_TIMEOUT_S)"
 elif grep -q "NYBBLE_GPU_TESTS_REQUIRE_GPU=1 but" "$DEST/tests.log.part"; then
-  VERDICT="VERDICT: FAIL: no Hopper GPU: the GPU tests did not run (they never count in interpret mode)"
+  VERDICT="VERDICT: FAIL: no GPU of the tests' family here: the GPU tests did not run (they never count in interpret mode)"
 elif [ "$TEST_RC" != 0 ] || [ "$FAILED" != 0 ] || [ "$ERRORS" != 0 ]; then
   VERDICT="VERDICT: FAIL: GPU tests: $FAILED failed, $ERRORS error(s), $PASSED passed (pytest rc=$TEST_RC)"
 elif [ "$SKIPPED" != 0 ]; then

@@ -63,6 +63,7 @@ _SLOW_FILES = {
     "test_blackwell_interpret.py": 19,
     "test_hf_blockwise.py": 18,
     "test_gpu_check.py": 18,
+    "test_blackwell_gpu.py": 17,
     "test_hf_models.py": 17,
     "test_models_decode.py": 16,
     "test_model_bench.py": 15,
