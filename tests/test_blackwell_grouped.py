@@ -41,6 +41,7 @@ CASES = [
     (([0, 60, 40], 100, 150, 128, 32, False, bf16, False), (64, 64)),  # random, K = 150
     (([0, 150], 200, 128, 64, 64, True, bf16, True), (128, 64)),  # 50 rows past the sum
     (([140, 130], 300, 64, 64, None, False, bf16, True), (256, 64)),  # 256-row tiles
+    (([3, 0], 4, 256, 64, 64, False, bf16, True), (16, 256)),  # 256-deep decode steps, a row past the sum
 ]
 
 

@@ -159,9 +159,10 @@ def heuristic_config(
     """The B200 config for an (M, K_pad) x (K_pad, N_pad) problem (frozen rules, no search).
 
     tcgen05's M is 128 weight columns, its N M x S rounded up to 16..256. At decode (M <= 32) K slices
-    S = 4 where they shorten the slowest SM's K walk (waves of CTAs x K / S); K steps of 128 at
-    decode (the step's fixed cost over more weights), 64 at prefill (the x slots grow with M); the deepest
-    pipeline that fits SMEM. ``sliced`` False: no K slices (the grouped kernel's candidates).
+    S = 4 where they shorten the slowest SM's K walk (waves of CTAs x K / S); K steps of 256 at
+    decode where 3 of them fit SMEM (the step's fixed cost over more weights, as much K in flight as 6
+    steps of 128), else 128; 64 at prefill (the x slots grow with M); the deepest pipeline that fits SMEM.
+    ``sliced`` False: no K slices (the grouped kernel's candidates).
     """
     del has_offsets
     tile_n = 128
@@ -172,10 +173,16 @@ def heuristic_config(
         tile_m = next((t for t in TILE_M_CHOICES if t >= m * slices), None if slices > 1 else 256)
         if tile_m is None or (slices > 1 and tile_m > 128):  # x slots past 128 rows outgrow SMEM
             continue
-        tile_k = 128 if tile_m <= 64 or slices > 1 else 64
-        while tile_k > CHUNK_K and k_pad % (slices * tile_k):
+        # The deepest K step that divides K_pad and fits SMEM: 256 at decode, where a step's fixed cost
+        # (descriptors, barriers, the MMA issue) is shared by more weights, but only with as much K in
+        # flight as 6 steps of 128 (the HBM latency a decode CTA hides); 64 at prefill.
+        config, tile_k = None, 256 if tile_m <= 64 or slices > 1 else 64
+        while config is None and tile_k >= CHUNK_K:
+            if k_pad % (slices * tile_k) == 0 or tile_k == CHUNK_K:
+                config = _fitting(tile_n, tile_m, tile_k, slices, group)
+                if config is not None and tile_k > 128 and config.max_concurrent_steps * tile_k < 768:
+                    config = None
             tile_k //= 2
-        config = _fitting(tile_n, tile_m, tile_k, slices, group)
         if config is None:
             continue
         try:
