@@ -4,49 +4,19 @@ the gradient. ``blackwell_matmul(x2d, qw)`` is what the dispatcher calls on comp
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from nybble.kernels.mosaic_gpu import dense as hopper_api
-from nybble.kernels.mosaic_gpu.blackwell.config import (
-    DEFAULT_NUM_SMS,
-    BlackwellConfig,
-    heuristic_config,
-    x_rows,
-)
-from nybble.kernels.mosaic_gpu.blackwell.kernel import BlackwellProblem, w4a16_blackwell
+from nybble.kernels.mosaic_gpu.blackwell.config import DEFAULT_NUM_SMS, BlackwellConfig
+from nybble.kernels.mosaic_gpu.blackwell.kernel import BlackwellProblem, plan, w4a16_blackwell
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.kernels.mosaic_gpu.kernel import check_operands
 from nybble.quant.qweight import QuantizedWeight
 
 # What the Blackwell kernel accepts is exactly what the Hopper one does (same layout, dtypes, groups).
 is_supported = hopper_api.is_supported
-
-
-def plan(
-    m: int,
-    qw: QuantizedWeight,
-    *,
-    num_sms: int = DEFAULT_NUM_SMS,
-    config: BlackwellConfig | None = None,
-    dtype: Any = jnp.bfloat16,
-) -> BlackwellProblem:
-    """The launch one matmul of M rows against ``qw`` makes on a Blackwell GPU: config, padding, grid."""
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"plan: activations must be bfloat16 or float16, got {jnp.dtype(dtype)}")
-    k_pad, n_pad = qw.padded_shape
-    m = max(m, 1)
-    has_offsets = qw.offsets is not None
-    if config is None:
-        config = heuristic_config(m, n_pad, k_pad, qw.group, num_sms, has_offsets=has_offsets)
-    config.check_problem(m, n_pad, k_pad, qw.group)
-    n = qw.shape[1]
-    n_out = n if n % 64 == 0 else n_pad  # as the Hopper kernel: a TMA store needs whole 64-column tiles
-    return BlackwellProblem(
-        m, n_out, n_pad, k_pad, qw.group, jnp.dtype(dtype), has_offsets, config, x_rows(m, config)
-    )
 
 
 def _forward(x2d: jax.Array, qw: QuantizedWeight, config: BlackwellConfig | None, num_sms: int) -> jax.Array:

@@ -23,6 +23,8 @@ TILE_N_CHOICES = (128,)
 TILE_M_CHOICES = (16, 32, 64, 128, 256)  # tcgen05 N: a multiple of 16 for M = 128, at most 256
 TILE_K_CHOICES = (64, 128, 256)
 DEFAULT_NUM_SMS = 148  # a B200
+# K a decode CTA keeps in flight (6 steps of 128): the HBM latency it hides; deeper K steps keep as much.
+DECODE_K_IN_FLIGHT = 768
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,9 +181,8 @@ def heuristic_config(
         config, tile_k = None, 256 if tile_m <= 64 or slices > 1 else 64
         while config is None and tile_k >= CHUNK_K:
             if k_pad % (slices * tile_k) == 0 or tile_k == CHUNK_K:
-                config = _fitting(tile_n, tile_m, tile_k, slices, group)
-                if config is not None and tile_k > 128 and config.max_concurrent_steps * tile_k < 768:
-                    config = None
+                min_steps = DECODE_K_IN_FLIGHT // tile_k if tile_k > 128 else 2
+                config = _fitting(tile_n, tile_m, tile_k, slices, group, min_steps)
             tile_k //= 2
         if config is None:
             continue
@@ -197,9 +198,11 @@ def heuristic_config(
     return best[1]
 
 
-def _fitting(tile_n: int, tile_m: int, tile_k: int, slices: int, group: int) -> BlackwellConfig | None:
-    """The deepest pipeline of this tiling that fits SMEM."""
-    for steps in (6, 5, 4, 3, 2):
+def _fitting(
+    tile_n: int, tile_m: int, tile_k: int, slices: int, group: int, min_steps: int = 2
+) -> BlackwellConfig | None:
+    """The deepest pipeline of this tiling that fits SMEM, of at least ``min_steps`` steps."""
+    for steps in range(6, min_steps - 1, -1):
         config = BlackwellConfig(tile_n, tile_m, tile_k, steps, slices)
         if fits_smem(config, group=group, has_offsets=True, scale_bytes=4):
             return config

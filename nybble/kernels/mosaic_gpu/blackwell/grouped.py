@@ -25,13 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from nybble.kernels.mosaic_gpu import dense as hopper_api
-from nybble.kernels.mosaic_gpu.blackwell.config import (
-    DEFAULT_NUM_SMS,
-    BlackwellConfig,
-    heuristic_config,
-    x_rows,
-)
-from nybble.kernels.mosaic_gpu.blackwell.kernel import BlackwellProblem, launch, operand_views
+from nybble.kernels.mosaic_gpu.blackwell.config import DEFAULT_NUM_SMS, BlackwellConfig, heuristic_config
+from nybble.kernels.mosaic_gpu.blackwell.kernel import BlackwellProblem, launch, operand_views, plan
 from nybble.kernels.mosaic_gpu.grouped import GroupedWork, _check_values, grouped_is_supported, x_alignment
 from nybble.kernels.mosaic_gpu.grouped_config import max_m_tiles, planned_rows
 from nybble.kernels.mosaic_gpu.interpret import active_params
@@ -70,20 +65,7 @@ def grouped_plan(
             f"blackwell_grouped_matmul: the grouped Blackwell kernel runs without K slices (slices=1), "
             f"got slices={config.slices}: {config}"
         )
-    config.check_problem(min(rows, config.tile_m), n_pad, k_pad, qw.group)
-    n = qw.shape[1]
-    n_out = n if n % 64 == 0 else n_pad  # as the dense kernel: a TMA store needs whole 64-column tiles
-    p = BlackwellProblem(
-        rows,
-        n_out,
-        n_pad,
-        k_pad,
-        qw.group,
-        jnp.dtype(dtype),
-        qw.offsets is not None,
-        config,
-        x_rows(rows, config),
-    )
+    p = plan(rows, qw, num_sms=num_sms, config=config, dtype=dtype)  # the dense kernel's padding
     bound = max_m_tiles(rows, experts, config.tile_m, x_alignment(p))
     return p, GroupedWork(experts, rows, bound)
 

@@ -40,12 +40,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nybble.kernels.mosaic_gpu import compat
-from nybble.kernels.mosaic_gpu.blackwell.config import BlackwellConfig, scale_rows_per_step
-from nybble.kernels.mosaic_gpu.common import CtaTile, run_tile, store_rows
+from nybble.kernels.mosaic_gpu.blackwell.config import (
+    DEFAULT_NUM_SMS,
+    BlackwellConfig,
+    heuristic_config,
+    scale_rows_per_step,
+    x_rows,
+)
+from nybble.kernels.mosaic_gpu.common import CtaTile, kernel_name, run_tile, store_rows
 from nybble.kernels.mosaic_gpu.config import CHUNK_K
 from nybble.kernels.mosaic_gpu.dequant_registers import dequantize_chunk, slot_rows, sum_slices
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.kernels.mosaic_gpu.staging import y_staging
+from nybble.quant.qweight import QuantizedWeight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +101,31 @@ class BlackwellProblem:
 
     @property
     def kernel_name(self) -> str:
-        return self.kernel_name_for("nybble_w4a16")
+        return kernel_name(self)
 
-    def kernel_name_for(self, base: str) -> str:
-        """``<base>_<config tag>``, ``_o`` with offsets (``base``: the family, dense or grouped)."""
-        return f"{base}_{self.config.tag}{'_o' if self.has_offsets else ''}"
+
+def plan(
+    m: int,
+    qw: QuantizedWeight,
+    *,
+    num_sms: int = DEFAULT_NUM_SMS,
+    config: BlackwellConfig | None = None,
+    dtype: Any = jnp.bfloat16,
+) -> BlackwellProblem:
+    """The launch one matmul of M rows against ``qw`` makes on a Blackwell GPU: config, padding, grid."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"plan: activations must be bfloat16 or float16, got {jnp.dtype(dtype)}")
+    k_pad, n_pad = qw.padded_shape
+    m = max(m, 1)
+    has_offsets = qw.offsets is not None
+    if config is None:
+        config = heuristic_config(m, n_pad, k_pad, qw.group, num_sms, has_offsets=has_offsets)
+    config.check_problem(m, n_pad, k_pad, qw.group)
+    n = qw.shape[1]
+    n_out = n if n % 64 == 0 else n_pad  # as the Hopper kernel: a TMA store needs whole 64-column tiles
+    return BlackwellProblem(
+        m, n_out, n_pad, k_pad, qw.group, jnp.dtype(dtype), has_offsets, config, x_rows(m, config)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +306,6 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=active_params(),
-        kernel_name=p.kernel_name_for(work.name),
+        kernel_name=kernel_name(p, work.name),
     )
     return call(*operands)
