@@ -243,3 +243,44 @@ def test_pair_trick_exhaustive(x_dtype):
             for half in halves
         ]
         np.testing.assert_array_equal(got, want_bits[0] | (want_bits[1] << 16))
+
+
+@pytest.mark.parametrize("x_dtype", ["bfloat16", "float16"])
+def test_scaled_pair_every_code_and_scale(x_dtype):
+    """The weights route's multiply (``dequant.scaled_pair_word``; compiled: ``fma.rn.{b}f16x2(q, s, -0.0)``,
+    which by PTX's rules rounds the exact product once, as ``q s`` rounded once from float64) for every code
+    q in each half and every finite scale of the 16-bit format, each half with its own scale; and the pair
+    path is taken exactly where it keeps ``nybble.dequantize``'s value."""
+    import ml_dtypes
+
+    from nybble.kernels.triton import dequant
+
+    fmt = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[x_dtype]
+    bits = np.arange(1 << 16, dtype=np.uint32)
+    with np.errstate(invalid="ignore"):  # the NaN patterns, dropped next
+        scales = bits.astype(np.uint16).view(fmt).astype(np.float64)
+    bits, scales = bits[np.isfinite(scales)], scales[np.isfinite(scales)]
+    q = np.arange(-8, 8, dtype=np.float64)
+    q_bits = q.astype(fmt).view(np.uint16).astype(np.uint32)
+    for lo, hi in ((0, 15), (7, 8), (3, 12)):  # the two halves' codes; scales reversed in the high half
+        pair = np.full(bits.shape, q_bits[lo] | (q_bits[hi] << 16), np.uint32)
+        scale_pair = bits | (bits[::-1] << 16)
+        args = (jnp.asarray(pair), jnp.asarray(scale_pair), getattr(jnp, x_dtype))
+        got = np.asarray(dequant.scaled_pair_word(*args, asm=False))
+        for half, (code, s) in enumerate(((q[lo], scales), (q[hi], scales[::-1]))):
+            with np.errstate(over="ignore"):  # |q s| past the format's range: inf, in both
+                want = (code * s).astype(fmt).astype(np.float64)
+            got_half = ((got >> (16 * half)) & 0xFFFF).astype(np.uint16).view(fmt).astype(np.float64)
+            # Scales and products below f32's normal range: the jnp twin computes in f32, which XLA's CPU
+            # flushes to zero.
+            tiny = np.finfo(np.float32).tiny
+            normal = ~(((np.abs(code * s) < tiny) & (code * s != 0)) | ((np.abs(s) < tiny) & (s != 0)))
+            assert normal.sum() > 60000
+            np.testing.assert_array_equal(got_half[normal], want[normal])
+    bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
+    assert dequant.pairs_weights("weights", bf16, bf16, asymmetric=False)
+    assert dequant.pairs_weights("weights", f16, f16, asymmetric=False)
+    assert not dequant.pairs_weights("weights", bf16, bf16, asymmetric=True)  # the offset rounds in f32
+    assert not dequant.pairs_weights("weights", f16, bf16, asymmetric=False)  # a bf16 scale is no f16
+    assert not dequant.pairs_weights("weights", f32, f32, asymmetric=False)
+    assert not dequant.pairs_weights("accumulators", bf16, bf16, asymmetric=False)

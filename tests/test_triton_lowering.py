@@ -4,7 +4,7 @@ weight's elements or more, bytes per call within 1.2x of the int4 codes, scales,
 fails on today's XLA path (dequantize, then dot): a test below says so, so the check is known to bite.
 
 The compiles run in one process set up for deviceless CUDA compiles (``python -m bench.xray.gpus``, the
-``xray`` extra)."""
+``xray`` extra), which also reads the kernels' main loops from their SASS."""
 
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ def rows(tmp_path_factory):
         sys.executable,
         "-m",
         "bench.xray.gpus",
-        "--no-sass",
         "--out",
         str(out),
         "--cases",
@@ -71,6 +70,9 @@ def test_prefill_tiles_are_one_launch(rows, case):
     assert "error" not in row, row.get("error")
     assert row["launches"] == 1 and row["launch_kinds"] == ["custom-call"]
     assert "block_m=128" in row["config"]
+    # Symmetric bf16 groups: two weights a word dequantized by the pair trick and one bf16x2 multiply
+    # (nybble.kernels.triton.dequant.scaled_pair_word); each code converted to f32 apart took 10.4.
+    assert row["sass"]["instructions_per_weight"] < 8.5, row["sass"]
 
 
 @pytest.mark.parametrize("case", XLA_PATH)

@@ -292,6 +292,11 @@ def test_cuda_root_links_the_tools(tmp_path, monkeypatch):
     assert found.cuda_root() == root  # cached
     env = toolchain.child_environment(found, {"JAX_PLATFORMS": "cpu", "PYTHONPATH": "a"})
     assert env["PYTHONPATH"].split(":") == [str(site), "a"] and "JAX_PLATFORMS" not in env
+    # The suite's fast-compile flag (tests/conftest.py) stays out of the compiles the X-ray reads.
+    flags = {"XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_dump_to=/tmp/d"}
+    assert toolchain.child_environment(found, flags)["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
+    alone = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    assert "XLA_FLAGS" not in toolchain.child_environment(found, alone)
     assert env["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] == "1" and env["CUDA_ROOT"] == str(root)
 
 

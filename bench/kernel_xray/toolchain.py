@@ -141,6 +141,9 @@ def find_toolchain() -> Toolchain:
     )
 
 
+_OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
+
+
 def child_environment(toolchain: Toolchain, base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a process that compiles for sm_90a without a GPU (see the module docstring)."""
     env = dict(os.environ if base is None else base)
@@ -152,6 +155,14 @@ def child_environment(toolchain: Toolchain, base: dict[str, str] | None = None) 
     env.pop("JAX_PLATFORMS", None)  # the deviceless topology needs the CUDA plugin loaded
     env.pop("JAX_PLATFORM_NAME", None)
     env["TF_CPP_MIN_LOG_LEVEL"] = env.get("TF_CPP_MIN_LOG_LEVEL", "2")
+    # What production compiles: the test suite's XLA_FLAGS lower XLA's backend optimization level on a
+    # CPU-only machine (tests/conftest.py), which also reaches the Triton kernels' LLVM and ptxas (an
+    # sm_89 prefill loop read 10.1 instead of 7.3 thread-instructions per weight under it).
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_OPT_LEVEL_FLAG)]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    else:
+        env.pop("XLA_FLAGS", None)
     env[CHILD_MARKER] = "1"
     return env
 

@@ -63,6 +63,7 @@ def _kernel(*refs, cfg: TuningConfig, p: int, group: int, steps: int, asymmetric
         tile_m=cfg.block_m,
         tile_n=cfg.block_n,
         asm=asm,
+        scale_dtype=s_ref.dtype,
     )
     y = acc.astype(y_ref.dtype).reshape(y_ref.shape)
     if m % cfg.block_m == 0:

@@ -27,7 +27,13 @@ bits with jnp (``pair_codes_word``, checked bit for bit against a numpy model of
 
 f32 x skips the magic (it would cost 23 bits): ``u`` is converted to f32, the dot runs in IEEE f32 (no
 TF32) and ``acc += d s + sum_k(x_k) (o - 8 s)``. The weights route (prefill) dequantizes each weight to
-x's dtype once per CTA, ``(u - 8) s + o`` (``plane_weights``), and lets the MMA accumulate.
+x's dtype once per CTA and lets the MMA accumulate. Symmetric groups with scales in x's 16-bit dtype take
+the pair trick's steps 1-3 and then one ``fma.rn.{b}f16x2(q, s, -0.0)`` a word (``scaled_pair_word``: each
+half's scale is its own plane's group's, packed once per step and column): ``q s`` rounded once, the value
+``nybble.dequantize`` holds, in about 2.4 thread-instructions a weight (per word of two: the shift, LOP3,
+HFMA2, the multiply and Triton's PRMT) where converting each code to f32, scaling and rounding took about 6
+(docs/performance-log.md, 2026-12-05). Asymmetric groups and other scale dtypes keep
+``(u - 8) s + o`` in f32 (``plane_weights``: the offset's add rounds in f32 first).
 """
 
 from __future__ import annotations
@@ -158,6 +164,63 @@ def plane_pair_codes(words: jax.Array, plane: int, x_dtype, asm: bool) -> tuple[
     return lo, hi
 
 
+def scale_pair_word(lo_row: jax.Array, hi_row: jax.Array) -> jax.Array:
+    """Two (1, tile_n) 16-bit scale rows as one uint32 row: ``lo`` in the low half, ``hi`` in the high half
+    (the operand of one ``mul.rn`` on a ``pair_codes_word``: plane i's code times its group's scale in the
+    low half, plane i + 4's in the high half)."""
+    bits = [jax.lax.bitcast_convert_type(r, jnp.uint16).astype(jnp.uint32) for r in (lo_row, hi_row)]
+    return bits[0] | (bits[1] << jnp.uint32(16))
+
+
+def scaled_pair_word(pair: jax.Array, scale_pair: jax.Array, x_dtype, asm: bool) -> jax.Array:
+    """The weights route of the exact-code trick: per half, ``q s`` rounded once to x's 16-bit format (one
+    ``mul.rn.{b}f16x2`` for two weights: the product of a 4-bit integer and a scale is exact before its one
+    rounding, the value ``(u - 8) s`` in f32 then rounded holds). ``pair``: a ``pair_codes_word``;
+    ``scale_pair``: a ``scale_pair_word`` row, broadcast over the tile's rows."""
+    scale_pair = jnp.broadcast_to(scale_pair, pair.shape)
+    if not asm:
+        halves = []
+        for shift in (0, 16):
+            a, b = (
+                jax.lax.bitcast_convert_type(
+                    jax.lax.shift_right_logical(v, jnp.uint32(shift)).astype(jnp.uint16), x_dtype
+                ).astype(jnp.float32)
+                for v in (pair, scale_pair)
+            )
+            halves.append(
+                jax.lax.bitcast_convert_type((a * b).astype(x_dtype), jnp.uint16).astype(jnp.uint32)
+            )
+        return halves[0] | (halves[1] << jnp.uint32(16))
+    trick = PAIR_TRICK[np.dtype(x_dtype).name]
+    # fma with -0.0: mul.rn.bf16x2 needs sm_90, fma.rn.bf16x2 runs from sm_80 (the same single rounding).
+    (out,) = plgpu.elementwise_inline_asm(
+        "{ .reg .b32 nz;\n"
+        "mov.b32 nz, 0x80008000;\n"
+        f"fma.rn.{trick['ptx']} $0, $1, $2, nz;\n"
+        "}",
+        args=[jax.lax.bitcast_convert_type(v, jnp.int32) for v in (pair, scale_pair)],
+        constraints="=r,r,r",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(pair.shape, jnp.int32)],
+    )
+    return jax.lax.bitcast_convert_type(out, jnp.uint32)
+
+
+def split_pair(word: jax.Array, x_dtype) -> tuple[jax.Array, jax.Array]:
+    """A word of two 16-bit halves as two tiles of x's dtype (low half, high half)."""
+    lo = jax.lax.bitcast_convert_type(word.astype(jnp.uint16), x_dtype)
+    high_bits = jax.lax.shift_right_logical(word, jnp.uint32(16)).astype(jnp.uint16)
+    return lo, jax.lax.bitcast_convert_type(high_bits, x_dtype)
+
+
+def pairs_weights(route: str, x_dtype, scale_dtype, asymmetric: bool) -> bool:
+    """Whether the weights route dequantizes two planes a word with the exact-code trick and one
+    ``mul.rn`` of x's 16-bit format (:func:`scaled_pair_word`): symmetric groups whose scales are already
+    in x's dtype (bf16 or f16). Otherwise each plane apart in f32 (:func:`plane_weights`)."""
+    same_dtype = np.dtype(scale_dtype) == np.dtype(x_dtype)
+    return route == "weights" and not asymmetric and np.dtype(x_dtype).name in PAIR_TRICK and same_dtype
+
+
 def step(
     acc,
     words,
@@ -171,6 +234,7 @@ def step(
     x_dtype,
     route: str,
     asm: bool = False,
+    scale_dtype=None,
 ):
     """Adds one step's 8 plane products to ``acc`` (tile_m, tile_n) f32.
 
@@ -184,17 +248,31 @@ def step(
     operand, whose warps split its rows, so each warp dequantizes its own rows of W^T; as the B operand
     every warp along M would dequantize the same weights again (on sm_80, 50 against 10.6
     thread-instructions per weight at 128 x 128 tiles and 8 warps). ``asm``: the inline-PTX forms of
-    ``_mask_or`` and ``fma`` (compiled kernels; interpret mode runs their jnp equivalents)."""
+    ``_mask_or`` and ``fma`` (compiled kernels; interpret mode runs their jnp equivalents).
+    ``scale_dtype``: the scales' dtype; where :func:`pairs_weights` allows, the weights route dequantizes
+    planes i and i + 4 together (:func:`scaled_pair_word`)."""
     exact_codes = route == "accumulators" and MAGIC[np.dtype(x_dtype).name][0] is not None
+    paired = scale_dtype is not None and pairs_weights(route, x_dtype, scale_dtype, offset_at is not None)
     codes = {}
-    order = PLANE_ORDER if exact_codes else range(PLANES)
+    order = PLANE_ORDER if exact_codes or paired else range(PLANES)
     for plane in order:
         k0 = plane * plane_rows + j0
         x_tile = x_at(k0)
         g = k0 // group
         offset_row = None if offset_at is None else offset_at(g)
         if route == "weights":  # acc holds y^T: the weights are the MMA's A operand (see step's docstring)
-            w = plane_weights(words, plane, scale_at(g), offset_row, x_dtype)
+            if paired:  # planes i and i + 4 from one shift, one LOP3, one HFMA2 and one multiply a word
+                if plane not in codes:
+                    shifted = jax.lax.shift_right_logical(words, jnp.uint32(4 * plane)) if plane else words
+                    both = pair_codes_word(shifted, x_dtype, asm)
+                    hi_group = (k0 + PLANES // 2 * plane_rows) // group
+                    scales = scale_pair_word(scale_at(g), scale_at(hi_group))
+                    codes[plane], codes[plane + PLANES // 2] = split_pair(
+                        scaled_pair_word(both, scales, x_dtype, asm), x_dtype
+                    )
+                w = codes[plane]
+            else:
+                w = plane_weights(words, plane, scale_at(g), offset_row, x_dtype)
             precision = jax.lax.Precision.HIGHEST if x_tile.dtype == jnp.float32 else None
             acc = acc + jax.lax.dot_general(
                 w, x_tile, (((0,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
@@ -215,7 +293,20 @@ def step(
     return acc
 
 
-__all__ = ["MAGIC", "PLANES", "bias", "plane_codes", "plane_dot", "plane_weights", "scale_terms", "step"]
+__all__ = [
+    "MAGIC",
+    "PLANES",
+    "bias",
+    "pairs_weights",
+    "plane_codes",
+    "plane_dot",
+    "plane_weights",
+    "scale_pair_word",
+    "scale_terms",
+    "scaled_pair_word",
+    "split_pair",
+    "step",
+]
 
 
 def k_loop(
@@ -234,6 +325,7 @@ def k_loop(
     tile_m: int,
     tile_n: int,
     asm: bool = False,
+    scale_dtype=None,
 ) -> jax.Array:
     """The K loop of both Triton kernels (dense and grouped): ``steps`` steps of ``block_kw`` words from
     step ``first``, ``words_at(j0)`` the step's (block_kw, tile_n) words; returns the (tile_m, tile_n) f32
@@ -254,6 +346,7 @@ def k_loop(
             x_dtype=x_dtype,
             route=route,
             asm=asm,
+            scale_dtype=scale_dtype,
         )
 
     zeros = jnp.zeros((tile_n, tile_m) if transposed else (tile_m, tile_n), jnp.float32)

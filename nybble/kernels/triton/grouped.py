@@ -90,6 +90,7 @@ def _kernel(
             tile_m=bm,
             tile_n=bn,
             asm=asm,
+            scale_dtype=s_ref.dtype,
         )
         mine = (row >= lo) & (row < hi)
         plgpu.store(y_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], acc.astype(y_ref.dtype), mask=mine)
