@@ -137,7 +137,7 @@ class NybblePeer:
 
     implementation: str
     reference: str = REF_GROUPED
-    # The layout this implementation reads (the Triton kernel: planes_int4); the benchmark's weight is
+    # The layout this implementation reads (the Triton kernel: planes_nk_int4); the benchmark's weight is
     # converted once, outside the timing, as a user quantizing for that GPU would store it.
     layout: str | None = None
 

@@ -1,10 +1,10 @@
 """Loaders store int4 weights in the local GPU's layout, converted once at load, never per call.
 
-``nybble.packing.default_layout()`` is ``planes_int4`` (the Triton kernel's) on an NVIDIA GPU without a nybble
-Mosaic GPU kernel and ``wgmma_int4`` on this CPU. The GPU is faked as in tests/test_api_traps.py (an A100:
-``nybble.kernels.device.gpu_device`` patched) while loading only; the forward passes then run the XLA path on
-this CPU, which gives every layout the same bits, so a model loaded "on the A100" must give exactly the
-logits of the one loaded here, and its weights exactly the codes and scales.
+``nybble.packing.default_layout()`` is ``planes_nk_int4`` (the Triton kernel's) on an NVIDIA GPU without a
+nybble Mosaic GPU kernel and ``wgmma_int4`` on this CPU. The GPU is faked as in tests/test_api_traps.py (an
+A100: ``nybble.kernels.device.gpu_device`` patched) while loading only; the forward passes then run the XLA
+path on this CPU, which gives every layout the same bits, so a model loaded "on the A100" must give exactly
+the logits of the one loaded here, and its weights exactly the codes and scales.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _on_a100(monkeypatch, load):
     with monkeypatch.context() as m:
         m.setattr(device, "gpu_device", lambda: _A100())
         m.setattr(device, "hopper_device", lambda: None)
-        assert default_layout() == "planes_int4"
+        assert default_layout() == "planes_nk_int4"
         return load()
 
 
@@ -53,18 +53,18 @@ def _per_expert(qw: QuantizedWeight) -> list[QuantizedWeight]:
 
 
 def _assert_same_weights(here: nnx.Module, there: nnx.Module) -> None:
-    """Every int4 weight of ``there`` in planes_int4, of ``here`` in wgmma_int4: equal codes and scales."""
+    """Every int4 weight of ``there`` in planes_nk_int4, of ``here`` in wgmma_int4: equal codes and scales."""
     a, b = _int4_weights(here), _int4_weights(there)
     assert a and a.keys() == b.keys()
     for path, qw in b.items():
-        assert qw.layout == "planes_int4" and a[path].layout == "wgmma_int4", path
+        assert qw.layout == "planes_nk_int4" and a[path].layout == "wgmma_int4", path
         for one, ref in zip(_per_expert(qw), _per_expert(a[path]), strict=True):
             np.testing.assert_array_equal(np.asarray(one.logical_codes()), np.asarray(ref.logical_codes()))
             np.testing.assert_array_equal(np.asarray(one.scales), np.asarray(ref.scales))
 
 
 def test_compressed_tensors_moe_loads_in_the_gpus_layout(monkeypatch):
-    """Expert stacks (QExperts) read from compressed-tensors' packed ints, straight into planes_int4."""
+    """Expert stacks (QExperts) read from compressed-tensors' packed ints, straight into planes_nk_int4."""
     here = models.from_pretrained(MOE, dtype=jnp.float32)
     there = _on_a100(monkeypatch, lambda: models.from_pretrained(MOE, dtype=jnp.float32))
     _assert_same_weights(here, there)
@@ -90,7 +90,7 @@ def test_gptq_and_nybble_directories_load_in_the_gpus_layout(monkeypatch, tmp_pa
 
 
 def test_load_model_converts_a_saved_checkpoint_once(monkeypatch, tmp_path):
-    """``models.load_model`` of a file saved in wgmma_int4: planes_int4 on the A100, the same weights."""
+    """``models.load_model`` of a file saved in wgmma_int4: planes_nk_int4 on the A100, the same weights."""
     model = models.quantize(load_named("tiny-random", jnp.float32)[0], group_size=32, progress=False)
     path = models.save_model(tmp_path / "m.safetensors", model)
     fresh = _on_a100(monkeypatch, lambda: models.load_model(path, load_named("tiny-random", jnp.float32)[0]))

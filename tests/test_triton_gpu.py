@@ -55,7 +55,7 @@ def test_every_config_exact(cfg):
     rng = np.random.default_rng(abs(hash(str(cfg))) % 2**32)
     m, k, n = _shape_for(cfg)
     for symmetric, group in ((True, cfg.block_kw if cfg.block_kw < 64 else 128), (False, None)):
-        qw = exact_weight(rng, k, n, group, symmetric, layout="planes_int4")
+        qw = exact_weight(rng, k, n, group, symmetric, layout="planes_nk_int4")
         x = activations(rng, m, k, exact=True)
         y = dense.dense_matmul(x, qw, cfg, interpret=INTERPRET)
         assert_exact(y, x, qw)

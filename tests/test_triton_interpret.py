@@ -1,6 +1,6 @@
 """The portable Triton kernels (nybble.kernels.triton) in Pallas' interpret mode on the CPU: every config the
 heuristics can pick, bit-exact on small integers and within the rounding bound of the float64 reference on
-random data; the planes_int4 layout against the reference's own decoding."""
+random data; the planes layouts against the reference's own decoding."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from nybble.kernels.ops.matmul.reference import reference_codes, reference_dequa
 from nybble.kernels.triton import backend, dense, grouped
 from nybble.kernels.triton.config import DECODE_M, TuningConfig, candidate_configs, choose_config, code_path
 from nybble.kernels.triton.dequant import bias
-from nybble.packing import get_layout
+from nybble.packing import TRITON_LAYOUT, get_layout
 from nybble.quant.qweight import relayout
 from nybble.quant.stacked import stack_weights
 from tests.kernel_checks import _per_k, activations, assert_exact, assert_within_rounding, exact_weight
@@ -31,7 +31,7 @@ CODE_PATHS = sorted({dataclasses.replace(c, num_warps=4, num_stages=2) for c in 
 def _random_weight(rng, k, n, group, symmetric, scale_dtype=jnp.bfloat16):
     w = rng.standard_normal((k, n)).astype(np.float32)
     qw = nybble.quantize(
-        w, group_size=group, symmetric=symmetric, scale_dtype=scale_dtype, layout="planes_int4"
+        w, group_size=group, symmetric=symmetric, scale_dtype=scale_dtype, layout=TRITON_LAYOUT
     )
     return qw
 
@@ -52,18 +52,22 @@ def assert_kernel_close(y, x, qw, route: str = "accumulators") -> None:
         assert_within_rounding(y, x, qw, w=reference_dequantize(qw), terms=_terms(qw, x.dtype))
 
 
-def test_planes_layout_matches_reference_decoding():
+@pytest.mark.parametrize("layout, stored", [("planes_int4", (24, 72)), ("planes_nk_int4", (72, 24))])
+def test_planes_layouts_match_reference_decoding(layout, stored):
     rng = np.random.default_rng(0)
     q = rng.integers(-8, 8, (192, 72)).astype(np.int8)
-    words = get_layout("planes_int4").pack(q)
-    assert words.dtype == np.uint32 and words.shape == (24, 72)
-    np.testing.assert_array_equal(get_layout("planes_int4").unpack(words, 192), q)
+    words = get_layout(layout).pack(q)
+    assert words.dtype == np.uint32 and words.shape == stored and words.flags.c_contiguous
+    np.testing.assert_array_equal(get_layout(layout).unpack(words, 192), q)
     qw = nybble.QuantizedWeight.from_codes(
-        q, np.ones((3, 72), np.float32), shape=(192, 72), group_size=64, layout="planes_int4"
+        q, np.ones((3, 72), np.float32), shape=(192, 72), group_size=64, layout=layout
     )
     np.testing.assert_array_equal(reference_codes(qw)[:192, :72], q)
-    # Nibble i of word (j, n) is row i * 24 + j, offset binary.
-    assert (int(words[5, 7]) >> 12) & 0xF == q[3 * 24 + 5, 7] + 8
+    # Nibble i of word (j, n) (planes_nk_int4: of word (n, j)) is row i * 24 + j, offset binary.
+    word = words[5, 7] if layout == "planes_int4" else words[7, 5]
+    assert (int(word) >> 12) & 0xF == q[3 * 24 + 5, 7] + 8
+    # The Triton kernel's layout: each column's words contiguous along K.
+    assert (layout == TRITON_LAYOUT) == (layout == "planes_nk_int4")
 
 
 def test_candidate_configs_are_what_the_heuristics_pick():
@@ -92,7 +96,7 @@ def test_every_config_exact(cfg):
     m, k, n = _shape_for(cfg)
     symmetric = (cfg.block_kw // 16 + cfg.splits) % 2 == 0  # both kinds over the set
     group = cfg.block_kw if cfg.block_kw < 64 else None  # the most groups, and per-column
-    qw = exact_weight(rng, k, n, group, symmetric, layout="planes_int4")
+    qw = exact_weight(rng, k, n, group, symmetric, layout=TRITON_LAYOUT)
     x = activations(rng, m, k, exact=True)
     y = dense.dense_matmul(x, qw, cfg, interpret=True)
     assert_exact(y, x, qw)
@@ -135,7 +139,7 @@ def test_f16_f32_activations(x_dtype, cfg):
     y = dense.dense_matmul(x, qw, cfg, interpret=True)
     assert y.dtype == x_dtype and y.shape == (5, 100)
     assert_kernel_close(y, x, qw, cfg.route)
-    exact = exact_weight(rng, 256, 128, 32, True, layout="planes_int4")
+    exact = exact_weight(rng, 256, 128, 32, True, layout=TRITON_LAYOUT)
     xe = activations(rng, 4, 256, dtype=x_dtype, exact=True)
     assert_exact(dense.dense_matmul(xe, exact, cfg, interpret=True), xe, exact)
 
@@ -159,12 +163,12 @@ def test_backend_refuses_clearly():
     x = jnp.zeros((2, 512), jnp.bfloat16)
     hopper = nybble.quantize(w, group_size=64)
     assert "relayout" in backend.unsupported(x, hopper)
-    assert backend.unsupported(x, relayout(hopper, "planes_int4")) is None
+    assert backend.unsupported(x, relayout(hopper, TRITON_LAYOUT)) is None
     odd_k = nybble.quantize(
-        rng.standard_normal((576, 64)).astype(np.float32), group_size=64, layout="planes_int4"
+        rng.standard_normal((576, 64)).astype(np.float32), group_size=64, layout=TRITON_LAYOUT
     )
     assert "multiples of 16" in backend.unsupported(jnp.zeros((2, 576), jnp.bfloat16), odd_k)
-    assert "int8" in backend.unsupported(jnp.zeros((2, 512), jnp.int8), relayout(hopper, "planes_int4"))
+    assert "int8" in backend.unsupported(jnp.zeros((2, 512), jnp.int8), relayout(hopper, TRITON_LAYOUT))
     if jax.default_backend() == "cpu":
         assert "interpret" in backend.not_here()
 
@@ -172,10 +176,10 @@ def test_backend_refuses_clearly():
 def _stack(rng, experts, k, n, group, symmetric, exact):
     if exact:
         return stack_weights(
-            [exact_weight(rng, k, n, group, symmetric, layout="planes_int4") for _ in range(experts)]
+            [exact_weight(rng, k, n, group, symmetric, layout=TRITON_LAYOUT) for _ in range(experts)]
         )
     w = rng.standard_normal((experts, k, n)).astype(np.float32)
-    return nybble.quantize(w, group_size=group, symmetric=symmetric, layout="planes_int4")
+    return nybble.quantize(w, group_size=group, symmetric=symmetric, layout=TRITON_LAYOUT)
 
 
 @pytest.mark.parametrize(

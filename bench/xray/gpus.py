@@ -5,7 +5,7 @@ For each GPU (a deviceless topology of its compute capability, ``nybble.kernels.
 compiles four programs and reads what was compiled:
 
 - ``nybble``: nybble's kernel for that GPU: the portable Triton kernel (``nybble.kernels.triton``, a
-  ``planes_int4`` weight, the config its heuristics pick for that GPU) off Hopper; the Mosaic GPU kernel
+  ``planes_nk_int4`` weight, the config its heuristics pick for that GPU) off Hopper; the Mosaic GPU kernel
   (``implementation="mosaic_gpu"``, a ``wgmma_int4`` weight) on h100/h200;
 - ``nybble:xla``: ``nybble.matmul(implementation="xla")``, today's fallback (dequantize, then dot);
 - ``xla:bf16``: XLA's dot of a bf16 weight, the baseline;
@@ -205,7 +205,7 @@ def program(case: Case, spec: Any, sharding: Any) -> tuple[Any, tuple[Any, ...]]
     from nybble.kernels.triton.dense import dense_matmul
     from nybble.kernels.triton.grouped import grouped_matmul
 
-    qw = _weight(case, "planes_int4", sharding)
+    qw = _weight(case, "planes_nk_int4", sharding)
     if case.experts:
         cfg = dataclasses.replace(backend.plan(max(1, case.m // case.experts), qw, gpu=spec), splits=1)
         return (lambda x, qw, s: grouped_matmul(x, qw, s, cfg)), (x, qw, sizes)
@@ -219,7 +219,7 @@ def triton_config(case: Case, spec: Any) -> Any:
         return None
     from nybble.kernels.triton import backend
 
-    qw = _weight(case, "planes_int4", None)
+    qw = _weight(case, "planes_nk_int4", None)
     if case.experts:
         return dataclasses.replace(backend.plan(max(1, case.m // case.experts), qw, gpu=spec), splits=1)
     return backend.plan(case.m, qw, gpu=spec)

@@ -28,7 +28,12 @@ import jax.numpy as jnp
 
 from nybble.packing.fragments import pack_wgmma_int4, unpack_wgmma_int4
 from nybble.packing.nibbles import pack_int4, unpack_int4
-from nybble.packing.planes import pack_planes_int4, unpack_planes_int4
+from nybble.packing.planes import (
+    pack_planes_int4,
+    pack_planes_nk_int4,
+    unpack_planes_int4,
+    unpack_planes_nk_int4,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,15 +139,27 @@ register_layout(
         unpack=unpack_planes_int4,
         stored_shape=lambda k_pad, n_pad: (k_pad // 8, n_pad),
         description="uint32 words (K_pad / 8, N_pad): nibble i of word (j, n) is q[i K_pad / 8 + j, n] + 8 "
-        "(nybble.packing.planes); what the portable Triton kernel reads",
+        "(nybble.packing.planes); planes_nk_int4 transposed, read by relayout",
         n=StoredDim(axis=1, per_index=1, granule=1, unit="column"),
         # Plane i interleaves rows i K_pad / 8: no run of K short of all of it is a plain slice.
         k=StoredDim(axis=0, per_index=8, granule=1 << 40, unit="whole K (planes interleave K)"),
     )
 )
+register_layout(
+    WeightLayout(
+        name="planes_nk_int4",
+        pack=pack_planes_nk_int4,
+        unpack=unpack_planes_nk_int4,
+        stored_shape=lambda k_pad, n_pad: (n_pad, k_pad // 8),
+        description="uint32 words (N_pad, K_pad / 8): nibble i of word (n, j) is q[i K_pad / 8 + j, n] + 8 "
+        "(nybble.packing.planes); what the portable Triton kernel reads",
+        n=StoredDim(axis=0, per_index=1, granule=1, unit="row"),
+        k=StoredDim(axis=1, per_index=8, granule=1 << 40, unit="whole K (planes interleave K)"),
+    )
+)
 DEFAULT_LAYOUT = "wgmma_int4"
 # What the portable Triton kernel (nybble.kernels.triton) reads: the default on other NVIDIA GPUs.
-TRITON_LAYOUT = "planes_int4"
+TRITON_LAYOUT = "planes_nk_int4"
 
 
 # Compute capability majors with a nybble Mosaic GPU kernel, which reads wgmma_int4.
@@ -152,7 +169,7 @@ MOSAIC_GPU_MAJORS = ("9", "10")
 def default_layout() -> str:
     """The layout ``nybble.quantize`` writes when none is named, by the local GPU: ``wgmma_int4`` where a
     nybble Mosaic GPU kernel runs (compute capability 9.x, Hopper; 10.x, datacenter Blackwell) and on a CPU
-    or TPU (the XLA path reads either), else ``planes_int4`` on an NVIDIA GPU (Ampere, Ada, sm_120: the
+    or TPU (the XLA path reads either), else ``planes_nk_int4`` on an NVIDIA GPU (Ampere, Ada, sm_120: the
     Triton kernel's). Chosen once, when quantizing or loading: a weight is never repacked per call
     (``nybble.quant.relayout`` converts one)."""
     from nybble.kernels import device  # at call time: nybble.kernels imports this module

@@ -84,8 +84,8 @@ def quantize(
         point per group too, stored as an offset so that dequantization is one multiply-add. Default True.
       scale_dtype: dtype of the stored scales and offsets (bf16, the default: 4.125 bits/weight at g128).
       layout: the memory layout of the codes (see ``nybble.packing.LAYOUTS``). Not given (neither the keyword
-        nor a ``format``): the local GPU's, ``nybble.packing.default_layout()``: ``planes_int4`` (the Triton
-        kernel's) on an NVIDIA GPU without a nybble Mosaic GPU kernel, else ``wgmma_int4``.
+        nor a ``format``): the local GPU's, ``nybble.packing.default_layout()``: ``planes_nk_int4`` (the
+        Triton kernel's) on an NVIDIA GPU without a nybble Mosaic GPU kernel, else ``wgmma_int4``.
       zero_point: asymmetric groups only. "float" (default): the offset maps code -8 to the group
         minimum. "integer": unsigned codes u in 0..15 with an integer zero z per group, ``w = (u - z) * s``,
         as compressed-tensors, GPTQ and AWQ store them (the range is widened to include 0, as GPTQ's

@@ -9,8 +9,8 @@ Not yet taken by ``implementation=None`` on a real GPU (:func:`unverified`): the
 H200, 2026-12-04: bench/results/gpu-check-2026-12-04) returned wrong outputs, though interpret mode is
 exact for the same configs. ``implementation="triton"`` still runs them.
 
-They read the ``planes_int4`` layout: quantize with ``layout="planes_int4"`` (the default on those GPUs,
-``nybble.packing.default_layout``) or convert once with ``nybble.quant.relayout(qw, "planes_int4")``;
+They read the ``planes_nk_int4`` layout: quantize with ``layout="planes_nk_int4"`` (the default on those GPUs,
+``nybble.packing.default_layout``) or convert once with ``nybble.quant.relayout(qw, "planes_nk_int4")``;
 nothing is repacked per call.
 """
 
@@ -26,9 +26,10 @@ import numpy as np
 
 from nybble.kernels.gpu import GpuSpec, get_gpu, spec_for_device_kind
 from nybble.kernels.triton.config import TuningConfig, block_kw_unsupported, choose_config
+from nybble.packing.layouts import TRITON_LAYOUT
 from nybble.quant.qweight import QuantizedWeight
 
-LAYOUT = "planes_int4"
+LAYOUT = TRITON_LAYOUT
 X_DTYPES = ("bfloat16", "float16", "float32")
 MIN_COMPUTE_CAPABILITY = (8, 0)  # bf16 MMA (Ampere) and newer
 

@@ -1,14 +1,16 @@
-"""The dense W4A16 kernel on Pallas' Triton backend: ``x @ dequantize(qw)`` for a ``planes_int4`` weight.
+"""The dense W4A16 kernel on Pallas' Triton backend: ``x @ dequantize(qw)`` for a ``planes_nk_int4`` weight.
 
 Grid: (N tiles, M tiles, K splits). Program (n, m, s) owns the (block_m, block_n) output tile (n, m) and
 the K steps ``s * steps/splits ... (s + 1) * steps/splits``, each step 8 planes of ``block_kw`` K rows
-(``nybble.kernels.triton.dequant`` walks the bytes). Per step it reads one (block_kw, block_n) block of
-uint32 words (the packed codes, 4 bits a weight, straight from HBM: no dequantized copy exists anywhere),
+(``nybble.kernels.triton.dequant`` walks the bytes). Per step it reads one (block_n, block_kw) block of
+uint32 words (the packed codes, 4 bits a weight, straight from HBM: no dequantized copy exists anywhere;
+K-contiguous, so a thread's two K-adjacent words come in one 64-bit shared-memory load) and uses it as the
+(block_kw, block_n) tile ``dequant`` walks,
 8 (block_m, block_kw) x tiles and 8 scale rows (and offset rows); Triton's pipeliner keeps
 ``num_stages`` steps of loads in flight. One split writes y in x's dtype; more write f32 partials
 (splits, M, N_pad), summed and cast by one XLA fusion (the second launch).
 
-The blocks are whole arrays along K (x: (block_m, K_pad), words: (P, block_n), scales: (groups,
+The blocks are whole arrays along K (x: (block_m, K_pad), words: (block_n, P), scales: (groups,
 block_n)): the kernel indexes them per step with ``pl.ds``, and masks the last M tile's rows itself (Pallas'
 Triton lowering masks nothing at block bounds); ``block_n`` divides N_pad.
 """
@@ -49,7 +51,7 @@ def _kernel(*refs, cfg: TuningConfig, p: int, group: int, steps: int, asymmetric
         return tile[...] if m % cfg.block_m == 0 else plgpu.load(tile, mask=in_x, other=0)
 
     acc = dequant.k_loop(
-        lambda j0: w_ref[pl.ds(j0, kw), :],
+        lambda j0: w_ref[:, pl.ds(j0, kw)].T,  # (block_n, kw) words, K-contiguous -> (kw, block_n)
         x_at,
         lambda g: s_ref[pl.ds(g, 1), :],
         None if o_ref is None else (lambda g: o_ref[pl.ds(g, 1), :]),
@@ -75,7 +77,7 @@ def _kernel(*refs, cfg: TuningConfig, p: int, group: int, steps: int, asymmetric
 def dense_matmul(
     x2d: jax.Array, qw: QuantizedWeight, cfg: TuningConfig, *, interpret: bool = False
 ) -> jax.Array:
-    """``x2d @ dequantize(qw)`` for x2d (M, K) bf16/f16/f32 and a 2-D ``planes_int4`` weight: (M, N) in
+    """``x2d @ dequantize(qw)`` for x2d (M, K) bf16/f16/f32 and a 2-D ``planes_nk_int4`` weight: (M, N) in
     x's dtype. Arguments are checked by the caller (``nybble.kernels.triton.backend``)."""
     m = x2d.shape[0]
     n = qw.shape[1]
@@ -90,7 +92,7 @@ def dense_matmul(
     grid = (pl.cdiv(n_pad, cfg.block_n), pl.cdiv(m, cfg.block_m), cfg.splits)
     in_specs = [
         pl.BlockSpec((cfg.block_m, k_pad), lambda j, i, s: (i, 0)),
-        pl.BlockSpec((p, cfg.block_n), lambda j, i, s: (0, j)),
+        pl.BlockSpec((cfg.block_n, p), lambda j, i, s: (j, 0)),
         pl.BlockSpec((qw.num_groups, cfg.block_n), lambda j, i, s: (0, j)),
     ]
     args = [x_pad, qw.codes, qw.scales]

@@ -1,7 +1,7 @@
 """The grouped (mixture-of-experts) W4A16 kernel on Pallas' Triton backend: ``nybble.ragged_matmul``.
 
 x (rows, K) is sorted by expert, ``group_sizes`` (E,) int32 counts each expert's rows; the weight is a
-stack of E ``planes_int4`` experts (E, K_pad / 8, N_pad). Grid: (N tiles, work tiles). The work tiles
+stack of E ``planes_nk_int4`` experts (E, N_pad, K_pad / 8). Grid: (N tiles, work tiles). The work tiles
 are the (expert, block_m-row tile) pairs whose rows meet, in expert order, plus the tail "expert" E
 that owns the rows past ``sum(group_sizes)`` (written as zeros): at most ``ceil(rows / block_m) + E``
 of them, each row tile shared by at most the experts that begin in it. Each program finds its pair
@@ -76,7 +76,7 @@ def _kernel(
             return plgpu.load(x_ref.at[pl.ds(r0, bm), pl.ds(pl.multiple_of(k0, kw), kw)], mask=in_x, other=0)
 
         acc = dequant.k_loop(
-            lambda j0: w_ref[ex, pl.ds(j0, kw), :],
+            lambda j0: w_ref[ex, :, pl.ds(j0, kw)].T,  # K-contiguous words -> (kw, block_n)
             x_at,
             lambda g: s_ref[ex, pl.ds(g, 1), :],
             None if o_ref is None else (lambda g: o_ref[ex, pl.ds(g, 1), :]),
@@ -104,7 +104,7 @@ def work_tiles(rows: int, experts: int, block_m: int) -> int:
 def grouped_matmul(
     x: jax.Array, qw: QuantizedWeight, group_sizes: jax.Array, cfg: TuningConfig, *, interpret: bool = False
 ) -> jax.Array:
-    """``ragged_dot(x, dequantize(qw), group_sizes)`` for x (rows, K) and a stacked ``planes_int4`` weight:
+    """``ragged_dot(x, dequantize(qw), group_sizes)`` for x (rows, K) and a stacked ``planes_nk_int4`` weight:
     (rows, N) in x's dtype, rows past the groups' sum zero. Arguments are checked by the caller."""
     rows = x.shape[0]
     experts = qw.codes.shape[0]
@@ -113,7 +113,7 @@ def grouped_matmul(
     p = plane_rows(k_pad)
     x_pad = x if x.shape[1] == k_pad else pad_to(x, (rows, k_pad))
     grid = (n_pad // cfg.block_n, work_tiles(rows, experts, cfg.block_m))
-    per_n = pl.BlockSpec((experts, p, cfg.block_n), lambda j, t: (0, 0, j))
+    per_n = pl.BlockSpec((experts, cfg.block_n, p), lambda j, t: (0, j, 0))
     per_n_scales = pl.BlockSpec((experts, qw.num_groups, cfg.block_n), lambda j, t: (0, 0, j))
     in_specs = [
         pl.BlockSpec((experts,), lambda j, t: (0,)),

@@ -100,7 +100,7 @@ def load_model(
     ``ValueError`` if the checkpoint does not fit the model.
 
     Without a ``mesh``, every int4 weight is stored in this machine's layout
-    (``nybble.packing.default_layout()``: ``planes_int4`` on NVIDIA GPUs without a nybble Mosaic GPU
+    (``nybble.packing.default_layout()``: ``planes_nk_int4`` on NVIDIA GPUs without a nybble Mosaic GPU
     kernel), converted once here if the file holds another. With a ``mesh``, the checkpoint is read
     straight into arrays placed as ``nybble.models.shard(model, mesh, axis=axis, rules=rules)`` would place
     them (quantized layers as ``ShardedWeight``), each process reading only the bytes of its own shards, in

@@ -37,7 +37,7 @@ def reference_codes(qw: QuantizedWeight) -> np.ndarray:
     b, for n = 8b + r8, k = 64c + 32q + 8u + 2 c4 + e and l = 4 r8 + c4 (nybble.packing.fragments). Each
     (k, n) is located by that formula here, not by the layout's own unpacking.
     ``planes_int4`` (uint32 (K_pad / 8, N_pad)): code (k, n) is nibble k // P of word (k % P, n) minus 8,
-    P = K_pad / 8 (offset binary).
+    P = K_pad / 8 (offset binary); ``planes_nk_int4`` (uint32 (N_pad, K_pad / 8)): of word (n, k % P).
     ``nk_int4`` stores W^T K-major: byte (n, j) holds k = 2j in its low nibble and k = 2j + 1 in its high
     nibble. Codes already held as ``jnp.int4`` (N_pad, K_pad) are taken as they are. Nibbles are two's
     complement (8..15 is -8..-1).
@@ -56,16 +56,19 @@ def reference_codes(qw: QuantizedWeight) -> np.ndarray:
         word = codes[n // 8, 64 * (k // 64) + 2 * (4 * (n % 8) + c4) + q].astype(np.int64)
         nibbles = (word >> (4 * (u + 4 * e))) & 0xF
         return np.where(nibbles >= 8, nibbles - 16, nibbles).astype(np.int8)
-    if qw.layout == "planes_int4":
+    if qw.layout in ("planes_int4", "planes_nk_int4"):
         if codes.dtype != np.uint32:
-            raise ValueError(f"planes_int4 codes must be uint32, got {codes.dtype}")
-        plane_rows, n_pad = codes.shape
+            raise ValueError(f"{qw.layout} codes must be uint32, got {codes.dtype}")
+        n_major = qw.layout == "planes_nk_int4"
+        n_pad, plane_rows = codes.shape if n_major else codes.shape[::-1]
         k = np.arange(8 * plane_rows)[:, None]
-        word = codes[k % plane_rows, np.arange(n_pad)[None, :]].astype(np.int64)
+        n = np.arange(n_pad)[None, :]
+        word = (codes[n, k % plane_rows] if n_major else codes[k % plane_rows, n]).astype(np.int64)
         return (((word >> (4 * (k // plane_rows))) & 0xF) - 8).astype(np.int8)
     if qw.layout != "nk_int4":
         raise ValueError(
-            f"the reference decodes the 'wgmma_int4', 'planes_int4' and 'nk_int4' layouts, got {qw.layout!r}"
+            "the reference decodes the 'wgmma_int4', 'planes_int4', 'planes_nk_int4' and 'nk_int4' layouts, "
+            f"got {qw.layout!r}"
         )
     if codes.dtype == np.uint8:
         nibbles = np.empty((codes.shape[0], 2 * codes.shape[1]), np.int16)
