@@ -32,7 +32,7 @@ the pair trick's steps 1-3 and then one ``fma.rn.{b}f16x2(q, s, -0.0)`` a word (
 half's scale is its own plane's group's, packed once per step and column): ``q s`` rounded once, the value
 ``nybble.dequantize`` holds, in about 2.4 thread-instructions a weight (per word of two: the shift, LOP3,
 HFMA2, the multiply and Triton's PRMT) where converting each code to f32, scaling and rounding took about 6
-(docs/performance-log.md, 2026-12-05). Asymmetric groups and other scale dtypes keep
+(docs/logs/performance-log.md, 2026-12-05). Asymmetric groups and other scale dtypes keep
 ``(u - 8) s + o`` in f32 (``plane_weights``: the offset's add rounds in f32 first).
 """
 
@@ -150,23 +150,22 @@ def fma(a: jax.Array, b: jax.Array, c: jax.Array, asm: bool) -> jax.Array:
     return out
 
 
-def plane_pair_codes(words: jax.Array, plane: int, x_dtype, asm: bool) -> tuple[jax.Array, jax.Array]:
-    """Planes ``plane`` and ``plane + 4`` (``plane`` < 4) of a (T, tile_n) word tile as exact codes ``q``
-    in x's dtype (bf16/f16): a shift (none for plane 0), then ``pair_codes_word``; the word's low and
-    high halves are the two planes' codes (Triton packs the MMA operand's K-adjacent pairs with one PRMT
-    per two codes)."""
+def plane_pair_word(words: jax.Array, plane: int, x_dtype, asm: bool) -> jax.Array:
+    """Planes ``plane`` and ``plane + 4`` (``plane`` < 4) of a (T, tile_n) word tile as one word of two
+    exact codes ``q`` in x's dtype (bf16/f16): a shift (none for plane 0), then ``pair_codes_word``."""
     shifted = jax.lax.shift_right_logical(words, jnp.uint32(4 * plane)) if plane else words
-    both = pair_codes_word(shifted, x_dtype, asm)
-    lo = jax.lax.bitcast_convert_type(both.astype(jnp.uint16), x_dtype)
-    hi = jax.lax.bitcast_convert_type(
-        jax.lax.shift_right_logical(both, jnp.uint32(16)).astype(jnp.uint16), x_dtype
-    )
-    return lo, hi
+    return pair_codes_word(shifted, x_dtype, asm)
+
+
+def plane_pair_codes(words: jax.Array, plane: int, x_dtype, asm: bool) -> tuple[jax.Array, jax.Array]:
+    """:func:`plane_pair_word` split into the two planes' code tiles (Triton packs the MMA operand's
+    K-adjacent pairs with one PRMT per two codes)."""
+    return split_pair(plane_pair_word(words, plane, x_dtype, asm), x_dtype)
 
 
 def scale_pair_word(lo_row: jax.Array, hi_row: jax.Array) -> jax.Array:
     """Two (1, tile_n) 16-bit scale rows as one uint32 row: ``lo`` in the low half, ``hi`` in the high half
-    (the operand of one ``mul.rn`` on a ``pair_codes_word``: plane i's code times its group's scale in the
+    (the operand of one ``fma.rn`` on a ``pair_codes_word``: plane i's code times its group's scale in the
     low half, plane i + 4's in the high half)."""
     bits = [jax.lax.bitcast_convert_type(r, jnp.uint16).astype(jnp.uint32) for r in (lo_row, hi_row)]
     return bits[0] | (bits[1] << jnp.uint32(16))
@@ -174,9 +173,9 @@ def scale_pair_word(lo_row: jax.Array, hi_row: jax.Array) -> jax.Array:
 
 def scaled_pair_word(pair: jax.Array, scale_pair: jax.Array, x_dtype, asm: bool) -> jax.Array:
     """The weights route of the exact-code trick: per half, ``q s`` rounded once to x's 16-bit format (one
-    ``mul.rn.{b}f16x2`` for two weights: the product of a 4-bit integer and a scale is exact before its one
-    rounding, the value ``(u - 8) s`` in f32 then rounded holds). ``pair``: a ``pair_codes_word``;
-    ``scale_pair``: a ``scale_pair_word`` row, broadcast over the tile's rows."""
+    ``fma.rn.{b}f16x2(q, s, -0.0)`` for two weights: the product of a 4-bit integer and a scale is exact
+    before its one rounding, the value ``(u - 8) s`` in f32 then rounded holds). ``pair``: a
+    ``pair_codes_word``; ``scale_pair``: a ``scale_pair_word`` row, broadcast over the tile's rows."""
     scale_pair = jnp.broadcast_to(scale_pair, pair.shape)
     if not asm:
         halves = []
@@ -215,7 +214,7 @@ def split_pair(word: jax.Array, x_dtype) -> tuple[jax.Array, jax.Array]:
 
 def pairs_weights(route: str, x_dtype, scale_dtype, asymmetric: bool) -> bool:
     """Whether the weights route dequantizes two planes a word with the exact-code trick and one
-    ``mul.rn`` of x's 16-bit format (:func:`scaled_pair_word`): symmetric groups whose scales are already
+    ``fma.rn`` of x's 16-bit format (:func:`scaled_pair_word`): symmetric groups whose scales are already
     in x's dtype (bf16 or f16). Otherwise each plane apart in f32 (:func:`plane_weights`)."""
     same_dtype = np.dtype(scale_dtype) == np.dtype(x_dtype)
     return route == "weights" and not asymmetric and np.dtype(x_dtype).name in PAIR_TRICK and same_dtype
@@ -263,8 +262,7 @@ def step(
         if route == "weights":  # acc holds y^T: the weights are the MMA's A operand (see step's docstring)
             if paired:  # planes i and i + 4 from one shift, one LOP3, one HFMA2 and one multiply a word
                 if plane not in codes:
-                    shifted = jax.lax.shift_right_logical(words, jnp.uint32(4 * plane)) if plane else words
-                    both = pair_codes_word(shifted, x_dtype, asm)
+                    both = plane_pair_word(words, plane, x_dtype, asm)
                     hi_group = (k0 + PLANES // 2 * plane_rows) // group
                     scales = scale_pair_word(scale_at(g), scale_at(hi_group))
                     codes[plane], codes[plane + PLANES // 2] = split_pair(
