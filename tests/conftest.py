@@ -7,6 +7,8 @@ import shutil
 
 import pytest
 
+from bench.kernel_xray import layout_key
+
 # Without a GPU, XLA compiles the CPU programs of the tests at LLVM's lowest optimization level: the suite's
 # many small programs (each kernel's interpret-mode simulation, the models' steps) then compile faster than
 # they run slower, about 15% off the whole suite on two cores. It changes no result the tests check: the
@@ -18,6 +20,11 @@ if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not i
     "XLA_FLAGS", ""
 ):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+
+# Lowering nybble's Mosaic GPU kernels for CUDA (the lowering tests, the models' compiles for a GPU): jax
+# 0.11.2's layout inference without re-verifying the kernel for each of its sort keys, the same lowering
+# in less time (bench/kernel_xray/layout_key.py; tests/test_xray.py proves the keys and modules equal).
+layout_key.install()
 
 
 def pytest_report_header(config):

@@ -6,6 +6,7 @@ model shapes is lowered (once per distinct kernel), then 40 random shapes; inter
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -35,6 +36,7 @@ BATCHES = [1, 16, 32, 64, 128, 4096]
 GROUPS = [128, 32, None]
 
 
+@functools.cache  # collection plans 162 problems over 27 weights (ShapeDtypeStructs, shared)
 def _abstract_weight(k, n, group, symmetric, scale_dtype=jnp.bfloat16) -> QuantizedWeight:
     quant = lambda w: quantize(w, group_size=group, symmetric=symmetric, scale_dtype=scale_dtype)
     return jax.eval_shape(quant, jax.ShapeDtypeStruct((k, n), jnp.float32))

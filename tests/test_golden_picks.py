@@ -37,3 +37,23 @@ def test_the_golden_file_holds_every_family():
     assert {c.get("scales_on", "weights") for c in configs} == {"accumulators", "weights"}
     assert any(c.get("slices", 1) > 1 for c in configs) and any(c.get("split_k", 1) == 8 for c in configs)
     assert any(c.get("producer") for c in configs) and any(c.get("persistent_ctas") for c in configs)
+
+
+def test_with_steps_is_replace_of_the_depth():
+    """The heuristics set each candidate's pipeline depth with ``TuningConfig.with_steps`` (no re-check of
+    the other fields): the same config as ``dataclasses.replace``, equal and hashing alike, and the depth's
+    own rule still enforced."""
+    import dataclasses
+
+    import pytest
+
+    from nybble.kernels.mosaic_gpu.config import TuningConfig
+
+    base = TuningConfig(tiles=1, tile_m=16, tile_k=128, split_k=2, scales_on="accumulators")
+    for steps in range(2, 9):
+        fast, slow = base.with_steps(steps), dataclasses.replace(base, max_concurrent_steps=steps)
+        assert fast == slow and hash(fast) == hash(slow) and fast.tag == slow.tag
+        assert fast.max_concurrent_steps == steps and base.max_concurrent_steps == 4
+    for steps in (1, 9):
+        with pytest.raises(ValueError, match=r"max_concurrent_steps=\d must be in \[2, 8\]"):
+            base.with_steps(steps)

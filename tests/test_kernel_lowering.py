@@ -446,3 +446,43 @@ def test_is_supported_reasons(make, match):
 
 def test_is_supported_accepts_a_normal_weight():
     assert mg.is_supported(jnp.ones((2, 256), jnp.bfloat16), _small_weight()) is None
+
+
+def test_fast_layout_keys_are_jaxs_own():
+    """The suite and the X-ray lower with bench.kernel_xray.layout_key installed (tests/conftest.py): each
+    of its sort keys must be the string jax's own ``ValueSite.__str__`` gives, so the sort orders the same
+    strings (comparing lowered modules cannot show it: a lowering's bytes, its kernel hash included, differ
+    from run to run by themselves). Checked on the Hopper kernel's two scale routes (M = 1 accumulator with
+    K slices, M = 128 exact), asymmetric, the grouped kernel and the Blackwell kernel."""
+    from bench.kernel_xray import layout_key
+    from bench.xray.moe_cases import abstract_weight as abstract_stack
+    from nybble.kernels.mosaic_gpu.blackwell import blackwell_matmul
+    from nybble.kernels.mosaic_gpu.blackwell.target import target_arch
+    from nybble.kernels.mosaic_gpu.grouped import grouped_matmul
+
+    def lower_grouped():
+        qw = abstract_stack(8, 2048, 768, 128, False)
+        args = (jax.ShapeDtypeStruct((16, 2048), jnp.bfloat16), qw, jax.ShapeDtypeStruct((8,), jnp.int32))
+        fn = lambda x, qw, sizes: grouped_matmul(x, qw, sizes, num_sms=NUM_SMS)
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+    def lower_blackwell():
+        qw = _abstract_weight(4096, 4096, 128, False, layout=None)
+        x = jax.ShapeDtypeStruct((16, 4096), jnp.bfloat16)
+        with target_arch(10, 0):
+            return jax.jit(blackwell_matmul).trace(x, qw).lower(lowering_platforms=("cuda",))
+
+    lowerings = [
+        lambda: _lower(1, _abstract_weight(4096, 4096, 128, False)),
+        lambda: _lower(128, _abstract_weight(1536, 576, 32, False)),
+        lower_grouped,
+        lower_blackwell,
+    ]
+    assert layout_key.install(check=True), "jax's ValueSite.__str__ is not the one layout_key knows"
+    try:
+        before = layout_key.keys_checked()
+        for lower in lowerings:  # every key compared with jax's own as it is made (AssertionError if not)
+            assert "mosaic_gpu" in lower().as_text()
+        assert layout_key.keys_checked() - before > 100  # layout inference ran, key by key
+    finally:
+        layout_key.install()

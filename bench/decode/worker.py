@@ -29,8 +29,10 @@ def _start_dump() -> None:
 def compile_step(program: Any, gpu: Any) -> tuple[Any, str]:
     """(CompileReport, thunk sequence text) of a ``StepProgram`` compiled for one deviceless ``gpu``."""
     from bench.kernel_xray import compile as xc
+    from bench.kernel_xray import layout_key
     from bench.kernel_xray.target import deviceless_devices
 
+    layout_key.install()  # the same lowering, faster on jax 0.11.2 (bench.kernel_xray.layout_key)
     args = xc.abstract(program.args, deviceless_devices(gpu, 1)[0])
     with kernel_family(gpu):
         return _compile(program, args)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.kernel_xray import hlo, sass
+from bench.kernel_xray import hlo, layout_key, sass
 from bench.kernel_xray.target import deviceless_devices
 from bench.kernel_xray.toolchain import EXTRA_HINT, in_compile_process
 
@@ -187,6 +187,7 @@ def xray_compile(
             "xray_compile must run in a process set up for deviceless CUDA compiles (see "
             "bench.kernel_xray.toolchain.child_environment; `python -m bench.xray` starts one). " + EXTRA_HINT
         )
+    layout_key.install()  # jax 0.11.2's layout inference, without its per-key verification (same output)
     if devices is None:
         abstract_args = abstract(args, deviceless_devices(gpu, 1)[0])
     else:

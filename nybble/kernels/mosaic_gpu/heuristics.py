@@ -132,7 +132,7 @@ def heuristic_config(
         for steps in range(min(8 if decode else 4, max(2, k_steps)), 1, -1):
             if probe.producer and k_steps <= steps:
                 continue  # every step has a slot: all copies go out up front, a producer saves nothing
-            config = dataclasses.replace(probe, max_concurrent_steps=steps)
+            config = probe.with_steps(steps)
             used = smem_bytes(config, group=group, has_offsets=has_offsets, scale_bytes=scale_bytes)
             if not smem_fits(used):
                 continue
