@@ -5,7 +5,7 @@ jax 0.11.2's ``constraints.compute_transitively_equal_vars`` sorts the layout va
 default flags and keeps the first token (``%12 = arith.addf``). Those flags verify the operation before
 printing it, regions included, so a variable of the kernel's ``scf.for`` re-verifies the whole main loop:
 ~1.6 ms a key, a quarter of an X-ray compile's CPU time and a seventh of a lowering (measured 2026-12-05,
-docs/logs/performance-log.md). jax 0.12 no longer sorts there.
+docs/logs/performance-log.md). jax 0.12 no longer sorts there, and keeps its own.
 
 :func:`install` gives ``ValueSite`` the same ``__str__`` printed with ``assume_verified=True`` and
 ``skip_regions=True``: the first line of the print, and so the key, is the same string (the one case where
@@ -23,8 +23,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-# sha256 of ``inspect.getsource(ValueSite.__str__)`` in the jax releases whose key this reproduces
-# (0.11.2 and 0.12.0.1 have the same method; 0.12 no longer sorts by it, so installing there changes nothing).
+# sha256 of ``inspect.getsource(ValueSite.__str__)`` in the jax releases whose key this reproduces (0.11.2;
+# 0.12.0.1 has the same method but no longer sorts by it: :func:`sorts_by_key` is False there).
 _KNOWN_SOURCES = frozenset({"1bb28d7f7ca409251e91d92507b8f5c59188027b558857c7060d47cbdc23faf2"})
 
 _installed: dict[str, Any] = {}
@@ -32,6 +32,13 @@ _installed: dict[str, Any] = {}
 
 def _source_digest(fn: Callable[..., Any]) -> str:
     return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()
+
+
+def sorts_by_key() -> bool:
+    """Whether this jax's layout inference sorts its variables by ``str`` (jax 0.11.2: yes; 0.12: no)."""
+    from jax.experimental.mosaic.gpu import constraints
+
+    return "key=str" in inspect.getsource(constraints.compute_transitively_equal_vars)
 
 
 def fast_key(site: Any) -> str:
@@ -49,7 +56,8 @@ def fast_key(site: Any) -> str:
 
 
 def install(*, check: bool = False) -> bool:
-    """Replaces ``ValueSite.__str__`` with :func:`fast_key` where jax's is the known one; True if installed.
+    """Replaces ``ValueSite.__str__`` with :func:`fast_key` where jax's is the known one and its layout
+    inference sorts by it (:func:`sorts_by_key`); True if installed.
 
     ``check``: also compute jax's own key each time and raise ``AssertionError`` on a difference (slow; the
     tests' proof). Installing again (with or without ``check``) replaces the previous installation."""
@@ -58,7 +66,7 @@ def install(*, check: bool = False) -> bool:
     except ImportError:  # a jax without Mosaic GPU: nothing to speed up
         return False
     original = _installed.get("original", li.ValueSite.__str__)
-    if _source_digest(original) not in _KNOWN_SOURCES:
+    if _source_digest(original) not in _KNOWN_SOURCES or not sorts_by_key():
         return False
 
     if check:
