@@ -49,6 +49,12 @@ MAX_WS_SLAB_ROWS = 32
 ScalesOn = Literal["accumulators", "weights"]
 
 
+def _check_steps(steps: int) -> None:
+    """The pipeline depth's rule: at least 2 slots (released one step late), at most 8."""
+    if not 2 <= steps <= 8:
+        raise ValueError(f"TuningConfig: max_concurrent_steps={steps} must be in [2, 8]")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TuningConfig:
     """One compiled variant of the W4A16 kernel. Validates itself on construction."""
@@ -128,10 +134,7 @@ class TuningConfig:
                 f"TuningConfig: persistent_ctas={self.persistent_ctas} needs the warp-specialized kernel "
                 f"(compute_wgs=2) without split-K, got compute_wgs={self.compute_wgs}, split_k={self.split_k}"
             )
-        if not 2 <= self.max_concurrent_steps <= 8:
-            raise ValueError(
-                f"TuningConfig: max_concurrent_steps={self.max_concurrent_steps} must be in [2, 8]"
-            )
+        _check_steps(self.max_concurrent_steps)
         if not 1 <= self.grid_tile_m <= 64:
             raise ValueError(f"TuningConfig: grid_tile_m={self.grid_tile_m} must be in [1, 64]")
         if not 1 <= self.split_k <= MAX_SPLIT_K:
@@ -141,8 +144,7 @@ class TuningConfig:
         """This config at pipeline depth ``steps``: ``dataclasses.replace(self, max_concurrent_steps=steps)``
         without re-running the other fields' checks (no rule ties the depth to them), as the heuristics
         try every depth of every candidate (a third of their time went to ``replace``)."""
-        if not 2 <= steps <= 8:
-            raise ValueError(f"TuningConfig: max_concurrent_steps={steps} must be in [2, 8]")
+        _check_steps(steps)
         config = copy.copy(self)
         object.__setattr__(config, "max_concurrent_steps", steps)
         return config
