@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from bench.kernel_xray import layout_key
+from tests import fast_io_callback
 
 # Without a GPU, XLA compiles the CPU programs of the tests at LLVM's lowest optimization level: the suite's
 # many small programs (each kernel's interpret-mode simulation, the models' steps) then compile faster than
@@ -25,6 +26,11 @@ if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not i
 # 0.11.2's layout inference without re-verifying the kernel for each of its sort keys, the same lowering
 # in less time (bench/kernel_xray/layout_key.py; tests/test_xray.py proves the keys and modules equal).
 layout_key.install()
+
+# Mosaic GPU's interpret mode (every kernel test here): jax 0.11.2's io_callback host side without
+# jax.device_put's dispatch on each of the interpreter's callbacks, the same arrays for a quarter less time
+# (tests/fast_io_callback.py; test_kernel_interpret.py compares what the callbacks get with jax's own).
+fast_io_callback.install()
 
 
 def pytest_report_header(config):

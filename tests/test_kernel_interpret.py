@@ -167,6 +167,45 @@ def test_slot_rows_and_slice_sum_twins(slices):
     np.testing.assert_array_equal(rows_t1, np.asarray(values)[idx[:, 0], 0, width + idx[:, 1]])
 
 
+@pytest.mark.no_kernel  # the interpreter's callbacks, no kernel runs
+def test_fast_io_callback_gives_the_callback_what_jax_does():
+    """tests/conftest.py installs tests/fast_io_callback.py on jax 0.11.2 (on 0.12 jax keeps its own): the
+    interpreter's callbacks must get what jax's ``io_callback_impl`` gives them, the same values as
+    ``jax.Array``s on the same device, committed, and return the same numpy arrays."""
+    from jax._src import callback as callback_lib
+
+    from tests import fast_io_callback
+
+    installed = fast_io_callback.install()
+    if fast_io_callback.source_digest() != fast_io_callback._KNOWN_SOURCE:
+        assert not installed and "impl" not in fast_io_callback._original  # a jax it does not know
+        return
+    assert installed and callback_lib.io_callback_impl is not fast_io_callback._original["impl"]
+    seen: list[list[tuple]] = []
+
+    def record(*args):
+        seen.append([(type(a), a.dtype, a.shape, a.committed, a.sharding, np.asarray(a).tobytes())
+                     for a in args])
+        return [np.asarray(args[0]) + 1, jnp.asarray(args[1]) * 2]
+
+    flat = callback_lib._FlatCallback(record, jax.tree.structure((tuple(range(3)), {})))
+    args = (
+        np.array(7, np.int32),
+        np.arange(12, dtype=np.float32).reshape(3, 4).astype(jnp.bfloat16),
+        np.array([True, False]),
+    )
+    params = {"result_avals": (), "sharding": None, "ordered": False}
+    outs = [impl(*args, callback=flat, **params) for impl in (fast_io_callback._original["impl"],
+                                                               callback_lib.io_callback_impl)]
+    assert seen[0] == seen[1] and seen[0][0][0] is type(jnp.zeros(()))
+    for ours, jaxs in zip(outs[1], outs[0], strict=True):
+        assert type(ours) is type(jaxs) is np.ndarray and ours.dtype == jaxs.dtype
+        np.testing.assert_array_equal(ours, jaxs)
+    # Anything but numpy arrays (a Python int) goes to jax's own.
+    callback_lib.io_callback_impl(3, np.array(1.0), np.array(0), callback=flat, **params)
+    assert seen[2][0][0] is seen[0][0][0] and int(np.frombuffer(seen[2][0][5], np.int32)[0]) == 3
+
+
 # -------------------------------------------------------------------------------- numbers, end to end
 
 
