@@ -7,7 +7,7 @@ moves the callback's arguments (numpy arrays from XLA's CPU runtime) onto the CP
 an interpret-mode test's time (measured 2026-12-05, docs/logs/performance-log.md).
 
 :func:`install` replaces it with the same function whose transfer is the call ``device_put`` ends in,
-``xla_client.batched_device_put`` of each array to the CPU device (committed, as ``device_put`` to a
+jaxlib's ``batched_device_put`` of each array to the CPU device (committed, as ``device_put`` to a
 device makes them): the callback gets the same ``jax.Array`` values on the same device. Arguments other
 than numpy arrays, and a jax whose function differs from the known one, keep jax's own. Installed by
 tests/conftest.py; the ``nybble`` package never patches jax.
@@ -70,10 +70,9 @@ def install() -> bool:
         return False
     original = callback_lib.io_callback_impl
 
-    def io_callback_impl(*args: Any, result_avals: Any, callback: Any, sharding: Any, ordered: bool) -> Any:
+    def io_callback_impl(*args: Any, callback: Any, **params: Any) -> Any:
         arrays = _to_cpu_arrays(args)
         if arrays is None:
-            params = {"result_avals": result_avals, "sharding": sharding, "ordered": ordered}
             return original(*args, callback=callback, **params)
         with config.default_device(_cpu()[0]):  # jax's body from here on
             try:
