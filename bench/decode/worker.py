@@ -63,23 +63,14 @@ def _compile(program: Any, args: Any) -> tuple[Any, str]:
 
     from bench.kernel_xray import compile as xc
     from bench.kernel_xray import hlo
+    from bench.kernel_xray.dumps import mosaic_dumps
 
     for old in Path(_XLA_DUMP).iterdir():
         old.unlink()
     with tempfile.TemporaryDirectory(prefix="nybble-decode-") as tmp:
-        saved = {k: os.environ.get(k) for k in ("MOSAIC_GPU_DUMP_TO", *xc._DUMP_FLAGS)}
-        os.environ["MOSAIC_GPU_DUMP_TO"] = tmp
-        for flag in xc._DUMP_FLAGS:
-            os.environ[flag] = "1"
-        try:
+        with mosaic_dumps(Path(tmp)):
             jitted = jax.jit(program.fn, donate_argnums=program.donate_argnums)
             compiled = jitted.trace(*args).lower(lowering_platforms=("cuda",)).compile()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         kernels = xc.read_kernel_dumps(Path(tmp))
     text = compiled.as_text()
     report = xc.CompileReport(hlo.launches(text), kernels, [], text)

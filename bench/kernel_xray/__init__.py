@@ -5,8 +5,9 @@ A development tool of the nybble checkout (not part of the installed ``nybble`` 
 The pieces: :mod:`~bench.kernel_xray.toolchain` (the ``xray`` extra: JAX's CUDA plugin, ptxas, nvdisasm,
 and the process environment they need), :mod:`~bench.kernel_xray.target` (deviceless topologies of
 ``nybble.kernels.gpu``'s specs), :mod:`~bench.kernel_xray.compile` (compile with Mosaic GPU's dumps and
-parse them), :mod:`~bench.kernel_xray.sass` (SASS main loop, ptxas resources) and
-:mod:`~bench.kernel_xray.hlo` (the launches of a compiled call). ``python -m bench.xray`` sweeps nybble's
+parse them), :mod:`~bench.kernel_xray.dumps` (those dumps as files, without the IR log),
+:mod:`~bench.kernel_xray.sass` (SASS main loop, ptxas resources) and :mod:`~bench.kernel_xray.hlo` (the
+launches of a compiled call). ``python -m bench.xray`` sweeps nybble's
 kernels with them.
 """
 

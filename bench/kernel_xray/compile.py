@@ -10,17 +10,15 @@ the GPU would run, never a timing.
 from __future__ import annotations
 
 import dataclasses
-import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.kernel_xray import hlo, layout_key, sass
+from bench.kernel_xray.dumps import mosaic_dumps
 from bench.kernel_xray.target import deviceless_devices
 from bench.kernel_xray.toolchain import EXTRA_HINT, in_compile_process
-
-_DUMP_FLAGS = ("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_SASS")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,19 +193,9 @@ def xray_compile(
     with tempfile.TemporaryDirectory(prefix="nybble-xray-") as tmp:
         folder = Path(keep_dumps) if keep_dumps is not None else Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        saved = {k: os.environ.get(k) for k in ("MOSAIC_GPU_DUMP_TO", *_DUMP_FLAGS)}
-        os.environ["MOSAIC_GPU_DUMP_TO"] = str(folder)
-        for flag in _DUMP_FLAGS:
-            os.environ[flag] = "1"
-        try:
+        with mosaic_dumps(folder):
             lowered = jax.jit(fn).trace(*abstract_args).lower(lowering_platforms=("cuda",))
             compiled = lowered.compile()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         kernels = read_kernel_dumps(folder)
     text = compiled.as_text()
     return CompileReport(hlo.launches(text), kernels, hlo.collectives(text), text if keep_hlo else None)
