@@ -233,7 +233,7 @@ def gpu_tests_mode() -> tuple[str, str]:
     Raises:
       RuntimeError: NYBBLE_GPU_TESTS_REQUIRE_GPU=1 is set and the kernels would not run on a Hopper GPU.
     """
-    from nybble.kernels.device import hopper_device
+    from nybble.device import hopper_device
 
     device = hopper_device()
     if env_flag("NYBBLE_GPU_TESTS_INTERPRET"):

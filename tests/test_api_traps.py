@@ -22,9 +22,9 @@ import pytest
 from flax import nnx
 
 import nybble
-from nybble import models
+from nybble import device, models
 from nybble.checkpoint import read_metadata
-from nybble.kernels import backends, device
+from nybble.kernels import backends
 from nybble.kernels.ops.matmul.xla import xla_matmul
 from nybble.models.evaluate.zoo import load_named
 from nybble.models.quantization.methods import AutoRound, get_quantization

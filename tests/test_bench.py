@@ -29,7 +29,7 @@ from bench.peers import (
     xla_int4_matmul,
 )
 from bench.timing import measure
-from nybble.kernels.device import hopper_device
+from nybble.device import hopper_device
 
 # ------------------------------------------------------------------------------------ counting
 

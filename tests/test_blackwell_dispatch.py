@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import nybble
-from nybble.kernels import backends, device
+from nybble import device
+from nybble.kernels import backends
 from nybble.kernels.mosaic_gpu import backend
 
 

@@ -27,7 +27,7 @@ import pytest
 
 import nybble
 import nybble.kernels.mosaic_gpu as mg
-from nybble.kernels import device
+from nybble import device
 from nybble.kernels.mosaic_gpu.blackwell import blackwell_grouped_matmul, blackwell_matmul, plan
 from nybble.kernels.mosaic_gpu.interpret import interpret
 from tests import test_blackwell_grouped as grouped_cases

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import nybble
-from nybble.kernels import backends, device
+from nybble import device
+from nybble.kernels import backends
 from nybble.kernels.mosaic_gpu import backend as mosaic_backend
 from nybble.kernels.mosaic_gpu import hardware
 from nybble.kernels.mosaic_gpu.dense import plan

@@ -2,7 +2,7 @@
 
 ``nybble.packing.default_layout()`` is ``planes_nk_int4`` (the Triton kernel's) on an NVIDIA GPU without a
 nybble Mosaic GPU kernel and ``wgmma_int4`` on this CPU. The GPU is faked as in tests/test_api_traps.py (an
-A100: ``nybble.kernels.device.gpu_device`` patched) while loading only; the forward passes then run the XLA
+A100: ``nybble.device.gpu_device`` patched) while loading only; the forward passes then run the XLA
 path on this CPU, which gives every layout the same bits, so a model loaded "on the A100" must give exactly
 the logits of the one loaded here, and its weights exactly the codes and scales.
 """
@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nybble import models
-from nybble.kernels import device
+from nybble import device, models
 from nybble.models.definitions.layers import QLinear
 from nybble.models.definitions.moe import QExperts
 from nybble.models.evaluate.zoo import load_named

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import nybble
+from nybble.device import hopper_device
 from nybble.kernels import available_implementations, reference_matmul, relative_error
-from nybble.kernels.device import hopper_device
 from tests.kernel_checks import assert_kernel_within_rounding, assert_within_rounding
 
 ON_HOPPER = hopper_device() is not None

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import nybble
-from nybble.kernels import backends, device, reference_dequantize, reference_ragged_matmul
+from nybble import device
+from nybble.kernels import backends, reference_dequantize, reference_ragged_matmul
 from nybble.kernels.ops.ragged_matmul.xla import row_window, xla_ragged_matmul
 from nybble.ops import available_ragged_implementations
 from nybble.packing import get_layout

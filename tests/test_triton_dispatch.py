@@ -1,5 +1,5 @@
 """implementation="triton" and implementation=None's choice of the Triton kernel, on faked GPUs (the
-dispatcher asks nybble.kernels.device), and nybble.quantize's default layout by GPU."""
+dispatcher asks nybble.device), and nybble.quantize's default layout by GPU."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import nybble
-from nybble.kernels import backends, device
+from nybble import device
+from nybble.kernels import backends
 from nybble.kernels.triton import backend as triton_backend
 from nybble.packing import default_layout
 from tests.kernel_checks import activations

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from bench.xray.cases import (
     PEERS,
     TOKAMAX,
 )
+from bench.xray.provenance import source_commit
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 
@@ -121,27 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=Path(__file__).resolve().parent,
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.gpu == "b200":
@@ -205,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "schema": report.SCHEMA,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": source_commit(),
         "versions": {"jax": jax.__version__, "python": sys.version.split()[0], **toolchains},
         "gpu": {k: v for k, v in vars(gpu).items()},
         "ceilings": vars(ceilings),

@@ -630,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         return subprocess.run([sys.executable, "-m", "bench.xray.gpus", *argv], env=env).returncode
     import jax
 
-    from bench.xray.__main__ import _commit
+    from bench.xray.provenance import source_commit
 
     started = time.time()
     if args.cases:
@@ -644,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     table = run(cases, sass=not args.no_sass)
     meta = {
         "date": datetime.date.today().isoformat(),
-        "commit": _commit(),
+        "commit": source_commit(),
         "jax": jax.__version__,
         "elapsed_s": round(time.time() - started, 1),
     }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 
-from nybble.kernels.device import DEFAULT_NUM_SMS
+from nybble.device import DEFAULT_NUM_SMS
 from nybble.kernels.mosaic_gpu.config import TuningConfig
 from nybble.kernels.mosaic_gpu.grouped_config import grouped_heuristic_config
 from nybble.kernels.mosaic_gpu.heuristics import heuristic_config

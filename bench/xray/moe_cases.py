@@ -257,12 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         import jax
 
-        from bench.xray.__main__ import _commit
+        from bench.xray.provenance import source_commit
 
         result = {
             "schema": report.SCHEMA,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "commit": _commit(),
+            "commit": source_commit(),
             "versions": {"jax": jax.__version__},
             "gpu": dict(vars(gpu)),
             "ceilings": vars(ceilings),

@@ -221,7 +221,7 @@ def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from bench.kernel_xray import ToolchainMissing, get_gpu
-    from bench.xray.__main__ import _commit
+    from bench.xray.provenance import source_commit
     from bench.xray.runner import run_cases
     from bench.xray.shard_cases import build_cases
 
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "schema": SCHEMA,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": source_commit(),
         "versions": {"jax": jax.__version__, "python": sys.version.split()[0]},
         "gpu": dict(vars(gpu)),
         "rows": rows,

@@ -3,8 +3,8 @@ that chooses between them (``backends.py``)."""
 
 from typing import Any
 
+from nybble.device import num_sms
 from nybble.kernels.backends import IMPLEMENTATIONS, Availability
-from nybble.kernels.device import num_sms
 from nybble.kernels.ops.matmul.api import available_implementations, explain, matmul
 from nybble.kernels.ops.matmul.reference import reference_dequantize, reference_matmul, relative_error
 from nybble.kernels.ops.matmul.xla import xla_matmul

@@ -29,7 +29,7 @@ from typing import Any
 
 import jax
 
-from nybble.kernels import device
+from nybble import device
 
 # implementation= name -> the module that plugs it in. XLA runs everywhere and comes last.
 BACKENDS: dict[str, str] = {

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from nybble import device
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GpuSpec:
@@ -184,9 +186,7 @@ def spec_for_device_kind(kind: str) -> GpuSpec | None:
 
 def current_gpu() -> GpuSpec:
     """The spec of the local GPU (SM count from the device itself), else the H200's."""
-    from nybble.kernels.device import gpu_device
-
-    dev = gpu_device()
+    dev = device.gpu_device()
     if dev is None:
         return H200
     spec = spec_for_device_kind(str(getattr(dev, "device_kind", ""))) or H200

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from nybble import device
 from nybble.packing.fragments import pack_wgmma_int4, unpack_wgmma_int4
 from nybble.packing.nibbles import pack_int4, unpack_int4
 from nybble.packing.planes import (
@@ -172,8 +173,6 @@ def default_layout() -> str:
     or TPU (the XLA path reads either), else ``planes_nk_int4`` on an NVIDIA GPU (Ampere, Ada, sm_120: the
     Triton kernel's). Chosen once, when quantizing or loading: a weight is never repacked per call
     (``nybble.quant.relayout`` converts one)."""
-    from nybble.kernels import device  # at call time: nybble.kernels imports this module
-
     gpu = device.gpu_device()
     cc = str(getattr(gpu, "compute_capability", "")) if gpu is not None else ""
     return DEFAULT_LAYOUT if not cc or cc.split(".")[0] in MOSAIC_GPU_MAJORS else TRITON_LAYOUT

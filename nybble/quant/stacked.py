@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nybble.packing import default_layout
 from nybble.quant.qweight import QuantizedWeight, relayout
 
 
@@ -86,8 +87,6 @@ def relayout_any(qw: QuantizedWeight, layout: str) -> QuantizedWeight:
 def in_default_layout(qw: QuantizedWeight) -> QuantizedWeight:
     """``qw`` (plain or stacked) stored in this machine's layout, ``nybble.packing.default_layout()``: what
     loaders return, so that the kernel of the local GPU reads it as it lies (converted once, at load)."""
-    from nybble.packing import default_layout
-
     return relayout_any(qw, default_layout())
 
 

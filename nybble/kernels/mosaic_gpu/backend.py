@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from nybble.kernels import device
+from nybble import device
 from nybble.kernels.mosaic_gpu import dense, grouped, hardware
 from nybble.kernels.mosaic_gpu.config import TuningConfig
 from nybble.kernels.mosaic_gpu.dense import is_interpret_active

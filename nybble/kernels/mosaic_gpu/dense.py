@@ -17,8 +17,8 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
+from nybble.device import DEFAULT_NUM_SMS
 from nybble.jax_range import outside_reason
-from nybble.kernels.device import DEFAULT_NUM_SMS
 from nybble.kernels.mosaic_gpu.common import Problem
 from nybble.kernels.mosaic_gpu.config import TuningConfig, stores_any_rows, x_rows
 from nybble.kernels.mosaic_gpu.heuristics import heuristic_config

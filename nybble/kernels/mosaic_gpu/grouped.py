@@ -49,8 +49,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from nybble.device import DEFAULT_NUM_SMS
 from nybble.jax_range import outside_reason
-from nybble.kernels.device import DEFAULT_NUM_SMS
 from nybble.kernels.mosaic_gpu.common import CtaTile, Problem, RowWindow, StashedRows
 from nybble.kernels.mosaic_gpu.config import TuningConfig
 from nybble.kernels.mosaic_gpu.dense import kernel_x, problem, weight_options, weight_reason, x_reason

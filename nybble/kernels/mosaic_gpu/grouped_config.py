@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from nybble.kernels.device import DEFAULT_NUM_SMS
+from nybble.device import DEFAULT_NUM_SMS
 from nybble.kernels.mosaic_gpu.compat import STRICT_LAYOUT_INFERENCE
 from nybble.kernels.mosaic_gpu.config import WIDE_STEP_K, TuningConfig
 from nybble.kernels.mosaic_gpu.heuristics import heuristic_config

@@ -38,7 +38,7 @@ import itertools
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from nybble.kernels.device import DEFAULT_NUM_SMS
+from nybble.device import DEFAULT_NUM_SMS
 from nybble.kernels.mosaic_gpu.config import (
     CHUNK_K,
     MAX_SPLIT_K,

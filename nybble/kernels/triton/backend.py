@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from nybble import device
 from nybble.kernels.gpu import GpuSpec, get_gpu, spec_for_device_kind
 from nybble.kernels.triton.config import TuningConfig, block_kw_unsupported, choose_config
 from nybble.packing.layouts import TRITON_LAYOUT
@@ -55,8 +56,6 @@ def is_interpret_active() -> bool:
 
 
 def _gpu_device() -> Any | None:
-    from nybble.kernels import device
-
     return device.gpu_device()
 
 

@@ -1,4 +1,6 @@
-"""The device facts the dispatcher resolves once per call (never inside a kernel or at trace time)."""
+"""The local GPU, as the library asks for it: which device (the dispatcher, once per call, never inside a
+kernel or at trace time; the default layout ``nybble.quantize`` writes) and its SM count.
+It imports only jax."""
 
 from __future__ import annotations
 
