@@ -111,22 +111,14 @@ test-fast: $(STAMP)
 # The newest jax in the range (JAX_LATEST, its own venv): the fast tier and the kernel tests, interpret mode and
 # lowering for CUDA (with the kernels the X-ray gate compiles on the pinned end; the X-ray itself, whose
 # baseline is the pinned toolchain's, stays with `make test`). CI's second step (.ci/run).
-# Every interpret test but two, to keep CI's two steps under 20 minutes on 2 cores: the 49 heuristic configs
-# run one by one (each kernel family also runs in the family's own tests: K slices, exact and accumulator
-# routes, bias fold, producer, split-K, 256-wide M tiles, constant slots, persistent grid, groups, MoE)
-# and the injected-bug meta-tests (they check the checks, which do not depend on jax's version).
+# Every interpret test, the 49 heuristic configs one by one and the injected-bug meta-tests included.
 LATEST_TESTS := $(FAST_TESTS) tests/test_jax_range.py tests/test_dispatch.py tests/test_kernel_lowering.py \
 	tests/test_grouped_lowering.py tests/test_grouped_interpret.py tests/test_kernel_interpret.py \
 	tests/test_triton_dispatch.py tests/test_triton_interpret.py \
 	tests/test_blackwell_interpret.py tests/test_blackwell_lowering.py tests/test_blackwell_dispatch.py \
 	tests/test_blackwell_grouped.py
-# And one race-detector meta-test: jax 0.12's detector (on_race="warn", compat.interpret_params) lets the
-# run go on and the outputs differ, where the test expects 0.11.2's barrier-phase error.
-LATEST_DESELECT := not test_every_heuristic_config_in_interpret_mode and not test_injected_bugs_change_exactly \
-	and not test_persistent_grid_without_the_release_wait_is_refused
 test-jax-latest: $(LATEST_STAMP)
-	NYBBLE_LOWER_GATE_KERNELS=1 $(LATEST_PY) -m pytest -q -n 2 --dist load -m "not slow" \
-		-k "$(LATEST_DESELECT)" $(LATEST_TESTS)
+	NYBBLE_LOWER_GATE_KERNELS=1 $(LATEST_PY) -m pytest -q -n 2 --dist load -m "not slow" $(LATEST_TESTS)
 
 gpu-check:
 	bash bench/gpu_check.sh

@@ -550,6 +550,10 @@ _BARRIER_PHASE_MISSED = (
     r"phase \d+, but barrier|phase 1, but no threads observed phase 0"
     r"|for the first time, but barrier is already at phase"
 )
+# Or the exact comparison's: where the threads' timing lets every warpgroup observe each phase in time (seen
+# on jax 0.12 with the CPU busy, about 1 run in 60), the early TMA copies overwrite slots the compute
+# warpgroups still read, and the outputs differ.
+_SLOTS_OVERWRITTEN = r"outputs differ from the exact reference"
 
 
 @pytest.mark.no_kernel  # the kernel is refused mid-run: no race verdict
@@ -557,7 +561,9 @@ def test_persistent_grid_without_the_release_wait_is_refused(monkeypatch):
     """The interpreter checks every barrier's phases: a TMA warpgroup that copies a later tile's first steps
     without waiting for the compute warpgroups to release those slots (told that every tile is its CTA's
     first) leaves barrier phases unobserved (whichever warpgroup notices first, and where, depends on the
-    threads' timing: at an arrival, at a wait, or at the barrier's deallocation), and is refused."""
+    threads' timing: at an arrival, at a wait, or at the barrier's deallocation), and is refused; when
+    the timing hides the missed phase, the slots it overwrote give wrong outputs, which the exact check
+    refuses."""
 
     def every_tile_first(self, fn):
         @plgpu.nd_loop((self.count,), collective_axes=self.axis)
@@ -572,7 +578,7 @@ def test_persistent_grid_without_the_release_wait_is_refused(monkeypatch):
     rng = np.random.default_rng(31)
     qw = exact_weight(rng, 192, 256, 64, True)
     x = activations(rng, 21, 192, exact=True)
-    with pytest.raises(Exception, match=_BARRIER_PHASE_MISSED):
+    with pytest.raises(Exception, match=f"{_BARRIER_PHASE_MISSED}|{_SLOTS_OVERWRITTEN}"):
         _check(x, qw, config, exact=True)
     jax.clear_caches()
 
