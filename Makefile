@@ -97,15 +97,16 @@ test: $(XRAY_STAMP)  # the X-ray gate (tests/test_xray.py) compiles kernels with
 	$(PY) -m ruff check nybble tests bench examples
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
-# The quick tier for local iteration (under 2 minutes): packing, quantization, the XLA path, checkpoints,
-# the API's refusals, the layering, the heuristics' golden picks and rules; no kernel runs, no real model.
+# The quick tier for local iteration (under 2 minutes, on both cores): packing, quantization, the XLA path,
+# checkpoints, the API's refusals, the layering, the heuristics' golden picks and rules; no kernel runs, no
+# real model.
 # The whole suite (`make test`) stays CI's.
 FAST_TESTS := tests/test_packing.py tests/test_quant.py tests/test_qweight.py tests/test_reference.py \
 	tests/test_checkpoint.py tests/test_matmul.py tests/test_api_traps.py tests/test_structure.py \
 	tests/test_golden_picks.py
 test-fast: $(STAMP)
 	$(PY) -m ruff check nybble tests bench examples tools
-	$(PY) -m pytest -q -x -m "not slow" $(FAST_TESTS)
+	$(PY) -m pytest -q -x -n 2 -m "not slow" $(FAST_TESTS)
 	$(PY) -m pytest -q -x -m no_kernel tests/test_kernel_interpret.py
 
 # The newest jax in the range (JAX_LATEST, its own venv): the fast tier and the kernel tests, interpret mode and
