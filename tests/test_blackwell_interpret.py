@@ -17,6 +17,7 @@ import nybble
 import nybble.kernels.mosaic_gpu as mg
 from nybble.kernels.mosaic_gpu import interpret as mgpu_interpret
 from nybble.kernels.mosaic_gpu.blackwell import BlackwellConfig, blackwell_matmul, heuristic_config, plan
+from nybble.kernels.mosaic_gpu.blackwell.kernel import folds_scales
 from nybble.quant import relayout
 from tests.kernel_checks import (
     activations,
@@ -76,7 +77,8 @@ def test_heuristic_configs(case, tiling):
     m, k, n, group, symmetric, x_dtype, scale_dtype, exact = case
     rng = np.random.default_rng(m * 1000 + k + n)
     qw = _weight(rng, k, n, group, symmetric, scale_dtype, exact)
-    c = plan(m, qw).config
+    p = plan(m, qw)
+    c = p.config
     assert (c.tile_m, c.tile_k, c.slices) == tiling
     x = activations(rng, m, k, x_dtype, exact=exact)
     with interpret(detect_races=True, gpu="b200"):
@@ -85,7 +87,54 @@ def test_heuristic_configs(case, tiling):
     if exact:  # NaN (an element never written) fails both comparisons
         assert_exact(y, x, qw)
     else:
-        assert_kernel_within_rounding(y, x, qw, "weights")
+        assert_kernel_within_rounding(y, x, qw, "accumulators" if folds_scales(p) else "weights")
+
+
+# (M, K, N, group, config (tile_m, tile_k, slices), x dtype, scale dtype, exact): the group-accumulator route
+# (kernel.folds_scales) without K slices, which the heuristics pick only at N too wide for interpret mode
+# (Llama's gate-up and LM head at decode); the sliced route runs in :data:`CASES`.
+UNSLICED_FOLDS = [
+    (1, 512, 128, 128, (16, 256, 1), bf16, bf16, True),
+    (3, 768, 256, 64, (16, 128, 1), f16, f32, True),
+    (2, 512, 192, 128, (16, 256, 1), bf16, bf16, False),
+]
+
+
+@pytest.mark.parametrize("case", UNSLICED_FOLDS, ids=[f"m{c[0]}_g{c[3]}_{c[4][1]}" for c in UNSLICED_FOLDS])
+def test_scales_on_group_accumulators_without_slices(case):
+    """Symmetric groups of 64 or more, folded on per-group TMEM accumulators (double-buffered, read a step
+    late), exact on small integers and within the accumulator route's bound on random data."""
+    m, k, n, group, (tile_m, tile_k, slices), x_dtype, scale_dtype, exact = case
+    rng = np.random.default_rng(m + k + n)
+    qw = _weight(rng, k, n, group, True, scale_dtype, exact)
+    config = BlackwellConfig(128, tile_m, tile_k, 3, slices)
+    assert folds_scales(plan(m, qw, config=config, dtype=x_dtype))
+    x = activations(rng, m, k, x_dtype, exact=exact)
+    with interpret(detect_races=True, gpu="b200"):
+        y = blackwell_matmul(x, qw, config=config)
+    if exact:
+        assert_exact(y, x, qw)
+    else:
+        assert_kernel_within_rounding(y, x, qw, "accumulators")
+
+
+@pytest.mark.no_kernel
+def test_group_accumulators_only_where_they_save_instructions():
+    """The route folds symmetric groups of whole chunks at decode M tiles (4 x tile_m <= G), never offsets,
+    per-column scales or groups of 16/32 (they cut a 64-wide chunk) or wide M tiles (the FFMAs per group
+    would outnumber the HMUL2 they save)."""
+    import jax
+
+    def folds(m, n, group, symmetric):
+        quant = lambda w: nybble.quantize(w, group_size=group, symmetric=symmetric)
+        qw = jax.eval_shape(quant, jax.ShapeDtypeStruct((4096, n), jnp.float32))
+        return folds_scales(plan(m, qw))
+
+    assert folds(1, 4096, 128, True) and folds(1, 28672, 128, True) and folds(4, 1024, 64, True)
+    assert not folds(1, 4096, 128, False)  # offsets
+    assert not folds(1, 4096, None, True)  # per column: one scale row, applied to the weights
+    assert not folds(1, 4096, 32, True)
+    assert not folds(16, 4096, 128, True)  # tile_m 64 with K slices: 64 FFMAs a group of 128
 
 
 def test_nybble_matmul_runs_the_blackwell_kernel_as_a_b200():

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from nybble.kernels.mosaic_gpu.blackwell import blackwell_matmul, plan
+from nybble.kernels.mosaic_gpu.blackwell.kernel import folds_scales
 from nybble.kernels.mosaic_gpu.blackwell.target import target_arch
 from nybble.quant import QuantizedWeight, quantize
 
@@ -117,6 +118,16 @@ def test_one_launch_and_no_copy_of_x_at_decode():
     assert not ops & {"stablehlo.pad", "stablehlo.transpose", "stablehlo.reduce", "stablehlo.slice"}, ops
 
 
+@pytest.mark.parametrize("m,n,group", [(1, 28672, 128), (4, 1024, 64)])
+def test_group_accumulator_route_lowers(m, n, group):
+    """The symmetric decode route that folds scales on per-group TMEM accumulators (kernel.folds_scales),
+    without K slices (a wide N) and with them; test_one_launch_and_no_copy_of_x_at_decode lowers Llama's
+    q/o projection on it too."""
+    qw = _abstract_weight(4096, n, group, True)
+    assert folds_scales(plan(m, qw))
+    assert "tcgen05" in _lower(m, qw).as_text()
+
+
 def test_xray_finds_the_tcgen05_loop():
     """The b200 X-ray's main loop: the uniform-predicate back branch (``BRA.U UP0``) around the UTCHMMAs,
     not the retry loop of a barrier wait, nor anything past an EXIT (the format of a ``.sass_ctrl`` dump)."""
@@ -178,6 +189,17 @@ def test_grouped_lowers_every_heuristic_tiling(rows, experts, k, n):
     text = _lower_grouped(rows, experts, k, n, 128, False).as_text()
     assert "tcgen05" in text and "nybble_grouped_w4a16_bw_" in text
     assert text.count("stablehlo.custom_call") == 1  # one launch
+
+
+def test_grouped_group_accumulator_route_lowers():
+    """The grouped kernel at decode, symmetric g128: the same group-accumulator route as the dense one."""
+    from nybble.kernels.mosaic_gpu.blackwell.grouped import grouped_plan
+
+    quant = lambda w: quantize(w, group_size=128, symmetric=True)
+    qw = jax.eval_shape(quant, jax.ShapeDtypeStruct((128, 2048, 768), jnp.float32))
+    assert folds_scales(grouped_plan(8, qw)[0])
+    text = _lower_grouped(8, 128, 2048, 768, 128, True).as_text()
+    assert "tcgen05" in text and text.count("stablehlo.custom_call") == 1
 
 
 def test_grouped_float16_per_column_and_odd_shapes():

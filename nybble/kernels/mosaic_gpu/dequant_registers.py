@@ -208,6 +208,47 @@ def _gpu_slot_rows(g: int, t: int, ref_slices: int, slices: int) -> Any:
     return gather
 
 
+def tmem_rows(ref: Any, g: int, ref_slices: int, slices: int) -> jax.Array:
+    """(128,) f32 per-row values (group scales) of a 128-row tcgen05 A operand under ``slices`` K slices,
+    in the row layout of TMEM's native load (thread 32 w + l of the warpgroup holds row 32 w + l): row r
+    of 64-row tile t = r // 64 takes :func:`slot_rows`' value for its tile row r % 64."""
+    if active_params() is not None:
+        return jnp.concatenate([slot_rows(ref, g, t, ref_slices, slices) for t in range(2)])
+    return _gpu_tmem_rows(g, ref_slices, slices)(ref)
+
+
+def _gpu_tmem_rows(g: int, ref_slices: int, slices: int) -> Any:
+    layout = plgpu.Layout.TCGEN05_TMEM_NATIVE.reduce(1)
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),),
+        return_type=plgpu.ShapeDtypeStruct((128,), jnp.float32, layout=layout),
+    )
+    def gather(ctx: Any, ref: Any) -> Any:
+        from jax.experimental.mosaic.gpu import fragmented_array as fa
+        from jaxlib.mlir import ir
+        from jaxlib.mlir.dialects import arith, gpu, memref, vector
+
+        del ctx
+        index = ir.IndexType.get()
+        f32 = ir.F32Type.get()
+        c = lambda v: arith.constant(index, v)
+        row = arith.remui(gpu.thread_id(gpu.Dimension.x), c(128))  # thread 32 w + l holds row 32 w + l
+        tile, r64 = arith.divui(row, c(64)), arith.remui(row, c(64))
+        slot = arith.divui(r64, c(8))
+        j = arith.remui(arith.remui(slot, c(slices)), c(ref_slices))
+        n = arith.addi(arith.muli(arith.divui(slot, c(slices)), c(8)), arith.remui(r64, c(8)))
+        v = memref.load(ref, [j, c(g), arith.addi(n, arith.muli(tile, c(64 // slices)))])
+        if v.type != f32:
+            v = arith.extf(f32, v)
+        mgpu_layout = layout.to_mgpu()
+        regs = np.empty(mgpu_layout.registers_shape((128,)), dtype=object)
+        regs.flat[0] = vector.broadcast(ir.VectorType.get((1,), f32), v)
+        return fa.FragmentedArray(_registers=regs, _layout=mgpu_layout, _is_signed=None)
+
+    return gather
+
+
 def sum_slices(acc_ref: Any, out_ref: Any, *, slices: int, tiles: int, rows: int) -> None:
     """y tile (rows, tiles * 64 / S) in ``out_ref`` (bf16/f16 SMEM) from ``acc_ref`` (tiles, 64, S rows) f32.
 

@@ -12,8 +12,9 @@ MMA's descriptor directly; x, the B operand, stays in the swizzled SMEM slot TMA
         TMA  x     (tile_m, tile_k) bf16/f16, 128-byte swizzle      (rows past M zero-filled)
         TMA  scale [and offset] rows (tile_k / G or 1, tile_n)
         for each 64-wide chunk and 64-row tile: LDS.64 of 8 code words, 3 SHF + 4 LOP3 + 4 HSUB2 per 8
-            weights (dequant_registers.dequantize_chunk, exact q), w = q * s (+ o) in x's dtype, stored
-            into the step's half of a double-buffered (2, tile_n, tile_k) A buffer (128-byte swizzle)
+            weights (dequant_registers.dequantize_chunk, exact q), w = q * s (+ o) in x's dtype (or q
+            itself on the group-accumulator route, below), stored into the step's half of a
+            double-buffered (2, tile_n, tile_k) A buffer (128-byte swizzle)
         wait for the previous step's MMA (its TMEM barrier), then one tcgen05_mma(acc, A, x^T)
             arriving on that barrier: it runs while the next step dequantizes; the A half it reads is
             rewritten two steps later, the x slot released one step later (delay_release=1)
@@ -24,8 +25,20 @@ module's :class:`DenseTiles` (one CTA per M tile and N tile), or the Hopper grou
 ``grouped.GroupedWork`` (blackwell/grouped.py), whose CTAs find their expert and rows from the group sizes
 on the device and store only those rows of y (``common.store_rows``), or zeros past the groups.
 
-Scales are applied to the weights (the Hopper kernel's ``scales_on="weights"`` route), so one accumulator
-serves every group size, and f32 accumulation spans all of K.
+Two routes for the scales (:func:`folds_scales` picks):
+
+* On the weights (the Hopper kernel's ``scales_on="weights"`` route): w = q * s (+ o) in x's dtype, one
+  HMUL2 (and HADD2/HFMA2) a weight pair; one accumulator serves every group size, f32 accumulation spans
+  all of K. Offsets, per-column scales, groups of 16/32 and the wide M tiles of prefill take it.
+* On per-group accumulators, at decode (symmetric, G a multiple of 64 inside one step, 4 x tile_m <= G):
+  A holds the exact q; each step's tile_k / G groups get their own MMA into their own TMEM columns
+  (accumulate=False), double-buffered by step parity (2 x tile_k / G x tile_m columns), and one
+  ``tcgen05_commit_arrive`` after them arrives on the step's barrier. The next step, after issuing its
+  own MMAs, loads those columns and adds ``s_g * acc_g`` into an f32 register total (the scales carried
+  from the step that read them; the first step folds a zeroed slot with zero scales). Per thread and
+  group, tile_m FFMAs replace G / 2 HMUL2s (figures in docs/logs/performance-log.md). Under K slices
+  each A row's scale is gathered for its own (band, slice) in TMEM's native row layout
+  (``dequant_registers.tmem_rows``); the slices' partial sums are then added as on the other route.
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from nybble.kernels.mosaic_gpu import compat
 from nybble.kernels.mosaic_gpu.blackwell.config import (
     DEFAULT_NUM_SMS,
+    TMEM_COLUMNS,
     BlackwellConfig,
     heuristic_config,
     scale_rows_per_step,
@@ -49,7 +63,7 @@ from nybble.kernels.mosaic_gpu.blackwell.config import (
 )
 from nybble.kernels.mosaic_gpu.common import CtaTile, kernel_name, run_tile, store_rows
 from nybble.kernels.mosaic_gpu.config import CHUNK_K
-from nybble.kernels.mosaic_gpu.dequant_registers import dequantize_chunk, slot_rows, sum_slices
+from nybble.kernels.mosaic_gpu.dequant_registers import dequantize_chunk, slot_rows, sum_slices, tmem_rows
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.kernels.mosaic_gpu.staging import y_staging
 from nybble.quant.qweight import QuantizedWeight
@@ -165,14 +179,29 @@ def _row_values(p: BlackwellProblem, ref: Any, g: int, t: int) -> Any:
     return slot_rows(ref, g, t, 1 if p.per_column else s, s)
 
 
+def folds_scales(p: BlackwellProblem) -> bool:
+    """Whether the scales go on per-group TMEM accumulators instead of the weights: symmetric groups
+    of whole 64-wide chunks inside one step, no K slices, and an M tile narrow enough that the per-group
+    fold (``tile_m`` FFMAs a thread per group of G weights) costs less than the HMUL2 a weight pair it
+    saves: 4 x tile_m <= G. The double-buffered accumulators (2 x tile_k / G x tile_m columns) fit TMEM."""
+    c = p.config
+    if p.per_column or p.has_offsets or p.group % CHUNK_K or p.group > c.tile_k:
+        return False
+    return 4 * c.tile_m <= p.group and 2 * (c.tile_k // p.group) * c.tile_m <= TMEM_COLUMNS
+
+
 def dequantize_step(p: BlackwellProblem, codes: Any, scales: Any, offsets: Any, out: Any) -> None:
     """The step's weights w = q * s (+ o), (tile_n, tile_k) in x's dtype, into the A buffer ``out``."""
     c = p.config
     dt = p.dtype
+    fold = folds_scales(p)
     for k0 in range(0, c.tile_k, CHUNK_K):
         parts = []
         for t in range(c.tiles):
             q = dequantize_chunk(plgpu.load(codes.at[t, :, pl.ds(k0, CHUNK_K)]), exact=True, dtype=dt)
+            if fold:
+                parts.append(q)
+                continue
             cols = []
             span = min(CHUNK_K, p.group)
             for c0 in range(0, CHUNK_K, span):
@@ -217,6 +246,14 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
     s = c.slices
     n_in = len(operands)
 
+    fold = folds_scales(p)
+    gps = c.tile_k // p.group if fold else 1  # groups per step, each its own accumulator
+    tm = c.tile_m
+    # K slices: the accumulators load in TMEM's native layout (a thread per row), whose rows the sliced
+    # scales are gathered in (dequant_registers.tmem_rows); without, layout inference picks the one the
+    # transposed y store takes.
+    native = plgpu.Layout.TCGEN05_TMEM_NATIVE if s > 1 else None
+
     def kernel(*refs: Any) -> None:
         ins, y_gmem = refs[:n_in], refs[n_in]
         w_smem, acc_tmem, mma_done, y_smem, *sliced = refs[n_in + 1 :]
@@ -224,8 +261,26 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
         mi, ni = tile.mi, tile.ni
         cols = pl.ds(ni * c.cta_cols, c.cta_cols)
 
-        def step(indices: Any, codes: Any, x: Any, scales: Any, *offsets: Any) -> None:
+        def group_acc(slot: Any, gi: int) -> Any:
+            return acc_tmem.at[:, pl.ds((slot * gps + gi) * tm, tm)]
+
+        def group_scales(scales: Any, gi: int) -> Any:
+            """(tile_n,) f32 scales of the step's group ``gi``, one per A row, in the accumulator's rows."""
+            if s == 1:
+                return plgpu.load(scales.at[0, gi]).astype(jnp.float32)
+            return tmem_rows(scales, gi, s, s)
+
+        def fold_groups(slot: Any, total: Any, scales: Any) -> Any:
+            parts = [plgpu.async_load_tmem(group_acc(slot, gi), layout=native) for gi in range(gps)]
+            plgpu.wait_load_tmem()
+            for v, sv in zip(parts, scales, strict=True):
+                total = total + v * lax.broadcast_in_dim(sv, v.shape, [0])
+            return total
+
+        def step(indices: Any, codes: Any, x: Any, scales: Any, *rest: Any) -> Any:
             (ki,) = indices
+            carry = rest[-1] if fold else None
+            offsets = rest[:-1] if fold else rest
             a = w_smem.at[lax.rem(ki, 2)]
             with jax.named_scope("dequant"):
                 dequantize_step(p, codes, scales, offsets[0] if offsets else None, a)
@@ -235,8 +290,21 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             def _() -> None:  # the previous MMA: done before its x slot is released and its A half rewritten
                 plgpu.barrier_wait(mma_done)
 
+            if not fold:
+                with jax.named_scope("tcgen05"):
+                    plgpu.tcgen05_mma(acc_tmem, a, x.T, mma_done, accumulate=ki > 0)
+                return None
+            slot = lax.rem(ki, 2)
             with jax.named_scope("tcgen05"):
-                plgpu.tcgen05_mma(acc_tmem, a, x.T, mma_done, accumulate=ki > 0)
+                for gi in range(gps):
+                    g = pl.ds(gi * p.group, p.group)
+                    plgpu.tcgen05_mma(group_acc(slot, gi), a.at[:, g], x.at[:, g].T, accumulate=False)
+                plgpu.tcgen05_commit_arrive(mma_done)  # all of the step's MMAs
+            total, previous = carry
+            with jax.named_scope("fold"):
+                total = fold_groups(lax.rem(ki + 1, 2), total, previous)
+                current = tuple(group_scales(scales, gi) for gi in range(gps))
+            return total, current
 
         def store() -> None:
             """y_smem's rows to y: the whole M tile, or the tile's window of rows (grouped)."""
@@ -258,13 +326,32 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                 delay_release=1,
             )
             specs += [scale_spec] * (len(tile.gmem) - 2)
-            plgpu.emit_pipeline(
-                step, grid=(p.k_steps,), in_specs=specs, max_concurrent_steps=c.max_concurrent_steps
+            init = None
+            if fold:  # the "previous" slot of step 0 holds zeros, its scales are zero
+                zeros = jnp.zeros((c.tile_n, gps * tm), jnp.float32)
+                plgpu.async_store_tmem(acc_tmem.at[:, pl.ds(gps * tm, gps * tm)], zeros)
+                plgpu.commit_tmem()
+                total0 = jnp.zeros((c.tile_n, tm), jnp.float32)
+                scales0 = tuple(jnp.zeros((c.tile_n,), jnp.float32) for _ in range(gps))
+                if native is not None:
+                    total0 = plgpu.layout_cast(total0, native)
+                    scales0 = tuple(plgpu.layout_cast(v, native.reduce(1)) for v in scales0)
+                init = (total0, scales0)
+            final = plgpu.emit_pipeline(
+                step,
+                grid=(p.k_steps,),
+                in_specs=specs,
+                max_concurrent_steps=c.max_concurrent_steps,
+                init_carry=init,
             )(*tile.gmem)
             plgpu.barrier_wait(mma_done)  # the last MMA
             with jax.named_scope("epilogue"):
-                acc = plgpu.async_load_tmem(acc_tmem)
-                plgpu.wait_load_tmem()
+                if fold:
+                    total, last_scales = final
+                    acc = fold_groups((p.k_steps - 1) % 2, total, last_scales)
+                else:
+                    acc = plgpu.async_load_tmem(acc_tmem)
+                    plgpu.wait_load_tmem()
                 if s == 1:
                     y_smem.T[...] = acc.astype(p.dtype)  # y^T into the transposed view: y itself
                     plgpu.commit_smem()
@@ -299,7 +386,7 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
         grid_names=("mn",),
         scratch_types=[
             plgpu.SMEM((2, c.tile_n, c.tile_k), p.dtype, transforms=_swizzled(p.dtype)),
-            plgpu.TMEM((c.tile_n, c.tile_m), jnp.float32),
+            plgpu.TMEM((c.tile_n, 2 * gps * tm if fold else c.tile_m), jnp.float32),
             plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),
             y_staging((c.x_rows_per_tile, c.cta_cols), p.dtype, any_rows=s == 1),
             *([plgpu.SMEM((c.tile_n, c.tile_m), jnp.float32)] if s > 1 else []),
