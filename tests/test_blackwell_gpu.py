@@ -29,7 +29,6 @@ import nybble
 import nybble.kernels.mosaic_gpu as mg
 from nybble import device
 from nybble.kernels.mosaic_gpu.blackwell import blackwell_grouped_matmul, blackwell_matmul, plan
-from nybble.kernels.mosaic_gpu.blackwell.kernel import folds_scales
 from nybble.kernels.mosaic_gpu.interpret import interpret
 from tests import test_blackwell_grouped as grouped_cases
 from tests import test_blackwell_interpret as dense_cases
@@ -80,11 +79,6 @@ def _fresh_interpreter():
     assert not mg.races_found(), "the race detector flagged a data race"
 
 
-def _route(m, qw) -> str:
-    """Where the dense kernel applies the scales for this problem (kernel.folds_scales)."""
-    return "accumulators" if folds_scales(plan(m, qw)) else "weights"
-
-
 @pytest.mark.parametrize("case,tiling", _cases(dense_cases.CASES), ids=str)
 def test_dense_heuristic_configs(case, tiling):
     m, k, n, group, symmetric, x_dtype, scale_dtype, exact = case
@@ -100,7 +94,7 @@ def test_dense_heuristic_configs(case, tiling):
     if exact:
         assert_exact(y, x, qw)
     else:
-        assert_kernel_within_rounding(y, x, qw, _route(m, qw))
+        assert_kernel_within_rounding(y, x, qw, plan(m, qw).scales_on)
 
 
 @pytest.mark.parametrize("case,tiling", _cases(grouped_cases.CASES), ids=str)
@@ -149,4 +143,4 @@ def test_llama_shapes_random(m, k, n, symmetric):
     x = activations(rng, m, k, jnp.bfloat16, exact=False)
     with _running():
         y = blackwell_matmul(x, qw)
-    assert_kernel_within_rounding(y, x, qw, _route(m, qw))
+    assert_kernel_within_rounding(y, x, qw, plan(m, qw).scales_on)

@@ -26,7 +26,6 @@ from nybble.kernels.mosaic_gpu.blackwell.grouped import (
     grouped_heuristic_config,
     grouped_plan,
 )
-from nybble.kernels.mosaic_gpu.blackwell.kernel import folds_scales
 from nybble.kernels.mosaic_gpu.interpret import interpret
 from tests.kernel_checks import activations, assert_kernel_within_rounding, exact_weight, random_weight
 from tests.test_grouped_interpret import assert_exact, reference
@@ -67,8 +66,8 @@ def _run(x, qw, sizes, config=None, *, jit=False):
 
 def _assert_random_close(y, x, qw, ws, sizes):
     """Each group's rows within the rounding bound of the float64 reference of the kernel's scale route
-    (kernel.folds_scales); zeros past the sum."""
-    route = "accumulators" if folds_scales(grouped_plan(x.shape[0], qw)[0]) else "weights"
+    (``scales_on``); zeros past the sum."""
+    route = grouped_plan(x.shape[0], qw)[0].scales_on
     row = 0
     for w, g in zip(ws, sizes, strict=True):
         if g:

@@ -87,7 +87,7 @@ def test_heuristic_configs(case, tiling):
     if exact:  # NaN (an element never written) fails both comparisons
         assert_exact(y, x, qw)
     else:
-        assert_kernel_within_rounding(y, x, qw, "accumulators" if folds_scales(p) else "weights")
+        assert_kernel_within_rounding(y, x, qw, p.scales_on)
 
 
 # (M, K, N, group, config (tile_m, tile_k, slices), x dtype, scale dtype, exact): the group-accumulator route

@@ -551,7 +551,7 @@ _BARRIER_PHASE_MISSED = (
     r"|for the first time, but barrier is already at phase"
 )
 # Or the exact comparison's: where the threads' timing lets every warpgroup observe each phase in time (seen
-# on jax 0.12 with the CPU busy, about 1 run in 60), the early TMA copies overwrite slots the compute
+# on jax 0.12 with the CPU busy, 1 of 36 runs), the early TMA copies overwrite slots the compute
 # warpgroups still read, and the outputs differ.
 _SLOTS_OVERWRITTEN = r"outputs differ from the exact reference"
 

@@ -177,6 +177,23 @@ def slot_rows(ref: Any, g: int, t: int, ref_slices: int, slices: int) -> jax.Arr
     return _gpu_slot_rows(g, t, ref_slices, slices)(ref)
 
 
+def _slot_row_value(
+    ref: Any, g: int, slot: Any, r8: Any, start: Any, ref_slices: int, slices: int
+) -> Any:
+    """f32 value of A row ``r8`` of 8-row slot ``slot`` (index values) in a 64-row tile whose output rows
+    begin at ``start``: ``ref[j % ref_slices, g, start + n]`` for the slot's slice j = slot % S and output
+    row n = 8 (slot // S) + r8 (the K-slice view, module docstring)."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, memref
+
+    c = lambda v: arith.constant(ir.IndexType.get(), v)
+    j = arith.remui(arith.remui(slot, c(slices)), c(ref_slices))
+    n = arith.addi(arith.muli(arith.divui(slot, c(slices)), c(8)), r8)
+    v = memref.load(ref, [j, c(g), arith.addi(n, start)])
+    f32 = ir.F32Type.get()
+    return v if v.type == f32 else arith.extf(f32, v)
+
+
 def _gpu_slot_rows(g: int, t: int, ref_slices: int, slices: int) -> Any:
     @plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(),),
@@ -185,7 +202,7 @@ def _gpu_slot_rows(g: int, t: int, ref_slices: int, slices: int) -> Any:
     def gather(ctx: Any, ref: Any) -> Any:
         from jax.experimental.mosaic.gpu import fragmented_array as fa
         from jaxlib.mlir import ir
-        from jaxlib.mlir.dialects import arith, gpu, memref, vector
+        from jaxlib.mlir.dialects import arith, gpu, vector
 
         del ctx
         index = ir.IndexType.get()
@@ -197,11 +214,7 @@ def _gpu_slot_rows(g: int, t: int, ref_slices: int, slices: int) -> Any:
         regs = np.empty(fa.WGMMA_ROW_LAYOUT.registers_shape((64,)), dtype=object)
         for h in range(2):
             slot = arith.addi(arith.muli(warp, c(2)), c(h))  # 2w + h
-            j = arith.remui(arith.remui(slot, c(slices)), c(ref_slices))
-            n = arith.addi(arith.muli(arith.divui(slot, c(slices)), c(8)), arith.divui(lane, c(4)))
-            v = memref.load(ref, [j, c(g), arith.addi(n, c(t * width))])
-            if v.type != f32:
-                v = arith.extf(f32, v)
+            v = _slot_row_value(ref, g, slot, arith.divui(lane, c(4)), c(t * width), ref_slices, slices)
             regs[0, 0, h, 0, 0] = vector.broadcast(ir.VectorType.get((1,), f32), v)
         return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_ROW_LAYOUT, _is_signed=None)
 
@@ -227,7 +240,7 @@ def _gpu_tmem_rows(g: int, ref_slices: int, slices: int) -> Any:
     def gather(ctx: Any, ref: Any) -> Any:
         from jax.experimental.mosaic.gpu import fragmented_array as fa
         from jaxlib.mlir import ir
-        from jaxlib.mlir.dialects import arith, gpu, memref, vector
+        from jaxlib.mlir.dialects import arith, gpu, vector
 
         del ctx
         index = ir.IndexType.get()
@@ -235,12 +248,8 @@ def _gpu_tmem_rows(g: int, ref_slices: int, slices: int) -> Any:
         c = lambda v: arith.constant(index, v)
         row = arith.remui(gpu.thread_id(gpu.Dimension.x), c(128))  # thread 32 w + l holds row 32 w + l
         tile, r64 = arith.divui(row, c(64)), arith.remui(row, c(64))
-        slot = arith.divui(r64, c(8))
-        j = arith.remui(arith.remui(slot, c(slices)), c(ref_slices))
-        n = arith.addi(arith.muli(arith.divui(slot, c(slices)), c(8)), arith.remui(r64, c(8)))
-        v = memref.load(ref, [j, c(g), arith.addi(n, arith.muli(tile, c(64 // slices)))])
-        if v.type != f32:
-            v = arith.extf(f32, v)
+        start = arith.muli(tile, c(64 // slices))
+        v = _slot_row_value(ref, g, arith.divui(r64, c(8)), arith.remui(r64, c(8)), start, ref_slices, slices)
         mgpu_layout = layout.to_mgpu()
         regs = np.empty(mgpu_layout.registers_shape((128,)), dtype=object)
         regs.flat[0] = vector.broadcast(ir.VectorType.get((1,), f32), v)

@@ -117,6 +117,11 @@ class BlackwellProblem:
     def kernel_name(self) -> str:
         return kernel_name(self)
 
+    @property
+    def scales_on(self) -> str:
+        """Where the kernel applies the scales: "accumulators" (:func:`folds_scales`) or "weights"."""
+        return "accumulators" if folds_scales(self) else "weights"
+
 
 def plan(
     m: int,
@@ -181,7 +186,7 @@ def _row_values(p: BlackwellProblem, ref: Any, g: int, t: int) -> Any:
 
 def folds_scales(p: BlackwellProblem) -> bool:
     """Whether the scales go on per-group TMEM accumulators instead of the weights: symmetric groups
-    of whole 64-wide chunks inside one step, no K slices, and an M tile narrow enough that the per-group
+    of whole 64-wide chunks inside one step, and an M tile narrow enough that the per-group
     fold (``tile_m`` FFMAs a thread per group of G weights) costs less than the HMUL2 a weight pair it
     saves: 4 x tile_m <= G. The double-buffered accumulators (2 x tile_k / G x tile_m columns) fit TMEM."""
     c = p.config
