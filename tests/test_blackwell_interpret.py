@@ -120,21 +120,36 @@ def test_scales_on_group_accumulators_without_slices(case):
 
 @pytest.mark.no_kernel
 def test_group_accumulators_only_where_they_save_instructions():
-    """The route folds symmetric groups of whole chunks at decode M tiles (4 x tile_m <= G), never offsets,
-    per-column scales or groups of 16/32 (they cut a 64-wide chunk) or wide M tiles (the FFMAs per group
-    would outnumber the HMUL2 they save)."""
+    """The route folds symmetric groups of whole chunks at decode M tiles, never offsets, per-column scales
+    or groups of 16/32 (they cut a 64-wide chunk) or M tiles whose FFMAs per group would outnumber what
+    they save: with bf16 x the HSUB2 and HMUL2 of a weight pair (the bias folds too: tile_m <= G, at
+    most 64), with f16 x the HMUL2 only (4 x tile_m <= G)."""
     import jax
 
-    def folds(m, n, group, symmetric):
+    from nybble.kernels.mosaic_gpu.blackwell.kernel import folds_bias
+
+    def problem(m, n, group, symmetric, dtype=jnp.bfloat16, k=4096):
         quant = lambda w: nybble.quantize(w, group_size=group, symmetric=symmetric)
-        qw = jax.eval_shape(quant, jax.ShapeDtypeStruct((4096, n), jnp.float32))
-        return folds_scales(plan(m, qw))
+        qw = jax.eval_shape(quant, jax.ShapeDtypeStruct((k, n), jnp.float32))
+        return plan(m, qw, dtype=dtype)
+
+    def folds(*args, **kw):
+        return folds_scales(problem(*args, **kw))
 
     assert folds(1, 4096, 128, True) and folds(1, 28672, 128, True) and folds(4, 1024, 64, True)
     assert not folds(1, 4096, 128, False)  # offsets
     assert not folds(1, 4096, None, True)  # per column: one scale row, applied to the weights
     assert not folds(1, 4096, 32, True)
-    assert not folds(16, 4096, 128, True)  # tile_m 64 with K slices: 64 FFMAs a group of 128
+    sliced_m16 = problem(16, 4096, 128, True)
+    assert sliced_m16.config.tile_m == 64 and folds_scales(sliced_m16) and folds_bias(sliced_m16)
+    assert folds(16, 4096, 64, True)  # tile_m 64 = G: 32 FFMA2 a group against 64 HSUB2 + HMUL2
+    f16 = problem(16, 4096, 128, True, jnp.float16)
+    assert not folds_scales(f16) and not folds_bias(f16)  # f16: 64 FFMAs a group against 64 HMUL2
+    f16_m1 = problem(1, 4096, 128, True, jnp.float16)
+    assert folds_scales(f16_m1) and not folds_bias(f16_m1)  # f16 keeps the exact q (BIAS 1032)
+    assert folds_bias(problem(1, 4096, 128, True))
+    assert problem(64, 4096, 128, True).config.tile_m == 64 and folds(64, 4096, 128, True)
+    assert not folds(128, 4096, 128, True)  # tile_m 128: past the registers
 
 
 def test_nybble_matmul_runs_the_blackwell_kernel_as_a_b200():

@@ -128,27 +128,50 @@ def test_group_accumulator_route_lowers(m, n, group):
     assert "tcgen05" in _lower(m, qw).as_text()
 
 
-def test_xray_finds_the_tcgen05_loop():
-    """The b200 X-ray's main loop: the uniform-predicate back branch (``BRA.U UP0``) around the UTCHMMAs,
-    not the retry loop of a barrier wait, nor anything past an EXIT (the format of a ``.sass_ctrl`` dump)."""
+def test_xray_finds_each_roles_loop():
+    """The b200 X-ray's K loops, one per role of the warp-specialized kernel (the format of a
+    ``.sass_ctrl`` dump): the dequantizing loop (the ``STSM`` stores), each MMA warp's (``UTCHMMA``
+    without stores) and the TMA warp's unrolled copies over the steps; never the retry loop of a barrier
+    wait, nor anything past an EXIT. Per step: the 4 dequantizing warps' loop plus each issue warp's once,
+    over 4 x the weights a thread dequantizes; a scheduler's cycles are its dequantizing warp's loop plus
+    the largest issue warp beside it, or a warp's own stall counts where larger."""
     from bench.kernel_xray import sass
-    from bench.xray.blackwell import tcgen05_loop
+    from bench.xray.blackwell import kernel_loops
 
     text = """
    -:-:-:Y:05        /*0000*/                   MOV R1, c[0x0][0x28] ;
+   -:-:-:Y:01        /*0010*/                   UTMALDG.4D [UR8], [UR4] ;
+   -:-:-:Y:01        /*0020*/                   UIADD3 UR4, UPT, UPT, UR4, 0x40, URZ ;
+   -:-:-:Y:01        /*0030*/                   UTMALDG.4D [UR8], [UR4] ;
 .L_x_1:
-   -:-:-:Y:05        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;
-   -:-:-:Y:05        /*0020*/               @!P0 BRA `(.L_x_1) ;
+   -:-:-:Y:05        /*0040*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;
+   -:-:-:Y:05        /*0050*/               @!P0 BRA `(.L_x_1) ;
 .L_x_2:
-   -:-:-:Y:02        /*0030*/                   LOP3.LUT R4, R5, 0xf000f, R6, 0x6a, !PT ;
-   -:-:-:Y:03        /*0040*/                   HMUL2.BF16_V2 R4, R4, R7.H0_H0 ;
-   -:2:-:Y:01        /*0050*/                   UTCHMMA gdesc[UR10], gdesc[UR8], tmem[UR4], UPT ;
-   -:2:-:Y:01        /*0060*/                   UTCHMMA gdesc[UR12], gdesc[UR8], tmem[UR4], UPT ;
-   -:-:-:Y:09        /*0070*/                   BRA.U UP0, `(.L_x_2) ;
-   -:-:-:Y:05        /*0080*/                   EXIT ;
+   -:2:-:Y:01        /*0060*/                   UTCHMMA gdesc[UR10], gdesc[UR8], tmem[UR4], UPT ;
+   -:2:-:Y:01        /*0070*/                   UTCHMMA tmem[UR12], gdesc[UR8], tmem[UR4], UPT ;
+   -:-:-:Y:09        /*0080*/                   BRA.U UP0, `(.L_x_2) ;
+.L_x_3:
+   -:-:-:Y:02        /*0090*/                   LDS.64 R4, [R5] ;
+   -:-:-:Y:02        /*00a0*/                   LOP3.LUT R4, R5, 0xf000f, R6, 0x6a, !PT ;
+   -:-:-:Y:03        /*00b0*/                   SHF.R.U32.HI R4, RZ, 0x4, R5 ;
+   -:-:-:Y:01        /*00c0*/                   STSM.16.M88.4 [R51], R24 ;
+   -:-:-:Y:04        /*00d0*/               @P1 BRA `(.L_x_3) ;
+   -:-:-:Y:05        /*00e0*/                   EXIT ;
 """
-    loop = tcgen05_loop(sass.parse_sass(text))
-    assert loop is not None and loop.size == 5 and loop.stall_cycles == 2 + 3 + 1 + 1 + 9
+    loops = kernel_loops(sass.parse_sass(text), k_steps=2)
+    assert loops is not None and not loops.straight_line
+    assert (loops.dequant.instructions, [m.instructions for m in loops.mma], loops.tma) == (5, [3], 1.5)
+    step = loops.per_step(weights_per_thread=2)
+    assert step["instructions"] == 5 and step["mmas"] == 2 and step["issue_instructions"] == [3, 1.5]
+    assert step["instructions_per_weight"] == (5 + (3 + 1.5) / 4) / 2
+    assert step["dequant_instructions_per_weight"] == 2.5
+    assert step["stall_cycles"] == max(2 + 2 + 3 + 1 + 4, 1 + 1 + 9, 5 + 3)
+    # Every step unrolled (no loop back): each role's stretch, from its first step's wait, over the steps.
+    unrolled = text.replace("@P1 BRA `(.L_x_3)", "NOP").replace("BRA.U UP0, `(.L_x_2)", "NOP")
+    loops = kernel_loops(sass.parse_sass(unrolled), k_steps=2)
+    assert loops is not None and loops.straight_line
+    # STSM at 12, the last TRYWAIT before it at 4: 9 instructions; UTCHMMA 6-7 after that wait: 4; TMA 1-3.
+    assert (loops.dequant.instructions, loops.mma[0].instructions, loops.tma) == (9 / 2, 4 / 2, 3 / 2)
 
 
 # ------------------------------------------------------------------------------ the grouped kernel

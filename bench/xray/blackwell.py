@@ -2,13 +2,15 @@
 
 Compiles nybble's tcgen05 kernel (``nybble.kernels.mosaic_gpu.blackwell``) and XLA's int4 path for a
 deviceless B200 (``bench.kernel_xray.target`` with compute capability 10.0; ``target_arch`` makes Mosaic
-emit sm_100a code on a machine whose default device is a CPU), and reads from the SASS: the main loop
-(the conditional backward branch whose body issues the ``UTCHMMA``s), its instructions per weight (the
-loop's instructions over the weights one thread dequantizes per pass: tile_n x tile_k / 128), registers,
-spills, TMEM columns (the accumulator's allocation), launches per call. The model beside them (a model,
-not a timing): HBM-bound = the call's bytes over 8 TB/s; issue-bound = the loop's summed stall counts
-(one warp per scheduler, one CTA per SM: the cycles of a step) x steps x waves; tensor-bound = 2 M_pad N K
-over the dense bf16 rate. The largest is the model's time.
+emit sm_100a code on a machine whose default device is a CPU), and reads from the SASS the K loop of each
+of the kernel's roles (:func:`kernel_loops`: the dequantizing warpgroup's, each MMA warp's, the TMA
+warp's), their instructions per weight (every warp's loop counted once per warp running it, over the
+weights of a step: 4 warps x tile_n x tile_k / 128 a thread; the dequantizing loop's alone beside it),
+registers, spills, TMEM columns (the kernel's allocation), launches per call. The model beside them (a
+model, not a timing): HBM-bound = the call's bytes over 8 TB/s; issue-bound = the cycles of a step (an SM
+scheduler issues its dequantizing warp's loop and the issue warp beside it, one instruction a cycle, and
+no warp beats its own stall counts; one CTA per SM) x steps x waves; tensor-bound = 2 M_pad N K over the
+dense bf16 rate. The largest is the model's time.
 
 The MoE rows (``moe/<model>-<projection>/T<tokens>/...``, the grouped kernel
 ``blackwell_grouped_matmul`` against ``nybble.ragged_matmul``'s XLA path) are one grouped matmul of tokens x
@@ -64,6 +66,8 @@ PEER_NOTE = (
     "counts the active experts' weights only; compare launches, registers and spills as compiled."
 )
 _MMA = re.compile(r"^UTC[A-Z]*MMA")
+_STSM = re.compile(r"^STSM")
+_TMA = re.compile(r"^UTMALDG")
 _BACK_BRANCH = re.compile(r"BRA(?:\.U)?\s+(?:!?U?P\d+,\s*)?`?\(?(?P<label>\.L_x_\d+)\)?`?")
 
 
@@ -116,30 +120,125 @@ def build_moe_cases(
     return out
 
 
-def tcgen05_loop(s: sass_mod.Sass) -> sass_mod.Loop | None:
-    """The main loop: the conditional backward branch (``@P BRA`` or ``BRA.U UPn``) whose body, without an
-    EXIT, holds the most tcgen05 MMAs (innermost on a tie)."""
-    best = None
+def _loops(s: sass_mod.Sass) -> list[sass_mod.Loop]:
+    """Every backward branch whose body holds no EXIT: conditional (``@P BRA``, ``BRA.U UPn``) or not (a
+    rotated loop leaves by a conditional branch forward and closes with a plain ``BRA`` back)."""
+    loops = []
     for end, ins in enumerate(s.instructions):
         if ins.base_opcode != "BRA":
             continue
-        conditional = ins.predicate is not None or re.search(r"BRA\.U\s+!?UP\d", ins.text)
         m = _BACK_BRANCH.search(ins.text)
-        if not conditional or m is None or m["label"] not in s.labels:
+        if m is None or m["label"] not in s.labels:
             continue
         start = s.labels[m["label"]]
-        if start > end:
-            continue
         body = s.instructions[start : end + 1]
-        if any(i.base_opcode == "EXIT" for i in body):
-            continue
-        mmas = sum(1 for i in body if _MMA.match(i.opcode))
-        if mmas == 0:
-            continue
-        key = (mmas, -len(body))
-        if best is None or key > best[0]:
-            best = (key, sass_mod.Loop(start, end, body))
-    return None if best is None else best[1]
+        if start <= end and not any(i.base_opcode == "EXIT" for i in body):
+            loops.append(sass_mod.Loop(start, end, body))
+    return loops
+
+
+def _count(loop: sass_mod.Loop, pattern: re.Pattern) -> int:
+    return sum(1 for i in loop.instructions if pattern.match(i.opcode))
+
+
+def _innermost(loops: list[sass_mod.Loop]) -> list[sass_mod.Loop]:
+    """The loops that contain no other of ``loops``."""
+    return [a for a in loops if not any(b is not a and a.start <= b.start and b.end <= a.end for b in loops)]
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleLoop:
+    """One role's K loop, per step: instructions, summed stall counts, and its body (for the mix)."""
+
+    instructions: float
+    stall_cycles: float
+    mmas: float
+    body: sass_mod.Loop
+
+    @classmethod
+    def of(cls, loop: sass_mod.Loop, steps: int = 1) -> RoleLoop:
+        """``loop`` spanning ``steps`` K steps (more than 1 where the compiler unrolled them)."""
+        return cls(loop.size / steps, loop.stall_cycles / steps, _count(loop, _MMA) / steps, loop)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelLoops:
+    """The warp-specialized kernel's K loops, one per role: the dequantizing warpgroup's (4 warps: the
+    loop that stores the A operand, ``STSM``), each MMA warp's (one warp: ``UTCHMMA``, no stores), and the
+    TMA warp's (one warp: ``UTMALDG``). Where the compiler unrolled a role's short K loop
+    (``straight_line``), its stretch from the wait before its first step to its last store, MMA or copy,
+    over the steps; unrolled MMA warps count as one (an upper bound on the issue beside a dequantizing
+    warp)."""
+
+    dequant: RoleLoop
+    mma: tuple[RoleLoop, ...]
+    tma: float
+    straight_line: bool = False
+
+    def per_step(self, weights_per_thread: float) -> dict[str, Any]:
+        """The loop record of one K step: instructions per weight over all the CTA's warps (each role's
+        loop times the warps running it, over the 4 dequantizing warps' weights), the dequantizing loop's
+        alone, and the cycles of a step: a warp's loop needs its stall counts, and an SM scheduler issues
+        one instruction a cycle for its dequantizing warp and the issue warp beside it (warps 4..7 of the
+        CTA share schedulers 0..3 with warps 0..3)."""
+        dq = self.dequant
+        issue = [loop.instructions for loop in self.mma] + [self.tma]
+        own = [dq.stall_cycles, *(loop.stall_cycles for loop in self.mma)]
+        cycles = max(*own, dq.instructions + max(issue))
+        return {
+            "instructions": round(dq.instructions, 1),
+            "issue_instructions": [round(i, 1) for i in issue],
+            "mmas": round(sum(loop.mmas for loop in self.mma)),
+            "stall_cycles": round(cycles, 1),
+            "instructions_per_weight": (dq.instructions + sum(issue) / 4) / weights_per_thread,
+            "dequant_instructions_per_weight": dq.instructions / weights_per_thread,
+            "straight_line": self.straight_line,
+            "mix": dq.body.opcode_mix(12),
+        }
+
+
+def _unrolled(s: sass_mod.Sass, pattern: re.Pattern) -> sass_mod.Loop | None:
+    """The stretch of unrolled steps of one role: from the last barrier wait before its first ``pattern``
+    instruction to its last."""
+    code = s.instructions
+    at = [i for i, ins in enumerate(code) if pattern.match(ins.opcode)]
+    if not at:
+        return None
+    waits = [i for i in range(at[0]) if code[i].base_opcode == "SYNCS" and "TRYWAIT" in code[i].opcode]
+    start = waits[-1] if waits else at[0]
+    return sass_mod.Loop(start, at[-1], code[start : at[-1] + 1], straight_line=True)
+
+
+def kernel_loops(s: sass_mod.Sass, k_steps: int) -> KernelLoops | None:
+    """The K loops of nybble's Blackwell kernel (``blackwell/kernel.py``'s roles): the loop with the most
+    ``STSM`` (innermost on a tie), the innermost loops issuing ``UTCHMMA`` without storing, and the TMA
+    warp's copies; barrier-wait retry loops hold none of these. A role whose steps the compiler unrolled
+    (a short K loop) counts its unrolled stretch over the steps."""
+    loops = _loops(s)
+    unrolled = False
+    stores = [loop for loop in loops if _count(loop, _STSM)]
+    if stores:
+        dequant = RoleLoop.of(max(stores, key=lambda loop: (_count(loop, _STSM), -loop.size)))
+    elif (stretch := _unrolled(s, _STSM)) is not None:
+        dequant, unrolled = RoleLoop.of(stretch, k_steps), True
+    else:
+        return None
+    mma_loops = _innermost([loop for loop in loops if _count(loop, _MMA) and not _count(loop, _STSM)])
+    if mma_loops:
+        mma = tuple(RoleLoop.of(loop) for loop in sorted(mma_loops, key=lambda loop: loop.start))
+    elif (stretch := _unrolled(s, _MMA)) is not None:
+        mma, unrolled = (RoleLoop.of(stretch, k_steps),), True
+    else:
+        return None
+    tma_loops = _innermost(
+        [loop for loop in loops if _count(loop, _TMA) and not _count(loop, _STSM) and not _count(loop, _MMA)]
+    )
+    if tma_loops:
+        tma = float(sum(loop.size for loop in tma_loops))
+    else:
+        stretch = _unrolled(s, _TMA)
+        tma = stretch.size / k_steps if stretch is not None else 0.0
+    return KernelLoops(dequant, mma, tma, unrolled)
 
 
 def _program(case: Case) -> tuple[Any, tuple[Any, ...]]:
@@ -216,16 +315,11 @@ def compile_case(case: Case, out: dict) -> None:
             return
         out["plan"] = grouped_plan_record(case, args[1]) if case.experts else dense_plan_record(case, args[1])
         sass_files = sorted(Path(tmp).glob("*.sass_ctrl"))
-        loop = tcgen05_loop(sass_mod.parse_sass(sass_files[0].read_text())) if sass_files else None
-        weights_per_thread = out["plan"]["weights_per_thread"]
-        if loop is not None:
-            out["loop"] = {
-                "instructions": loop.size,
-                "mmas": sum(1 for i in loop.instructions if _MMA.match(i.opcode)),
-                "stall_cycles": loop.stall_cycles,
-                "instructions_per_weight": loop.size / weights_per_thread,
-                "mix": loop.opcode_mix(12),
-            }
+        plan = out["plan"]
+        sass = sass_mod.parse_sass(sass_files[0].read_text()) if sass_files else None
+        loops = kernel_loops(sass, plan["k_steps"]) if sass is not None else None
+        if loops is not None:
+            out["loop"] = loops.per_step(plan["weights_per_thread"])
 
 
 def dense_plan_record(case: Case, qw: Any) -> dict[str, Any]:
@@ -239,7 +333,7 @@ def dense_plan_record(case: Case, qw: Any) -> dict[str, Any]:
         "ctas": p.m_tiles * p.n_tiles,
         "k_steps": p.k_steps,
         "m_pad": p.m_tiles * c.tile_m,
-        "tmem_columns": c.tmem_columns(),
+        "tmem_columns": p.tmem_columns,
         "weights_per_thread": c.tile_n * c.tile_k / 128,
     }
 
@@ -268,7 +362,7 @@ def grouped_plan_record(case: Case, qw: Any) -> dict[str, Any]:
         "grid": work.ctas(p),
         "k_steps": p.k_steps,
         "m_pad": m_tiles * c.tile_m,
-        "tmem_columns": c.tmem_columns(),
+        "tmem_columns": p.tmem_columns,
         "weights_per_thread": c.tile_n * c.tile_k / 128,
         "active_experts": active,
         "read_bytes": active * per_expert + 2 * case.m * (case.k + case.n),
@@ -366,20 +460,23 @@ def markdown(result: dict) -> str:
         "",
         f"jax {result['jax']}. A static view: SASS counts and a model, no timing. {result['peer_note']}",
         "",
-        "| case | config | launches | regs | spills | TMEM cols | loop instr | UTCHMMA | instr/weight | "
-        "model bound | model us | % HBM | % bf16 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | config | launches | regs | spills | TMEM cols | dequant loop | issue loops | UTCHMMA | "
+        "instr/weight | dequant instr/weight | model bound | model us | % HBM | % bf16 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['key']} | error: {r['error'][:120]} |" + " |" * 11)
+            lines.append(f"| {r['key']} | error: {r['error'][:120]} |" + " |" * 13)
             continue
         plan, loop, mdl = r.get("plan") or {}, r.get("loop") or {}, r["model"]
         ipw = f"{loop['instructions_per_weight']:.2f}" if loop else "-"
+        dequant_ipw = f"{loop['dequant_instructions_per_weight']:.2f}" if loop else "-"
+        issue = " + ".join(f"{i:g}" for i in loop.get("issue_instructions", [])) or "-"
         lines.append(
             f"| {r['key']} | {plan.get('config', '-')} | {r['launches']} | {r['registers'] or '-'} | "
-            f"{r['spill_bytes']} | {plan.get('tmem_columns', '-')} | {loop.get('instructions', '-')} | "
-            f"{loop.get('mmas', '-')} | {ipw} | {mdl['bound']} | {mdl['model_us']:.1f} | "
+            f"{r['spill_bytes']} | {plan.get('tmem_columns', '-')} | {loop.get('instructions', '-')}"
+            f"{' (unrolled)' if loop.get('straight_line') else ''} | {issue} | {loop.get('mmas', '-')} | "
+            f"{ipw} | {dequant_ipw} | {mdl['bound']} | {mdl['model_us']:.1f} | "
             f"{100 * mdl['hbm_fraction']:.0f} | {100 * mdl['tensor_fraction']:.0f} |"
         )
     return "\n".join(lines) + "\n"

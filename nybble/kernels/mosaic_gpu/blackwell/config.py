@@ -77,10 +77,6 @@ class BlackwellConfig:
         """Columns of y one CTA computes: tile_n / S (the A rows hold S slices of each)."""
         return self.tile_n // self.slices
 
-    def tmem_columns(self) -> int:
-        """TMEM columns the accumulator allocates: a power of two >= 32."""
-        return max(32, 1 << (self.tile_m - 1).bit_length())
-
     def m_tiles(self, m: int) -> int:
         return -(-m // self.x_rows_per_tile)
 

@@ -3,22 +3,38 @@
 The kernel computes y^T = W^T x^T, as the Hopper kernel does: tcgen05's M (64 or 128 rows, the tensor
 core's fixed side) covers weight columns, its N (16..256) the batch, so at decode (M <= 16) no MMA row is
 padding and the f32 accumulator is only ``tile_m`` TMEM columns. The weight reaches the tensor core as the
-A operand in SMEM, dequantized there by the CTA's warpgroup: tcgen05 reads A from SMEM or TMEM, and a TMEM
-A operand would need a TMEM store (tcgen05.st) per step plus its own fences, where an SMEM store feeds the
-MMA's descriptor directly; x, the B operand, stays in the swizzled SMEM slot TMA filled. The bytes:
+A operand in SMEM, dequantized there by the CTA's first warpgroup: tcgen05 reads A from SMEM or TMEM, and a
+TMEM A operand would need a TMEM store (tcgen05.st) per step plus its own fences, where an SMEM store feeds
+the MMA's descriptor directly; x, the B operand, stays in the swizzled SMEM slot TMA filled.
 
-    for each K step (``max_concurrent_steps`` slots, TMA running ahead):
+The CTA is warp-specialized (two warpgroups): the dequantizing warpgroup runs only the unpacking, the
+stores and the fold, and one thread of a warp of the other warpgroup issues each TMA copy or MMA, so no
+dequantizing warp spends issue slots on descriptors. The bytes:
+
+    TMA warp (warpgroup 1, warp 0), for each K step, into slot ki % ``max_concurrent_steps`` once the
+    slot's previous step is consumed (``x_free``: its MMAs read x; ``codes_free``: the dequantizing
+    warpgroup read its codes and scales), all arriving on ``loaded[slot]``:
         TMA  codes (tile_n / 64, 8, tile_k) ``wgmma_int4`` words   (the layout the Hopper kernel reads)
         TMA  x     (tile_m, tile_k) bf16/f16, 128-byte swizzle      (rows past M zero-filled)
         TMA  scale [and offset] rows (tile_k / G or 1, tile_n)
-        for each 64-wide chunk and 64-row tile: LDS.64 of 8 code words, 3 SHF + 4 LOP3 + 4 HSUB2 per 8
-            weights (dequant_registers.dequantize_chunk, exact q), w = q * s (+ o) in x's dtype (or q
-            itself on the group-accumulator route, below), stored into the step's half of a
-            double-buffered (2, tile_n, tile_k) A buffer (128-byte swizzle)
-        wait for the previous step's MMA (its TMEM barrier), then one tcgen05_mma(acc, A, x^T)
-            arriving on that barrier: it runs while the next step dequantizes; the A half it reads is
-            rewritten two steps later, the x slot released one step later (delay_release=1)
-    epilogue: wait for the last MMA, TMEM -> registers -> y^T into SMEM (transposed view) -> TMA to y
+    dequantizing warpgroup (warpgroup 0), for each K step, once ``loaded[slot]``:
+        for each 64-wide chunk and 64-row tile: LDS.64 of 8 code words, 3 SHF + 4 LOP3 per 8 weights
+            (dequant_registers.dequantize_chunk) giving BIAS + q, [4 HSUB2: exact q,] [w = q * s (+ o)
+            in x's dtype,] stored into the step's half of a double-buffered (2, tile_n, tile_k) A buffer
+            (128-byte swizzle); the half is free once the MMAs of two steps back completed
+        arrive ``a_ready[half]`` and ``codes_free[slot]`` (after commit_smem's warpgroup barrier: every
+            thread's reads and stores are done)
+        [accumulator route: wait for the previous step's MMAs (``mma_done``) and fold its accumulators]
+    MMA warps (warpgroup 1, warps 1..3), for each K step, once ``loaded[slot]`` and ``a_ready[half]``:
+        tcgen05_mma(acc, A half, x^T) (per group on the accumulator route, the groups dealt round-robin
+            to the warps, each group's MMAs from one warp so they run in order), then commit-arrive on
+            ``mma_done[half]`` and ``x_free[slot]``
+    epilogue (warpgroup 0): wait for the last MMAs, TMEM -> registers -> y^T into SMEM (transposed view)
+    -> TMA to y
+
+Every barrier phase is waited by the warps that use it, the last ones after the loops (the interpreter
+checks that no completed phase goes unobserved). Warps 4..7 share an SM's four schedulers with warps 0..3,
+so the issue work lands beside the dequantizing warps, spread over up to three MMA warps.
 
 The grid's CTAs come from a ``work`` object, as in the Hopper kernel (``common.DenseWork``): this
 module's :class:`DenseTiles` (one CTA per M tile and N tile), or the Hopper grouped kernel's
@@ -30,15 +46,18 @@ Two routes for the scales (:func:`folds_scales` picks):
 * On the weights (the Hopper kernel's ``scales_on="weights"`` route): w = q * s (+ o) in x's dtype, one
   HMUL2 (and HADD2/HFMA2) a weight pair; one accumulator serves every group size, f32 accumulation spans
   all of K. Offsets, per-column scales, groups of 16/32 and the wide M tiles of prefill take it.
-* On per-group accumulators, at decode (symmetric, G a multiple of 64 inside one step, 4 x tile_m <= G):
-  A holds the exact q; each step's tile_k / G groups get their own MMA into their own TMEM columns
-  (accumulate=False), double-buffered by step parity (2 x tile_k / G x tile_m columns), and one
-  ``tcgen05_commit_arrive`` after them arrives on the step's barrier. The next step, after issuing its
-  own MMAs, loads those columns and adds ``s_g * acc_g`` into an f32 register total (the scales carried
-  from the step that read them; the first step folds a zeroed slot with zero scales). Per thread and
-  group, tile_m FFMAs replace G / 2 HMUL2s (figures in docs/logs/performance-log.md). Under K slices
-  each A row's scale is gathered for its own (band, slice) in TMEM's native row layout
-  (``dequant_registers.tmem_rows``); the slices' partial sums are then added as on the other route.
+* On per-group accumulators, at decode (symmetric, G a multiple of 64 inside one step, tile_m small
+  enough): each step's tile_k / G groups get their own MMA into their own TMEM columns
+  (accumulate=False), double-buffered by step parity (2 x tile_k / G x tile_m columns), and the MMA warps'
+  commits arrive on the step's barrier. The next step, after writing its own A half, loads those columns
+  and adds ``s_g * acc_g`` into an f32 register total (the scales carried from the step that read them;
+  the first step folds a zeroed slot with zero scales). With bf16 x (:func:`folds_bias`) A holds BIAS + q
+  as the LOP3 leaves it, and after each group's MMA, MMAs of a constant -BIAS tile (64 columns in TMEM,
+  an A operand the tensor core reads without SMEM) times the group's x chunks take BIAS x sum(x) out of
+  the same accumulator (every product exact in f32); with f16 x (BIAS 1032, a cancellation 8x larger) A
+  holds the exact q. Under K slices each A row's scale is gathered for its own (band, slice) in TMEM's
+  native row layout (``dequant_registers.tmem_rows``); the slices' partial sums are then added as on the
+  other route.
 """
 
 from __future__ import annotations
@@ -63,7 +82,13 @@ from nybble.kernels.mosaic_gpu.blackwell.config import (
 )
 from nybble.kernels.mosaic_gpu.common import CtaTile, kernel_name, run_tile, store_rows
 from nybble.kernels.mosaic_gpu.config import CHUNK_K
-from nybble.kernels.mosaic_gpu.dequant_registers import dequantize_chunk, slot_rows, sum_slices, tmem_rows
+from nybble.kernels.mosaic_gpu.dequant_registers import (
+    BIAS,
+    dequantize_chunk,
+    slot_rows,
+    sum_slices,
+    tmem_rows,
+)
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.kernels.mosaic_gpu.staging import y_staging
 from nybble.quant.qweight import QuantizedWeight
@@ -116,6 +141,17 @@ class BlackwellProblem:
     @property
     def kernel_name(self) -> str:
         return kernel_name(self)
+
+    @property
+    def tmem_columns(self) -> int:
+        """TMEM columns the kernel allocates (a power of two >= 32): the accumulator, or the accumulator
+        route's double-buffered group accumulators and its -BIAS tile."""
+        if folds_scales(self):
+            used = 2 * (self.config.tile_k // self.group) * self.config.tile_m
+            used += BIAS_TILE_COLUMNS if folds_bias(self) else 0
+        else:
+            used = self.config.tile_m
+        return max(32, 1 << (used - 1).bit_length())
 
     @property
     def scales_on(self) -> str:
@@ -184,26 +220,48 @@ def _row_values(p: BlackwellProblem, ref: Any, g: int, t: int) -> Any:
     return slot_rows(ref, g, t, 1 if p.per_column else s, s)
 
 
+# The -BIAS tile the accumulator route's MMAs multiply into each group (an A operand in TMEM: 64 bf16/f16
+# columns packed two to a 32-bit column), and the widest M tile it folds.
+BIAS_TILE_COLUMNS = CHUNK_K // 2
+MAX_FOLD_TILE_M = 64
+
+
 def folds_scales(p: BlackwellProblem) -> bool:
-    """Whether the scales go on per-group TMEM accumulators instead of the weights: symmetric groups
-    of whole 64-wide chunks inside one step, and an M tile narrow enough that the per-group
-    fold (``tile_m`` FFMAs a thread per group of G weights) costs less than the HMUL2 a weight pair it
-    saves: 4 x tile_m <= G. The double-buffered accumulators (2 x tile_k / G x tile_m columns) fit TMEM."""
+    """Whether the scales go on per-group TMEM accumulators instead of the weights: symmetric groups of
+    whole 64-wide chunks inside one step, and an M tile that costs less to fold than it saves. A thread
+    dequantizes G weights of each group and folds tile_m accumulator columns (tile_m / 2 FFMA2 and the
+    TMEM loads). With bf16 x the bias folds too (:func:`folds_bias`), saving each weight pair's HSUB2 and
+    HMUL2 (G instructions): tile_m <= G, at most 64 (past it the f32 total and the loaded accumulators
+    outgrow the registers); with f16 only the HMUL2 (G / 2): 4 x tile_m <= G. The double-buffered
+    accumulators (2 x tile_k / G x tile_m columns) and the bias tile fit TMEM."""
     c = p.config
     if p.per_column or p.has_offsets or p.group % CHUNK_K or p.group > c.tile_k:
         return False
-    return 4 * c.tile_m <= p.group and 2 * (c.tile_k // p.group) * c.tile_m <= TMEM_COLUMNS
+    columns = 2 * (c.tile_k // p.group) * c.tile_m + BIAS_TILE_COLUMNS
+    if columns > TMEM_COLUMNS:
+        return False
+    if p.dtype == jnp.dtype(jnp.bfloat16):
+        return c.tile_m <= min(p.group, MAX_FOLD_TILE_M)
+    return 4 * c.tile_m <= p.group
+
+
+def folds_bias(p: BlackwellProblem) -> bool:
+    """Whether the A operand holds BIAS + q (one LOP3 a weight pair, no HSUB2) and MMAs of a -BIAS tile
+    take BIAS x sum(x) out of each group's accumulator: on the accumulator route with bf16 x (BIAS 136).
+    f16's BIAS is 1032, and its f32 cancellation error reaches 1e-4 of the output's RMS (measured in
+    interpret mode); f16 keeps the exact q."""
+    return folds_scales(p) and p.dtype == jnp.dtype(jnp.bfloat16)
 
 
 def dequantize_step(p: BlackwellProblem, codes: Any, scales: Any, offsets: Any, out: Any) -> None:
     """The step's weights w = q * s (+ o), (tile_n, tile_k) in x's dtype, into the A buffer ``out``."""
     c = p.config
     dt = p.dtype
-    fold = folds_scales(p)
+    fold, exact = folds_scales(p), not folds_bias(p)
     for k0 in range(0, c.tile_k, CHUNK_K):
         parts = []
         for t in range(c.tiles):
-            q = dequantize_chunk(plgpu.load(codes.at[t, :, pl.ds(k0, CHUNK_K)]), exact=True, dtype=dt)
+            q = dequantize_chunk(plgpu.load(codes.at[t, :, pl.ds(k0, CHUNK_K)]), exact=exact, dtype=dt)
             if fold:
                 parts.append(q)
                 continue
@@ -243,6 +301,27 @@ def w4a16_blackwell(
     return launch(p, operand_views(p, codes, x, scales, offsets), DenseTiles())
 
 
+# The CTA's roles: warpgroup 0 dequantizes and folds; warpgroup 1's warp 0 issues the TMA copies and its
+# warps 1..3 the tcgen05 MMAs (one thread each), so the dequantizing warps never run the issue code.
+DEQUANT_WG = 0
+ISSUE_WG = 1
+TMA_WARP = 0
+FIRST_MMA_WARP = 1
+MAX_MMA_WARPS = 3
+
+
+def mma_warps(p: BlackwellProblem) -> int:
+    """Warps issuing the MMAs: one per group accumulator of a step, at most 3 (each warp shares an SM
+    scheduler with a dequantizing warp, so the issue is spread); one on the weights route."""
+    return min(p.config.tile_k // p.group, MAX_MMA_WARPS) if folds_scales(p) else 1
+
+
+def _block(ref: Any, shape: tuple[int, ...], index: tuple[Any, ...]) -> Any:
+    """``ref``'s block ``index`` of ``shape`` (a BlockSpec's blocked slices; indices traced int32, so TMA
+    zero-fills a block past the end, as in ``emit_pipeline``)."""
+    return ref.at[tuple(pl.ds(jnp.int32(i) * b, b) for i, b in zip(index, shape, strict=True))]
+
+
 def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
     """The kernel over ``work``'s CTAs (:class:`DenseTiles`, or the grouped kernel's): each CTA's
     ``common.CtaTile`` gives its GMEM operands (indexed by block (mi, ki) for x, (ni, ki) for the weight),
@@ -250,18 +329,29 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
     c = p.config
     s = c.slices
     n_in = len(operands)
+    depth = c.max_concurrent_steps
+    n_weight_ops = 2 if p.has_offsets else 1
 
-    fold = folds_scales(p)
+    fold, bias = folds_scales(p), folds_bias(p)
     gps = c.tile_k // p.group if fold else 1  # groups per step, each its own accumulator
     tm = c.tile_m
+    issuers = mma_warps(p)
     # K slices: the accumulators load in TMEM's native layout (a thread per row), whose rows the sliced
     # scales are gathered in (dequant_registers.tmem_rows); without, layout inference picks the one the
     # transposed y store takes.
     native = plgpu.Layout.TCGEN05_TMEM_NATIVE if s > 1 else None
+    codes_block = (c.tiles, 8, c.tile_k)
+    x_block = (c.tile_m, c.tile_k)
+    scale_block = (1 if p.per_column else s, p.scale_rows, c.cta_cols)
 
     def kernel(*refs: Any) -> None:
         ins, y_gmem = refs[:n_in], refs[n_in]
-        w_smem, acc_tmem, mma_done, y_smem, *sliced = refs[n_in + 1 :]
+        (w_smem, codes_smem, x_smem, *rest) = refs[n_in + 1 :]
+        weight_smem, rest = rest[:n_weight_ops], rest[n_weight_ops:]
+        acc_tmem, *rest = rest
+        bias_tmem, rest = (rest[0], rest[1:]) if bias else (None, rest)
+        loaded, a_ready, mma_done, x_free, codes_free, y_smem, *sliced = rest
+        wg = lax.axis_index("wg")
         tile = work.tile(p, ins)
         mi, ni = tile.mi, tile.ni
         cols = pl.ds(ni * c.cta_cols, c.cta_cols)
@@ -282,33 +372,72 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                 total = total + v * lax.broadcast_in_dim(sv, v.shape, [0])
             return total
 
-        def step(indices: Any, codes: Any, x: Any, scales: Any, *rest: Any) -> Any:
-            (ki,) = indices
-            carry = rest[-1] if fold else None
-            offsets = rest[:-1] if fold else rest
-            a = w_smem.at[lax.rem(ki, 2)]
-            with jax.named_scope("dequant"):
-                dequantize_step(p, codes, scales, offsets[0] if offsets else None, a)
-            plgpu.commit_smem()  # the generic-proxy stores, before the tensor core reads them
+        def copy_step(ki: Any) -> None:
+            """TMA warp: the step's codes, x tile and scale [and offset] rows into its slot."""
+            slot = lax.rem(ki, depth)
 
-            @pl.when(ki > 0)
-            def _() -> None:  # the previous MMA: done before its x slot is released and its A half rewritten
-                plgpu.barrier_wait(mma_done)
+            @pl.when(ki >= depth)
+            def _() -> None:  # the slot's previous step: x read by its MMAs, codes and scales by the dequant
+                plgpu.barrier_wait(x_free.at[slot])
+                plgpu.barrier_wait(codes_free.at[slot])
 
-            if not fold:
-                with jax.named_scope("tcgen05"):
-                    plgpu.tcgen05_mma(acc_tmem, a, x.T, mma_done, accumulate=ki > 0)
-                return None
-            slot = lax.rem(ki, 2)
-            with jax.named_scope("tcgen05"):
-                for gi in range(gps):
+            codes, x, *weight_ops = tile.gmem
+            blocks = [_block(codes, codes_block, (ni, 0, ki)), _block(x, x_block, (mi, ki))]
+            blocks += [_block(g, scale_block, _scale_block(p, ki, ni)) for g in weight_ops]
+            for block, smem in zip(blocks, [codes_smem, x_smem, *weight_smem], strict=True):
+                plgpu.copy_gmem_to_smem(block, smem.at[slot], loaded.at[slot])
+
+        def mma_step(ki: Any, groups: range) -> None:
+            """An MMA warp: the step's MMAs (of ``groups``, on the accumulator route) once its A half is
+            written, committed to the step's barriers."""
+            slot, half = lax.rem(ki, depth), lax.rem(ki, 2)
+            plgpu.barrier_wait(loaded.at[slot])
+            plgpu.barrier_wait(a_ready.at[half])
+            a, x = w_smem.at[half], x_smem.at[slot]
+            if fold:
+                for gi in groups:
                     g = pl.ds(gi * p.group, p.group)
-                    plgpu.tcgen05_mma(group_acc(slot, gi), a.at[:, g], x.at[:, g].T, accumulate=False)
-                plgpu.tcgen05_commit_arrive(mma_done)  # all of the step's MMAs
-            total, previous = carry
+                    plgpu.tcgen05_mma(group_acc(half, gi), a.at[:, g], x.at[:, g].T, accumulate=False)
+                    if not bias:
+                        continue
+                    for k0 in range(gi * p.group, (gi + 1) * p.group, CHUNK_K):  # minus BIAS x sum(x)
+                        chunk = x.at[:, pl.ds(k0, CHUNK_K)].T
+                        plgpu.tcgen05_mma(group_acc(half, gi), bias_tmem, chunk, accumulate=True)
+            else:
+                plgpu.tcgen05_mma(acc_tmem, a, x.T, accumulate=ki > 0)
+            plgpu.tcgen05_commit_arrive(mma_done.at[half])  # the A half (and TMEM slot) it read
+            plgpu.tcgen05_commit_arrive(x_free.at[slot])
+
+        def dequant_step(ki: Any, carry: Any) -> Any:
+            """Dequantizing warpgroup: the step's A half, then (accumulator route) the last step's fold."""
+            slot, half = lax.rem(ki, depth), lax.rem(ki, 2)
+            plgpu.barrier_wait(loaded.at[slot])
+            if not fold:
+
+                @pl.when(ki >= 2)
+                def _() -> None:  # MMA ki - 2 read this A half
+                    plgpu.barrier_wait(mma_done.at[half])
+
+            scales = weight_smem[0].at[slot]
+            offsets = weight_smem[1].at[slot] if p.has_offsets else None
+            with jax.named_scope("dequant"):
+                dequantize_step(p, codes_smem.at[slot], scales, offsets, w_smem.at[half])
+                # The accumulator route's scales, read now: commit_smem's warpgroup barrier orders every
+                # thread's reads of the slot before the one arrival that frees it for TMA.
+                current = tuple(group_scales(scales, gi) for gi in range(gps)) if fold else None
+            plgpu.commit_smem()  # the generic-proxy stores, before the tensor core reads them
+            plgpu.barrier_arrive(a_ready.at[half])
+            plgpu.barrier_arrive(codes_free.at[slot])
+            if not fold:
+                return carry
             with jax.named_scope("fold"):
-                total = fold_groups(lax.rem(ki + 1, 2), total, previous)
-                current = tuple(group_scales(scales, gi) for gi in range(gps))
+
+                @pl.when(ki > 0)
+                def _() -> None:  # MMA ki - 1: its accumulators, and the A half step ki + 1 rewrites
+                    plgpu.barrier_wait(mma_done.at[1 - half])
+
+                total, previous = carry
+                total = fold_groups(1 - half, total, previous)
             return total, current
 
         def store() -> None:
@@ -318,23 +447,32 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             else:
                 store_rows(y_smem, y_gmem, cols, tile.rows)
 
-        def compute() -> None:
-            specs = [
-                plgpu.BlockSpec((c.tiles, 8, c.tile_k), lambda ki: (ni, 0, ki), delay_release=1),
-                plgpu.BlockSpec(
-                    (c.tile_m, c.tile_k), lambda ki: (mi, ki), transforms=_swizzled(p.dtype), delay_release=1
-                ),
-            ]
-            scale_spec = plgpu.BlockSpec(
-                (1 if p.per_column else s, p.scale_rows, c.cta_cols),
-                lambda ki: _scale_block(p, ki, ni),
-                delay_release=1,
-            )
-            specs += [scale_spec] * (len(tile.gmem) - 2)
+        def issue() -> None:
+            @plgpu.warp_map
+            def _(warp: Any) -> None:
+                @pl.when(warp == TMA_WARP)
+                def _() -> None:
+                    with jax.named_scope("tma"):
+                        lax.fori_loop(0, p.k_steps, lambda ki, _: copy_step(ki), None)
+                        for ki in range(max(p.k_steps - depth, 0), p.k_steps):  # every phase observed
+                            plgpu.barrier_wait(x_free.at[ki % depth])
+                            plgpu.barrier_wait(codes_free.at[ki % depth])
+
+                for j in range(issuers):
+
+                    @pl.when(warp == FIRST_MMA_WARP + j)
+                    def _(j: int = j) -> None:
+                        with jax.named_scope("tcgen05"):
+                            groups = range(j, gps, issuers)
+                            lax.fori_loop(0, p.k_steps, lambda ki, _: mma_step(ki, groups), None)
+
+        def dequant() -> None:
             init = None
             if fold:  # the "previous" slot of step 0 holds zeros, its scales are zero
                 zeros = jnp.zeros((c.tile_n, gps * tm), jnp.float32)
                 plgpu.async_store_tmem(acc_tmem.at[:, pl.ds(gps * tm, gps * tm)], zeros)
+                if bias:
+                    plgpu.async_store_tmem(bias_tmem, jnp.full(bias_tmem.shape, -BIAS[p.dtype.name], p.dtype))
                 plgpu.commit_tmem()
                 total0 = jnp.zeros((c.tile_n, tm), jnp.float32)
                 scales0 = tuple(jnp.zeros((c.tile_n,), jnp.float32) for _ in range(gps))
@@ -342,18 +480,15 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                     total0 = plgpu.layout_cast(total0, native)
                     scales0 = tuple(plgpu.layout_cast(v, native.reduce(1)) for v in scales0)
                 init = (total0, scales0)
-            final = plgpu.emit_pipeline(
-                step,
-                grid=(p.k_steps,),
-                in_specs=specs,
-                max_concurrent_steps=c.max_concurrent_steps,
-                init_carry=init,
-            )(*tile.gmem)
-            plgpu.barrier_wait(mma_done)  # the last MMA
+            final = lax.fori_loop(0, p.k_steps, dequant_step, init)
+            last = (p.k_steps - 1) % 2
+            # The MMAs not yet waited (the last one; the two last on the weights route), in order.
+            for ki in range(max(p.k_steps - (1 if fold else 2), 0), p.k_steps):
+                plgpu.barrier_wait(mma_done.at[ki % 2])
             with jax.named_scope("epilogue"):
                 if fold:
                     total, last_scales = final
-                    acc = fold_groups((p.k_steps - 1) % 2, total, last_scales)
+                    acc = fold_groups(last, total, last_scales)
                 else:
                     acc = plgpu.async_load_tmem(acc_tmem)
                     plgpu.wait_load_tmem()
@@ -374,25 +509,42 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                     plgpu.copy_smem_to_gmem(y_smem.at[: p.out_rows], y_gmem.at[:, cols])
                 plgpu.wait_smem_to_gmem(0)
 
+        def compute() -> None:
+            pl.when(wg == ISSUE_WG)(issue)
+            pl.when(wg == DEQUANT_WG)(dequant)
+
         def zeros() -> None:  # the grouped kernel's rows past the groups: no weight read
-            # Through the transposed view, as the accumulator is stored: a plain splat store into y_smem
-            # leaves Mosaic GPU's layout inference no solution at 16- and 32-row M tiles (out of fuel).
-            y_smem.T[...] = jnp.zeros(y_smem.T.shape, p.dtype)
-            plgpu.commit_smem()
-            store()
-            plgpu.wait_smem_to_gmem(0)
+            @pl.when(wg == DEQUANT_WG)
+            def _() -> None:
+                # Through the transposed view, as the accumulator is stored: a plain splat store into y_smem
+                # leaves Mosaic GPU's layout inference no solution at 16- and 32-row M tiles (out of fuel).
+                y_smem.T[...] = jnp.zeros(y_smem.T.shape, p.dtype)
+                plgpu.commit_smem()
+                store()
+                plgpu.wait_smem_to_gmem(0)
 
         run_tile(tile, compute, zeros)
 
+    scale_dtype = operands[-n_weight_ops].dtype
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((p.out_rows, p.n), p.dtype),
         grid=(work.ctas(p),),
         grid_names=("mn",),
+        num_threads=2,
+        thread_name="wg",
         scratch_types=[
             plgpu.SMEM((2, c.tile_n, c.tile_k), p.dtype, transforms=_swizzled(p.dtype)),
+            plgpu.SMEM((depth, *codes_block), operands[-n_weight_ops - 2].dtype),
+            plgpu.SMEM((depth, *x_block), p.dtype, transforms=_swizzled(p.dtype)),
+            *[plgpu.SMEM((depth, *scale_block), scale_dtype) for _ in range(n_weight_ops)],
             plgpu.TMEM((c.tile_n, 2 * gps * tm if fold else c.tile_m), jnp.float32),
-            plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),
+            *([plgpu.TMEM((c.tile_n, CHUNK_K), p.dtype, packed=True)] if bias else []),  # -BIAS, an A operand
+            plgpu.Barrier(num_arrivals=2 + n_weight_ops, num_barriers=depth),  # loaded: one per copy
+            plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True),  # a_ready
+            plgpu.Barrier(num_arrivals=issuers, num_barriers=2, orders_tensor_core=True),  # mma_done
+            plgpu.Barrier(num_arrivals=issuers, num_barriers=depth, orders_tensor_core=True),  # x_free
+            plgpu.Barrier(num_arrivals=1, num_barriers=depth),  # codes_free
             y_staging((c.x_rows_per_tile, c.cta_cols), p.dtype, any_rows=s == 1),
             *([plgpu.SMEM((c.tile_n, c.tile_m), jnp.float32)] if s > 1 else []),
         ],
