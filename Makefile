@@ -112,14 +112,19 @@ test-fast: $(STAMP)
 # The newest jax in the range (JAX_LATEST, its own venv): the fast tier and the kernel tests, interpret mode and
 # lowering for CUDA (with the kernels the X-ray gate compiles on the pinned end; the X-ray itself, whose
 # baseline is the pinned toolchain's, stays with `make test`). CI's second step (.ci/run).
-# Every interpret test, the 49 heuristic configs one by one and the injected-bug meta-tests included.
+# Every interpret test but one: the Hopper kernel's 49 heuristic configs one by one run on the pinned end only
+# (each kernel family also runs on both ends in its own tests: K slices, exact and accumulator routes, bias
+# fold, producer, split-K, 256-wide M tiles, constant slots, persistent grid, groups, MoE), to keep CI's two
+# steps under 20 minutes: with them, CI took 1340 s for the stop of 2026-12-06.
 LATEST_TESTS := $(FAST_TESTS) tests/test_jax_range.py tests/test_dispatch.py tests/test_kernel_lowering.py \
 	tests/test_grouped_lowering.py tests/test_grouped_interpret.py tests/test_kernel_interpret.py \
 	tests/test_triton_dispatch.py tests/test_triton_interpret.py \
 	tests/test_blackwell_interpret.py tests/test_blackwell_lowering.py tests/test_blackwell_dispatch.py \
 	tests/test_blackwell_grouped.py
+LATEST_DESELECT := not test_every_heuristic_config_in_interpret_mode
 test-jax-latest: $(LATEST_STAMP)
-	NYBBLE_LOWER_GATE_KERNELS=1 $(LATEST_PY) -m pytest -q -n 2 --dist load -m "not slow" $(LATEST_TESTS)
+	NYBBLE_LOWER_GATE_KERNELS=1 $(LATEST_PY) -m pytest -q -n 2 --dist load -m "not slow" \
+		-k "$(LATEST_DESELECT)" $(LATEST_TESTS)
 
 gpu-check:
 	bash bench/gpu_check.sh

@@ -80,7 +80,9 @@ def test_sharded_equals_unsharded(mesh_name, split, layout):
     assert np.abs(np.asarray(want, np.float32)).max() > 10
     for a, b in zip(jax.tree.leaves(sw.gather()), jax.tree.leaves(qw), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    if split is None or mesh.shape["model"] == 1:
+    # The per-device kernel in interpret mode on the mesh that splits both axes (2x4: 4 experts a device,
+    # each cut 4 ways); 1x8 and 8x1 run the same per-device program on other slices, 8 s each.
+    if split is None or mesh_name != "2x4":
         return
     with nybble.kernels.interpret():  # the per-device op in interpret mode: the same numbers
         got_i = jax.jit(nybble.ragged_matmul)(x, sw, gs)
