@@ -474,8 +474,8 @@ def markdown(result: dict) -> str:
         issue = " + ".join(f"{i:g}" for i in loop.get("issue_instructions", [])) or "-"
         lines.append(
             f"| {r['key']} | {plan.get('config', '-')} | {r['launches']} | {r['registers'] or '-'} | "
-            f"{r['spill_bytes']} | {plan.get('tmem_columns', '-')} | {loop.get('instructions', '-')}"
-            f"{' (unrolled)' if loop.get('straight_line') else ''} | {issue} | {loop.get('mmas', '-')} | "
+            f"{r['spill_bytes']} | {plan.get('tmem_columns', '-')} | {loop.get('instructions', '-')} | "
+            f"{issue}{' (a role unrolled)' if loop.get('straight_line') else ''} | {loop.get('mmas', '-')} | "
             f"{ipw} | {dequant_ipw} | {mdl['bound']} | {mdl['model_us']:.1f} | "
             f"{100 * mdl['hbm_fraction']:.0f} | {100 * mdl['tensor_fraction']:.0f} |"
         )
