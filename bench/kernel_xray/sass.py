@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
+from collections.abc import Callable
 
 # Control codes: wait mask (scoreboards waited on: "2&1" for two, or a hex mask "0x1e" for many), read
 # and write scoreboards, yield, stall.
@@ -175,13 +176,26 @@ def main_loop(sass: Sass) -> Loop | None:
 def straight_line_steps(sass: Sass) -> Loop | None:
     """The unrolled K steps of a kernel without a main loop: from the last mbarrier wait before the first
     register-A HGMMA (the first step's wait for its operands) to the last register-A HGMMA."""
+    return unrolled_stretch(sass, _is_register_a_hgmma)
+
+
+def _is_register_a_hgmma(ins: Instruction) -> bool:
+    return ins.base_opcode == "HGMMA" and bool(_REGISTER_A.search(ins.text))
+
+
+def unrolled_stretch(
+    sass: Sass, in_step: Callable[[Instruction], bool], *, from_start: bool = True
+) -> Loop | None:
+    """Unrolled steps: from the last mbarrier wait before the first instruction ``in_step`` picks (the first
+    step's wait for its operands) to the last one; without such a wait, from the kernel's start
+    (``from_start``) or from that first instruction. None when ``in_step`` picks nothing."""
     code = sass.instructions
-    weight = [i for i, ins in enumerate(code) if ins.base_opcode == "HGMMA" and _REGISTER_A.search(ins.text)]
-    if not weight:
+    picked = [i for i, ins in enumerate(code) if in_step(ins)]
+    if not picked:
         return None
-    waits = [i for i in range(weight[0]) if code[i].base_opcode == "SYNCS" and "TRYWAIT" in code[i].opcode]
-    start = waits[-1] if waits else 0
-    return Loop(start, weight[-1], code[start : weight[-1] + 1], straight_line=True)
+    waits = [i for i in range(picked[0]) if code[i].base_opcode == "SYNCS" and "TRYWAIT" in code[i].opcode]
+    start = waits[-1] if waits else (0 if from_start else picked[0])
+    return Loop(start, picked[-1], code[start : picked[-1] + 1], straight_line=True)
 
 
 @dataclasses.dataclass(frozen=True)

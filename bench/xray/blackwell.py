@@ -200,13 +200,7 @@ class KernelLoops:
 def _unrolled(s: sass_mod.Sass, pattern: re.Pattern) -> sass_mod.Loop | None:
     """The stretch of unrolled steps of one role: from the last barrier wait before its first ``pattern``
     instruction to its last."""
-    code = s.instructions
-    at = [i for i, ins in enumerate(code) if pattern.match(ins.opcode)]
-    if not at:
-        return None
-    waits = [i for i in range(at[0]) if code[i].base_opcode == "SYNCS" and "TRYWAIT" in code[i].opcode]
-    start = waits[-1] if waits else at[0]
-    return sass_mod.Loop(start, at[-1], code[start : at[-1] + 1], straight_line=True)
+    return sass_mod.unrolled_stretch(s, lambda ins: bool(pattern.match(ins.opcode)), from_start=False)
 
 
 def kernel_loops(s: sass_mod.Sass, k_steps: int) -> KernelLoops | None:

@@ -147,8 +147,7 @@ class BlackwellProblem:
         """TMEM columns the kernel allocates (a power of two >= 32): the accumulator, or the accumulator
         route's double-buffered group accumulators and its -BIAS tile."""
         if folds_scales(self):
-            used = 2 * (self.config.tile_k // self.group) * self.config.tile_m
-            used += BIAS_TILE_COLUMNS if folds_bias(self) else 0
+            used = group_accumulator_columns(self) + (BIAS_TILE_COLUMNS if folds_bias(self) else 0)
         else:
             used = self.config.tile_m
         return max(32, 1 << (used - 1).bit_length())
@@ -226,6 +225,12 @@ BIAS_TILE_COLUMNS = CHUNK_K // 2
 MAX_FOLD_TILE_M = 64
 
 
+def group_accumulator_columns(p: BlackwellProblem) -> int:
+    """TMEM columns of the accumulator route's group accumulators: tile_k / G groups a step, tile_m columns
+    each, double-buffered by step parity."""
+    return 2 * (p.config.tile_k // p.group) * p.config.tile_m
+
+
 def folds_scales(p: BlackwellProblem) -> bool:
     """Whether the scales go on per-group TMEM accumulators instead of the weights: symmetric groups of
     whole 64-wide chunks inside one step, and an M tile that costs less to fold than it saves. A thread
@@ -237,8 +242,7 @@ def folds_scales(p: BlackwellProblem) -> bool:
     c = p.config
     if p.per_column or p.has_offsets or p.group % CHUNK_K or p.group > c.tile_k:
         return False
-    columns = 2 * (c.tile_k // p.group) * c.tile_m + BIAS_TILE_COLUMNS
-    if columns > TMEM_COLUMNS:
+    if group_accumulator_columns(p) + BIAS_TILE_COLUMNS > TMEM_COLUMNS:
         return False
     if p.dtype == jnp.dtype(jnp.bfloat16):
         return c.tile_m <= min(p.group, MAX_FOLD_TILE_M)
@@ -525,7 +529,7 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
 
         run_tile(tile, compute, zeros)
 
-    scale_dtype = operands[-n_weight_ops].dtype
+    codes_dtype, scale_dtype = operands[-n_weight_ops - 2].dtype, operands[-n_weight_ops].dtype
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((p.out_rows, p.n), p.dtype),
@@ -535,10 +539,10 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
         thread_name="wg",
         scratch_types=[
             plgpu.SMEM((2, c.tile_n, c.tile_k), p.dtype, transforms=_swizzled(p.dtype)),
-            plgpu.SMEM((depth, *codes_block), operands[-n_weight_ops - 2].dtype),
+            plgpu.SMEM((depth, *codes_block), codes_dtype),
             plgpu.SMEM((depth, *x_block), p.dtype, transforms=_swizzled(p.dtype)),
             *[plgpu.SMEM((depth, *scale_block), scale_dtype) for _ in range(n_weight_ops)],
-            plgpu.TMEM((c.tile_n, 2 * gps * tm if fold else c.tile_m), jnp.float32),
+            plgpu.TMEM((c.tile_n, group_accumulator_columns(p) if fold else c.tile_m), jnp.float32),
             *([plgpu.TMEM((c.tile_n, CHUNK_K), p.dtype, packed=True)] if bias else []),  # -BIAS, an A operand
             plgpu.Barrier(num_arrivals=2 + n_weight_ops, num_barriers=depth),  # loaded: one per copy
             plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True),  # a_ready
