@@ -137,6 +137,9 @@ def test_prediction_adds_the_same_overhead_per_launch():
     assert launch_seconds(launches[2], H200) == 3e-6  # the issue bound
     assert p["step_seconds"] == pytest.approx(5e-6 + 3 * H200.launch_s)
     assert p["predicted_tokens_per_s"] == pytest.approx(2 / (5e-6 + 3 * H200.launch_s))
+    # the upper bound: the one launch inside a command buffer charged no overhead, the other two as above
+    assert p["step_seconds_captured_free"] == pytest.approx(5e-6 + 2 * H200.launch_s)
+    assert p["tokens_per_s_captured_free"] == pytest.approx(2 / (5e-6 + 2 * H200.launch_s))
 
 
 def test_needed_bytes_and_active_experts():
@@ -163,6 +166,27 @@ def test_command_buffer_parser():
     assert got["command_buffers"] == 1
     assert got["captured"] == ["input_reduce_fusion_7", "gemm_fusion_dot_5"]
     assert got["thunk_launches"] == 4
+
+
+def test_command_buffer_parser_names_custom_calls_from_the_metadata():
+    # jax 0.12's XLA captures nybble's kernels (custom calls) too; the sequence names their thunks by kind
+    # only, the metadata by HLO name (excerpts of a real dump's format, trimmed)
+    text = (
+        "000: kCommandBuffer [source | sink] \n"
+        "    001: kCustomKernel [source       | next=002 (1)] input_reduce_fusion grid: [1, 1, 1]\n"
+        "    002: kCustomCall   [prev=001 (1) | next=003 (1)] kCustomCall\n"
+        "    003: kCustomCall   [prev=002 (1) | sink        ] kCustomCall\n"
+    )
+    metadata = "".join(
+        f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{name}"\n    thunk_id: {i}\n  }}\n'
+        f'  thunk_kind: "{kind}"\n}}\n'
+        for i, name, kind in ((1, "input_reduce_fusion", "kCustomKernel"), (2, "mpmd_map.5", "kCustomCall"),
+                              (3, "mpmd_map.6", "kCustomCall"))
+    )  # fmt: skip
+    got = command_buffers(text, metadata)
+    assert got["captured"] == ["input_reduce_fusion", "mpmd_map_5", "mpmd_map_6"]
+    assert got["top_level"] == {"kCommandBuffer": 1} and got["thunk_launches"] == 3
+    assert command_buffers(text)["captured"][1] == "kCustomCall"  # without the metadata: unnamed
 
 
 def test_side_by_side_of_measured_and_predicted(tmp_path):

@@ -51,6 +51,7 @@ def rows_for(records: dict[str, Any], cases: Sequence[StepCase], gpu: Any) -> li
                 "needed_bytes": needed,
                 "hbm_limit_tokens_per_s": limit,
                 "pct_of_hbm_limit": p["predicted_tokens_per_s"] / limit,
+                "pct_of_hbm_limit_captured_free": p["tokens_per_s_captured_free"] / limit,
                 "compiled_layers": case.layers,
                 "layers": cfg.num_layers,
                 "launch_overhead_s": gpu.launch_s,
@@ -101,8 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = run_cases(cases, gpu=gpu.name, jobs=args.jobs, worker="bench.decode.worker")
         report.write_atomic(args.out / "records.json", json.dumps(records) + "\n")
     rows = rows_for(records, cases, gpu)
+    import jax
+
     meta = {
         "gpu": gpu.name,
+        "jax": jax.__version__,  # the workers compile with this environment's jax and CUDA plugin
         "context": args.context,
         "variant": args.variant,
         "compiled_layers": args.layers or "all",
@@ -153,18 +157,19 @@ NOTES: list[str] = [
     "adds on the GPU and the 4-6 us the host spends submitting one (NVIDIA's technical blog, 'Getting "
     "Started with CUDA Graphs', 2019; the pegainfer CUDA-graph write-up, 2025). Not checked against a "
     "measurement: none of decode tokens/s exists yet.",
-    "- **Command buffers (CUDA graphs) in jax 0.11.2**: read from XLA's thunk sequence after its thunk "
-    "passes (`--xla_dump_to`). XLA captures runs of its own fusions and Triton GEMMs (at least "
-    "`--xla_gpu_graph_min_graph_size` of them in a row) into command buffers; nybble's Mosaic GPU kernels "
-    "(custom call `mosaic_gpu_v2`, a typed FFI handler) stay outside, and so cut the step into pieces: "
-    "with `--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN` and a minimum graph "
-    "size of 1 they still do (tried on this compile). XLA's scheduling asks the handler's *registration* "
-    "for the command-buffer trait; jaxlib's Mosaic GPU registration (`jaxlib/mosaic/gpu/custom_call.cc`) "
-    "puts that trait on the handler functions only, which is our reading of why. Column `in graphs`: "
-    "launches inside command buffers (the attention's chain of fusions, between two nybble kernels). A "
-    "captured launch would cost less than 2 us (a graph replays without per-launch host work); the "
-    "prediction still charges every launch the same 2 us, an upper bound on the overhead term that "
-    "favours neither bf16 (more of its launches captured: XLA's GEMMs are) nor int4.",
+    "- **Command buffers (CUDA graphs)**: read from XLA's thunk sequence after its thunk passes "
+    "(`--xla_dump_to`; a custom call's thunk named from the dump's thunk metadata). Column `in graphs`: "
+    "launches inside command buffers. jax 0.11.2: XLA captures runs of its own fusions and Triton GEMMs; "
+    "nybble's Mosaic GPU kernels (custom call `mosaic_gpu_v2`, a typed FFI handler) stay outside and cut "
+    "the step into pieces, also with `--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,"
+    "CUDNN` and a minimum graph size of 1 (tried): that XLA asks the handler's registration for the "
+    "command-buffer trait, which jaxlib's registration does not pass. jax 0.12.0.1: the whole step, "
+    "nybble's kernels included, is one command buffer (its XLA reads the trait the handler itself "
+    "declares; our reading of both XLAs). A captured launch costs less than an uncaptured one (a graph "
+    "replays with no host work per launch). `predicted` still charges every launch the same constant, "
+    "the bound that favours neither bf16 nor int4; `graphs free` charges the captured launches nothing, "
+    "the bound the other way (the GPU's own gap between kernels left out). No measurement places the "
+    "truth between them yet.",
     "- **HBM limit**: (weights + KV cache + activations a step must read) / HBM rate, per batch: weights "
     "once (MoE: the experts reached), the embedding rows, the bf16 LM head, the whole KV cache "
     "(`--context` positions per sequence and layer), the rows of x each projection reads. The ideal "

@@ -91,9 +91,20 @@ def active_experts(batch: int, experts: int, top_k: int) -> float:
 _THUNK = re.compile(r"^(?P<indent>\s*)(?P<id>\d+):\s+(?P<kind>k\w+)\s+\[[^\]]*\]\s*(?P<name>\S*)")
 
 
-def command_buffers(thunks: str) -> dict[str, Any]:
+_METADATA = re.compile(r'profile_annotation: "(?P<name>[^"]*)"\s*thunk_id: (?P<id>\d+)')
+
+
+def thunk_names(metadata: str) -> dict[int, str]:
+    """Thunk id -> HLO name (``.`` written ``_``) from XLA's ``*.thunk_metadata.txt``. The thunk sequence
+    names a custom call's thunk by its kind only (``kCustomCall``); the metadata names every thunk."""
+    return {int(m["id"]): m["name"].replace(".", "_") for m in _METADATA.finditer(metadata)}
+
+
+def command_buffers(thunks: str, metadata: str = "") -> dict[str, Any]:
     """XLA's thunk sequence (``*.thunk_sequence_after_thunk_passes.txt``): command buffers (CUDA graphs)
-    and the launches inside them (by HLO name, ``.`` written ``_`` as the thunks do)."""
+    and the launches inside them (by HLO name, ``.`` written ``_`` as the thunks do; a thunk the sequence
+    names by its kind alone, as it does custom calls, by the name ``metadata`` gives its id)."""
+    names = thunk_names(metadata)
     captured: list[str] = []
     top: dict[str, int] = {}
     for line in thunks.splitlines():
@@ -101,7 +112,10 @@ def command_buffers(thunks: str) -> dict[str, Any]:
         if not m:
             continue
         if m["indent"]:
-            captured.append(m["name"])
+            name = m["name"]
+            if not name or name == m["kind"]:
+                name = names.get(int(m["id"]), name)
+            captured.append(name)
         else:
             top[m["kind"]] = top.get(m["kind"], 0) + 1
     launches = len(captured) + sum(n for kind, n in top.items() if kind != "kCommandBuffer")
@@ -130,7 +144,9 @@ def _is_projection(source: str) -> bool:
     return source.startswith("state[") and ("['kernel']" in source or "['qweight']" in source)
 
 
-def step_record(case: StepCase, program: Any, report: Any, thunks: str, gpu: Any) -> dict[str, Any]:
+def step_record(
+    case: StepCase, program: Any, report: Any, thunks: str, gpu: Any, thunk_metadata: str = ""
+) -> dict[str, Any]:
     """The worker's record of one compiled step: every launch with family, bytes, flops, issue time."""
     from bench.decode.program import param_leaves
     from bench.kernel_xray import hlo
@@ -140,7 +156,7 @@ def step_record(case: StepCase, program: Any, report: Any, thunks: str, gpu: Any
     leaves = param_leaves(program.state)
     qweights = {name: w for name, w in leaves.items() if isinstance(w, QuantizedWeight)}
     values = hlo.entry_values(report.hlo_text)
-    graphs = command_buffers(thunks)
+    graphs = command_buffers(thunks, thunk_metadata)
     captured = set(graphs["captured"])
     groups = cfg.num_heads // cfg.num_kv_heads
     moe = cfg.moe

@@ -26,8 +26,9 @@ def _start_dump() -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_dump_to={_XLA_DUMP}".strip()
 
 
-def compile_step(program: Any, gpu: Any) -> tuple[Any, str]:
-    """(CompileReport, thunk sequence text) of a ``StepProgram`` compiled for one deviceless ``gpu``."""
+def compile_step(program: Any, gpu: Any) -> tuple[Any, str, str]:
+    """(CompileReport, thunk sequence text, thunk metadata text) of a ``StepProgram`` compiled for one
+    deviceless ``gpu``."""
     from bench.kernel_xray import compile as xc
     from bench.kernel_xray import layout_key
     from bench.kernel_xray.target import deviceless_devices
@@ -58,7 +59,7 @@ def kernel_family(gpu: Any) -> Iterator[None]:
         backend.family = saved
 
 
-def _compile(program: Any, args: Any) -> tuple[Any, str]:
+def _compile(program: Any, args: Any) -> tuple[Any, str, str]:
     import jax
 
     from bench.kernel_xray import compile as xc
@@ -74,9 +75,12 @@ def _compile(program: Any, args: Any) -> tuple[Any, str]:
         kernels = xc.read_kernel_dumps(Path(tmp))
     text = compiled.as_text()
     report = xc.CompileReport(hlo.launches(text), kernels, [], text)
-    thunk_files = sorted(Path(_XLA_DUMP).glob("*thunk_sequence_after_thunk_passes.txt"))
-    thunks = thunk_files[-1].read_text() if thunk_files else ""
-    return report, thunks
+    return report, _last_dump("*thunk_sequence_after_thunk_passes.txt"), _last_dump("*thunk_metadata.txt")
+
+
+def _last_dump(pattern: str) -> str:
+    files = sorted(Path(_XLA_DUMP).glob(pattern))
+    return files[-1].read_text() if files else ""
 
 
 def main() -> int:
@@ -89,8 +93,8 @@ def main() -> int:
 
     def compile_case(case: StepCase, out: dict) -> None:
         program = case.program()
-        report, thunks = compile_step(program, gpu)
-        out.update(step_record(case, program, report, thunks, gpu))
+        report, thunks, metadata = compile_step(program, gpu)
+        out.update(step_record(case, program, report, thunks, gpu, metadata))
 
     return serve(lambda d: StepCase(**d), compile_case)
 
