@@ -22,6 +22,12 @@ if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not i
 ):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 
+# GPU interpret mode runs each warpgroup of a kernel on a thread of XLA's CPU client, whose pool has one
+# thread a core unless NPROC says otherwise (read once, when jax starts its CPU backend). A warpgroup
+# waiting at a barrier holds its thread, so a CTA of more warpgroups than the pool has threads never
+# finishes: the Blackwell kernel's decode tiles run three (nybble.kernels.mosaic_gpu.interpret).
+os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 4)))
+
 # Lowering nybble's Mosaic GPU kernels for CUDA (the lowering tests, the models' compiles for a GPU): jax
 # 0.11.2's layout inference without re-verifying the kernel for each of its sort keys, the same lowering
 # in less time (bench/kernel_xray/layout_key.py; tests/test_xray.py proves the keys and modules equal).

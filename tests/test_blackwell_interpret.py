@@ -119,6 +119,28 @@ def test_scales_on_group_accumulators_without_slices(case):
 
 
 @pytest.mark.no_kernel
+def test_decode_tiles_dequantize_on_two_warpgroups(monkeypatch):
+    """Decode M tiles (<= 64) split the two 64-row A tiles between two dequantizing warpgroups (the cases
+    above run both splits, weights and accumulator routes); wider tiles keep one. Interpret mode runs each
+    warpgroup on a host thread that a barrier wait holds: with fewer threads than warpgroups the call is
+    refused by name before it would hang."""
+    from nybble.kernels.mosaic_gpu.blackwell.kernel import dequant_warpgroups
+
+    rng = np.random.default_rng(7)
+    qw = exact_weight(rng, 448, 128, 64, True)
+    assert dequant_warpgroups(plan(1, qw, config=BlackwellConfig(128, 16, 64, 3, 1))) == 2
+    assert dequant_warpgroups(plan(1, qw, config=BlackwellConfig(128, 64, 64, 3, 1))) == 2
+    assert dequant_warpgroups(plan(100, qw, config=BlackwellConfig(128, 128, 64, 3, 1))) == 1
+    picks = [dequant_warpgroups(plan(c[0], _weight(rng, *c[1:5], c[6], c[7]))) for c, _ in CASES]
+    assert picks.count(2) >= 10 and picks.count(1) >= 2
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    monkeypatch.setenv("NPROC", "2")
+    x = activations(rng, 1, 448, bf16, exact=True)
+    with interpret(gpu="b200"), pytest.raises(RuntimeError, match=r"3 warpgroups .* NPROC=4"):
+        blackwell_matmul(x, qw, config=BlackwellConfig(128, 16, 64, 3, 1))
+
+
+@pytest.mark.no_kernel
 def test_group_accumulators_only_where_they_save_instructions():
     """The route folds symmetric groups of whole chunks at decode M tiles, never offsets, per-column scales
     or groups of 16/32 (they cut a 64-wide chunk) or M tiles whose FFMAs per group would outnumber what

@@ -160,9 +160,12 @@ def test_xray_finds_each_roles_loop():
 """
     loops = kernel_loops(sass.parse_sass(text), k_steps=2)
     assert loops is not None and not loops.straight_line
-    assert (loops.dequant.instructions, [m.instructions for m in loops.mma], loops.tma) == (5, [3], 1.5)
+    assert ([d.instructions for d in loops.dequant], [m.instructions for m in loops.mma], loops.tma) == (
+        [5], [3], 1.5
+    )
     step = loops.per_step(weights_per_thread=2)
-    assert step["instructions"] == 5 and step["mmas"] == 2 and step["issue_instructions"] == [3, 1.5]
+    assert step["instructions"] == "5" and step["dequant_warpgroups"] == 1
+    assert step["mmas"] == 2 and step["issue_instructions"] == [3, 1.5]
     assert step["instructions_per_weight"] == (5 + (3 + 1.5) / 4) / 2
     assert step["dequant_instructions_per_weight"] == 2.5
     assert step["stall_cycles"] == max(2 + 2 + 3 + 1 + 4, 1 + 1 + 9, 5 + 3)
@@ -171,7 +174,22 @@ def test_xray_finds_each_roles_loop():
     loops = kernel_loops(sass.parse_sass(unrolled), k_steps=2)
     assert loops is not None and loops.straight_line
     # STSM at 12, the last TRYWAIT before it at 4: 9 instructions; UTCHMMA 6-7 after that wait: 4; TMA 1-3.
-    assert (loops.dequant.instructions, loops.mma[0].instructions, loops.tma) == (9 / 2, 4 / 2, 3 / 2)
+    assert (loops.dequant[0].instructions, loops.mma[0].instructions, loops.tma) == (9 / 2, 4 / 2, 3 / 2)
+    # Two dequantizing warpgroups: two storing loops, one per warpgroup, their instructions summed per
+    # scheduler (warp w of each runs on scheduler w % 4, beside issue warp w).
+    second_loop = """
+.L_x_4:
+   -:-:-:Y:02        /*00e0*/                   LDS.64 R4, [R5] ;
+   -:-:-:Y:02        /*00f0*/                   LOP3.LUT R4, R5, 0xf000f, R6, 0x6a, !PT ;
+   -:-:-:Y:01        /*0100*/                   STSM.16.M88.4 [R51], R24 ;
+   -:-:-:Y:04        /*0110*/               @P1 BRA `(.L_x_4) ;
+"""
+    two = kernel_loops(sass.parse_sass(text.replace(".L_x_3:", second_loop + ".L_x_3:")), k_steps=2)
+    assert two is not None and [d.instructions for d in two.dequant] == [4, 5]
+    step = two.per_step(weights_per_thread=2)
+    assert step["instructions"] == "4 + 5" and step["dequant_warpgroups"] == 2
+    assert step["instructions_per_weight"] == (9 + (3 + 1.5) / 4) / 2
+    assert step["stall_cycles"] == max(2 + 2 + 3 + 1 + 4, 1 + 1 + 9, 9 + 3)
 
 
 # ------------------------------------------------------------------------------ the grouped kernel

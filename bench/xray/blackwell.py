@@ -163,37 +163,39 @@ class RoleLoop:
 
 @dataclasses.dataclass(frozen=True)
 class KernelLoops:
-    """The warp-specialized kernel's K loops, one per role: the dequantizing warpgroup's (4 warps: the
-    loop that stores the A operand, ``STSM``), each MMA warp's (one warp: ``UTCHMMA``, no stores), and the
-    TMA warp's (one warp: ``UTMALDG``). Where the compiler unrolled a role's short K loop
-    (``straight_line``), its stretch from the wait before its first step to its last store, MMA or copy,
-    over the steps; unrolled MMA warps count as one (an upper bound on the issue beside a dequantizing
-    warp)."""
+    """The warp-specialized kernel's K loops, one per role: each dequantizing warpgroup's (4 warps: the
+    loop that stores the A operand, ``STSM``; two warpgroups at decode tiles, one A tile each), each MMA
+    warp's (one warp: ``UTCHMMA``, no stores), and the TMA warp's (one warp: ``UTMALDG``). Where the
+    compiler unrolled a role's short K loop (``straight_line``), its stretch from the wait before its first
+    step to its last store, MMA or copy, over the steps (with two dequantizing warpgroups, both in one
+    stretch: one warp's stall counts then cover both, an upper bound); unrolled MMA warps count as one (an
+    upper bound on the issue beside a dequantizing warp)."""
 
-    dequant: RoleLoop
+    dequant: tuple[RoleLoop, ...]
     mma: tuple[RoleLoop, ...]
     tma: float
     straight_line: bool = False
 
     def per_step(self, weights_per_thread: float) -> dict[str, Any]:
         """The loop record of one K step: instructions per weight over all the CTA's warps (each role's
-        loop times the warps running it, over the 4 dequantizing warps' weights), the dequantizing loop's
-        alone, and the cycles of a step: a warp's loop needs its stall counts, and an SM scheduler issues
-        one instruction a cycle for its dequantizing warp and the issue warp beside it (warps 4..7 of the
-        CTA share schedulers 0..3 with warps 0..3)."""
-        dq = self.dequant
+        loop times the warps running it, over the weights a warpgroup's thread would dequantize alone:
+        ``weights_per_thread``), the dequantizing loops' alone, and the cycles of a step: a warp's loop
+        needs its stall counts, and an SM scheduler issues one instruction a cycle for the dequantizing
+        warps and the issue warp it holds (warp w of every warpgroup runs on scheduler w % 4)."""
+        dq = sum(loop.instructions for loop in self.dequant)
         issue = [loop.instructions for loop in self.mma] + [self.tma]
-        own = [dq.stall_cycles, *(loop.stall_cycles for loop in self.mma)]
-        cycles = max(*own, dq.instructions + max(issue))
+        own = [*(loop.stall_cycles for loop in self.dequant), *(loop.stall_cycles for loop in self.mma)]
+        cycles = max(*own, dq + max(issue))
         return {
-            "instructions": round(dq.instructions, 1),
+            "instructions": " + ".join(f"{round(loop.instructions, 1):g}" for loop in self.dequant),
+            "dequant_warpgroups": len(self.dequant),
             "issue_instructions": [round(i, 1) for i in issue],
             "mmas": round(sum(loop.mmas for loop in self.mma)),
             "stall_cycles": round(cycles, 1),
-            "instructions_per_weight": (dq.instructions + sum(issue) / 4) / weights_per_thread,
-            "dequant_instructions_per_weight": dq.instructions / weights_per_thread,
+            "instructions_per_weight": (dq + sum(issue) / 4) / weights_per_thread,
+            "dequant_instructions_per_weight": dq / weights_per_thread,
             "straight_line": self.straight_line,
-            "mix": dq.body.opcode_mix(12),
+            "mix": self.dequant[0].body.opcode_mix(12),
         }
 
 
@@ -204,17 +206,18 @@ def _unrolled(s: sass_mod.Sass, pattern: re.Pattern) -> sass_mod.Loop | None:
 
 
 def kernel_loops(s: sass_mod.Sass, k_steps: int) -> KernelLoops | None:
-    """The K loops of nybble's Blackwell kernel (``blackwell/kernel.py``'s roles): the loop with the most
-    ``STSM`` (innermost on a tie), the innermost loops issuing ``UTCHMMA`` without storing, and the TMA
-    warp's copies; barrier-wait retry loops hold none of these. A role whose steps the compiler unrolled
-    (a short K loop) counts its unrolled stretch over the steps."""
+    """The K loops of nybble's Blackwell kernel (``blackwell/kernel.py``'s roles): the innermost loops
+    with the most ``STSM`` (one per dequantizing warpgroup), the innermost loops issuing ``UTCHMMA``
+    without storing, and the TMA warp's copies; barrier-wait retry loops hold none of these. A role whose
+    steps the compiler unrolled (a short K loop) counts its unrolled stretch over the steps."""
     loops = _loops(s)
     unrolled = False
-    stores = [loop for loop in loops if _count(loop, _STSM)]
+    stores = _innermost([loop for loop in loops if _count(loop, _STSM)])
     if stores:
-        dequant = RoleLoop.of(max(stores, key=lambda loop: (_count(loop, _STSM), -loop.size)))
+        most = max(_count(loop, _STSM) for loop in stores)
+        dequant = tuple(RoleLoop.of(loop) for loop in stores if _count(loop, _STSM) == most)
     elif (stretch := _unrolled(s, _STSM)) is not None:
-        dequant, unrolled = RoleLoop.of(stretch, k_steps), True
+        dequant, unrolled = (RoleLoop.of(stretch, k_steps),), True
     else:
         return None
     mma_loops = _innermost([loop for loop in loops if _count(loop, _MMA) and not _count(loop, _STSM)])

@@ -34,6 +34,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -45,7 +46,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from nybble.jax_range import TESTED, outside_reason
 from nybble.kernels.mosaic_gpu.compat import interpret_params
 
-__all__ = ["active_params", "check_jax_version", "interpret", "races_found", "reset_state"]
+__all__ = [
+    "active_params",
+    "check_jax_version",
+    "check_warpgroup_threads",
+    "host_threads",
+    "interpret",
+    "races_found",
+    "reset_state",
+]
 
 # The InterpretGPUParams of the innermost active `interpret()` context, or None.
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("nybble_mgpu_interpret", default=None)
@@ -72,6 +81,31 @@ def active_params() -> Any:
 def active_gpu() -> str | None:
     """The GPU the active ``interpret(gpu=...)`` context runs the kernels of ("h200", "b200"), else None."""
     return _ACTIVE_GPU.get() if _ACTIVE.get() is not None else None
+
+
+def host_threads() -> int:
+    """Threads of XLA's CPU client pool, which runs the interpreted kernels' warpgroups: ``PJRT_NPROC`` or
+    ``NPROC`` when set (XLA reads them once, when jax starts its CPU backend), else one a schedulable core."""
+    for name in ("PJRT_NPROC", "NPROC"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def check_warpgroup_threads(warpgroups: int, kernel: str) -> None:
+    """Refuses, in interpret mode, a kernel of more warpgroups than :func:`host_threads`.
+
+    Each warpgroup runs on a thread of XLA's CPU client pool and holds it while it waits at a barrier, so
+    with fewer threads than warpgroups the kernel never finishes (a silent hang, not an error)."""
+    threads = host_threads()
+    if warpgroups > threads:
+        raise RuntimeError(
+            f"{kernel}: GPU interpret mode runs each of this kernel's {warpgroups} warpgroups on a thread of "
+            f"XLA's CPU client, whose pool has {threads} here (one a core unless NPROC says more); a "
+            f"warpgroup waiting at a barrier holds its thread, so the kernel would never finish. Set "
+            f"NPROC={max(warpgroups, 4)} in the environment before jax starts (e.g. `NPROC=4 python ...`)."
+        )
 
 
 def _patched_wgmma_ref_p(self: Any, eqn: Any, token: Any, get_invals: Any) -> Any:

@@ -7,25 +7,30 @@ A operand in SMEM, dequantized there by the CTA's first warpgroup: tcgen05 reads
 TMEM A operand would need a TMEM store (tcgen05.st) per step plus its own fences, where an SMEM store feeds
 the MMA's descriptor directly; x, the B operand, stays in the swizzled SMEM slot TMA filled.
 
-The CTA is warp-specialized (two warpgroups): the dequantizing warpgroup runs only the unpacking, the
-stores and the fold, and one thread of a warp of the other warpgroup issues each TMA copy or MMA, so no
-dequantizing warp spends issue slots on descriptors. The bytes:
+The CTA is warp-specialized: the dequantizing warpgroups run only the unpacking, the stores and the fold,
+and one thread of a warp of the last warpgroup issues each TMA copy or MMA, so no dequantizing warp spends
+issue slots on descriptors. At decode M tiles (``dequant_warpgroups``: tile_m <= 64, two 64-row A tiles)
+two warpgroups dequantize, one A tile each, warpgroup 0 also folding: each SM scheduler then holds two
+dequantizing warps, which hide each other's unpacking latency (one warp alone stalls on its own chain of
+dependent LOP3/SHF, whose integer pipe takes a warp instruction every two cycles); else one does it all.
+The bytes:
 
-    TMA warp (warpgroup 1, warp 0), for each K step, into slot ki % ``max_concurrent_steps`` once the
-    slot's previous step is consumed (``x_free``: its MMAs read x; ``codes_free``: the dequantizing
+    TMA warp (the last warpgroup, warp 0), for each K step, into slot ki % ``max_concurrent_steps`` once
+    the slot's previous step is consumed (``x_free``: its MMAs read x; ``codes_free``: every dequantizing
     warpgroup read its codes and scales), all arriving on ``loaded[slot]``:
         TMA  codes (tile_n / 64, 8, tile_k) ``wgmma_int4`` words   (the layout the Hopper kernel reads)
         TMA  x     (tile_m, tile_k) bf16/f16, 128-byte swizzle      (rows past M zero-filled)
         TMA  scale [and offset] rows (tile_k / G or 1, tile_n)
-    dequantizing warpgroup (warpgroup 0), for each K step, once ``loaded[slot]``:
-        for each 64-wide chunk and 64-row tile: LDS.64 of 8 code words, 3 SHF + 4 LOP3 per 8 weights
+    dequantizing warpgroups (0, and 1 at decode), for each K step, once ``loaded[slot]``:
+        for each 64-wide chunk and its 64-row tiles: LDS.64 of 8 code words, 3 SHF + 4 LOP3 per 8 weights
             (dequant_registers.dequantize_chunk) giving BIAS + q, [4 HSUB2: exact q,] [w = q * s (+ o)
             in x's dtype,] stored into the step's half of a double-buffered (2, tile_n, tile_k) A buffer
             (128-byte swizzle); the half is free once the MMAs of two steps back completed
         arrive ``a_ready[half]`` and ``codes_free[slot]`` (after commit_smem's warpgroup barrier: every
-            thread's reads and stores are done)
-        [accumulator route: wait for the previous step's MMAs (``mma_done``) and fold its accumulators]
-    MMA warps (warpgroup 1, warps 1..3), for each K step, once ``loaded[slot]`` and ``a_ready[half]``:
+            thread's reads and stores are done; one arrival per dequantizing warpgroup)
+        [accumulator route, warpgroup 0: wait for the previous step's MMAs (``mma_done``) and fold its
+            accumulators]
+    MMA warps (the last warpgroup, warps 1..3), for each K step, once ``loaded[slot]`` and ``a_ready[half]``:
         tcgen05_mma(acc, A half, x^T) (per group on the accumulator route, the groups dealt round-robin
             to the warps, each group's MMAs from one warp so they run in order), then commit-arrive on
             ``mma_done[half]`` and ``x_free[slot]``
@@ -33,8 +38,9 @@ dequantizing warp spends issue slots on descriptors. The bytes:
     -> TMA to y
 
 Every barrier phase is waited by the warps that use it, the last ones after the loops (the interpreter
-checks that no completed phase goes unobserved). Warps 4..7 share an SM's four schedulers with warps 0..3,
-so the issue work lands beside the dequantizing warps, spread over up to three MMA warps.
+checks that no completed phase goes unobserved). Warp w of every warpgroup runs on SM scheduler w % 4, so
+the issue work lands beside the dequantizing warps, spread over up to three MMA warps. (In GPU interpret
+mode each warpgroup holds a host thread: three need NPROC >= 3, ``interpret.check_warpgroup_threads``.)
 
 The grid's CTAs come from a ``work`` object, as in the Hopper kernel (``common.DenseWork``): this
 module's :class:`DenseTiles` (one CTA per M tile and N tile), or the Hopper grouped kernel's
@@ -89,7 +95,7 @@ from nybble.kernels.mosaic_gpu.dequant_registers import (
     sum_slices,
     tmem_rows,
 )
-from nybble.kernels.mosaic_gpu.interpret import active_params
+from nybble.kernels.mosaic_gpu.interpret import active_params, check_warpgroup_threads
 from nybble.kernels.mosaic_gpu.staging import y_staging
 from nybble.quant.qweight import QuantizedWeight
 
@@ -257,14 +263,18 @@ def folds_bias(p: BlackwellProblem) -> bool:
     return folds_scales(p) and p.dtype == jnp.dtype(jnp.bfloat16)
 
 
-def dequantize_step(p: BlackwellProblem, codes: Any, scales: Any, offsets: Any, out: Any) -> None:
-    """The step's weights w = q * s (+ o), (tile_n, tile_k) in x's dtype, into the A buffer ``out``."""
+def dequantize_step(
+    p: BlackwellProblem, codes: Any, scales: Any, offsets: Any, out: Any, tiles: range | None = None
+) -> None:
+    """The step's weights w = q * s (+ o), (tile_n, tile_k) in x's dtype, into the A buffer ``out``; only
+    the 64-row A tiles ``tiles`` (consecutive; default all)."""
     c = p.config
     dt = p.dtype
     fold, exact = folds_scales(p), not folds_bias(p)
     for k0 in range(0, c.tile_k, CHUNK_K):
         parts = []
-        for t in range(c.tiles):
+        tiles = range(c.tiles) if tiles is None else tiles
+        for t in tiles:
             q = dequantize_chunk(plgpu.load(codes.at[t, :, pl.ds(k0, CHUNK_K)]), exact=exact, dtype=dt)
             if fold:
                 parts.append(q)
@@ -282,7 +292,7 @@ def dequantize_step(p: BlackwellProblem, codes: Any, scales: Any, offsets: Any, 
                 cols.append(w)
             parts.append(cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=1))
         a = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-        out.at[:, pl.ds(k0, CHUNK_K)][...] = a
+        out.at[pl.ds(tiles.start * 64, len(tiles) * 64), pl.ds(k0, CHUNK_K)][...] = a
 
 
 def operand_views(p: BlackwellProblem, codes: Any, x: jax.Array, scales: Any, offsets: Any) -> list[Any]:
@@ -305,13 +315,21 @@ def w4a16_blackwell(
     return launch(p, operand_views(p, codes, x, scales, offsets), DenseTiles())
 
 
-# The CTA's roles: warpgroup 0 dequantizes and folds; warpgroup 1's warp 0 issues the TMA copies and its
-# warps 1..3 the tcgen05 MMAs (one thread each), so the dequantizing warps never run the issue code.
-DEQUANT_WG = 0
-ISSUE_WG = 1
+# The CTA's roles: warpgroup 0 dequantizes (all A rows, or the first 64-row tile where warpgroup 1 takes
+# the second) and folds; the last warpgroup's warp 0 issues the TMA copies and its warps 1..3 the tcgen05
+# MMAs (one thread each), so the dequantizing warps never run the issue code.
+FOLD_WG = 0
 TMA_WARP = 0
 FIRST_MMA_WARP = 1
 MAX_MMA_WARPS = 3
+# The widest M tile with two dequantizing warpgroups: 384 threads leave 168 registers a thread.
+MAX_TWO_WG_TILE_M = 64
+
+
+def dequant_warpgroups(p: BlackwellProblem) -> int:
+    """Warpgroups dequantizing: two at decode M tiles, one 64-row A tile each (two warps per SM scheduler
+    hide each other's unpacking latency, which one warp alone leaves exposed), else one."""
+    return 2 if p.config.tile_m <= MAX_TWO_WG_TILE_M and p.config.tiles == 2 else 1
 
 
 def mma_warps(p: BlackwellProblem) -> int:
@@ -340,6 +358,8 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
     gps = c.tile_k // p.group if fold else 1  # groups per step, each its own accumulator
     tm = c.tile_m
     issuers = mma_warps(p)
+    dequant_wgs = dequant_warpgroups(p)
+    issue_wg = dequant_wgs  # the last warpgroup
     # K slices: the accumulators load in TMEM's native layout (a thread per row), whose rows the sliced
     # scales are gathered in (dequant_registers.tmem_rows); without, layout inference picks the one the
     # transposed y store takes.
@@ -412,11 +432,12 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             plgpu.tcgen05_commit_arrive(mma_done.at[half])  # the A half (and TMEM slot) it read
             plgpu.tcgen05_commit_arrive(x_free.at[slot])
 
-        def dequant_step(ki: Any, carry: Any) -> Any:
-            """Dequantizing warpgroup: the step's A half, then (accumulator route) the last step's fold."""
+        def dequant_step(ki: Any, carry: Any, tiles: range, folds: bool) -> Any:
+            """A dequantizing warpgroup: the step's A rows ``tiles``, then (accumulator route, the folding
+            warpgroup) the last step's fold."""
             slot, half = lax.rem(ki, depth), lax.rem(ki, 2)
             plgpu.barrier_wait(loaded.at[slot])
-            if not fold:
+            if not folds:
 
                 @pl.when(ki >= 2)
                 def _() -> None:  # MMA ki - 2 read this A half
@@ -425,14 +446,14 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             scales = weight_smem[0].at[slot]
             offsets = weight_smem[1].at[slot] if p.has_offsets else None
             with jax.named_scope("dequant"):
-                dequantize_step(p, codes_smem.at[slot], scales, offsets, w_smem.at[half])
+                dequantize_step(p, codes_smem.at[slot], scales, offsets, w_smem.at[half], tiles)
                 # The accumulator route's scales, read now: commit_smem's warpgroup barrier orders every
                 # thread's reads of the slot before the one arrival that frees it for TMA.
-                current = tuple(group_scales(scales, gi) for gi in range(gps)) if fold else None
+                current = tuple(group_scales(scales, gi) for gi in range(gps)) if folds else None
             plgpu.commit_smem()  # the generic-proxy stores, before the tensor core reads them
             plgpu.barrier_arrive(a_ready.at[half])
             plgpu.barrier_arrive(codes_free.at[slot])
-            if not fold:
+            if not folds:
                 return carry
             with jax.named_scope("fold"):
 
@@ -470,7 +491,15 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                             groups = range(j, gps, issuers)
                             lax.fori_loop(0, p.k_steps, lambda ki, _: mma_step(ki, groups), None)
 
+        def dequant_rows(tiles: range) -> None:
+            """The second dequantizing warpgroup: A rows ``tiles`` each step, waiting for the MMAs of two
+            steps back (the weights route's order), every phase observed before it ends."""
+            lax.fori_loop(0, p.k_steps, lambda ki, _: dequant_step(ki, None, tiles, False), None)
+            for ki in range(max(p.k_steps - 2, 0), p.k_steps):
+                plgpu.barrier_wait(mma_done.at[ki % 2])
+
         def dequant() -> None:
+            tiles = range(c.tiles // dequant_wgs)  # the folding warpgroup's A rows
             init = None
             if fold:  # the "previous" slot of step 0 holds zeros, its scales are zero
                 zeros = jnp.zeros((c.tile_n, gps * tm), jnp.float32)
@@ -484,7 +513,7 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                     total0 = plgpu.layout_cast(total0, native)
                     scales0 = tuple(plgpu.layout_cast(v, native.reduce(1)) for v in scales0)
                 init = (total0, scales0)
-            final = lax.fori_loop(0, p.k_steps, dequant_step, init)
+            final = lax.fori_loop(0, p.k_steps, lambda ki, carry: dequant_step(ki, carry, tiles, fold), init)
             last = (p.k_steps - 1) % 2
             # The MMAs not yet waited (the last one; the two last on the weights route), in order.
             for ki in range(max(p.k_steps - (1 if fold else 2), 0), p.k_steps):
@@ -514,11 +543,13 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                 plgpu.wait_smem_to_gmem(0)
 
         def compute() -> None:
-            pl.when(wg == ISSUE_WG)(issue)
-            pl.when(wg == DEQUANT_WG)(dequant)
+            pl.when(wg == issue_wg)(issue)
+            pl.when(wg == FOLD_WG)(dequant)
+            if dequant_wgs == 2:
+                pl.when(wg == 1)(lambda: dequant_rows(range(1, 2)))
 
         def zeros() -> None:  # the grouped kernel's rows past the groups: no weight read
-            @pl.when(wg == DEQUANT_WG)
+            @pl.when(wg == FOLD_WG)
             def _() -> None:
                 # Through the transposed view, as the accumulator is stored: a plain splat store into y_smem
                 # leaves Mosaic GPU's layout inference no solution at 16- and 32-row M tiles (out of fuel).
@@ -530,12 +561,14 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
         run_tile(tile, compute, zeros)
 
     codes_dtype, scale_dtype = operands[-n_weight_ops - 2].dtype, operands[-n_weight_ops].dtype
+    if active_params() is not None:  # each warpgroup holds a host thread while it waits at a barrier
+        check_warpgroup_threads(dequant_wgs + 1, kernel_name(p, work.name))
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((p.out_rows, p.n), p.dtype),
         grid=(work.ctas(p),),
         grid_names=("mn",),
-        num_threads=2,
+        num_threads=dequant_wgs + 1,
         thread_name="wg",
         scratch_types=[
             plgpu.SMEM((2, c.tile_n, c.tile_k), p.dtype, transforms=_swizzled(p.dtype)),
@@ -545,10 +578,10 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             plgpu.TMEM((c.tile_n, group_accumulator_columns(p) if fold else c.tile_m), jnp.float32),
             *([plgpu.TMEM((c.tile_n, CHUNK_K), p.dtype, packed=True)] if bias else []),  # -BIAS, an A operand
             plgpu.Barrier(num_arrivals=2 + n_weight_ops, num_barriers=depth),  # loaded: one per copy
-            plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True),  # a_ready
+            plgpu.Barrier(num_arrivals=dequant_wgs, num_barriers=2, orders_tensor_core=True),  # a_ready
             plgpu.Barrier(num_arrivals=issuers, num_barriers=2, orders_tensor_core=True),  # mma_done
             plgpu.Barrier(num_arrivals=issuers, num_barriers=depth, orders_tensor_core=True),  # x_free
-            plgpu.Barrier(num_arrivals=1, num_barriers=depth),  # codes_free
+            plgpu.Barrier(num_arrivals=dequant_wgs, num_barriers=depth),  # codes_free
             y_staging((c.x_rows_per_tile, c.cta_cols), p.dtype, any_rows=s == 1),
             *([plgpu.SMEM((c.tile_n, c.tile_m), jnp.float32)] if s > 1 else []),
         ],
