@@ -189,6 +189,32 @@ def test_command_buffer_parser_names_custom_calls_from_the_metadata():
     assert command_buffers(text)["captured"][1] == "kCustomCall"  # without the metadata: unnamed
 
 
+def test_gathered_reads_count_the_slices_a_fusion_gathers():
+    # A float expert stack at decode: the fusion gathers two (4, 6) bf16 matrices of an (8, 4, 6) stack
+    # straight from its parameter 0 (a real compile's shape, trimmed); the embedding-free entry otherwise.
+    from bench.kernel_xray import hlo
+
+    text = """HloModule m
+
+%fused_reduce.7 (param_0.5: bf16[8,4,6], param_1.5: s32[2]) -> bf16[2,6] {
+  %param_0.5 = bf16[8,4,6]{2,1,0} parameter(0)
+  %param_1.5 = s32[2]{0} parameter(1)
+  %bitcast.1 = s32[2,1]{1,0} bitcast(%param_1.5)
+  %gather.13 = bf16[2,1,4,6]{3,2,1,0} gather(%param_0.5, %bitcast.1), offset_dims={1,2,3}, slice_sizes={1,4,6}
+  ROOT %r = bf16[2,6]{1,0} bitcast(%gather.13)
+}
+
+ENTRY %main (w: bf16[8,4,6], e: s32[2]) -> bf16[2,6] {
+  %w = bf16[8,4,6]{2,1,0} parameter(0), metadata={op_name="experts.kernel"}
+  %e = s32[2]{0} parameter(1), metadata={op_name="e"}
+  ROOT %input_reduce_fusion.7 = bf16[2,6]{1,0} fusion(%w, %e), kind=kInput, calls=%fused_reduce.7
+}
+"""
+    assert hlo.gathered_reads(text) == {"input_reduce_fusion.7": {"experts.kernel": 2 * 4 * 6 * 2}}
+    launch = hlo.launches(text)[0]
+    assert launch.operand_bytes["experts.kernel"] == 8 * 4 * 6 * 2  # as typed: the whole stack
+
+
 def test_side_by_side_of_measured_and_predicted(tmp_path):
     import json
 

@@ -115,6 +115,30 @@ def test_float_block_matches_numpy(name):
     np.testing.assert_allclose(np.asarray(yj), np.asarray(y), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 5])  # rows 3, 9 (fewer than the 16 experts), 15
+def test_float_experts_gather_below_the_expert_count(tokens, monkeypatch):
+    """With fewer rows than experts a float stack multiplies each row by its own expert's matrix, gathered
+    (decode: ``lax.ragged_dot`` reads every expert); the block still matches float64, and the rows'
+    products equal ragged_dot's."""
+    cfg = MoEConfig(hidden_size=64, intermediate_size=32, num_experts=16, top_k=3)
+    moe = MoE(cfg, rngs=nnx.Rngs(3))
+    x = jax.random.normal(jax.random.key(4), (tokens, 64), jnp.float32)
+    calls = []
+    monkeypatch.setattr(jnp, "einsum", lambda *a, **k: calls.append(a[0]) or _EINSUM(*a, **k))
+    y = moe(x)
+    assert calls.count("ri,rio->ro") == 3  # gate, up, down: the gathered path
+    np.testing.assert_allclose(np.asarray(y), _np_moe(moe, x), rtol=2e-4, atol=2e-5)
+    stack = moe.experts.gate_proj
+    rows = jax.random.normal(jax.random.key(5), (3 * tokens, 64), jnp.float32)
+    sizes = jnp.zeros(16, jnp.int32).at[jnp.arange(3 * tokens) % 4 * 3].add(1)
+    rows_sorted = rows  # any rows: each meets the expert its position in the sorted order names
+    dense = jax.lax.ragged_dot(rows_sorted, stack.kernel[...], sizes, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(stack(rows_sorted, sizes)), np.asarray(dense), rtol=1e-5, atol=1e-5)
+
+
+_EINSUM = jnp.einsum
+
+
 def test_quantized_block():
     moe = MoE(CONFIGS["shared_gated"], rngs=nnx.Rngs(3))
     x = jax.random.normal(jax.random.key(4), (9, 64), jnp.float32)

@@ -13,8 +13,9 @@ Bytes are each launch's operands and result as XLA types them (``bench.kernel_xr
 type is not the traffic: a grouped (MoE) kernel's weight stack, of which it reads the experts that have rows
 (the expected number of distinct experts ``batch`` tokens routed uniformly to their top k reach,
 ``active_experts``); the embedding gather, which reads one table row per token (also where XLA fuses it
-into the first norm); and the in-place KV-cache
-update, which reads and writes the new row only.
+into the first norm); any other fusion gathering straight from an operand (a float expert stack at
+decode, ``moe.Experts``), which reads the slices it gathers (``hlo.gathered_reads``); and the in-place
+KV-cache update, which reads and writes the new row only.
 """
 
 from __future__ import annotations
@@ -156,6 +157,10 @@ def step_record(
     leaves = param_leaves(program.state)
     qweights = {name: w for name, w in leaves.items() if isinstance(w, QuantizedWeight)}
     values = hlo.entry_values(report.hlo_text)
+    gathered = {
+        name: {src.replace("\\'", "'"): size for src, size in reads.items()}
+        for name, reads in hlo.gathered_reads(report.hlo_text).items()
+    }
     graphs = command_buffers(thunks, thunk_metadata)
     captured = set(graphs["captured"])
     groups = cfg.num_heads // cfg.num_kv_heads
@@ -177,9 +182,14 @@ def step_record(
             launches.append(_record(launch, op_name, sources, 2.0 * update, 0.0, None, captured, cache_bytes))
             continue
         for source, size in operands.items():
+            gathered_rows = False
             if source.startswith("state['embed']") and "lm_head" not in scopes:
                 # a gather (alone or fused into the first norm) reads one row per token, not the table
                 size = size * case.batch / cfg.vocab_size
+            elif source in gathered.get(launch.name, {}):
+                # a fusion gathering from the operand (a float expert stack at decode: each row's
+                # expert's matrix) reads the slices it gathers
+                size, gathered_rows = min(size, gathered[launch.name][source]), True
             qw_name, _, part = source.rpartition(".")
             qw = qweights.get(qw_name)
             stacked = qw is not None and len(qw.codes.shape) == 3
@@ -197,6 +207,7 @@ def step_record(
                 leaf = leaves.get(source.removesuffix(".value"))
                 stacked_f = leaf is not None and len(getattr(leaf, "shape", ())) == 3
                 rows = case.batch * moe.top_k / moe.num_experts if stacked_f and moe else case.batch
+                rows = 1 if gathered_rows else rows  # each gathered matrix meets its one row
                 flops += 2.0 * rows * size / 2
             elif source.startswith("cache."):
                 flops += 2.0 * groups * size / 2

@@ -206,6 +206,48 @@ def launches(hlo_text: str) -> list[Launch]:
     return out
 
 
+_CALLS = re.compile(r"calls=%(?P<comp>[\w.\-]+)")
+_COMPUTATION = re.compile(r"^%(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+_PARAMETER = re.compile(r"parameter\((?P<index>\d+)\)")
+
+
+def gathered_reads(hlo_text: str) -> dict[str, dict[str, int]]:
+    """What the entry's fusions read of an operand they gather from: {fusion: {operand source (as
+    :class:`Launch` names it): bytes}}, for each fusion whose computation applies ``gather`` straight to
+    one of its parameters (the bytes of the gather's result, the slices it reads, not the whole operand:
+    an embedding row, an expert's matrix)."""
+    gathers: dict[str, dict[int, int]] = {}  # computation -> parameter index -> bytes gathered
+    current: str | None = None
+    params: dict[str, int] = {}
+    for line in hlo_text.splitlines():
+        head = _COMPUTATION.match(line)
+        if head is not None:
+            current, params = head["name"], {}
+            continue
+        m = _LINE.match(line)
+        if current is None or m is None:
+            continue
+        type_text, opcode, packed = _split_type_and_op(m["rest"])
+        if opcode == "parameter" and (p := _PARAMETER.search(line)) is not None:
+            params[m["name"]] = int(p["index"])
+        elif opcode == "gather":
+            first = packed.split(",")[0].strip().lstrip("%")
+            if first in params:
+                per = gathers.setdefault(current, {})
+                per[params[first]] = per.get(params[first], 0) + _type_bytes(type_text)
+    values = entry_values(hlo_text)
+    out: dict[str, dict[str, int]] = {}
+    for v in values.values():
+        calls = _CALLS.search(v.line) if v.opcode == "fusion" else None
+        if calls is None or calls["comp"] not in gathers:
+            continue
+        for index, size in gathers[calls["comp"]].items():
+            if index < len(v.operands):
+                src = _source(values, v.operands[index])
+                out.setdefault(v.name, {})[src] = out.get(v.name, {}).get(src, 0) + size
+    return out
+
+
 _COLLECTIVE_OPS = {
     # op -> bytes each device sends in a ring, as a fraction of the buffer (the result; the operand for
     # reduce-scatter), over a group of g devices.
