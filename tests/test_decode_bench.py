@@ -90,6 +90,27 @@ def test_fused_donated_step_launches_less(records):
     assert all(la["issue_s"] is not None and la["issue_s"] > 0 for la in kernels)
 
 
+def test_b200_step_charges_the_blackwell_kernels_issue_bound():
+    # On a B200 the step's Blackwell kernels get the B200 X-ray model's issue-bound time, read from their
+    # SASS in the step's compile; the same shape compiled alone by the X-ray gives the same time.
+    from bench.xray import blackwell
+    from bench.xray.runner import run_cases
+
+    case = CASES["int4"]
+    step = run_cases([case], gpu="b200", jobs=1, progress=False, worker="bench.decode.worker")[case.key]
+    assert "error" not in step, step.get("traceback")
+    kernels = [la for la in step["launches"] if la["kind"] == "mosaic_gpu"]
+    assert len(kernels) == 4 and all(la["issue_s"] and la["issue_s"] > 0 for la in kernels)
+    cfg = config_for("tiny-llama")
+    o_proj = next(la for la in kernels if any("o_proj" in s for s in la["operand_bytes"]))
+    alone = blackwell.Case("o", cfg.num_heads * cfg.head_dim, cfg.hidden_size, BATCH)
+    record = run_cases([alone], gpu="b200", jobs=1, progress=False, worker="bench.xray.blackwell_worker")
+    record = record[alone.key]
+    assert "error" not in record, record.get("traceback")
+    issue_us = blackwell.model({**record, "case": {"m": BATCH, "k": alone.k, "n": alone.n}}, GPUS["b200"])
+    assert o_proj["issue_s"] * 1e6 == pytest.approx(issue_us["times_us"]["issue"])
+
+
 def test_decode_step_launch_count(records):
     # One layer of the fused int4 step: 4 nybble kernels; the attention (cache writes, scores, softmax,
     # values) and the norms in few XLA fusions: 15 launches a layer (21 before issue 46's second round:

@@ -149,7 +149,8 @@ NOTES: list[str] = [
     "uniformly to their top k). Launch counts equal the thunks XLA's runtime executes (its dumped thunk "
     "sequence; tested).",
     "- **Prediction per launch**: max(bytes / HBM rate, flops / bf16 tensor rate, issue-bound time of "
-    "nybble's Hopper kernels from the X-ray model `bench.xray.model`; none on b200) + one launch overhead. "
+    "nybble's dense kernels from the X-ray model: `bench.xray.model` for Hopper's, `bench.xray.blackwell` "
+    "for the Blackwell kernel on b200; none for the grouped kernels) + one launch overhead. "
     "Flops: 2 x rows x weights read, 2 x query heads per KV head x cache elements read. Step time = sum "
     "over launches; tokens/s = batch / step time.",
     "- **Launch overhead** `GpuSpec.launch_s` = 2 us per launch, the same for bf16 and int4 and for every "

@@ -146,7 +146,13 @@ def _is_projection(source: str) -> bool:
 
 
 def step_record(
-    case: StepCase, program: Any, report: Any, thunks: str, gpu: Any, thunk_metadata: str = ""
+    case: StepCase,
+    program: Any,
+    report: Any,
+    thunks: str,
+    gpu: Any,
+    thunk_metadata: str = "",
+    sass_by_kernel: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The worker's record of one compiled step: every launch with family, bytes, flops, issue time."""
     from bench.decode.program import param_leaves
@@ -200,7 +206,9 @@ def step_record(
                 rows = case.batch * moe.top_k / active if stacked else case.batch
                 flops += 2.0 * rows * weights
                 if launch.kind == "mosaic_gpu" and not stacked:
-                    issue_s = _issue_seconds(launch, op_name, qw, case.batch, report.kernels, gpu)
+                    issue_s = _issue_seconds(
+                        launch, op_name, qw, case.batch, report.kernels, gpu, sass_by_kernel or {}
+                    )
             elif (
                 _is_projection(source) and not source.endswith(".scales") and not source.endswith(".offsets")
             ):
@@ -254,17 +262,22 @@ def _shared(op_name: str, sources: list[str]) -> bool:
     return set(sources) <= {"position"} or ("rope" in scopes and scopes[-1] in ("cos", "sin"))
 
 
-def _issue_seconds(launch: Any, op_name: str, qw: Any, m: int, kernels: list[Any], gpu: Any) -> float | None:
-    """The X-ray model's issue-bound time of one nybble kernel launch (``bench.xray.model.model_case``)."""
+def _issue_seconds(
+    launch: Any, op_name: str, qw: Any, m: int, kernels: list[Any], gpu: Any, sass_by_kernel: dict[str, Any]
+) -> float | None:
+    """The X-ray model's issue-bound time of one nybble kernel launch: the Hopper kernel's
+    (``bench.xray.model.model_case``), or on a B200 the Blackwell kernel's (``bench.xray.blackwell``:
+    each role's loop read from the kernel's SASS, ``sass_by_kernel``)."""
     import dataclasses as dc
 
     from bench.xray.launch import dense_launch
     from bench.xray.model import ceilings_for, model_case
     from nybble.kernels import mosaic_gpu
 
-    if gpu.name == "b200":
-        return None  # the X-ray's issue model is the Hopper kernel's (bench.xray.model)
     name = next((s for s in op_name.split("/") if s.startswith("nybble_")), None)
+    if gpu.name == "b200":
+        code = next((c for stem, c in sass_by_kernel.items() if name and name in stem), None)
+        return None if code is None else _blackwell_issue_seconds(launch, code, qw, m, gpu)
     kernel = next((k for k in kernels if name and name in k.name and k.loop is not None), None)
     if kernel is None:
         return None
@@ -277,6 +290,26 @@ def _issue_seconds(launch: Any, op_name: str, qw: Any, m: int, kernels: list[Any
     }
     t = model_case(record, gpu, ceilings_for(gpu))["t_issue_us"]
     return None if t is None else t * 1e-6
+
+
+def _blackwell_issue_seconds(launch: Any, code: Any, qw: Any, m: int, gpu: Any) -> float | None:
+    """The B200 X-ray model's issue-bound time of one Blackwell kernel launch from its parsed SASS."""
+    import dataclasses as dc
+
+    from bench.xray import blackwell
+
+    k, n = qw.shape
+    plan = blackwell.dense_plan_record(blackwell.Case("decode", k, n, m), qw)
+    loops = blackwell.kernel_loops(code, plan["k_steps"])
+    if loops is None:
+        return None
+    record = {
+        "case": {"m": m, "k": k, "n": n},
+        "report": {"launches": [dc.asdict(launch)]},
+        "plan": plan,
+        "loop": loops.per_step(plan["weights_per_thread"]),
+    }
+    return blackwell.model(record, gpu)["times_us"]["issue"] * 1e-6
 
 
 def extrapolate(launches: list[dict[str, Any]], compiled_layers: int, layers: int) -> list[dict[str, Any]]:

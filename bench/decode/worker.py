@@ -26,9 +26,9 @@ def _start_dump() -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_dump_to={_XLA_DUMP}".strip()
 
 
-def compile_step(program: Any, gpu: Any) -> tuple[Any, str, str]:
-    """(CompileReport, thunk sequence text, thunk metadata text) of a ``StepProgram`` compiled for one
-    deviceless ``gpu``."""
+def compile_step(program: Any, gpu: Any) -> tuple[Any, str, str, dict[str, Any]]:
+    """(CompileReport, thunk sequence text, thunk metadata text, parsed SASS by kernel dump name) of a
+    ``StepProgram`` compiled for one deviceless ``gpu``."""
     from bench.kernel_xray import compile as xc
     from bench.kernel_xray import layout_key
     from bench.kernel_xray.target import deviceless_devices
@@ -59,11 +59,11 @@ def kernel_family(gpu: Any) -> Iterator[None]:
         backend.family = saved
 
 
-def _compile(program: Any, args: Any) -> tuple[Any, str, str]:
+def _compile(program: Any, args: Any) -> tuple[Any, str, str, dict[str, Any]]:
     import jax
 
     from bench.kernel_xray import compile as xc
-    from bench.kernel_xray import hlo
+    from bench.kernel_xray import hlo, sass
     from bench.kernel_xray.dumps import mosaic_dumps
 
     for old in Path(_XLA_DUMP).iterdir():
@@ -73,9 +73,12 @@ def _compile(program: Any, args: Any) -> tuple[Any, str, str]:
             jitted = jax.jit(program.fn, donate_argnums=program.donate_argnums)
             compiled = jitted.trace(*args).lower(lowering_platforms=("cuda",)).compile()
         kernels = xc.read_kernel_dumps(Path(tmp))
+        # the Blackwell kernels' roles are read from their whole SASS (bench.xray.blackwell.kernel_loops)
+        sass_by_kernel = {f.stem: sass.parse_sass(f.read_text()) for f in Path(tmp).glob("*.sass_ctrl")}
     text = compiled.as_text()
     report = xc.CompileReport(hlo.launches(text), kernels, [], text)
-    return report, _last_dump("*thunk_sequence_after_thunk_passes.txt"), _last_dump("*thunk_metadata.txt")
+    thunks = _last_dump("*thunk_sequence_after_thunk_passes.txt")
+    return report, thunks, _last_dump("*thunk_metadata.txt"), sass_by_kernel
 
 
 def _last_dump(pattern: str) -> str:
@@ -93,8 +96,8 @@ def main() -> int:
 
     def compile_case(case: StepCase, out: dict) -> None:
         program = case.program()
-        report, thunks, metadata = compile_step(program, gpu)
-        out.update(step_record(case, program, report, thunks, gpu, metadata))
+        report, thunks, metadata, sass_by_kernel = compile_step(program, gpu)
+        out.update(step_record(case, program, report, thunks, gpu, metadata, sass_by_kernel))
 
     return serve(lambda d: StepCase(**d), compile_case)
 
