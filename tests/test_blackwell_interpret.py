@@ -41,7 +41,7 @@ CASES = [
     ((20, 576, 128, 128, True, bf16, bf16, True), (32, 64, 1)),
     ((30, 384, 192, 16, False, bf16, bf16, False), (32, 128, 1)),
     ((40, 320, 128, 128, False, bf16, bf16, False), (64, 64, 1)),
-    ((64, 384, 128, 64, True, bf16, f32, False), (64, 128, 1)),
+    ((40, 384, 128, 128, True, bf16, f32, False), (64, 128, 1)),
     ((100, 192, 100, None, False, bf16, bf16, True), (128, 64, 1)),
     ((200, 256, 128, 256, False, f16, f32, False), (256, 64, 1)),
     ((1, 768, 128, 64, True, bf16, bf16, True), (16, 64, 4)),
@@ -52,6 +52,8 @@ CASES = [
     ((13, 1024, 128, 16, False, bf16, bf16, False), (64, 128, 4)),
     ((32, 768, 128, 64, False, bf16, bf16, True), (128, 64, 4)),
     ((25, 1024, 100, 128, True, f16, bf16, False), (128, 128, 4)),
+    ((48, 512, 128, 64, True, bf16, bf16, True), (128, 128, 2)),  # 2 slices at 32 < M <= 64
+    ((40, 384, 192, 32, False, f16, bf16, False), (128, 64, 2)),
     ((1, 256, 128, 128, False, bf16, bf16, True), (16, 256, 1)),  # 256-deep decode steps
     ((1, 1024, 128, 64, True, f16, bf16, False), (16, 256, 4)),
 ]
@@ -170,7 +172,10 @@ def test_group_accumulators_only_where_they_save_instructions():
     f16_m1 = problem(1, 4096, 128, True, jnp.float16)
     assert folds_scales(f16_m1) and not folds_bias(f16_m1)  # f16 keeps the exact q (BIAS 1032)
     assert folds_bias(problem(1, 4096, 128, True))
-    assert problem(64, 4096, 128, True).config.tile_m == 64 and folds(64, 4096, 128, True)
+    assert problem(64, 14336, 128, True).config.tile_m == 64 and folds(64, 14336, 128, True)
+    # where 2 K slices win at M = 64 (x rows 128: no fold, the weights route), as at Llama's q/o
+    wide = problem(64, 4096, 128, True)
+    assert (wide.config.tile_m, wide.config.slices) == (128, 2) and not folds_scales(wide)
     assert not folds(128, 4096, 128, True)  # tile_m 128: past the registers
 
 

@@ -157,7 +157,8 @@ def heuristic_config(
     """The B200 config for an (M, K_pad) x (K_pad, N_pad) problem (frozen rules, no search).
 
     tcgen05's M is 128 weight columns, its N M x S rounded up to 16..256. At decode (M <= 32) K slices
-    S = 4 where they shorten the slowest SM's K walk (waves of CTAs x K / S); K steps of 256 at
+    S = 4, up to M = 64 S = 2, where they shorten the slowest SM's K walk (waves of CTAs x K / S: a 64-row
+    M tile alone leaves Llama's 4096 columns 32 CTAs for 148 SMs); K steps of 256 at
     decode where 3 of them fit SMEM (the step's fixed cost over more weights, as much K in flight as 6
     steps of 128), else 128; 64 at prefill (the x slots grow with M); the deepest pipeline that fits SMEM.
     ``sliced`` False: no K slices (the grouped kernel's candidates).
@@ -165,9 +166,10 @@ def heuristic_config(
     del has_offsets
     tile_n = 128
     best = None
-    # Slices 4 or none: 2 and 8 gain little over them in the model (waves x K / S at the Llama and MoE
-    # shapes) and each is more code for the suite to interpret.
-    for slices in (1, 4) if m <= 32 and sliced else (1,):
+    # Slices 4 or none at M <= 32, 2 or none up to 64 (_slice_choices): other counts gain little over them
+    # in the model (waves x K / S at the Llama and MoE shapes) and each is more code for the suite to
+    # interpret.
+    for slices in _slice_choices(m) if sliced else (1,):
         tile_m = next((t for t in TILE_M_CHOICES if t >= m * slices), None if slices > 1 else 256)
         if tile_m is None or (slices > 1 and tile_m > 128):  # x slots past 128 rows outgrow SMEM
             continue
@@ -192,6 +194,12 @@ def heuristic_config(
     if best is None:
         raise ValueError(f"no Blackwell config fits M={m}, N_pad={n_pad}, K_pad={k_pad}, group={group}")
     return best[1]
+
+
+def _slice_choices(m: int) -> tuple[int, ...]:
+    """K slices worth weighing at M: 4 at decode (M <= 32), 2 up to M = 64 (x rows M x S stay within a
+    128-row tile), none beyond."""
+    return (1, 4) if m <= 32 else (1, 2) if m <= 64 else (1,)
 
 
 def _fitting(
