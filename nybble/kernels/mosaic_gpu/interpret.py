@@ -329,6 +329,11 @@ def interpret(detect_races: bool = False, gpu: str = "h200") -> Iterator[Any]:
       The ``plgpu.InterpretGPUParams`` kernels are built with.
 
     The interpret parameters are part of jit's cache key, so jitted functions retrace on entry.
+
+    Each warpgroup of an interpreted kernel runs on a thread of XLA's CPU client pool (one a core unless
+    ``NPROC`` says more, read when jax starts its CPU backend), held while it waits at a barrier. The
+    Blackwell kernel's decode tiles run three warpgroups: on a machine of fewer cores set ``NPROC=4`` before
+    jax starts; with too few threads the kernel raises (:func:`check_warpgroup_threads`) rather than hang.
     """
     global _undetected_since_reset
     params = interpret_params(detect_races)
