@@ -45,6 +45,19 @@ def test_sort_by_expert():
     np.testing.assert_array_equal(np.asarray(order)[np.asarray(inverse)], np.arange(6))
 
 
+@pytest.mark.parametrize("tokens,k", [(3, 2), (32, 8), (33, 8), (100, 4)])  # 6, 256, 264, 400 pairs
+def test_sort_by_expert_both_ways_match_numpy(tokens, k):
+    """Up to COMPARE_SORT_PAIRS pairs by comparisons, beyond by argsort: both numpy's stable sort."""
+    rng = np.random.default_rng(tokens)
+    experts = np.stack([rng.choice(16, k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    order, inverse, sizes = sort_by_expert(jnp.asarray(experts), 16)
+    flat = experts.reshape(-1)
+    expect = np.argsort(flat, kind="stable")
+    np.testing.assert_array_equal(np.asarray(order), expect)
+    np.testing.assert_array_equal(np.asarray(inverse)[expect], np.arange(flat.size))
+    np.testing.assert_array_equal(np.asarray(sizes), np.bincount(flat, minlength=16))
+
+
 def _weights(moe, quantized):
     """float64 per-expert kernels (dequantized when int4) and the dense ones."""
 

@@ -82,10 +82,26 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool) -> tuple[jax.A
     return weights, experts.astype(jnp.int32)
 
 
+# Up to this many (token, expert) pairs (decode), sort_by_expert ranks them by comparing every pair with
+# every other: a few reductions XLA fuses, where argsort, the inverse's scatter and bincount's scatter-add
+# are launches of their own (Qwen3-30B-A3B's decode step on an H200: 5 launches fewer a layer).
+COMPARE_SORT_PAIRS = 256
+
+
 def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """For (T, k) expert choices: ``order`` (T*k,) (the pairs sorted by expert, stably), ``inverse`` (its
     inverse permutation) and ``group_sizes`` (E,) int32."""
     flat = experts.reshape(-1)
+    pairs = flat.shape[0]
+    if pairs <= COMPARE_SORT_PAIRS:
+        pos = jnp.arange(pairs, dtype=jnp.int32)
+        lower, same = flat[None, :] < flat[:, None], flat[None, :] == flat[:, None]
+        # pair i's place: the pairs of a lower expert, and of the same expert earlier in token order (stable)
+        inverse = jnp.sum(lower | (same & (pos[None, :] < pos[:, None])), axis=1, dtype=jnp.int32)
+        order = jnp.sum(jnp.where(inverse[None, :] == pos[:, None], pos[None, :], 0), axis=1, dtype=jnp.int32)
+        experts_ids = jnp.arange(num_experts, dtype=flat.dtype)
+        group_sizes = jnp.sum(flat[None, :] == experts_ids[:, None], axis=1, dtype=jnp.int32)
+        return order, inverse, group_sizes
     order = jnp.argsort(flat, stable=True)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
