@@ -294,8 +294,6 @@ def _issue_seconds(
 
 def _blackwell_issue_seconds(launch: Any, code: Any, qw: Any, m: int, gpu: Any) -> float | None:
     """The B200 X-ray model's issue-bound time of one Blackwell kernel launch from its parsed SASS."""
-    import dataclasses as dc
-
     from bench.xray import blackwell
 
     k, n = qw.shape
@@ -305,7 +303,7 @@ def _blackwell_issue_seconds(launch: Any, code: Any, qw: Any, m: int, gpu: Any) 
         return None
     record = {
         "case": {"m": m, "k": k, "n": n},
-        "report": {"launches": [dc.asdict(launch)]},
+        "report": {"launches": [dataclasses.asdict(launch)]},
         "plan": plan,
         "loop": loops.per_step(plan["weights_per_thread"]),
     }

@@ -244,7 +244,8 @@ def gathered_reads(hlo_text: str) -> dict[str, dict[str, int]]:
         for index, size in gathers[calls["comp"]].items():
             if index < len(v.operands):
                 src = _source(values, v.operands[index])
-                out.setdefault(v.name, {})[src] = out.get(v.name, {}).get(src, 0) + size
+                reads = out.setdefault(v.name, {})
+                reads[src] = reads.get(src, 0) + size
     return out
 
 

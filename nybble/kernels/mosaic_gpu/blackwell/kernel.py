@@ -271,9 +271,9 @@ def dequantize_step(
     c = p.config
     dt = p.dtype
     fold, exact = folds_scales(p), not folds_bias(p)
+    tiles = range(c.tiles) if tiles is None else tiles
     for k0 in range(0, c.tile_k, CHUNK_K):
         parts = []
-        tiles = range(c.tiles) if tiles is None else tiles
         for t in tiles:
             q = dequantize_chunk(plgpu.load(codes.at[t, :, pl.ds(k0, CHUNK_K)]), exact=exact, dtype=dt)
             if fold:
@@ -491,15 +491,22 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                             groups = range(j, gps, issuers)
                             lax.fori_loop(0, p.k_steps, lambda ki, _: mma_step(ki, groups), None)
 
-        def dequant_rows(tiles: range) -> None:
-            """The second dequantizing warpgroup: A rows ``tiles`` each step, waiting for the MMAs of two
-            steps back (the weights route's order), every phase observed before it ends."""
-            lax.fori_loop(0, p.k_steps, lambda ki, _: dequant_step(ki, None, tiles, False), None)
-            for ki in range(max(p.k_steps - 2, 0), p.k_steps):
+        per_wg = c.tiles // dequant_wgs  # 64-row A tiles each dequantizing warpgroup writes
+
+        def wait_last_mmas(n: int) -> None:
+            """Waits the last ``n`` steps' MMAs, in order: the phases a dequantizing loop left unobserved."""
+            for ki in range(max(p.k_steps - n, 0), p.k_steps):
                 plgpu.barrier_wait(mma_done.at[ki % 2])
 
+        def dequant_rows() -> None:
+            """The second dequantizing warpgroup: its A rows each step, waiting for the MMAs of two steps
+            back (the weights route's order), every phase observed before it ends."""
+            tiles = range(per_wg, 2 * per_wg)
+            lax.fori_loop(0, p.k_steps, lambda ki, _: dequant_step(ki, None, tiles, False), None)
+            wait_last_mmas(2)
+
         def dequant() -> None:
-            tiles = range(c.tiles // dequant_wgs)  # the folding warpgroup's A rows
+            tiles = range(per_wg)  # the folding warpgroup's A rows
             init = None
             if fold:  # the "previous" slot of step 0 holds zeros, its scales are zero
                 zeros = jnp.zeros((c.tile_n, gps * tm), jnp.float32)
@@ -514,14 +521,11 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                     scales0 = tuple(plgpu.layout_cast(v, native.reduce(1)) for v in scales0)
                 init = (total0, scales0)
             final = lax.fori_loop(0, p.k_steps, lambda ki, carry: dequant_step(ki, carry, tiles, fold), init)
-            last = (p.k_steps - 1) % 2
-            # The MMAs not yet waited (the last one; the two last on the weights route), in order.
-            for ki in range(max(p.k_steps - (1 if fold else 2), 0), p.k_steps):
-                plgpu.barrier_wait(mma_done.at[ki % 2])
+            wait_last_mmas(1 if fold else 2)  # the last step's (the fold waited the others), or two
             with jax.named_scope("epilogue"):
                 if fold:
                     total, last_scales = final
-                    acc = fold_groups(last, total, last_scales)
+                    acc = fold_groups((p.k_steps - 1) % 2, total, last_scales)
                 else:
                     acc = plgpu.async_load_tmem(acc_tmem)
                     plgpu.wait_load_tmem()
@@ -546,7 +550,7 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             pl.when(wg == issue_wg)(issue)
             pl.when(wg == FOLD_WG)(dequant)
             if dequant_wgs == 2:
-                pl.when(wg == 1)(lambda: dequant_rows(range(1, 2)))
+                pl.when(wg == 1)(dequant_rows)
 
         def zeros() -> None:  # the grouped kernel's rows past the groups: no weight read
             @pl.when(wg == FOLD_WG)
