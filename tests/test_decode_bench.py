@@ -8,7 +8,7 @@ import pytest
 
 from bench.decode.count import EMBED, FAMILIES, StepCase, active_experts, command_buffers, extrapolate, totals
 from bench.decode.models import config_for
-from bench.decode.predict import launch_seconds, needed_bytes, predict
+from bench.decode.predict import graph_launches, launch_seconds, needed_bytes, predict
 from bench.kernel_xray import GPUS
 
 H200 = GPUS["h200"]
@@ -156,11 +156,39 @@ def test_prediction_adds_the_same_overhead_per_launch():
     assert launch_seconds(launches[0], H200) == pytest.approx(1e-6)  # 4.8 MB at 4.8 TB/s
     assert launch_seconds(launches[1], H200) == pytest.approx(1e-6)  # 989 MFLOP at 989 TFLOP/s
     assert launch_seconds(launches[2], H200) == 3e-6  # the issue bound
-    assert p["step_seconds"] == pytest.approx(5e-6 + 3 * H200.launch_s)
-    assert p["predicted_tokens_per_s"] == pytest.approx(2 / (5e-6 + 3 * H200.launch_s))
-    # the upper bound: the one launch inside a command buffer charged no overhead, the other two as above
-    assert p["step_seconds_captured_free"] == pytest.approx(5e-6 + 2 * H200.launch_s)
-    assert p["tokens_per_s_captured_free"] == pytest.approx(2 / (5e-6 + 2 * H200.launch_s))
+    # two launches the host submits, one graph's launch, and the one kernel replayed inside that graph
+    step = 5e-6 + 3 * H200.launch_s + H200.graph_launch_s
+    assert p["command_buffer_launches"] == 1
+    assert p["step_seconds"] == pytest.approx(step)
+    assert p["predicted_tokens_per_s"] == pytest.approx(2 / step)
+    # the upper bound: the one launch inside a command buffer charged no overhead, the rest as above
+    assert p["step_seconds_captured_free"] == pytest.approx(5e-6 + 3 * H200.launch_s)
+    assert p["tokens_per_s_captured_free"] == pytest.approx(2 / (5e-6 + 3 * H200.launch_s))
+
+
+def _launch(captured: bool, count: float = 1.0, inserted: bool = False) -> dict:
+    return {"in_command_buffer": captured, "count": count, **({"inserted": True} if inserted else {})}
+
+
+def test_graph_launches_count_each_run_of_captured_launches_as_often_as_it_runs():
+    # jax 0.11.2's shape: a non-layer run, then per layer (x32) two runs cut by uncaptured custom calls
+    split = [
+        _launch(True),
+        _launch(True, 32),
+        _launch(False, 32),
+        _launch(True, 32),
+        _launch(True, 32),
+        _launch(False, 32),
+        _launch(True, 32),
+        _launch(False),
+        _launch(True),
+        _launch(True, 31, inserted=True),  # the next layers' input norms, between two custom calls
+    ]
+    assert graph_launches(split) == 1 + 32 + 32 + 1 + 31
+    # jax 0.12's: every compiled launch captured, so the step is one graph, inserted launches included
+    whole = [_launch(True), _launch(True, 32), _launch(True), _launch(True, 31, inserted=True)]
+    assert graph_launches(whole) == 1
+    assert graph_launches([_launch(False), _launch(False, 32)]) == 0
 
 
 def test_needed_bytes_and_active_experts():

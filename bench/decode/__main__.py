@@ -112,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "compiled_layers": args.layers or "all",
         "int4_lm_head": args.int4_lm_head,
         "launch_overhead_s": gpu.launch_s,
+        "graph_launch_overhead_s": gpu.graph_launch_s,
         "hbm_bytes_per_s": gpu.hbm_bytes_per_s,
         "bf16_flops": gpu.bf16_flops,
         "notes": NOTES,
@@ -153,11 +154,15 @@ NOTES: list[str] = [
     "for the Blackwell kernel on b200; none for the grouped kernels) + one launch overhead. "
     "Flops: 2 x rows x weights read, 2 x query heads per KV head x cache elements read. Step time = sum "
     "over launches; tokens/s = batch / step time.",
-    "- **Launch overhead** `GpuSpec.launch_s` = 2 us per launch, the same for bf16 and int4 and for every "
-    "launch: nybble's working figure (`nybble.kernels.gpu`), between the ~1 us a back-to-back stream launch "
-    "adds on the GPU and the 4-6 us the host spends submitting one (NVIDIA's technical blog, 'Getting "
-    "Started with CUDA Graphs', 2019; the pegainfer CUDA-graph write-up, 2025). Not checked against a "
-    "measurement: none of decode tokens/s exists yet.",
+    "- **Launch overhead**, the same constants for bf16 and int4: `GpuSpec.launch_s` = 2 us for a launch "
+    "the host submits on its own (a thunk outside any command buffer, and each command buffer's own "
+    "launch: column `graphs`), nybble's working figure (`nybble.kernels.gpu`), between the ~1 us a "
+    "back-to-back stream launch adds on the GPU and the 4-6 us the host spends submitting one (NVIDIA's "
+    "technical blog, 'Getting Started with CUDA Graphs', 2019; the pegainfer CUDA-graph write-up, 2025); "
+    "`GpuSpec.graph_launch_s` = 0.875 us for a kernel replayed inside a command buffer (CUDA.jl's "
+    "documentation, 'Graphs': 80 small broadcast kernels in 70 us as one graph, 260 us launched one by "
+    "one; each kernel's own run included). Not checked against a measurement: none of decode tokens/s "
+    "exists yet.",
     "- **Command buffers (CUDA graphs)**: read from XLA's thunk sequence after its thunk passes "
     "(`--xla_dump_to`; a custom call's thunk named from the dump's thunk metadata). Column `in graphs`: "
     "launches inside command buffers. jax 0.11.2: XLA captures runs of its own fusions and Triton GEMMs; "
@@ -167,10 +172,10 @@ NOTES: list[str] = [
     "command-buffer trait, which jaxlib's registration does not pass. jax 0.12.0.1: the whole step, "
     "nybble's kernels included, is one command buffer (its XLA reads the trait the handler itself "
     "declares; our reading of both XLAs). A captured launch costs less than an uncaptured one (a graph "
-    "replays with no host work per launch). `predicted` still charges every launch the same constant, "
-    "the bound that favours neither bf16 nor int4; `graphs free` charges the captured launches nothing, "
-    "the bound the other way (the GPU's own gap between kernels left out). No measurement places the "
-    "truth between them yet.",
+    "replays with no host work per launch): `predicted` charges it `graph_launch_s`, plus `launch_s` "
+    "once per command buffer (a run of consecutive captured launches in program order, counted as often "
+    "as its layer runs; the whole step is one on jax 0.12); `graphs free` charges the captured launches "
+    "nothing, the bound the other way (the GPU's own gap between kernels left out).",
     "- **HBM limit**: (weights + KV cache + activations a step must read) / HBM rate, per batch: weights "
     "once (MoE: the experts reached), the embedding rows, the bf16 LM head, the whole KV cache "
     "(`--context` positions per sequence and layer), the rows of x each projection reads. The ideal "

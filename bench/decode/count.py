@@ -337,13 +337,16 @@ def _one_layer_missing(launches: list[dict[str, Any]], layers: int) -> list[dict
     if not any(la["layer"] for la in launches[last + 1 :]):
         norms = [la for la in launches if any("['post_norm']" in s for s in la["operand_bytes"])]
         if norms:
-            extra.append({**norms[0], "name": "input_norm (layers 1..)", "count": float(layers - 1)})
+            extra.append(
+                {**norms[0], "name": "input_norm (layers 1..)", "count": float(layers - 1), "inserted": True}
+            )
     if not any(_shared(la["op_name"], list(la["operand_bytes"])) for la in launches):
         for fn in ("cos", "sin"):
             extra.append(
                 {"name": f"rope {fn} (shared)", "kind": "fusion", "family": ELEMENTWISE, "layer": False,
                  "bytes": 0.0, "flops": 0.0, "issue_s": None, "in_command_buffer": False,
-                 "op_name": f"rope/{fn}", "operand_bytes": {}, "result_bytes": 0, "count": 1.0}
+                 "op_name": f"rope/{fn}", "operand_bytes": {}, "result_bytes": 0, "count": 1.0,
+                 "inserted": True}
             )  # fmt: skip
     return extra
 

@@ -1,11 +1,12 @@
 """The static model of one decode step: time per launch, tokens/s, and the HBM limit. A model, not a timing.
 
 Per launch: ``max(bytes / HBM rate, flops / tensor rate, issue-bound time)`` (the issue bound of nybble's
-kernels from the X-ray model, ``bench.xray.model``; none for XLA's launches), plus one launch overhead,
-``GpuSpec.launch_s``, the same constant for every launch of bf16 and int4 steps alike. The step's time is
-the sum over its launches (they run one after another on one stream); tokens/s is ``batch / step time``.
-Beside it, an upper bound: the same sum with the launches inside command buffers (CUDA graphs) charged no
-overhead (``tokens_per_s_captured_free``); the truth lies between the two.
+kernels from the X-ray model, ``bench.xray.model``; none for XLA's launches), plus its launch overhead, the
+same constants for bf16 and int4 steps alike: ``GpuSpec.launch_s`` for a launch the host submits on its own,
+``GpuSpec.graph_launch_s`` for one replayed inside a command buffer (a CUDA graph), and ``launch_s`` once
+for each command buffer's own launch (:func:`graph_launches`). The step's time is the sum over its launches
+(they run one after another on one stream); tokens/s is ``batch / step time``. Beside it, an upper bound:
+the same sum with the captured launches charged no overhead at all (``tokens_per_s_captured_free``).
 
 The HBM limit is what no implementation can beat: ``(weights + KV cache + activations read) / HBM rate``
 per step, with the bytes a step must read (:func:`needed_bytes`), not the bytes the compiled program moves.
@@ -36,12 +37,18 @@ def predict(launches: list[dict[str, Any]], gpu: Any, batch: int) -> dict[str, A
             la.get("count", 1.0) * launch_seconds(la, gpu) for la in launches if la["family"] == family
         )
         breakdown[family] = {**counted[family], "seconds": seconds}
-    n = counted["launches"]
-    breakdown[OVERHEAD] = {"launches": n, "seconds": n * gpu.launch_s, "per_launch_s": gpu.launch_s}
+    n, captured, graphs = counted["launches"], counted["in_command_buffers"], graph_launches(launches)
+    breakdown[OVERHEAD] = {
+        "launches": n,
+        "seconds": (n - captured + graphs) * gpu.launch_s + captured * gpu.graph_launch_s,
+        "per_launch_s": gpu.launch_s,
+        "per_graph_launch_s": gpu.graph_launch_s,
+        "graph_launches": graphs,
+    }
     step = sum(v["seconds"] for v in breakdown.values())
-    # The bound the other way: a launch inside a command buffer charged nothing (a graph replays with no
-    # host work per launch; the GPU's own gap between kernels is left out), every other launch as above.
-    captured_free = step - counted["in_command_buffers"] * gpu.launch_s
+    # The bound the other way: a launch inside a command buffer charged nothing (the GPU's own gap between
+    # kernels left out), every other launch and each graph's own launch as above.
+    captured_free = step - captured * gpu.graph_launch_s
     issue_bound = sum(
         la.get("count", 1.0) for la in launches if la["issue_s"] and launch_seconds(la, gpu) == la["issue_s"]
     )
@@ -49,13 +56,33 @@ def predict(launches: list[dict[str, Any]], gpu: Any, batch: int) -> dict[str, A
         "breakdown": breakdown,
         "bytes_per_step": counted["bytes"],
         "launches_per_step": n,
-        "launches_in_command_buffers": counted["in_command_buffers"],
+        "launches_in_command_buffers": captured,
+        "command_buffer_launches": graphs,
         "issue_bound_launches": issue_bound,
         "step_seconds": step,
         "predicted_tokens_per_s": batch / step,
         "step_seconds_captured_free": captured_free,
         "tokens_per_s_captured_free": batch / captured_free,
     }
+
+
+def graph_launches(launches: list[dict[str, Any]]) -> float:
+    """Command buffers the host launches per step: each run of consecutive captured launches in program order
+    is one graph, weighted by the fewest times any of its launches runs (a run inside a layer repeats with
+    it). Launches a one-layer compile lacks (``inserted``, ``count.extrapolate``) join the step's one graph
+    when every compiled launch is captured (jax 0.12: the whole step is one graph), else stand alone."""
+    compiled = [la for la in launches if not la.get("inserted")]
+    if compiled and all(la["in_command_buffer"] for la in compiled):
+        return 1.0
+    graphs, run = 0.0, None
+    for la in compiled:
+        if la["in_command_buffer"]:
+            run = la.get("count", 1.0) if run is None else min(run, la.get("count", 1.0))
+        elif run is not None:
+            graphs, run = graphs + run, None
+    graphs += run or 0.0
+    graphs += sum(la.get("count", 1.0) for la in launches if la.get("inserted") and la["in_command_buffer"])
+    return graphs
 
 
 def needed_bytes(cfg: Any, weights: str, batch: int, context: int, *, int4_lm_head: bool = False) -> dict:
@@ -94,4 +121,13 @@ def hbm_limit(needed: dict[str, float], gpu: Any, batch: int) -> float:
     return batch / (needed["total"] / gpu.hbm_bytes_per_s)
 
 
-__all__ = ["ATTENTION", "EMBED", "OVERHEAD", "hbm_limit", "launch_seconds", "needed_bytes", "predict"]
+__all__ = [
+    "ATTENTION",
+    "EMBED",
+    "OVERHEAD",
+    "graph_launches",
+    "hbm_limit",
+    "launch_seconds",
+    "needed_bytes",
+    "predict",
+]

@@ -62,6 +62,7 @@ def markdown(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
         "weights",
         "launches",
         "in graphs",
+        "graphs",
         "MB/step",
         "predicted tok/s",
         "HBM limit tok/s",
@@ -76,6 +77,7 @@ def markdown(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
             r["weights"],
             f"{r['launches_per_step']:.0f}",
             f"{r['launches_in_command_buffers']:.0f}",
+            f"{r.get('command_buffer_launches', nan):.0f}",
             f"{r['bytes_per_step'] / 1e6:,.1f}",
             f"{r['predicted_tokens_per_s']:,.0f}",
             f"{r['hbm_limit_tokens_per_s']:,.0f}",
@@ -108,8 +110,10 @@ def markdown(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
         + (f", jax {meta['jax']})" if "jax" in meta else ")"),
         "",
         "A static model of one compiled decode step, never a timing: see the notes at the end. "
-        f"`predicted` charges every launch {1e6 * meta['launch_overhead_s']:g} us; `graphs free` charges "
-        "the launches inside command buffers (`in graphs`) nothing: an upper bound.",
+        f"`predicted` charges a launch the host submits {1e6 * meta['launch_overhead_s']:g} us (each "
+        "command buffer's own launch, `graphs`, too) and one replayed inside a command buffer "
+        f"(`in graphs`) {1e6 * meta.get('graph_launch_overhead_s', meta['launch_overhead_s']):g} us; "
+        "`graphs free` charges the launches inside command buffers nothing: an upper bound.",
         "",
         format_table(head, body, True),
         "",

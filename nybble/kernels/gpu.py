@@ -4,8 +4,11 @@ and the benchmark: SMs, HBM bandwidth, clock, tensor-core rate, SMEM, distribute
 Published figures (SXM boards; H100 and H200 are the same GH100 die: 132 SMs at 1.98 GHz boost, 989 TFLOP/s
 dense bf16); H200 has 141 GB of HBM3e at 4.8 TB/s, H100 80 GB of HBM3 at 3.35 TB/s. Two are nybble's own
 working figures, not datasheet ones: the distributed-SMEM rate (~32 bytes per cycle per SM, what the
-split-K reduction in a cluster is charged) and the cost of one extra launch (~2 us). :func:`current_gpu`
-picks the spec of the local GPU (by its device kind), else the H200's.
+split-K reduction in a cluster is charged) and the cost of one extra launch (~2 us). A kernel replayed inside
+a CUDA graph is charged 0.875 us: CUDA.jl's documentation ("Graphs": an RK4 integration of 80 small
+broadcast kernels takes 70 us as one graph, 260 us launched one by one; its GPU unnamed), each kernel's own
+run included, so an upper figure for the gap alone. :func:`current_gpu` picks the spec of the local GPU (by
+its device kind), else the H200's.
 
 The other GPUs (the portable Triton kernel's targets, ``nybble.kernels.triton``), each from its vendor's
 datasheet, with the per-SM limits (shared memory, threads, blocks) of its compute capability from the CUDA
@@ -52,6 +55,9 @@ class GpuSpec:
     smem_per_block_optin: int = 232448  # the most one CTA may allocate
     dsmem_bytes_per_cycle_per_sm: float = 32.0  # distributed SMEM reads in a cluster (nybble's figure)
     launch_s: float = 2e-6  # one more kernel launch in a call (nybble's figure)
+    # A kernel replayed inside a CUDA graph (an XLA command buffer): CUDA.jl's documentation, 80 broadcast
+    # kernels in 70 us as one graph (0.875 us each, own run included), 260 us launched one by one.
+    graph_launch_s: float = 0.875e-6
     registers_per_sm: int = 65536
     max_threads_per_sm: int = 2048
     max_blocks_per_sm: int = 32
