@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
+import nybble
 import nybble.kernels.mosaic_gpu as mg
 from bench.xray.moe_cases import MOE_SHAPES, TOKENS, problems
 from nybble.kernels.mosaic_gpu.config import TuningConfig
@@ -273,3 +274,23 @@ def test_traced_group_sizes_clamped():
         y = np.asarray(fn(x, qw, jnp.asarray([2, -3, 9], jnp.int32)), np.float64)
     assert not mg.races_found()
     assert_exact(y, reference(x, ws, [2, 0, 4]))
+
+
+def test_dispatched_kernel_clamps_traced_sizes_itself():
+    """``nybble.ragged_matmul(implementation="mosaic_gpu")`` passes traced sizes to the kernel unclamped
+    (no cumsum in the program: two launches a MoE layer of a decode step): the kernel's scan of them
+    clamps them as the XLA path does."""
+    rng = np.random.default_rng(4)
+    qw, ws = stacked(rng, 3, 128, 64)
+    x = activations(rng, 6, 128, exact=True)
+    fn = jax.jit(lambda x, s: nybble.ragged_matmul(x, qw, s, implementation="mosaic_gpu"))
+    for sizes, clamped in (([2, -3, 9], [2, 0, 4]), ([-1, 3, 1], [0, 3, 1]), ([4, 4, 4], [4, 2, 0])):
+        mg.reset_state()
+        with interpret(detect_races=True):
+            text = str(jax.make_jaxpr(fn)(x, jnp.asarray(sizes, jnp.int32)))
+            y = np.asarray(fn(x, jnp.asarray(sizes, jnp.int32)), np.float64)
+        assert not mg.races_found()
+        assert "cumsum" not in text and "nybble_grouped_w4a16" in text
+        assert_exact(y, reference(x, ws, clamped))
+        xla = jax.jit(lambda x, s: nybble.ragged_matmul(x, qw, s, implementation="xla"))
+        np.testing.assert_array_equal(np.asarray(xla(x, jnp.asarray(sizes, jnp.int32)), np.float64), y)

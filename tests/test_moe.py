@@ -33,6 +33,13 @@ def test_route_matches_numpy(norm):
         np.testing.assert_allclose(np.asarray(w).sum(-1), 1, rtol=1e-6)
     else:
         assert (np.asarray(w).sum(-1) < 1).all()
+    # ties (bf16 logits repeat): the lower expert index first, as the softmax's top k takes them
+    ties = np.asarray([[1.0, 3.0, 3.0, 0.0, 3.0], [2.0, 2.0, 2.0, 2.0, 2.0]])
+    w, e = route(jnp.asarray(ties, jnp.bfloat16), 2, norm_topk_prob=norm)
+    rw, re_ = _np_route(ties, 2, norm)
+    np.testing.assert_array_equal(np.asarray(e), [[1, 2], [0, 1]])
+    np.testing.assert_array_equal(np.asarray(e), re_)
+    np.testing.assert_allclose(np.asarray(w), rw, rtol=1e-6)
 
 
 def test_sort_by_expert():

@@ -25,7 +25,6 @@ from nybble.kernels.mosaic_gpu.config import TuningConfig
 from nybble.kernels.mosaic_gpu.dense import is_interpret_active
 from nybble.kernels.mosaic_gpu.grouped_config import grouped_heuristic_config
 from nybble.kernels.mosaic_gpu.interpret import active_gpu
-from nybble.kernels.ops.ragged_matmul.xla import group_bounds
 from nybble.quant.qweight import QuantizedWeight
 
 # GPUs with a nybble Mosaic GPU kernel, by family: what an error on any other GPU names.
@@ -170,11 +169,12 @@ def ragged_unsupported(x: Any, qw: Any, group_sizes: Any) -> str | None:
 
 
 def ragged_matmul(x: jax.Array, qw: QuantizedWeight, group_sizes: jax.Array) -> jax.Array:
-    """The grouped kernel, its group sizes clamped as the XLA path clamps them (a no-op on checked values;
-    traced ones are not checked)."""
+    """The grouped kernel. Traced group sizes (unchecked) are clamped by the kernel's own scan of them, as
+    the XLA path clamps them (``group_bounds``): a negative size counts as zero, rows past x's are dropped;
+    clamping them here too would cost a decode step two launches a MoE layer (a cumsum and its shift)."""
     if (why := _no_kernel_here()) is not None:
         raise NotImplementedError(f"nybble.ragged_matmul(implementation='mosaic_gpu') cannot run: {why}")
-    _, sizes = group_bounds(group_sizes, x.shape[0])
+    sizes = group_sizes
     if family() == "blackwell":
         from nybble.kernels.mosaic_gpu.blackwell import grouped as blackwell_grouped
 

@@ -73,12 +73,16 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool) -> tuple[jax.A
     """Router weights (T, k) float32 and experts (T, k) int32 from logits (T, E): softmax, then top k.
 
     Softmax over all experts in float32, then the k largest probabilities (ties: the lower expert index),
-    renormalized to sum 1 when ``norm_topk_prob``.
+    renormalized to sum 1 when ``norm_topk_prob``. Renormalized, they are the softmax of the k largest
+    logits (the softmax is increasing, and its normalizer cancels), computed so: the top k of the logits,
+    then a softmax over k values, where the full softmax would be a launch of its own in a decode step.
+    The same experts (up to ties the float32 softmax rounds together) and weights up to float32 rounding.
     """
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
+    logits = logits.astype(jnp.float32)
     if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        top, experts = jax.lax.top_k(logits, top_k)
+        return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
     return weights, experts.astype(jnp.int32)
 
 
