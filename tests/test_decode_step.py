@@ -13,7 +13,7 @@ from flax import nnx
 from nybble.models import QLinear, quantize
 from nybble.models.definitions.decode_attention import attend_one
 from nybble.models.definitions.fuse import FusedLinear
-from nybble.models.definitions.llama import Llama, RMSNorm
+from nybble.models.definitions.llama import Llama, RMSNorm, norm_heads_together
 from nybble.models.evaluate.zoo import TINY_CONFIG
 
 
@@ -108,3 +108,22 @@ def test_moe_gate_up_fused_gives_the_unfused_numbers():
     np.testing.assert_array_equal(np.asarray(moe(x)), ref)  # each expert's columns computed alone
     assert unfuse_projections(moe) == 1 and isinstance(moe.experts.up_proj, QExperts)
     np.testing.assert_array_equal(np.asarray(moe(x)), ref)
+
+
+@pytest.mark.parametrize("k_eps", [1e-6, 1e-5])
+def test_query_and_key_norms_in_one_reduction_equal_the_two_norms(k_eps):
+    """Qwen3's per-head norms of q and k with one sum of squares over both (one launch): each head's
+    values are those of its own norm, bit for bit, and both against float64."""
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((2, 3, 4, 16)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((2, 3, 2, 16)) * 5, jnp.bfloat16)
+    q_norm, k_norm = RMSNorm(16, eps=1e-6), RMSNorm(16, eps=k_eps)
+    q_norm.weight[...] = jnp.asarray(rng.uniform(0.5, 2, 16), jnp.float32)
+    k_norm.weight[...] = jnp.asarray(rng.uniform(0.5, 2, 16), jnp.float32)
+    qn, kn = norm_heads_together(q_norm, k_norm, q, k)
+    np.testing.assert_array_equal(np.asarray(qn, np.float32), np.asarray(q_norm(q), np.float32))
+    np.testing.assert_array_equal(np.asarray(kn, np.float32), np.asarray(k_norm(k), np.float32))
+    for x, norm, out in ((q, q_norm, qn), (k, k_norm, kn)):
+        x64 = np.asarray(x, np.float64)
+        ref = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + norm.eps) * np.asarray(norm.weight[...])
+        np.testing.assert_allclose(np.asarray(out, np.float64), ref, rtol=2**-7)

@@ -158,6 +158,26 @@ class RMSNorm(nnx.Module):
             return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype), scale
 
 
+def norm_heads_together(
+    q_norm: RMSNorm, k_norm: RMSNorm, q: jax.Array, k: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """``(q_norm(q), k_norm(k))`` for q (b, t, heads, d) and k (b, t, kv_heads, d) with the sums of squares
+    of every head of both in one reduction: one launch of a decode step where two norms were two. Each
+    head's mean is over its own d values, as each norm computes it."""
+    with jax.named_scope("norm"):
+        heads = q.shape[2]
+        qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
+        both = jnp.concatenate([qf, kf], axis=2)
+        inv = jax.lax.rsqrt(jnp.mean(both * both, axis=-1, keepdims=True) + q_norm.eps)
+        if k_norm.eps != q_norm.eps:
+            inv_k = jax.lax.rsqrt(jnp.mean(kf * kf, axis=-1, keepdims=True) + k_norm.eps)
+        else:
+            inv_k = inv[:, :, heads:]
+        qn = qf * inv[:, :, :heads] * q_norm.weight[...].astype(jnp.float32)
+        kn = kf * inv_k * k_norm.weight[...].astype(jnp.float32)
+        return qn.astype(q.dtype), kn.astype(k.dtype)
+
+
 @functools.lru_cache(maxsize=64)
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
     """The (head_dim / 2,) float32 inverse frequencies, computed once per configuration (in float64).
@@ -247,7 +267,7 @@ class Attention(FusedParts, nnx.Module):
         k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
         v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = norm_heads_together(self.q_norm, self.k_norm, q, k)
         inv_freq = rope_frequencies(self.head_dim, float(self.rope_theta), self.rope_scaling)
         return rope(q, positions, inv_freq=inv_freq), rope(k, positions, inv_freq=inv_freq), v
 
