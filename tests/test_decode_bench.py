@@ -224,17 +224,19 @@ def test_command_buffer_parser_names_custom_calls_from_the_metadata():
         "000: kCommandBuffer [source | sink] \n"
         "    001: kCustomKernel [source       | next=002 (1)] input_reduce_fusion grid: [1, 1, 1]\n"
         "    002: kCustomCall   [prev=001 (1) | next=003 (1)] kCustomCall\n"
-        "    003: kCustomCall   [prev=002 (1) | sink        ] kCustomCall\n"
+        "    003: kCustomCall   [prev=002 (1) | next=004 (1)] kCustomCall\n"
+        "    004: kCustomKernel [prev=003 (1) | sink        ] sort_1_1 grid: [1, 1, 1]\n"
     )
     metadata = "".join(
         f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{name}"\n    thunk_id: {i}\n  }}\n'
         f'  thunk_kind: "{kind}"\n}}\n'
         for i, name, kind in ((1, "input_reduce_fusion", "kCustomKernel"), (2, "mpmd_map.5", "kCustomCall"),
-                              (3, "mpmd_map.6", "kCustomCall"))
+                              (3, "mpmd_map.6", "kCustomCall"), (4, "fusion.6", "kCustomKernel"))
     )  # fmt: skip
     got = command_buffers(text, metadata)
-    assert got["captured"] == ["input_reduce_fusion", "mpmd_map_5", "mpmd_map_6"]
-    assert got["top_level"] == {"kCommandBuffer": 1} and got["thunk_launches"] == 3
+    # the top-k fusion's thunk is named by the sort kernel inside it; the metadata names the fusion
+    assert got["captured"] == ["input_reduce_fusion", "mpmd_map_5", "mpmd_map_6", "fusion_6"]
+    assert got["top_level"] == {"kCommandBuffer": 1} and got["thunk_launches"] == 4
     assert command_buffers(text)["captured"][1] == "kCustomCall"  # without the metadata: unnamed
 
 
@@ -308,6 +310,10 @@ def test_compare_puts_two_runs_side_by_side():
         ]  # fmt: skip
         return {"rows": rows, "meta": {"gpu": "h200", "context": 8, "launch_overhead_s": 2e-6}}
 
-    text = compare_markdown(doc(30, 100.0), doc(20, 150.0), "t")
+    after = doc(20, 150.0)
+    after["meta"]["graph_launch_overhead_s"] = 0.875e-6
+    text = compare_markdown(doc(30, 100.0), after, "t")
     assert "| m | 1 | int4 | 30 -> 20 | 200 -> 300 | 20% -> 30% |" in text
+    overheads = "2 us a launch before, 2 us a launch the host submits, 0.875 us one replayed in a graph after"
+    assert overheads in text
     assert "| m | 1 | 2.00x -> 2.00x | 4.00x | 50% |" in text

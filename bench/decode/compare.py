@@ -20,6 +20,15 @@ from bench.decode.report import ratio_rows, write_atomic
 from bench.report import format_table
 
 
+def _overheads(meta: dict[str, Any]) -> str:
+    """A run's launch overheads as its meta records them (runs before ``graph_launch_overhead_s`` existed
+    charged every launch the one constant)."""
+    launch = f"{meta['launch_overhead_s'] * 1e6:g} us a launch"
+    if "graph_launch_overhead_s" not in meta:
+        return launch
+    return f"{launch} the host submits, {meta['graph_launch_overhead_s'] * 1e6:g} us one replayed in a graph"
+
+
 def compare_markdown(before: dict[str, Any], after: dict[str, Any], title: str) -> str:
     """The side-by-side tables of two decode.json documents (rows matched by model, batch, weights)."""
     key = lambda r: (r["model"], r["batch"], r["weights"])
@@ -58,7 +67,8 @@ def compare_markdown(before: dict[str, Any], after: dict[str, Any], title: str) 
             f"# {title}",
             "",
             f"Predicted, not measured: both runs are `bench.decode`'s static model ({meta['gpu']}, "
-            f"context {meta['context']}, {meta['launch_overhead_s'] * 1e6:.0f} us a launch).",
+            f"context {meta['context']}), each as its own `decode.md` states: {_overheads(before['meta'])} "
+            f"before, {_overheads(meta)} after.",
             "",
             format_table(
                 ["model", "batch", "weights", "launches", "predicted tok/s", "% of HBM limit"], rows, True

@@ -103,8 +103,10 @@ def thunk_names(metadata: str) -> dict[int, str]:
 
 def command_buffers(thunks: str, metadata: str = "") -> dict[str, Any]:
     """XLA's thunk sequence (``*.thunk_sequence_after_thunk_passes.txt``): command buffers (CUDA graphs)
-    and the launches inside them (by HLO name, ``.`` written ``_`` as the thunks do; a thunk the sequence
-    names by its kind alone, as it does custom calls, by the name ``metadata`` gives its id)."""
+    and the launches inside them, by HLO name (``.`` written ``_`` as the thunks do): the name ``metadata``
+    gives the thunk's id where it gives one (the sequence names a custom call's thunk by its kind alone, and
+    a fusion's by the kernel inside it: ``sort_1_1`` for the top-k fusion ``fusion.6``), else the
+    sequence's own."""
     names = thunk_names(metadata)
     captured: list[str] = []
     top: dict[str, int] = {}
@@ -113,10 +115,7 @@ def command_buffers(thunks: str, metadata: str = "") -> dict[str, Any]:
         if not m:
             continue
         if m["indent"]:
-            name = m["name"]
-            if not name or name == m["kind"]:
-                name = names.get(int(m["id"]), name)
-            captured.append(name)
+            captured.append(names.get(int(m["id"]), m["name"]))
         else:
             top[m["kind"]] = top.get(m["kind"], 0) + 1
     launches = len(captured) + sum(n for kind, n in top.items() if kind != "kCommandBuffer")
