@@ -31,18 +31,31 @@ from tests.kernel_checks import activations, assert_kernel_within_rounding, exac
 from tests.test_grouped_interpret import assert_exact, reference
 
 f16, bf16 = jnp.float16, jnp.bfloat16
-# (sizes, rows, K, N, group, symmetric, x dtype, exact) -> the (tile_m, tile_k) the heuristics pick.
+# (sizes, rows, K, N, group, symmetric, x dtype, exact) -> the (tile_m, tile_k, slices) the heuristics pick.
 CASES = [
-    (([3, 0, 5, 2], 12, 128, 128, 32, False, bf16, True), (16, 128)),  # 2 rows past the sum
-    (([0, 7, 0], 9, 192, 192, 64, True, f16, True), (16, 64)),  # one expert, N = 3 x 64
-    (([20, 0, 30], 50, 256, 128, None, False, bf16, True), (32, 128)),  # per column, x padded to 56 rows
-    (([25, 15], 40, 192, 100, 16, True, bf16, False), (32, 64)),  # random data, N = 100
-    (([40, 50], 90, 128, 128, 128, False, f16, True), (64, 128)),  # groups across 64-row tiles
-    (([0, 60, 40], 100, 150, 128, 32, False, bf16, False), (64, 64)),  # random, K = 150
-    (([0, 150], 200, 128, 64, 64, True, bf16, True), (128, 64)),  # 50 rows past the sum
-    (([140, 130], 300, 64, 64, None, False, bf16, True), (256, 64)),  # 256-row tiles
-    (([3, 0], 4, 256, 64, 64, False, bf16, True), (16, 256)),  # 256-deep decode steps, a row past the sum
+    (([0, 7, 0], 9, 192, 192, 64, True, f16, True), (16, 64, 1)),  # one expert, N = 3 x 64
+    (([3, 0, 5, 2], 12, 128, 128, 32, False, bf16, True), (16, 128, 1)),  # 2 rows past the sum
+    (([1, 0], 2, 256, 64, 128, True, bf16, True), (16, 256, 1)),  # group accumulators, a row past the sum
+    (([25, 10], 40, 128, 100, 16, True, bf16, False), (32, 128, 1)),  # random data, N = 100, 16-row groups
+    (([0, 60, 40], 100, 150, 128, 32, False, bf16, False), (64, 64, 1)),  # random, K = 150
+    (([50, 40], 90, 384, 64, 128, True, bf16, True), (64, 128, 1)),  # groups across 64-row tiles
+    (([0, 150], 200, 128, 64, 64, True, bf16, True), (128, 64, 1)),  # 50 rows past the sum
+    (([140, 130], 300, 64, 64, None, False, bf16, True), (256, 64, 1)),  # 256-row tiles, per column
+    # K slices: an M tile holds tile_m / S rows of one expert
+    (([3, 0], 4, 256, 64, 64, False, bf16, True), (16, 64, 4)),  # a row past the sum
+    (([2, 0], 2, 512, 64, 128, True, f16, True), (16, 128, 4)),  # group accumulators, f16 (exact q)
+    (([0, 1], 2, 1024, 64, 128, True, bf16, True), (16, 256, 4)),  # 2 accumulators a step, the bias fold
 ]
+# Wider sliced tiles, which the picks leave (grouped.MAX_SLICED_TILE_M) but a config may name: (sizes, rows,
+# K, N, group, symmetric, exact, config).
+EXPLICIT_SLICED = [
+    # an expert across two M tiles of 16 rows (64 columns: 16 rows x 4 slices), one past the other's start
+    ([17, 7], 24, 512, 64, 32, True, True,
+     BlackwellConfig(tile_m=64, tile_k=128, max_concurrent_steps=2, slices=4)),
+    # per-column scales, an empty expert; 2 slices of 64-row tiles, random data
+    ([20, 0, 30], 50, 512, 64, None, False, False,
+     BlackwellConfig(tile_m=128, tile_k=64, max_concurrent_steps=2, slices=2)),
+]  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -76,13 +89,13 @@ def _assert_random_close(y, x, qw, ws, sizes):
     assert (np.asarray(y[row:], np.float64) == 0).all()
 
 
-@pytest.mark.parametrize("case,tiling", CASES, ids=[f"m{t[0]}_k{t[1]}" for _, t in CASES])
+@pytest.mark.parametrize("case,tiling", CASES, ids=[f"m{t[0]}_k{t[1]}_x{t[2]}" for _, t in CASES])
 def test_heuristic_configs(case, tiling):
     sizes, rows, k, n, group, symmetric, dtype, exact = case
     rng = np.random.default_rng(rows * 100 + k)
     qw, ws = _stacked(rng, len(sizes), k, n, group, symmetric, exact)
     c = grouped_plan(rows, qw)[0].config
-    assert (c.tile_m, c.tile_k, c.slices) == (*tiling, 1)
+    assert (c.tile_m, c.tile_k, c.slices) == tiling
     x = activations(rng, rows, k, dtype, exact=exact)
     y = _run(x, qw, sizes)
     assert y.shape == (rows, n) and y.dtype == x.dtype
@@ -90,6 +103,25 @@ def test_heuristic_configs(case, tiling):
         assert_exact(np.asarray(y, np.float64), reference(x, ws, sizes))
     else:
         _assert_random_close(y, x, qw, ws, sizes)
+
+
+@pytest.mark.parametrize("sizes,rows,k,n,group,symmetric,exact,config", EXPLICIT_SLICED)
+def test_explicit_sliced_tiles(sizes, rows, k, n, group, symmetric, exact, config):
+    rng = np.random.default_rng(rows + k)
+    qw, ws = _stacked(rng, len(sizes), k, n, group, symmetric, exact)
+    x = activations(rng, rows, k, bf16, exact=exact)
+    y = _run(x, qw, sizes, config)
+    assert y.shape == (rows, n)
+    if exact:
+        assert_exact(np.asarray(y, np.float64), reference(x, ws, sizes))
+    else:
+        route = grouped_plan(rows, qw, config=config)[0].scales_on
+        row = 0
+        for w, g in zip(ws, sizes, strict=True):
+            if g:
+                assert_kernel_within_rounding(y[row : row + g], x[row : row + g], w, route)
+            row += g
+        assert (np.asarray(y[row:], np.float64) == 0).all()
 
 
 def test_traced_sizes_and_the_dispatcher():
@@ -101,6 +133,9 @@ def test_traced_sizes_and_the_dispatcher():
     x = activations(rng, 6, 128, exact=True)
     config = BlackwellConfig(tile_m=16, tile_k=128, max_concurrent_steps=2)
     y = _run(x, qw, [2, -3, 9], config, jit=True)
+    assert_exact(np.asarray(y, np.float64), reference(x, ws, [2, 0, 4]))
+    sliced = BlackwellConfig(tile_m=16, tile_k=64, max_concurrent_steps=2, slices=2)  # 8-row M tiles
+    y = _run(x, qw, [2, -3, 9], sliced, jit=True)
     assert_exact(np.asarray(y, np.float64), reference(x, ws, [2, 0, 4]))
     assert (np.asarray(_run(x, qw, [0, 0, 0], config)) == 0).all()
     sizes = jnp.asarray([4, 0, 2], jnp.int32)
@@ -134,8 +169,6 @@ def test_refusals_by_name():
         blackwell_grouped_matmul(x, qw, jnp.asarray([3, -1, 2], jnp.int32))
     with pytest.raises(ValueError, match="more than x's 5 rows"):
         blackwell_grouped_matmul(x, qw, jnp.asarray([3, 2, 1], jnp.int32))
-    with pytest.raises(ValueError, match="without K slices"):
-        blackwell_grouped_matmul(x, qw, sizes, config=BlackwellConfig(tile_k=64, slices=4))
     with pytest.raises(TypeError, match="must be a BlackwellConfig"):
         blackwell_grouped_matmul(x, qw, sizes, config=mg.TuningConfig())
     assert blackwell_grouped_matmul(x[:0], qw, jnp.zeros(3, jnp.int32)).shape == (0, 64)
@@ -143,7 +176,7 @@ def test_refusals_by_name():
 
 def test_heuristics_pick_only_covered_configs():
     """At the MoE shapes (gate-up and down of each model) for 1..8192 tokens and every group size, every
-    config the grouped B200 heuristics pick is one of :data:`CASES`' tilings, without K slices."""
+    config the grouped B200 heuristics pick is one of :data:`CASES`' tilings (K slices included)."""
     covered = {tiling for _, tiling in CASES}
     picked = set()
     for hidden, inter, experts, top_k in MOE_SHAPES.values():
@@ -151,6 +184,5 @@ def test_heuristics_pick_only_covered_configs():
             for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192):
                 for group in (16, 32, 64, 128, 256, kk):
                     c = grouped_heuristic_config(tokens * top_k, experts, -(-nn // 64) * 64, kk, group)
-                    assert c.slices == 1
-                    picked.add((c.tile_m, c.tile_k))
+                    picked.add((c.tile_m, c.tile_k, c.slices))
     assert picked <= covered, f"configs picked but never interpreted: {sorted(picked - covered)}"

@@ -209,7 +209,8 @@ def _lower_grouped(rows, experts, k, n, group, symmetric, x_dtype=jnp.bfloat16):
 
 def _grouped_cases():
     """MoE layers (gate and down of Qwen3-30B-A3B, DeepSeek-V3, Mixtral) at 1..2048 tokens until every
-    (tile_m, tile_k) the grouped heuristics pick is lowered once, asymmetric (the kernel with offsets)."""
+    (tile_m, tile_k, slices) the grouped heuristics pick is lowered once, asymmetric (the kernel with
+    offsets)."""
     from bench.xray.moe_cases import MOE_SHAPES
     from nybble.kernels.mosaic_gpu.blackwell.grouped import grouped_heuristic_config
 
@@ -219,8 +220,8 @@ def _grouped_cases():
         for k, n in ((hidden, inter), (inter, hidden)):
             for tokens in (1, 4, 8, 16, 32, 64, 512, 2048):
                 c = grouped_heuristic_config(tokens * top_k, experts, n, k, 128)
-                if (c.tile_m, c.tile_k) not in seen:
-                    seen.add((c.tile_m, c.tile_k))
+                if (c.tile_m, c.tile_k, c.slices) not in seen:
+                    seen.add((c.tile_m, c.tile_k, c.slices))
                     cases.append((tokens * top_k, experts, k, n))
     return cases
 

@@ -77,6 +77,9 @@ class GroupedWork:
     rows: int  # rows of x and y (x may carry zero rows more: Problem.x_rows)
     m_tiles: int  # the bound on M tiles (grouped_config.max_m_tiles)
     name: str = "nybble_grouped_w4a16"
+    # Rows of x an M tile holds: the config's tile_m (0), or the Blackwell kernel's tile_m / slices (its
+    # tile_m counts the x view's rows, x rows times the K slices).
+    tile_rows: int = 0
 
     def ctas(self, p: Problem) -> int:
         return self.m_tiles * p.n_tiles
@@ -93,33 +96,32 @@ class GroupedWork:
 
     def tile(self, p: Problem, ins: Any, stash: Any = None, wg: Any = 0) -> CtaTile:
         c = p.config
+        tm = self.tile_rows or c.tile_m
         sizes, codes, x, scales, *offsets = ins
         lin = lax.axis_index("mn")
         t, ni = lin // p.n_tiles, lin % p.n_tiles
-        align = x_alignment(p)
-        e, first_tile, first_row, size, tiles_end = _find_tile(
-            sizes, t, self.experts, self.rows, c.tile_m, align
-        )
-        # The group's tiles start at its first row rounded down to the alignment, tile_m rows apart; this
+        align = x_alignment(p, tm)
+        e, first_tile, first_row, size, tiles_end = _find_tile(sizes, t, self.experts, self.rows, tm, align)
+        # The group's tiles start at its first row rounded down to the alignment, tm rows apart; this
         # one stores the group's rows in it.
-        tile_start = first_row - (first_row & (align - 1)) + (t - first_tile) * c.tile_m
+        tile_start = first_row - (first_row & (align - 1)) + (t - first_tile) * tm
         start = jnp.maximum(first_row, tile_start)
         # (Past y's rows, where sizes traced under jit sum past them: nothing to store.)
-        count = jnp.minimum(jnp.minimum(first_row + size, tile_start + c.tile_m), self.rows) - start
-        # x rows [window, window + tile_m) (in the x view: times the slices), clamped to x's end; where x
+        count = jnp.minimum(jnp.minimum(first_row + size, tile_start + tm), self.rows) - start
+        # x rows [window, window + tm) (in the x view: times the slices), clamped to x's end; where x
         # has fewer rows than the tile, the dense kernel's one block from row 0, zero-filled by TMA.
         s = c.slices
-        if p.x_rows >= c.tile_m:
-            window = jnp.minimum(tile_start, p.x_rows - c.tile_m)
+        if p.x_rows >= tm:
+            window = jnp.minimum(tile_start, p.x_rows - tm)
             # A multiple of 8 rows of the x view (SMEM tiles of 8 rows; Mosaic cannot prove it itself).
-            x = x.at[pl.ds(pl.multiple_of(window * s, 8), c.tile_m * s)]
+            x = x.at[pl.ds(pl.multiple_of(window * s, 8), tm * s)]
         else:
             window = jnp.int32(0)
         active = (t < tiles_end) & (count > 0)
         tail = e == self.experts  # rows past the groups' sum: zeros
         own = jnp.minimum(e, self.experts - 1)  # a valid view for the tail's CTAs, which read nothing
         gmem = [codes.at[own], x, scales.at[own]] + [o.at[own] for o in offsets]
-        max_rows = min(c.tile_m, self.rows)
+        max_rows = min(tm, self.rows)
         if stash is None:
             rows = RowWindow(start - window, start, count, max_rows)
         else:
@@ -127,11 +129,12 @@ class GroupedWork:
         return CtaTile(jnp.int32(0), ni, gmem, rows, compute=active & ~tail, zeros=active & tail)
 
 
-def x_alignment(p: Problem) -> int:
+def x_alignment(p: Problem, tile_rows: int = 0) -> int:
     """Rows of x at which an M tile's window may start: where the x view's row (times the slices) is a
-    multiple of 8, as Mosaic slices GMEM by whole 8-row SMEM tiles; 1 where x is read as one block."""
+    multiple of 8, as Mosaic slices GMEM by whole 8-row SMEM tiles; 1 where x is read as one block.
+    ``tile_rows``: x rows an M tile holds (0: the config's tile_m; ``GroupedWork.tile_rows``)."""
     c = p.config
-    if p.x_rows < c.tile_m:
+    if p.x_rows < (tile_rows or c.tile_m):
         return 1
     return 8 // math.gcd(c.slices, 8)
 

@@ -161,32 +161,16 @@ def heuristic_config(
     M tile alone leaves Llama's 4096 columns 32 CTAs for 148 SMs); K steps of 256 at
     decode where 3 of them fit SMEM (the step's fixed cost over more weights, as much K in flight as 6
     steps of 128), else 128; 64 at prefill (the x slots grow with M); the deepest pipeline that fits SMEM.
-    ``sliced`` False: no K slices (the grouped kernel's candidates).
+    ``sliced`` False: no K slices.
     """
     del has_offsets
-    tile_n = 128
     best = None
-    # Slices 4 or none at M <= 32, 2 or none up to 64 (_slice_choices): other counts gain little over them
+    # Slices 4 or none at M <= 32, 2 or none up to 64 (slice_choices): other counts gain little over them
     # in the model (waves x K / S at the Llama and MoE shapes) and each is more code for the suite to
     # interpret.
-    for slices in _slice_choices(m) if sliced else (1,):
-        tile_m = next((t for t in TILE_M_CHOICES if t >= m * slices), None if slices > 1 else 256)
-        if tile_m is None or (slices > 1 and tile_m > 128):  # x slots past 128 rows outgrow SMEM
-            continue
-        # The deepest K step that divides K_pad and fits SMEM: 256 at decode, where a step's fixed cost
-        # (descriptors, barriers, the MMA issue) is shared by more weights, but only with as much K in
-        # flight as 6 steps of 128 (the HBM latency a decode CTA hides); 64 at prefill.
-        config, tile_k = None, 256 if tile_m <= 64 or slices > 1 else 64
-        while config is None and tile_k >= CHUNK_K:
-            if k_pad % (slices * tile_k) == 0 or tile_k == CHUNK_K:
-                min_steps = DECODE_K_IN_FLIGHT // tile_k if tile_k > 128 else 2
-                config = _fitting(tile_n, tile_m, tile_k, slices, group, min_steps)
-            tile_k //= 2
+    for slices in slice_choices(m) if sliced else (1,):
+        config = sliced_config(m, n_pad, k_pad, group, slices)
         if config is None:
-            continue
-        try:
-            config.check_problem(m, n_pad, k_pad, group)
-        except ValueError:
             continue
         t = _sm_time(m, n_pad, k_pad, config, num_sms)
         if best is None or t < best[0]:
@@ -196,7 +180,31 @@ def heuristic_config(
     return best[1]
 
 
-def _slice_choices(m: int) -> tuple[int, ...]:
+def sliced_config(m: int, n_pad: int, k_pad: int, group: int, slices: int) -> BlackwellConfig | None:
+    """The tiling of ``slices`` K slices for M rows in one M tile (or M tiles of up to 256 rows without
+    slices), or None where none fits: tile_m the least of TILE_M_CHOICES holding M x S; the deepest K step
+    that divides K_pad and fits SMEM: 256 at decode, where a step's fixed cost (descriptors, barriers, the
+    MMA issue) is shared by more weights, but only with as much K in flight as 6 steps of 128 (the HBM
+    latency a decode CTA hides); 64 at prefill; the deepest pipeline that fits SMEM."""
+    tile_m = next((t for t in TILE_M_CHOICES if t >= m * slices), None if slices > 1 else 256)
+    if tile_m is None or (slices > 1 and tile_m > 128):  # x slots past 128 rows outgrow SMEM
+        return None
+    config, tile_k = None, 256 if tile_m <= 64 or slices > 1 else 64
+    while config is None and tile_k >= CHUNK_K:
+        if k_pad % (slices * tile_k) == 0 or tile_k == CHUNK_K:
+            min_steps = DECODE_K_IN_FLIGHT // tile_k if tile_k > 128 else 2
+            config = _fitting(128, tile_m, tile_k, slices, group, min_steps)
+        tile_k //= 2
+    if config is None:
+        return None
+    try:
+        config.check_problem(min(m, config.x_rows_per_tile), n_pad, k_pad, group)
+    except ValueError:
+        return None
+    return config
+
+
+def slice_choices(m: int) -> tuple[int, ...]:
     """K slices worth weighing at M: 4 at decode (M <= 32), 2 up to M = 64 (x rows M x S stay within a
     128-row tile), none beyond."""
     return (1, 4) if m <= 32 else (1, 2) if m <= 64 else (1,)

@@ -10,11 +10,11 @@ group sizes on the device, finds the expert owning its M tile, reads that expert
 stores only its rows of y (``common.store_rows``: one TMA per set bit of the row count); a tile of rows
 past the sum stores zeros, a CTA past the last tile does nothing.
 
-No K slices (``BlackwellConfig.slices`` 1): the dense kernel's slices fill the SMs of one decode matmul,
-and a decode MoE launch already has one CTA per N tile of every active expert (Qwen3-30B-A3B down at one
-token: 8 experts x 16 N tiles = 128 CTAs; DeepSeek-V3 down: 8 x 56), while a sliced tile's window of
-tile_m / S rows would make the expert scan's alignment and the partial-sum epilogue ragged. An explicit
-sliced config is refused by name.
+K slices at decode, as in the dense kernel (an M tile then holds tile_m / S rows of x, its expert's, and
+their S slices): the picks weigh them by the CTAs of the launch, one per N tile of every active expert
+(Qwen3-30B-A3B gate at one token: 8 experts x 6 N tiles = 48 CTAs on 148 SMs without slices; with 4, 192,
+each a quarter of K). The slices' partial sums are added into the staged rows, which the CTA stores as
+its expert's rows (``common.store_rows``).
 """
 
 from __future__ import annotations
@@ -25,25 +25,53 @@ import jax
 import jax.numpy as jnp
 
 from nybble.kernels.mosaic_gpu import dense as hopper_api
-from nybble.kernels.mosaic_gpu.blackwell.config import DEFAULT_NUM_SMS, BlackwellConfig, heuristic_config
+from nybble.kernels.mosaic_gpu.blackwell.config import (
+    DEFAULT_NUM_SMS,
+    BlackwellConfig,
+    heuristic_config,
+    slice_choices,
+    sliced_config,
+)
 from nybble.kernels.mosaic_gpu.blackwell.kernel import BlackwellProblem, launch, operand_views, plan
 from nybble.kernels.mosaic_gpu.grouped import GroupedWork, _check_values, grouped_is_supported, x_alignment
-from nybble.kernels.mosaic_gpu.grouped_config import max_m_tiles, planned_rows
+from nybble.kernels.mosaic_gpu.grouped_config import active_experts, max_m_tiles, planned_rows
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.quant.qweight import QuantizedWeight
 
 __all__ = ["blackwell_grouped_matmul", "grouped_heuristic_config", "grouped_plan"]
 
 
+# The widest M tile (x rows times K slices) the grouped picks slice: 4 rows an expert (decode). Wider, the
+# B200 X-ray's sliced tiles lose (Mixtral at 64 tokens: 95 -> 75% of HBM, Qwen3-235B at 512: 83 -> 63%):
+# the fold's FMAs grow with the tile's columns, the tensor core multiplies the other slices' columns too
+# (S times the MMA work), and without slices the experts' N tiles already fill the SMs.
+MAX_SLICED_TILE_M = 16
+
+
 def grouped_heuristic_config(
     rows: int, experts: int, n_pad: int, k_pad: int, group: int, num_sms: int = DEFAULT_NUM_SMS
 ) -> BlackwellConfig:
-    """The B200 config of a grouped matmul of ``rows`` rows over ``experts`` (K_pad, N_pad) weights: the
-    dense heuristic's pick, without K slices, for the balanced case (``grouped_config.planned_rows``: every
-    expert that can hold rows holding ``ceil(rows / active)``)."""
+    """The B200 config of a grouped matmul of ``rows`` rows over ``experts`` (K_pad, N_pad) weights, for
+    the balanced case (``grouped_config.planned_rows``: every expert that can hold rows holding
+    ``ceil(rows / active)``): the dense heuristic's tiling of each K slice count it weighs
+    (``config.sliced_config``; slices only in M tiles of at most ``MAX_SLICED_TILE_M``), the one whose
+    slowest SM walks least K (waves of the launch's CTAs, every active expert's M and N tiles, times K / S;
+    ties to fewer slices)."""
     if rows < 1 or experts < 1:
         raise ValueError(f"grouped_heuristic_config: bad problem rows={rows}, experts={experts}")
-    return heuristic_config(planned_rows(rows, experts), n_pad, k_pad, group, num_sms, sliced=False)
+    planned, active = planned_rows(rows, experts), active_experts(rows, experts)
+    best = None
+    for slices in slice_choices(planned):
+        config = sliced_config(planned, n_pad, k_pad, group, slices)
+        if config is None or (slices > 1 and config.tile_m > MAX_SLICED_TILE_M):
+            continue
+        ctas = active * config.ctas(planned, n_pad)
+        t = -(-ctas // num_sms) * (k_pad // slices)
+        if best is None or t < best[0]:
+            best = (t, config)
+    if best is None:
+        return heuristic_config(planned, n_pad, k_pad, group, num_sms, sliced=False)  # raises, by name
+    return best[1]
 
 
 def grouped_plan(
@@ -60,14 +88,11 @@ def grouped_plan(
     k_pad, n_pad = qw.padded_shape
     if config is None:
         config = grouped_heuristic_config(rows, experts, n_pad, k_pad, qw.group, num_sms)
-    if config.slices != 1:
-        raise ValueError(
-            f"blackwell_grouped_matmul: the grouped Blackwell kernel runs without K slices (slices=1), "
-            f"got slices={config.slices}: {config}"
-        )
-    p = plan(rows, qw, num_sms=num_sms, config=config, dtype=dtype)  # the dense kernel's padding
-    bound = max_m_tiles(rows, experts, config.tile_m, x_alignment(p))
-    return p, GroupedWork(experts, rows, bound)
+    # the dense kernel's padding; each M tile holds x_rows_per_tile rows of one expert
+    p = plan(rows, qw, num_sms=num_sms, config=config, dtype=dtype, grouped=True)
+    tile_rows = config.x_rows_per_tile
+    bound = max_m_tiles(rows, experts, tile_rows, x_alignment(p, tile_rows))
+    return p, GroupedWork(experts, rows, bound, tile_rows=tile_rows)
 
 
 def blackwell_grouped_matmul(
@@ -85,7 +110,7 @@ def blackwell_grouped_matmul(
       qw: a stacked ``wgmma_int4`` QuantizedWeight: codes (experts, N_pad / 8, K_pad), scales (and
         offsets) (experts, groups, N_pad), ``shape`` (K, N) per expert.
       group_sizes: (experts,) int32, rows of x per expert, summing to at most rows.
-      config: a BlackwellConfig without K slices; None: :func:`grouped_heuristic_config`'s.
+      config: a BlackwellConfig; None: :func:`grouped_heuristic_config`'s.
       num_sms: SMs of the target GPU (148 on a B200).
 
     Returns:
@@ -113,5 +138,5 @@ def blackwell_grouped_matmul(
     if k != p.k_pad or p.x_rows != rows:  # the dense kernel's padding (K to 64, rows to whole 8-row tiles)
         x = jnp.pad(x, ((0, p.x_rows - rows), (0, p.k_pad - k)))
     operands = [group_sizes, *operand_views(p, qw.codes, x, qw.scales, qw.offsets)]
-    y = launch(p, operands, work)
-    return y if p.n == qw.shape[1] else y[:, : qw.shape[1]]
+    y = launch(p, operands, work)  # (out_rows, n): under K slices x's padded rows, zeros past the groups
+    return y if y.shape == (rows, qw.shape[1]) else y[:rows, : qw.shape[1]]

@@ -171,8 +171,11 @@ def plan(
     num_sms: int = DEFAULT_NUM_SMS,
     config: BlackwellConfig | None = None,
     dtype: Any = jnp.bfloat16,
+    grouped: bool = False,
 ) -> BlackwellProblem:
-    """The launch one matmul of M rows against ``qw`` makes on a Blackwell GPU: config, padding, grid."""
+    """The launch one matmul of M rows against ``qw`` makes on a Blackwell GPU: config, padding, grid.
+    ``grouped``: M rows of several experts, an M tile of up to ``x_rows_per_tile`` rows each (under K
+    slices too, where a dense matmul's M must fit one tile)."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"plan: activations must be bfloat16 or float16, got {jnp.dtype(dtype)}")
     k_pad, n_pad = qw.padded_shape
@@ -180,7 +183,7 @@ def plan(
     has_offsets = qw.offsets is not None
     if config is None:
         config = heuristic_config(m, n_pad, k_pad, qw.group, num_sms, has_offsets=has_offsets)
-    config.check_problem(m, n_pad, k_pad, qw.group)
+    config.check_problem(min(m, config.x_rows_per_tile) if grouped else m, n_pad, k_pad, qw.group)
     n = qw.shape[1]
     n_out = n if n % 64 == 0 else n_pad  # as the Hopper kernel: a TMA store needs whole 64-column tiles
     return BlackwellProblem(
@@ -543,7 +546,10 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                         partials = partials.reshape(c.tiles, 64, c.tile_m)
                     sum_slices(partials, y_smem, slices=s, tiles=c.tiles, rows=c.x_rows_per_tile)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(y_smem.at[: p.out_rows], y_gmem.at[:, cols])
+                    if tile.rows is None:  # the one M tile: x's rows
+                        plgpu.copy_smem_to_gmem(y_smem.at[: p.out_rows], y_gmem.at[:, cols])
+                    else:
+                        store_rows(y_smem, y_gmem, cols, tile.rows)
                 plgpu.wait_smem_to_gmem(0)
 
         def compute() -> None:
@@ -557,7 +563,12 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             def _() -> None:
                 # Through the transposed view, as the accumulator is stored: a plain splat store into y_smem
                 # leaves Mosaic GPU's layout inference no solution at 16- and 32-row M tiles (out of fuel).
-                y_smem.T[...] = jnp.zeros(y_smem.T.shape, p.dtype)
+                # Under K slices y_smem is untiled, as the slices' sum writes it: stored as it is (the
+                # transposed view's minor dimension is strided there, which a vector store refuses).
+                if s == 1:
+                    y_smem.T[...] = jnp.zeros(y_smem.T.shape, p.dtype)
+                else:
+                    y_smem[...] = jnp.zeros(y_smem.shape, p.dtype)
                 plgpu.commit_smem()
                 store()
                 plgpu.wait_smem_to_gmem(0)
