@@ -330,20 +330,27 @@ def _one_layer_missing(launches: list[dict[str, Any]], layers: int) -> list[dict
       projection (the final norm fused whole into one non-layer launch), the post-attention norm's launch
       stands for the layers - 1 boundaries;
     - the rotary angles' cos and sin, computed once for all layers when more than one layer reads them,
-      fused into their one reader otherwise."""
+      fused into their one reader otherwise.
+
+    Each is inside a command buffer where its neighbours in a whole compile are: the input norm where the
+    layer's last launch is, the angles where the step's first launch is (checked against whole compiles)."""
     extra = []
     last = max((i for i, la in enumerate(launches) if la["family"] == LINEAR and la["layer"]), default=-1)
     if not any(la["layer"] for la in launches[last + 1 :]):
         norms = [la for la in launches if any("['post_norm']" in s for s in la["operand_bytes"])]
         if norms:
+            # at the layer boundary, beside the layer's last launch: in a graph where that launch is
+            tail = launches[max(i for i, la in enumerate(launches) if la["layer"])]
             extra.append(
-                {**norms[0], "name": "input_norm (layers 1..)", "count": float(layers - 1), "inserted": True}
-            )
+                {**norms[0], "name": "input_norm (layers 1..)", "count": float(layers - 1), "inserted": True,
+                 "in_command_buffer": tail["in_command_buffer"]}
+            )  # fmt: skip
     if not any(_shared(la["op_name"], list(la["operand_bytes"])) for la in launches):
-        for fn in ("cos", "sin"):
+        for fn in ("cos", "sin"):  # at the step's start, in a graph where its first launch is
             extra.append(
                 {"name": f"rope {fn} (shared)", "kind": "fusion", "family": ELEMENTWISE, "layer": False,
-                 "bytes": 0.0, "flops": 0.0, "issue_s": None, "in_command_buffer": False,
+                 "bytes": 0.0, "flops": 0.0, "issue_s": None,
+                 "in_command_buffer": bool(launches) and launches[0]["in_command_buffer"],
                  "op_name": f"rope/{fn}", "operand_bytes": {}, "result_bytes": 0, "count": 1.0,
                  "inserted": True}
             )  # fmt: skip

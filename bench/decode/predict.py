@@ -68,21 +68,20 @@ def predict(launches: list[dict[str, Any]], gpu: Any, batch: int) -> dict[str, A
 
 def graph_launches(launches: list[dict[str, Any]]) -> float:
     """Command buffers the host launches per step: each run of consecutive captured launches in program order
-    is one graph, weighted by the fewest times any of its launches runs (a run inside a layer repeats with
-    it). Launches a one-layer compile lacks (``inserted``, ``count.extrapolate``) join the step's one graph
-    when every compiled launch is captured (jax 0.12: the whole step is one graph), else stand alone."""
+    is one graph, as often as the most frequent launch in it runs (a run inside a layer repeats with the
+    layer; a launch computed once for all layers rides in one of its runs). Launches a one-layer compile
+    lacks (``inserted``, ``count.extrapolate``) join their neighbours' graph where captured; where every
+    compiled launch is captured (jax 0.12) the step is one graph."""
     compiled = [la for la in launches if not la.get("inserted")]
     if compiled and all(la["in_command_buffer"] for la in compiled):
         return 1.0
     graphs, run = 0.0, None
     for la in compiled:
         if la["in_command_buffer"]:
-            run = la.get("count", 1.0) if run is None else min(run, la.get("count", 1.0))
+            run = max(run or 0.0, la.get("count", 1.0))
         elif run is not None:
             graphs, run = graphs + run, None
-    graphs += run or 0.0
-    graphs += sum(la.get("count", 1.0) for la in launches if la.get("inserted") and la["in_command_buffer"])
-    return graphs
+    return graphs + (run or 0.0)
 
 
 def needed_bytes(cfg: Any, weights: str, batch: int, context: int, *, int4_lm_head: bool = False) -> dict:
