@@ -42,16 +42,13 @@ CASES = [
     (([0, 150], 200, 128, 64, 64, True, bf16, True), (128, 64, 1)),  # 50 rows past the sum
     (([140, 130], 300, 64, 64, None, False, bf16, True), (256, 64, 1)),  # 256-row tiles, per column
     # K slices: an M tile holds tile_m / S rows of one expert
-    (([3, 0], 4, 256, 64, 64, False, bf16, True), (16, 64, 4)),  # a row past the sum
+    (([6, 1], 8, 256, 64, 64, False, bf16, True), (16, 64, 4)),  # an expert across two 4-row M tiles, 1 past
     (([2, 0], 2, 512, 64, 128, True, f16, True), (16, 128, 4)),  # group accumulators, f16 (exact q)
     (([0, 1], 2, 1024, 64, 128, True, bf16, True), (16, 256, 4)),  # 2 accumulators a step, the bias fold
 ]
 # Wider sliced tiles, which the picks leave (grouped.MAX_SLICED_TILE_M) but a config may name: (sizes, rows,
 # K, N, group, symmetric, exact, config).
 EXPLICIT_SLICED = [
-    # an expert across two M tiles of 16 rows (64 columns: 16 rows x 4 slices), one past the other's start
-    ([17, 7], 24, 512, 64, 32, True, True,
-     BlackwellConfig(tile_m=64, tile_k=128, max_concurrent_steps=2, slices=4)),
     # per-column scales, an empty expert; 2 slices of 64-row tiles, random data
     ([20, 0, 30], 50, 512, 64, None, False, False,
      BlackwellConfig(tile_m=128, tile_k=64, max_concurrent_steps=2, slices=2)),
