@@ -150,8 +150,11 @@ NOTES: list[str] = [
     "uniformly to their top k). Launch counts equal the thunks XLA's runtime executes (its dumped thunk "
     "sequence; tested).",
     "- **Prediction per launch**: max(bytes / HBM rate, flops / bf16 tensor rate, issue-bound time of "
-    "nybble's dense kernels from the X-ray model: `bench.xray.model` for Hopper's, `bench.xray.blackwell` "
-    "for the Blackwell kernel on b200; none for the grouped kernels) + one launch overhead. "
+    "nybble's kernels from the X-ray model: `bench.xray.model` for Hopper's dense one, "
+    "`bench.xray.blackwell` for the Blackwell kernel on b200; the grouped kernels' for the balanced "
+    "grouping their config is "
+    "chosen for, as the X-ray's MoE rows: `bench.xray.moe_cases`, `bench.xray.blackwell`) + one launch "
+    "overhead. "
     "Flops: 2 x rows x weights read, 2 x query heads per KV head x cache elements read. Step time = sum "
     "over launches; tokens/s = batch / step time.",
     "- **Launch overhead**, the same constants for bf16 and int4: `GpuSpec.launch_s` = 2 us for a launch "

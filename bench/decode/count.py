@@ -204,10 +204,10 @@ def step_record(
                 weights = 2.0 * read  # 4 bits a weight
                 rows = case.batch * moe.top_k / active if stacked else case.batch
                 flops += 2.0 * rows * weights
-                if launch.kind == "mosaic_gpu" and not stacked:
-                    issue_s = _issue_seconds(
-                        launch, op_name, qw, case.batch, report.kernels, gpu, sass_by_kernel or {}
-                    )
+                if launch.kind == "mosaic_gpu":
+                    issue = _grouped_issue_seconds if stacked else _issue_seconds
+                    m = case.batch * moe.top_k if stacked else case.batch
+                    issue_s = issue(launch, op_name, qw, m, report.kernels, gpu, sass_by_kernel or {})
             elif (
                 _is_projection(source) and not source.endswith(".scales") and not source.endswith(".offsets")
             ):
@@ -287,6 +287,51 @@ def _issue_seconds(
         "report": {"launches": [dc.asdict(launch)], "kernels": [dc.asdict(kernel)]},
         "plan": plan,
     }
+    t = model_case(record, gpu, ceilings_for(gpu))["t_issue_us"]
+    return None if t is None else t * 1e-6
+
+
+def _grouped_issue_seconds(
+    launch: Any,
+    op_name: str,
+    qw: Any,
+    rows: int,
+    kernels: list[Any],
+    gpu: Any,
+    sass_by_kernel: dict[str, Any],
+) -> float | None:
+    """The X-ray model's issue-bound time of one grouped kernel launch of ``rows`` rows over the stacked
+    ``qw``, for the balanced grouping its config is chosen for (as the X-ray's MoE rows): the Hopper
+    grouped kernel's (``bench.xray.moe_cases.kernel_plan``, ``model_case``), or on a B200 the Blackwell
+    one's, each role's loop read from its SASS."""
+    from bench.xray import blackwell
+    from bench.xray.model import ceilings_for, model_case
+    from bench.xray.moe_cases import MoeCase, kernel_plan
+
+    name = next((s for s in op_name.split("/") if s.startswith("nybble_")), None)
+    experts, (k, n) = qw.codes.shape[0], qw.shape
+    group = qw.group if qw.group < qw.padded_shape[0] else None  # None: one scale row per column
+    symmetric = qw.offsets is None
+    case = {"m": rows, "k": k, "n": n}
+    launched = [dataclasses.asdict(launch)]
+    if gpu.name == "b200":
+        code = next((c for stem, c in sass_by_kernel.items() if name and name in stem), None)
+        if code is None:
+            return None
+        bw_case = blackwell.Case("decode", k, n, rows, group, symmetric, experts=experts, tokens=rows)
+        plan = blackwell.grouped_plan_record(bw_case, qw)
+        loops = blackwell.kernel_loops(code, plan["k_steps"])
+        if loops is None:
+            return None
+        loop = loops.per_step(plan["weights_per_thread"])
+        record = {"case": case, "report": {"launches": launched}, "plan": plan, "loop": loop}
+        return blackwell.model(record, gpu)["times_us"]["issue"] * 1e-6
+    kernel = next((kn for kn in kernels if name and name in kn.name and kn.loop is not None), None)
+    if kernel is None:
+        return None
+    plan = kernel_plan(MoeCase("decode", k, n, rows, experts, rows, group, symmetric), gpu.sms)
+    report = {"launches": launched, "kernels": [dataclasses.asdict(kernel)]}
+    record = {"case": case, "plan": plan, "report": report}
     t = model_case(record, gpu, ceilings_for(gpu))["t_issue_us"]
     return None if t is None else t * 1e-6
 

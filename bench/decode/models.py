@@ -80,6 +80,26 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 2,
         "vocab_size": 512,
     },
+    "tiny-moe": {  # Qwen3-30B-A3B's structure (q/k norms, top 4 of 16 experts) at a test's size
+        "model_type": "qwen3_moe",
+        "hidden_act": "silu",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "vocab_size": 512,
+    },
 }
 
 
