@@ -55,50 +55,53 @@ def pytest_report_header(config):
     return f"nybble GPU tests (tests/test_kernel_gpu.py): {where} ({why})"
 
 
-# The files that take longest on CI's two cores (CPU seconds of each file run alone, this process and the
-# processes it starts: a measure that does not depend on what else the machine runs; measured 2026-12-04,
-# the suite's total then ~1,480), started first so that both xdist workers end together; the Makefile's
-# --no-loadscope-reorder keeps this order (xdist would otherwise start the files with the most tests first
-# and leave a long file with few tests for the end). Files under ~10 s follow in collection order.
+# The files that take longest on CI's two cores, started first so that both xdist workers end together; the
+# Makefile's --no-loadscope-reorder keeps this order (xdist would otherwise start the files with the most
+# tests first and leave a long file with few tests for the end). Files under ~10 s follow in collection
+# order. Seconds: each file's test durations summed in a `make test` run (2026-12-06, 1,257 s in all), the
+# X-ray gate's counted twice (its compile workers take both cores), test_decode_bench's and
+# test_blackwell_grouped's as they grew that day (their files alone).
 _SLOW_FILES = {
-    "test_xray.py": 290,
-    "test_kernel_interpret.py": 225,
-    "test_kernel_lowering.py": 110,
-    "test_moe_sharding.py": 61,  # 8-CPU-device subprocess and a deviceless 8-GPU compile
+    "test_xray.py": 196,  # two compile workers
+    "test_kernel_interpret.py": 169,
+    "test_kernel_lowering.py": 86,
+    "test_decode_bench.py": 75,  # compile workers for H200 and B200 steps
     "test_fuse.py": 52,
-    "test_models_smollm2.py": 50,
-    "test_sharding_devices.py": 42,
-    "test_moe_pretrained.py": 39,
-    "test_cli.py": 34,
-    "test_readme.py": 32,
-    "test_grouped_configs.py": 32,
-    "test_quant_format.py": 27,
-    "test_moe.py": 25,
-    "test_grouped_interpret.py": 25,
-    "test_quant.py": 25,
-    "test_gptq.py": 23,
-    "test_decode_bench.py": 21,
-    "test_autoround_model.py": 19,
-    "test_blackwell_interpret.py": 19,
-    "test_hf_blockwise.py": 18,
+    "test_moe_sharding.py": 39,  # 8-CPU-device subprocess and a deviceless 8-GPU compile
+    "test_sharding_devices.py": 38,
+    "test_models_smollm2.py": 37,
+    "test_quant_format.py": 33,
+    "test_blackwell_interpret.py": 33,
+    "test_moe.py": 31,
+    "test_triton_interpret.py": 31,
+    "test_cli.py": 30,
+    "test_readme.py": 28,
+    "test_moe_pretrained.py": 27,
+    "test_grouped_configs.py": 27,
+    "test_blackwell_grouped.py": 25,
+    "test_quant.py": 22,
+    "test_blackwell_lowering.py": 21,
+    "test_gptq.py": 20,
+    "test_hf_blockwise.py": 19,
+    "test_bench.py": 19,
+    "test_grouped_interpret.py": 18,
     "test_gpu_check.py": 18,
-    "test_blackwell_gpu.py": 17,
-    "test_hf_models.py": 17,
+    "test_autoround_model.py": 18,
+    "test_hf_cli.py": 18,
+    "test_matmul.py": 16,
     "test_models_decode.py": 16,
-    "test_model_bench.py": 15,
-    "test_matmul.py": 15,
-    "test_bench.py": 15,
+    "test_decode_step.py": 15,
     "test_autoround.py": 15,
-    "test_triton_interpret.py": 15,
-    "test_blackwell_lowering.py": 13,
-    "test_refit.py": 12,
-    "test_models_adapter.py": 12,
-    "test_structure.py": 11,
-    "test_bench_moe.py": 11,
-    "test_ragged.py": 11,
+    "test_models_adapter.py": 14,
+    "test_refit.py": 14,
+    "test_hf_models.py": 13,
+    "test_ragged.py": 13,
+    "test_hf_quantized_models.py": 13,
+    "test_model_bench.py": 12,
+    "test_hf_smollm2.py": 12,
+    "test_triton_lowering.py": 12,
+    "test_bench_moe.py": 10,
     "test_xray_peers.py": 10,
-    "test_hf_cli.py": 10,
-    "test_triton_lowering.py": 10,
 }
 
 
