@@ -101,15 +101,25 @@ def test_fused_donated_step_launches_less(records):
     assert all(la["issue_s"] is not None and la["issue_s"] > 0 for la in kernels)
 
 
-def test_b200_step_charges_the_blackwell_kernels_issue_bound():
+@pytest.fixture(scope="module")
+def b200_records():
+    """The int4 dense and MoE steps compiled for a B200, in one compile worker."""
+    from bench.xray.runner import run_cases
+
+    cases = [CASES["int4"], CASES["moe"]]
+    out = run_cases(cases, gpu="b200", jobs=1, progress=False, worker="bench.decode.worker")
+    for case in cases:
+        assert "error" not in out[case.key], out[case.key].get("traceback")
+    return {"int4": out[CASES["int4"].key], "moe": out[CASES["moe"].key]}
+
+
+def test_b200_step_charges_the_blackwell_kernels_issue_bound(b200_records):
     # On a B200 the step's Blackwell kernels get the B200 X-ray model's issue-bound time, read from their
     # SASS in the step's compile; the same shape compiled alone by the X-ray gives the same time.
     from bench.xray import blackwell
     from bench.xray.runner import run_cases
 
-    case = CASES["int4"]
-    step = run_cases([case], gpu="b200", jobs=1, progress=False, worker="bench.decode.worker")[case.key]
-    assert "error" not in step, step.get("traceback")
+    step = b200_records["int4"]
     kernels = [la for la in step["launches"] if la["kind"] == "mosaic_gpu"]
     assert len(kernels) == 4 and all(la["issue_s"] and la["issue_s"] > 0 for la in kernels)
     cfg = config_for("tiny-llama")
@@ -122,7 +132,7 @@ def test_b200_step_charges_the_blackwell_kernels_issue_bound():
     assert o_proj["issue_s"] * 1e6 == pytest.approx(issue_us["times_us"]["issue"])
 
 
-def test_grouped_kernels_charged_the_xray_models_issue_time(records):
+def test_grouped_kernels_charged_the_xray_models_issue_time(records, b200_records):
     # A MoE step's grouped kernels get the X-ray MoE rows' issue-bound time (the balanced grouping their
     # config is chosen for): on an H200 equal to the same shape compiled alone by the X-ray's MoE worker;
     # on a B200 read from the Blackwell grouped kernel's SASS in the step.
@@ -130,11 +140,9 @@ def test_grouped_kernels_charged_the_xray_models_issue_time(records):
     from bench.xray.moe_cases import MoeCase
     from bench.xray.runner import run_cases
 
-    cfg, case = config_for("tiny-moe"), CASES["moe"]
-    b200 = run_cases([case], gpu="b200", jobs=1, progress=False, worker="bench.decode.worker")[case.key]
-    assert "error" not in b200, b200.get("traceback")
+    cfg = config_for("tiny-moe")
     grouped = {}
-    for gpu, step in (("h200", records["moe"]), ("b200", b200)):
+    for gpu, step in (("h200", records["moe"]), ("b200", b200_records["moe"])):
         grouped[gpu] = [la for la in step["launches"] if "nybble_grouped" in la["op_name"]]
         assert len(grouped[gpu]) == 2 and all(la["issue_s"] and la["issue_s"] > 0 for la in grouped[gpu]), gpu
     down = next(la for la in grouped["h200"] if any("down_proj" in s for s in la["operand_bytes"]))
