@@ -21,6 +21,16 @@ _LLAMA3 = {
     "tie_word_embeddings": False,
     "vocab_size": 128256,
 }
+_QWEN3_MOE = {
+    "model_type": "qwen3_moe",
+    "hidden_act": "silu",
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+}
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     "llama3-8b": {
         **_LLAMA3,
@@ -39,8 +49,7 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8,
     },
     "qwen3-30b-a3b": {
-        "model_type": "qwen3_moe",
-        "hidden_act": "silu",
+        **_QWEN3_MOE,
         "hidden_size": 2048,
         "intermediate_size": 6144,
         "moe_intermediate_size": 768,
@@ -50,12 +59,6 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
         "head_dim": 128,
         "num_experts": 128,
         "num_experts_per_tok": 8,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "tie_word_embeddings": False,
         "vocab_size": 151936,
     },
     "smollm2-135m": {  # what bench.model_bench measures (make gpu-check): its prediction beside it
@@ -81,8 +84,7 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
         "vocab_size": 512,
     },
     "tiny-moe": {  # Qwen3-30B-A3B's structure (q/k norms, top 4 of 16 experts) at a test's size
-        "model_type": "qwen3_moe",
-        "hidden_act": "silu",
+        **_QWEN3_MOE,
         "hidden_size": 256,
         "intermediate_size": 512,
         "moe_intermediate_size": 128,
@@ -92,12 +94,6 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
         "head_dim": 64,
         "num_experts": 16,
         "num_experts_per_tok": 4,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "tie_word_embeddings": False,
         "vocab_size": 512,
     },
 }
