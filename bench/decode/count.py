@@ -205,9 +205,9 @@ def step_record(
                 rows = case.batch * moe.top_k / active if stacked else case.batch
                 flops += 2.0 * rows * weights
                 if launch.kind == "mosaic_gpu":
-                    issue = _grouped_issue_seconds if stacked else _issue_seconds
                     m = case.batch * moe.top_k if stacked else case.batch
-                    issue_s = issue(launch, op_name, qw, m, report.kernels, gpu, sass_by_kernel or {})
+                    sass = sass_by_kernel or {}
+                    issue_s = _issue_seconds(launch, op_name, qw, m, report.kernels, gpu, sass)
             elif (
                 _is_projection(source) and not source.endswith(".scales") and not source.endswith(".offsets")
             ):
@@ -264,94 +264,48 @@ def _shared(op_name: str, sources: list[str]) -> bool:
 def _issue_seconds(
     launch: Any, op_name: str, qw: Any, m: int, kernels: list[Any], gpu: Any, sass_by_kernel: dict[str, Any]
 ) -> float | None:
-    """The X-ray model's issue-bound time of one nybble kernel launch: the Hopper kernel's
-    (``bench.xray.model.model_case``), or on a B200 the Blackwell kernel's (``bench.xray.blackwell``:
-    each role's loop read from the kernel's SASS, ``sass_by_kernel``)."""
-    import dataclasses as dc
-
+    """The X-ray model's issue-bound time of one nybble kernel launch of ``m`` rows: the Hopper kernel's
+    (``bench.xray.model.model_case``), or on a B200 the Blackwell kernel's (``bench.xray.blackwell``: each
+    role's loop read from the kernel's SASS, ``sass_by_kernel``). A stacked ``qw`` is a grouped launch, taken
+    for the balanced grouping its config is chosen for, as the X-ray's MoE rows (``bench.xray.moe_cases``)."""
+    from bench.xray import blackwell
     from bench.xray.launch import dense_launch
     from bench.xray.model import ceilings_for, model_case
+    from bench.xray.moe_cases import MoeCase, kernel_plan
     from nybble.kernels import mosaic_gpu
 
     name = next((s for s in op_name.split("/") if s.startswith("nybble_")), None)
-    if gpu.name == "b200":
-        code = next((c for stem, c in sass_by_kernel.items() if name and name in stem), None)
-        return None if code is None else _blackwell_issue_seconds(launch, code, qw, m, gpu)
-    kernel = next((k for k in kernels if name and name in k.name and k.loop is not None), None)
-    if kernel is None:
-        return None
-    plan = dense_launch(mosaic_gpu.plan(m, qw, num_sms=gpu.sms))  # as the X-ray reads a launch
-    k, n = qw.padded_shape
-    record = {
-        "case": {"m": m, "k": k, "n": n},
-        "report": {"launches": [dc.asdict(launch)], "kernels": [dc.asdict(kernel)]},
-        "plan": plan,
-    }
-    t = model_case(record, gpu, ceilings_for(gpu))["t_issue_us"]
-    return None if t is None else t * 1e-6
-
-
-def _grouped_issue_seconds(
-    launch: Any,
-    op_name: str,
-    qw: Any,
-    rows: int,
-    kernels: list[Any],
-    gpu: Any,
-    sass_by_kernel: dict[str, Any],
-) -> float | None:
-    """The X-ray model's issue-bound time of one grouped kernel launch of ``rows`` rows over the stacked
-    ``qw``, for the balanced grouping its config is chosen for (as the X-ray's MoE rows): the Hopper
-    grouped kernel's (``bench.xray.moe_cases.kernel_plan``, ``model_case``), or on a B200 the Blackwell
-    one's, each role's loop read from its SASS."""
-    from bench.xray import blackwell
-    from bench.xray.model import ceilings_for, model_case
-    from bench.xray.moe_cases import MoeCase, kernel_plan
-
-    name = next((s for s in op_name.split("/") if s.startswith("nybble_")), None)
-    experts, (k, n) = qw.codes.shape[0], qw.shape
+    experts = qw.codes.shape[0] if len(qw.codes.shape) == 3 else 0
     group = qw.group if qw.group < qw.padded_shape[0] else None  # None: one scale row per column
     symmetric = qw.offsets is None
-    case = {"m": rows, "k": k, "n": n}
+    k, n = qw.shape
     launched = [dataclasses.asdict(launch)]
     if gpu.name == "b200":
         code = next((c for stem, c in sass_by_kernel.items() if name and name in stem), None)
         if code is None:
             return None
-        bw_case = blackwell.Case("decode", k, n, rows, group, symmetric, experts=experts, tokens=rows)
-        plan = blackwell.grouped_plan_record(bw_case, qw)
+        if experts:
+            case = blackwell.Case("decode", k, n, m, group, symmetric, experts=experts, tokens=m)
+            plan = blackwell.grouped_plan_record(case, qw)
+        else:
+            plan = blackwell.dense_plan_record(blackwell.Case("decode", k, n, m), qw)
         loops = blackwell.kernel_loops(code, plan["k_steps"])
         if loops is None:
             return None
-        loop = loops.per_step(plan["weights_per_thread"])
-        record = {"case": case, "report": {"launches": launched}, "plan": plan, "loop": loop}
+        record = {"case": {"m": m, "k": k, "n": n}, "report": {"launches": launched}, "plan": plan,
+                  "loop": loops.per_step(plan["weights_per_thread"])}  # fmt: skip
         return blackwell.model(record, gpu)["times_us"]["issue"] * 1e-6
     kernel = next((kn for kn in kernels if name and name in kn.name and kn.loop is not None), None)
     if kernel is None:
         return None
-    plan = kernel_plan(MoeCase("decode", k, n, rows, experts, rows, group, symmetric), gpu.sms)
+    if experts:
+        plan = kernel_plan(MoeCase("decode", k, n, m, experts, m, group, symmetric), gpu.sms)
+    else:
+        plan = dense_launch(mosaic_gpu.plan(m, qw, num_sms=gpu.sms))  # as the X-ray reads a launch
+        k, n = qw.padded_shape
     report = {"launches": launched, "kernels": [dataclasses.asdict(kernel)]}
-    record = {"case": case, "plan": plan, "report": report}
-    t = model_case(record, gpu, ceilings_for(gpu))["t_issue_us"]
-    return None if t is None else t * 1e-6
-
-
-def _blackwell_issue_seconds(launch: Any, code: Any, qw: Any, m: int, gpu: Any) -> float | None:
-    """The B200 X-ray model's issue-bound time of one Blackwell kernel launch from its parsed SASS."""
-    from bench.xray import blackwell
-
-    k, n = qw.shape
-    plan = blackwell.dense_plan_record(blackwell.Case("decode", k, n, m), qw)
-    loops = blackwell.kernel_loops(code, plan["k_steps"])
-    if loops is None:
-        return None
-    record = {
-        "case": {"m": m, "k": k, "n": n},
-        "report": {"launches": [dataclasses.asdict(launch)]},
-        "plan": plan,
-        "loop": loops.per_step(plan["weights_per_thread"]),
-    }
-    return blackwell.model(record, gpu)["times_us"]["issue"] * 1e-6
+    t = model_case({"case": {"m": m, "k": k, "n": n}, "report": report, "plan": plan}, gpu, ceilings_for(gpu))
+    return None if t["t_issue_us"] is None else t["t_issue_us"] * 1e-6
 
 
 def extrapolate(launches: list[dict[str, Any]], compiled_layers: int, layers: int) -> list[dict[str, Any]]:

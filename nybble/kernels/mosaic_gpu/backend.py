@@ -174,14 +174,13 @@ def ragged_matmul(x: jax.Array, qw: QuantizedWeight, group_sizes: jax.Array) -> 
     clamping them here too would cost a decode step two launches a MoE layer (a cumsum and its shift)."""
     if (why := _no_kernel_here()) is not None:
         raise NotImplementedError(f"nybble.ragged_matmul(implementation='mosaic_gpu') cannot run: {why}")
-    sizes = group_sizes
     if family() == "blackwell":
         from nybble.kernels.mosaic_gpu.blackwell import grouped as blackwell_grouped
 
         sms = _num_sms(blackwell_grouped.DEFAULT_NUM_SMS)
-        return blackwell_grouped.blackwell_grouped_matmul(x, qw, sizes, num_sms=sms)
+        return blackwell_grouped.blackwell_grouped_matmul(x, qw, group_sizes, num_sms=sms)
     config = _grouped_config(int(x.shape[0]), qw)[0] if _on_hopper_hardware() else None
-    return grouped.grouped_matmul(x, qw, sizes, config=config, num_sms=device.num_sms())
+    return grouped.grouped_matmul(x, qw, group_sizes, config=config, num_sms=device.num_sms())
 
 
 __all__ = [

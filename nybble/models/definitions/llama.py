@@ -163,18 +163,14 @@ def norm_heads_together(
 ) -> tuple[jax.Array, jax.Array]:
     """``(q_norm(q), k_norm(k))`` for q (b, t, heads, d) and k (b, t, kv_heads, d) with the sums of squares
     of every head of both in one reduction: one launch of a decode step where two norms were two. Each
-    head's mean is over its own d values, as each norm computes it."""
+    head's mean is over its own d values, and gets its own norm's eps, as each norm computes it."""
     with jax.named_scope("norm"):
-        heads = q.shape[2]
-        qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
-        both = jnp.concatenate([qf, kf], axis=2)
-        inv = jax.lax.rsqrt(jnp.mean(both * both, axis=-1, keepdims=True) + q_norm.eps)
-        if k_norm.eps != q_norm.eps:
-            inv_k = jax.lax.rsqrt(jnp.mean(kf * kf, axis=-1, keepdims=True) + k_norm.eps)
-        else:
-            inv_k = inv[:, :, heads:]
-        qn = qf * inv[:, :, :heads] * q_norm.weight[...].astype(jnp.float32)
-        kn = kf * inv_k * k_norm.weight[...].astype(jnp.float32)
+        heads, kv_heads = q.shape[2], k.shape[2]
+        both = jnp.concatenate([q.astype(jnp.float32), k.astype(jnp.float32)], axis=2)
+        eps = np.asarray([q_norm.eps] * heads + [k_norm.eps] * kv_heads, np.float32)[:, None]
+        both = both * jax.lax.rsqrt(jnp.mean(both * both, axis=-1, keepdims=True) + eps)
+        qn = both[:, :, :heads] * q_norm.weight[...].astype(jnp.float32)
+        kn = both[:, :, heads:] * k_norm.weight[...].astype(jnp.float32)
         return qn.astype(q.dtype), kn.astype(k.dtype)
 
 

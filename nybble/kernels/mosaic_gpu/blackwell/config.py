@@ -198,7 +198,7 @@ def sliced_config(m: int, n_pad: int, k_pad: int, group: int, slices: int) -> Bl
     if config is None:
         return None
     try:
-        config.check_problem(min(m, config.x_rows_per_tile), n_pad, k_pad, group)
+        config.check_problem(m, n_pad, k_pad, group)
     except ValueError:
         return None
     return config
