@@ -169,6 +169,20 @@ def test_decode_step_launch_count(records):
     assert totals(extrapolate(records["int4"]["launches"], 1, 3))["launches"] == 3 * len(layer) + 2 + 2 + 3
 
 
+def test_qk_norms_take_one_launch(records):
+    # Qwen3's q/k norms (tiny-moe): one reduction for every head's sum of squares; each normalized head is
+    # computed where it is read (the query's rotary fusion, the key's cache write), so between the qkv and
+    # o kernels the step launches exactly one more than Llama's (tiny-llama: no q/k norms).
+    def between_first_kernels(record: dict) -> list[dict]:
+        layer = [la for la in extrapolate(record["launches"], 1, 1) if la["layer"]]
+        kernels = [i for i, la in enumerate(layer) if la["kind"] == "mosaic_gpu"]
+        return layer[kernels[0] + 1 : kernels[1]]
+
+    llama, qwen3 = between_first_kernels(records["int4"]), between_first_kernels(records["moe"])
+    assert len(qwen3) == len(llama) + 1, ([la["op_name"] for la in llama], [la["op_name"] for la in qwen3])
+    assert len([la for la in qwen3 if "/norm/" in la["op_name"]]) == 1
+
+
 def test_prediction_adds_the_same_overhead_per_launch():
     launches = [
         {

@@ -168,9 +168,9 @@ def norm_heads_together(
         heads, kv_heads = q.shape[2], k.shape[2]
         both = jnp.concatenate([q.astype(jnp.float32), k.astype(jnp.float32)], axis=2)
         eps = np.asarray([q_norm.eps] * heads + [k_norm.eps] * kv_heads, np.float32)[:, None]
-        both = both * jax.lax.rsqrt(jnp.mean(both * both, axis=-1, keepdims=True) + eps)
-        qn = both[:, :, :heads] * q_norm.weight[...].astype(jnp.float32)
-        kn = both[:, :, heads:] * k_norm.weight[...].astype(jnp.float32)
+        inv = jax.lax.rsqrt(jnp.mean(both * both, axis=-1, keepdims=True) + eps)
+        qn = q.astype(jnp.float32) * inv[:, :, :heads] * q_norm.weight[...].astype(jnp.float32)
+        kn = k.astype(jnp.float32) * inv[:, :, heads:] * k_norm.weight[...].astype(jnp.float32)
         return qn.astype(q.dtype), kn.astype(k.dtype)
 
 
