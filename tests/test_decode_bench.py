@@ -21,6 +21,10 @@ CASES = {
     "int4": StepCase("tiny-llama", "int4", BATCH, CONTEXT, 1, fused=True, donate=True),
     "int4-whole": StepCase("tiny-llama", "int4", BATCH, CONTEXT, 3, fused=True, donate=True),
     "moe": StepCase("tiny-moe", "int4", BATCH, CONTEXT, 1, fused=True, donate=True),
+    # batch 64: XLA fuses the embedding gather into layer 0's residual add and launches the residual adds
+    # apart from the norms
+    "one-b64": StepCase("tiny-llama", "bf16", 64, CONTEXT, 1, fused=True, donate=True),
+    "whole-b64": StepCase("tiny-llama", "bf16", 64, CONTEXT, 3, fused=True, donate=True),
 }
 
 
@@ -73,14 +77,20 @@ def test_bytes_read_of_weights_and_cache(records):
     assert gathers and all(la["family"] == EMBED and la["bytes"] < embed_bytes / 8 for la in gathers)
 
 
-def test_one_layer_extrapolates_to_the_whole_model(records):
-    one = totals(extrapolate(records["one"]["launches"], 1, 3))
-    whole = totals(extrapolate(records["whole"]["launches"], 3, 3))
+# XLA fuses a few elementwise ops across a layer boundary differently: 0.3% of this small model's bytes at
+# batch 2; at batch 64 the one-layer compile's key cache write also computes the key's rotary embedding,
+# reading the qkv output a second time (8% of this small model's bytes, 0.06% of Llama-3-8B's)
+@pytest.mark.parametrize("one_layer, more, rel", [("one", "whole", 5e-3), ("one-b64", "whole-b64", 0.1)])
+def test_one_layer_extrapolates_to_the_whole_model(records, one_layer, more, rel):
+    one = totals(extrapolate(records[one_layer]["launches"], 1, 3))
+    whole = totals(extrapolate(records[more]["launches"], 3, 3))
     assert one["launches"] == whole["launches"]
-    # XLA fuses a few elementwise ops across a layer boundary differently (0.3% of this small model's bytes)
-    assert one["bytes"] == pytest.approx(whole["bytes"], rel=5e-3)
+    assert one["bytes"] == pytest.approx(whole["bytes"], rel=rel)
     for f in FAMILIES:
         assert one[f]["launches"] == whole[f]["launches"], f
+
+
+def test_command_buffers_extrapolate(records):
     # the launches inside command buffers, and the command buffers, as the whole compile's thunks have them:
     # bf16 (one graph on either jax end) and int4 (on jax 0.11.2 nybble's kernels cut each layer's graph)
     for one_layer, more, layers in (("one", "whole", 3), ("int4", "int4-whole", 3)):

@@ -131,13 +131,23 @@ def _family(launch: Any, op_name: str, sources: list[str], cache_bytes: int) -> 
     scopes = op_name.split("/")
     if not op_name and launch.result_bytes % cache_bytes == 0:
         return ATTENTION  # copies of cache buffers (the cache not donated: the step returns new ones)
-    if "embedding" in scopes or "lm_head" in scopes or any(s.startswith(_NON_LAYER_PARAMS) for s in sources):
+    if "embedding" in scopes or "lm_head" in scopes or any(_reads_non_layer(s, sources) for s in sources):
         return EMBED
     if "attention" in scopes or any(s.startswith("cache.") for s in sources):
         return ATTENTION
     if launch.kind in _GEMM_KINDS or "dot_general" in scopes[-1] or any(_is_projection(s) for s in sources):
         return LINEAR
     return ELEMENTWISE
+
+
+def _reads_non_layer(source: str, sources: list[str]) -> bool:
+    """Whether reading ``source`` makes a launch part of the step's non-layer work: the final norm's and the
+    LM head's parameters, and the embedding table where the gather is fused with layer 0's input norm. XLA
+    may fuse the gather into another of layer 0's launches too (a residual add at batch 64): in a deeper
+    layer that launch reads the residual stream instead, so it is a layer launch."""
+    if source.startswith("state['embed']"):
+        return any("['input_norm']" in s for s in sources)
+    return source.startswith(_NON_LAYER_PARAMS)
 
 
 def _is_projection(source: str) -> bool:
@@ -326,8 +336,9 @@ def _one_layer_missing(launches: list[dict[str, Any]], layers: int) -> list[dict
 
     - the next layer's input norm: layer 0's is fused with the embedding gather; each later one is a
       launch at the layer boundary, like the post-attention norm. When no layer launch follows the last
-      projection (the final norm fused whole into one non-layer launch), the post-attention norm's launch
-      stands for the layers - 1 boundaries;
+      projection (the final norm fused whole into one non-layer launch), the post-attention norm's
+      launches stand for the layers - 1 boundaries: the norm, and the residual add before it where XLA
+      launches that apart (at batch 64);
     - the rotary angles' cos and sin, computed once for all layers when more than one layer reads them,
       fused into their one reader otherwise.
 
@@ -336,14 +347,19 @@ def _one_layer_missing(launches: list[dict[str, Any]], layers: int) -> list[dict
     extra = []
     last = max((i for i, la in enumerate(launches) if la["family"] == LINEAR and la["layer"]), default=-1)
     if not any(la["layer"] for la in launches[last + 1 :]):
-        norms = [la for la in launches if any("['post_norm']" in s for s in la["operand_bytes"])]
-        if norms:
+        norms = [i for i, la in enumerate(launches) if any("['post_norm']" in s for s in la["operand_bytes"])]
+        norm = norms[0] if norms else None
+        if norm is not None:
+            # the post-attention boundary: the launches after the attention's output projection, to its norm
+            start = max((i for i in range(norm) if launches[i]["family"] == LINEAR), default=norm - 1) + 1
             # at the layer boundary, beside the layer's last launch: in a graph where that launch is
             tail = launches[max(i for i, la in enumerate(launches) if la["layer"])]
-            extra.append(
-                {**norms[0], "name": "input_norm (layers 1..)", "count": float(layers - 1), "inserted": True,
-                 "in_command_buffer": tail["in_command_buffer"]}
-            )  # fmt: skip
+            for i in range(start, norm + 1):
+                name = "input_norm" if i == norm else launches[i]["name"]
+                extra.append(
+                    {**launches[i], "name": f"{name} (layers 1..)", "count": float(layers - 1),
+                     "inserted": True, "in_command_buffer": tail["in_command_buffer"]}
+                )  # fmt: skip
     if not any(_shared(la["op_name"], list(la["operand_bytes"])) for la in launches):
         for fn in ("cos", "sin"):  # at the step's start, in a graph where its first launch is
             extra.append(
