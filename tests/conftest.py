@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 
 import pytest
 
@@ -21,6 +22,19 @@ if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not i
     "XLA_FLAGS", ""
 ):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+
+# One JAX compilation cache for the whole run, both xdist workers and the processes tests start: many files
+# compile the same programs (SmolLM2's steps, the tiny models' blocks), each once per run now. Set here in
+# the controller before it starts the workers, which inherit it; the controller removes it at the end
+# (pytest_unconfigure). A run's own directory, never a shared one: nothing carries over between runs.
+_JAX_CACHE = "NYBBLE_TEST_JAX_CACHE"
+if _JAX_CACHE not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
+    os.environ[_JAX_CACHE] = tempfile.mkdtemp(prefix="nybble-test-jax-cache-")
+    os.environ["NYBBLE_TEST_JAX_CACHE_OWNER"] = str(os.getpid())
+if _JAX_CACHE in os.environ:
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ[_JAX_CACHE])
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 # GPU interpret mode runs each warpgroup of a kernel on a thread of XLA's CPU client, whose pool has one
 # thread a core unless NPROC says otherwise (read once, when jax starts its CPU backend). A warpgroup
@@ -130,3 +144,8 @@ def pytest_runtest_makereport(item, call):
 def pytest_runtest_logfinish(nodeid, location):
     if _context_lost and os.environ.get("PYTEST_XDIST_WORKER"):
         os._exit(3)  # after the report went out: xdist replaces this worker
+
+
+def pytest_unconfigure(config):
+    if os.environ.get("NYBBLE_TEST_JAX_CACHE_OWNER") == str(os.getpid()):
+        shutil.rmtree(os.environ[_JAX_CACHE], ignore_errors=True)

@@ -169,6 +169,8 @@ def norm_heads_together(
         both = jnp.concatenate([q.astype(jnp.float32), k.astype(jnp.float32)], axis=2)
         eps = np.asarray([q_norm.eps] * heads + [k_norm.eps] * kv_heads, np.float32)[:, None]
         inv = jax.lax.rsqrt(jnp.mean(both * both, axis=-1, keepdims=True) + eps)
+        # The heads are normalized where they are read (the query's rotary fusion, the key's cache write):
+        # normalized by the reduction itself, the key's rotary halves became two launches of their own.
         qn = q.astype(jnp.float32) * inv[:, :, :heads] * q_norm.weight[...].astype(jnp.float32)
         kn = k.astype(jnp.float32) * inv[:, :, heads:] * k_norm.weight[...].astype(jnp.float32)
         return qn.astype(q.dtype), kn.astype(k.dtype)
