@@ -27,10 +27,10 @@ if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not i
 # compile the same programs (SmolLM2's steps, the tiny models' blocks), each once per run now. Set here in
 # the controller before it starts the workers, which inherit it; the controller removes it at the end
 # (pytest_unconfigure). A run's own directory, never a shared one: nothing carries over between runs.
-_JAX_CACHE = "NYBBLE_TEST_JAX_CACHE"
+_JAX_CACHE, _JAX_CACHE_OWNER = "NYBBLE_TEST_JAX_CACHE", "NYBBLE_TEST_JAX_CACHE_OWNER"
 if _JAX_CACHE not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
     os.environ[_JAX_CACHE] = tempfile.mkdtemp(prefix="nybble-test-jax-cache-")
-    os.environ["NYBBLE_TEST_JAX_CACHE_OWNER"] = str(os.getpid())
+    os.environ[_JAX_CACHE_OWNER] = str(os.getpid())
 if _JAX_CACHE in os.environ:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ[_JAX_CACHE])
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -147,5 +147,5 @@ def pytest_runtest_logfinish(nodeid, location):
 
 
 def pytest_unconfigure(config):
-    if os.environ.get("NYBBLE_TEST_JAX_CACHE_OWNER") == str(os.getpid()):
+    if os.environ.get(_JAX_CACHE_OWNER) == str(os.getpid()):
         shutil.rmtree(os.environ[_JAX_CACHE], ignore_errors=True)

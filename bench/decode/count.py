@@ -347,8 +347,8 @@ def _one_layer_missing(launches: list[dict[str, Any]], layers: int) -> list[dict
     extra = []
     last = max((i for i, la in enumerate(launches) if la["family"] == LINEAR and la["layer"]), default=-1)
     if not any(la["layer"] for la in launches[last + 1 :]):
-        norms = [i for i, la in enumerate(launches) if any("['post_norm']" in s for s in la["operand_bytes"])]
-        norm = norms[0] if norms else None
+        reads_post_norm = (any("['post_norm']" in s for s in la["operand_bytes"]) for la in launches)
+        norm = next((i for i, reads in enumerate(reads_post_norm) if reads), None)
         if norm is not None:
             # the post-attention boundary: the launches after the attention's output projection, to its norm
             start = max((i for i in range(norm) if launches[i]["family"] == LINEAR), default=norm - 1) + 1
