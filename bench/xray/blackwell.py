@@ -68,6 +68,7 @@ PEER_NOTE = (
 _MMA = re.compile(r"^UTC[A-Z]*MMA")
 _STSM = re.compile(r"^STSM")
 _TMA = re.compile(r"^UTMALDG")
+_BAR_SYNC = re.compile(r"^BAR\.SYNC")
 _BACK_BRANCH = re.compile(r"BRA(?:\.U)?\s+(?:!?U?P\d+,\s*)?`?\(?(?P<label>\.L_x_\d+)\)?`?")
 
 
@@ -154,11 +155,18 @@ class RoleLoop:
     stall_cycles: float
     mmas: float
     body: sass_mod.Loop
+    barriers: float = 0.0  # warpgroup barriers (BAR.SYNC): each waits for the warpgroup's 4 warps
 
     @classmethod
     def of(cls, loop: sass_mod.Loop, steps: int = 1) -> RoleLoop:
         """``loop`` spanning ``steps`` K steps (more than 1 where the compiler unrolled them)."""
-        return cls(loop.size / steps, loop.stall_cycles / steps, _count(loop, _MMA) / steps, loop)
+        return cls(
+            loop.size / steps,
+            loop.stall_cycles / steps,
+            _count(loop, _MMA) / steps,
+            loop,
+            _count(loop, _BAR_SYNC) / steps,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +199,7 @@ class KernelLoops:
             "dequant_warpgroups": len(self.dequant),
             "issue_instructions": [round(i, 1) for i in issue],
             "mmas": round(sum(loop.mmas for loop in self.mma)),
+            "warpgroup_barriers": [round(loop.barriers, 1) for loop in self.dequant],
             "stall_cycles": round(cycles, 1),
             "instructions_per_weight": (dq + sum(issue) / 4) / weights_per_thread,
             "dequant_instructions_per_weight": dq / weights_per_thread,
@@ -457,22 +466,27 @@ def markdown(result: dict) -> str:
         "",
         f"jax {result['jax']}. A static view: SASS counts and a model, no timing. {result['peer_note']}",
         "",
-        "| case | config | launches | regs | spills | TMEM cols | dequant loop | issue loops | UTCHMMA | "
-        "instr/weight | dequant instr/weight | model bound | model us | % HBM | % bf16 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "dequant loop: each dequantizing warpgroup's K loop, instructions a step; BAR.SYNC: its warpgroup "
+        "barriers a step (each waits for the warpgroup's 4 warps).",
+        "",
+        "| case | config | launches | regs | spills | TMEM cols | dequant loop | BAR.SYNC | issue loops | "
+        "UTCHMMA | instr/weight | dequant instr/weight | model bound | model us | % HBM | % bf16 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['key']} | error: {r['error'][:120]} |" + " |" * 13)
+            lines.append(f"| {r['key']} | error: {r['error'][:120]} |" + " |" * 14)
             continue
         plan, loop, mdl = r.get("plan") or {}, r.get("loop") or {}, r["model"]
         ipw = f"{loop['instructions_per_weight']:.2f}" if loop else "-"
         dequant_ipw = f"{loop['dequant_instructions_per_weight']:.2f}" if loop else "-"
         issue = " + ".join(f"{i:g}" for i in loop.get("issue_instructions", [])) or "-"
+        barriers = " + ".join(f"{b:g}" for b in loop.get("warpgroup_barriers", [])) or "-"
         lines.append(
             f"| {r['key']} | {plan.get('config', '-')} | {r['launches']} | {r['registers'] or '-'} | "
             f"{r['spill_bytes']} | {plan.get('tmem_columns', '-')} | {loop.get('instructions', '-')} | "
-            f"{issue}{' (a role unrolled)' if loop.get('straight_line') else ''} | {loop.get('mmas', '-')} | "
+            f"{barriers} | {issue}{' (a role unrolled)' if loop.get('straight_line') else ''} | "
+            f"{loop.get('mmas', '-')} | "
             f"{ipw} | {dequant_ipw} | {mdl['bound']} | {mdl['model_us']:.1f} | "
             f"{100 * mdl['hbm_fraction']:.0f} | {100 * mdl['tensor_fraction']:.0f} |"
         )
