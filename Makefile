@@ -5,28 +5,35 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # pyproject.toml declares jax>=0.11.2,<0.13; CI tests both ends. `make install` / `make test` pin the lower
 # end (the X-ray toolchain and its baseline are built for it); `make test-jax-latest` the newest release in
-# the range, in a venv of its own (nybble/jax_range.py names both).
+# the range, in a venv of its own; `make test-jax-cuda12` the newest release jax's CUDA 12 plugin exists for
+# (jax 0.12.1 ships a CUDA 13 plugin only, so `pip install "jax[cuda12]"` gets 0.12.0.1) (nybble/jax_range.py
+# names all three).
 JAX_PIN := 0.11.2
-JAX_LATEST := 0.12.0.1
+JAX_LATEST := 0.12.1
 LATEST_VENV := .venv-jax-latest
 LATEST_PY := $(LATEST_VENV)/bin/python
 LATEST_STAMP := $(LATEST_VENV)/.installed
+JAX_LATEST_CUDA12 := 0.12.0.1
+CUDA12_VENV := .venv-jax-cuda12
+CUDA12_PY := $(CUDA12_VENV)/bin/python
+CUDA12_STAMP := $(CUDA12_VENV)/.installed
 # The X-ray toolchain (~600 MB) has its own stamp: only the targets that compile kernels for a GPU need it.
 XRAY_STAMP := $(VENV)/.xray-installed
 # The `xray` extra lives apart from the venv's site-packages, so JAX's CUDA plugin does not change what JAX
 # does in ordinary (CPU-only) processes; `python -m bench.xray` starts its compile workers with it.
 XRAY_SITE := $(VENV)/nybble-xray
 XRAY_PACKAGES = $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['xray']))")
-# The same packages for the newest jax of the range: its CUDA plugin and PJRT, the same ptxas and nvdisasm.
-LATEST_XRAY_SITE := $(LATEST_VENV)/nybble-xray
-LATEST_XRAY_STAMP := $(LATEST_VENV)/.xray-installed
-LATEST_XRAY_PACKAGES = $$($(LATEST_PY) -c "import tomllib; print(' '.join(p.replace('==$(JAX_PIN)', '==$(JAX_LATEST)') for p in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['xray']))")
+# The same packages for the newest jax with a CUDA 12 plugin: its plugin and PJRT, the same ptxas and nvdisasm.
+LATEST_XRAY_SITE := $(CUDA12_VENV)/nybble-xray
+LATEST_XRAY_STAMP := $(CUDA12_VENV)/.xray-installed
+LATEST_XRAY_PACKAGES = $$($(CUDA12_PY) -c "import tomllib; print(' '.join(p.replace('==$(JAX_PIN)', '==$(JAX_LATEST_CUDA12)') for p in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['xray']))")
 # First Python >= 3.12 found: pyenv users get 3.12 from .python-version through `python3`.
 PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.14; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
 	&& { echo $$p; break; }; done)
 
-.PHONY: install xray-install bench bench-full bench-checkpoints test test-fast test-jax-latest lint gpu-check quickstart \
+.PHONY: install xray-install bench bench-full bench-checkpoints test test-fast test-jax-latest test-jax-cuda12 lint \
+	gpu-check quickstart \
 	xray xray-jax-latest xray-peers clean
 
 # With an NVIDIA GPU (`nvidia-smi -L` lists one) jax's CUDA plugin comes too: the cuda13 extra when the
@@ -57,8 +64,15 @@ $(XRAY_STAMP): $(STAMP)
 	$(PY) -m pip install -q --no-deps --upgrade --target $(XRAY_SITE) $(XRAY_PACKAGES)
 	touch $(XRAY_STAMP)
 
-$(LATEST_XRAY_STAMP): $(LATEST_STAMP)
-	$(LATEST_PY) -m pip install -q --no-deps --upgrade --target $(LATEST_XRAY_SITE) $(LATEST_XRAY_PACKAGES)
+$(CUDA12_STAMP): pyproject.toml
+	@test -n "$(PYTHON)" || { echo "nybble needs Python >= 3.12 (python3.12 on PATH, or pyenv with 3.12)"; exit 1; }
+	$(PYTHON) -m venv $(CUDA12_VENV)
+	$(CUDA12_PY) -m pip install -q --upgrade pip
+	$(CUDA12_PY) -m pip install -q "jax==$(JAX_LATEST_CUDA12)" "jaxlib==$(JAX_LATEST_CUDA12)" -e ".[test,models]"
+	touch $(CUDA12_STAMP)
+
+$(LATEST_XRAY_STAMP): $(CUDA12_STAMP)
+	$(CUDA12_PY) -m pip install -q --no-deps --upgrade --target $(LATEST_XRAY_SITE) $(LATEST_XRAY_PACKAGES)
 	touch $(LATEST_XRAY_STAMP)
 
 install: $(STAMP)
@@ -81,7 +95,7 @@ xray: $(XRAY_STAMP)
 # The X-ray on the newest jax of the range (its own toolchain; `make xray` is the pinned end's, the one
 # bench/xray_baseline.json holds): compare the two tables per kernel case (docs/logs/performance-log.md).
 xray-jax-latest: $(LATEST_XRAY_STAMP)
-	$(LATEST_PY) -m bench.xray --peers nybble:mosaic_gpu --no-plot --out bench/results/xray-jax-$(JAX_LATEST)
+	$(CUDA12_PY) -m bench.xray --peers nybble:mosaic_gpu --no-plot --out bench/results/xray-jax-$(JAX_LATEST_CUDA12)
 
 # nybble beside Marlin (vLLM), tokamax, JAX's int8 example and XLA at the Llama-3 shapes and the MoE shapes;
 # the peers' toolchains install into nybble's cache (~/.cache/nybble/peers) on first use, never into .venv.
@@ -116,18 +130,25 @@ test-fast: $(STAMP)
 # (each kernel family also runs on both ends in its own tests: K slices, exact and accumulator routes, bias
 # fold, producer, split-K, 256-wide M tiles, constant slots, persistent grid, groups, MoE), to keep CI's two
 # steps under 20 minutes: with them, CI took 1340 s for the stop of 2026-12-06.
-LATEST_TESTS := $(FAST_TESTS) tests/test_jax_range.py tests/test_dispatch.py tests/test_kernel_lowering.py \
+KERNEL_TESTS := tests/test_jax_range.py tests/test_dispatch.py tests/test_kernel_lowering.py \
 	tests/test_grouped_lowering.py tests/test_grouped_interpret.py tests/test_kernel_interpret.py \
 	tests/test_triton_dispatch.py tests/test_triton_interpret.py \
 	tests/test_blackwell_interpret.py tests/test_blackwell_lowering.py tests/test_blackwell_dispatch.py \
 	tests/test_blackwell_grouped.py
+LATEST_TESTS := $(FAST_TESTS) $(KERNEL_TESTS)
 LATEST_DESELECT := not test_every_heuristic_config_in_interpret_mode
 test-jax-latest: $(LATEST_STAMP)
 	NYBBLE_LOWER_GATE_KERNELS=1 $(LATEST_PY) -m pytest -q -n 2 --dist load -m "not slow" \
 		-k "$(LATEST_DESELECT)" $(LATEST_TESTS)
 
+# The newest jax a CUDA 12 driver gets (JAX_LATEST_CUDA12, its own venv): the kernel tests as above (the fast
+# tier's XLA paths run on both other releases). CI's third step.
+test-jax-cuda12: $(CUDA12_STAMP)
+	NYBBLE_LOWER_GATE_KERNELS=1 $(CUDA12_PY) -m pytest -q -n 2 --dist load -m "not slow" \
+		-k "$(LATEST_DESELECT)" $(KERNEL_TESTS)
+
 gpu-check:
 	bash bench/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) $(LATEST_VENV) .pytest_cache .hypothesis .ruff_cache
+	rm -rf $(VENV) $(LATEST_VENV) $(CUDA12_VENV) .pytest_cache .hypothesis .ruff_cache

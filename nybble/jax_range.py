@@ -1,9 +1,10 @@
 """The jax releases nybble supports: ``jax>=0.11.2,<0.13`` (pyproject.toml), tested at both ends.
 
-CI runs the whole suite on the lower end and the kernel tests on the newest release in the range
-(``make test-jax-latest``). Outside the range ``import nybble`` warns once (:func:`warn_if_outside`) and the
-Mosaic GPU kernels refuse to run (:func:`outside_reason`, in their ``is_supported``): Mosaic GPU's API and
-layout inference change between jax releases, so a kernel that lowers on one may not on the next.
+CI runs the whole suite on the lower end, and the kernel tests on the newest release in the range (``make
+test-jax-latest``) and on the newest one jax's CUDA 12 plugin exists for (``make test-jax-cuda12``). Outside
+the range ``import nybble`` warns once (:func:`warn_if_outside`) and the Mosaic GPU kernels refuse to run
+(:func:`outside_reason`, in their ``is_supported``): Mosaic GPU's API and layout inference change between jax
+releases, so a kernel that lowers on one may not on the next.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ __all__ = ["MAX_EXCLUSIVE", "MIN_VERSION", "SPECIFIER", "TESTED", "outside_reaso
 MIN_VERSION = (0, 11, 2)
 MAX_EXCLUSIVE = (0, 13)
 SPECIFIER = ">=0.11.2,<0.13"
-# The releases CI tests: the lower end and the newest release in the range.
-TESTED = ("0.11.2", "0.12.0.1")
+# The releases CI tests: the lower end, the newest release jax's CUDA 12 plugin exists for (what
+# `pip install "jax[cuda12]"` gets in the range) and the newest release in the range.
+TESTED = ("0.11.2", "0.12.0.1", "0.12.1")
 
 _warned = False
 
@@ -47,10 +49,11 @@ def outside_reason(version: str | None = None) -> str | None:
     release = _release(version)
     if release and MIN_VERSION <= release < MAX_EXCLUSIVE:
         return None
+    tested = f"{', '.join(TESTED[:-1])} and {TESTED[-1]}"
     return (
-        f"nybble supports jax{SPECIFIER} (tested with jax {TESTED[0]} and {TESTED[1]}) and this is jax "
-        f"{version}; its Mosaic GPU kernels are refused outside that range (Mosaic GPU changes between jax "
-        f"releases): install a jax in the range, e.g. pip install \"jax{SPECIFIER}\""
+        f"nybble supports jax{SPECIFIER} (tested with jax {tested}) and this is jax {version}; its Mosaic "
+        f"GPU kernels are refused outside that range (Mosaic GPU changes between jax releases): install a "
+        f"jax in the range, e.g. pip install \"jax{SPECIFIER}\""
     )
 
 

@@ -265,26 +265,3 @@ def test_xray_moe_rows_pair_each_kernel_case_with_its_peers():
     assert {c.m for c in cases} == {top_k, 64 * top_k} and {c.experts for c in cases} == {experts}
     assert len({c.key for c in cases}) == len(cases)  # one row each
 
-
-def test_dequantizing_loops_store_without_warpgroup_barriers():
-    """The decode kernels' dequantizing loops, compiled to sm_100a SASS: a warpgroup barrier (BAR.SYNC, all 4
-    warps wait) only where the kernel synchronizes (commit_smem before the A operand's arrival, the
-    tensor-core-ordered arrival, the fold's TMEM load): at most 3 a K step. Mosaic's automatic barriers put
-    two around each of the step's SMEM stores (10 and 11 at M = 1 with them, 2 and 3 without); the kernel
-    turns them off (``unsafe_no_auto_barriers``, blackwell/kernel.py says why that is safe)."""
-    from bench.kernel_xray import ToolchainMissing
-    from bench.xray.blackwell import Case
-    from bench.xray.runner import run_cases
-
-    cases = [Case("llama3-8b-qo", 4096, 4096, m, 128, True) for m in (1, 16)]
-    try:
-        records = run_cases(cases, gpu="b200", jobs=2, progress=False, worker="bench.xray.blackwell_worker")
-    except ToolchainMissing as e:
-        pytest.fail(f"the X-ray toolchain is missing: {e}")
-    for case in cases:
-        record = records[case.key]
-        assert "error" not in record, record.get("traceback", record.get("error"))
-        assert record["report"]["kernels"][0]["spill_bytes"] == 0
-        loop = record["loop"]
-        assert loop["dequant_warpgroups"] == 2 and len(loop["warpgroup_barriers"]) == 2, loop
-        assert max(loop["warpgroup_barriers"]) <= 3, (case.key, loop["warpgroup_barriers"])

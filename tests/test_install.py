@@ -53,17 +53,20 @@ def test_cuda_extra_follows_the_gpu_and_driver(tmp_path, gpu, cuda, extras):
 
 def test_install_pins_the_lower_end_of_the_jax_range(tmp_path):
     """pyproject.toml allows a range of jax; `make install` (and so `make test`, CI's first step) installs
-    its lower end, the one the X-ray baseline was made with; `make test-jax-latest` the newest release."""
+    its lower end, the one the X-ray baseline was made with; `make test-jax-latest` the newest release, `make
+    test-jax-cuda12` the newest with a CUDA 12 plugin."""
     from nybble.jax_range import TESTED
 
     assert f'"jax=={TESTED[0]}" "jaxlib=={TESTED[0]}" -e' in _install_line(tmp_path)
-    res = subprocess.run(
-        ["make", "-n", "-B", "test-jax-latest"], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert res.returncode == 0, res.stderr
-    assert f'.venv-jax-latest/bin/python -m pip install -q "jax=={TESTED[1]}" "jaxlib=={TESTED[1]}" -e' in (
-        res.stdout
-    )
+    for target, venv, version in (
+        ("test-jax-latest", ".venv-jax-latest", TESTED[-1]),
+        ("test-jax-cuda12", ".venv-jax-cuda12", TESTED[1]),
+    ):
+        res = subprocess.run(
+            ["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+        assert res.returncode == 0, res.stderr
+        assert f'{venv}/bin/python -m pip install -q "jax=={version}" "jaxlib=={version}" -e' in res.stdout
 
 
 def test_cuda_extra_can_be_chosen(tmp_path):

@@ -38,8 +38,13 @@ def test_pyproject_declares_the_range():
     assert jax_range.MAX_EXCLUSIVE == tuple(map(int, high.split(".")))
     # The X-ray toolchain stays pinned (SASS counts depend on it), at the lower end.
     assert f"jax-cuda12-plugin=={low}" in extras["xray"]
-    # The newest tested release is the one `make test-jax-latest` pins.
-    assert f"JAX_LATEST := {jax_range.TESTED[1]}" in (ROOT / "Makefile").read_text()
+    # The newest tested release is the one `make test-jax-latest` pins; the one before it `make
+    # test-jax-cuda12`'s (the newest with a CUDA 12 plugin); CI runs all three (.ci/run).
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"JAX_LATEST := {jax_range.TESTED[-1]}" in makefile
+    assert f"JAX_LATEST_CUDA12 := {jax_range.TESTED[1]}" in makefile
+    ci = (ROOT / ".ci" / "run").read_text().split()
+    assert "test" in ci and "test-jax-latest" in ci and "test-jax-cuda12" in ci
 
 
 @pytest.mark.parametrize(
@@ -47,6 +52,7 @@ def test_pyproject_declares_the_range():
     [
         ("0.11.2", True),
         ("0.12.0.1", True),
+        ("0.12.1", True),
         ("0.12.9", True),
         ("0.11.1", False),
         ("0.13.0", False),
@@ -61,7 +67,7 @@ def test_outside_reason(version, inside):
         assert reason is None
     else:
         assert reason.startswith(
-            "nybble supports jax>=0.11.2,<0.13 (tested with jax 0.11.2 and 0.12.0.1) and this is jax "
+            "nybble supports jax>=0.11.2,<0.13 (tested with jax 0.11.2, 0.12.0.1 and 0.12.1) and this is jax "
             f"{version};"
         )
 

@@ -188,7 +188,7 @@ def test_interpret_refuses_a_jax_outside_the_range(monkeypatch):
         with pytest.raises(
             RuntimeError,
             match=rf"patches private functions .* nybble supports jax>=0\.11\.2,<0\.13 \(tested with jax "
-            rf"0\.11\.2 and 0\.12\.0\.1\) and this is jax {re.escape(outside)}",
+            rf"0\.11\.2, 0\.12\.0\.1 and 0\.12\.1\) and this is jax {re.escape(outside)}",
         ):
             interp.check_jax_version(outside)
     monkeypatch.setattr(jax, "__version__", "0.13.0")
@@ -196,6 +196,22 @@ def test_interpret_refuses_a_jax_outside_the_range(monkeypatch):
     with pytest.raises(RuntimeError, match=r"this is jax 0\.13\.0"):
         with nybble.kernels.interpret():
             nybble.matmul(jnp.ones((8, 128), jnp.bfloat16), qw, implementation="mosaic_gpu")
+
+
+def test_register_a_wgmma_patched_only_where_the_interpreter_lacks_it():
+    """jax 0.12.1's interpreter runs a WGMMA whose A operand is in registers by itself; 0.11.2's and
+    0.12.0.1's fail on it ("Expected shape (6,)"), and nybble's context patches that method there only."""
+    from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret
+
+    from nybble.kernels.mosaic_gpu import interpret as interp
+
+    native = interp.native_register_a()
+    assert native == (jax.__version__ not in ("0.11.2", "0.12.0.1"))
+    before = jaxpr_interpret.JaxprInterpreter._interpret_wgmma_ref_p
+    with nybble.kernels.interpret():
+        inside = jaxpr_interpret.JaxprInterpreter._interpret_wgmma_ref_p
+    assert (inside is before) == native and (inside is interp._patched_wgmma_ref_p) == (not native)
+    assert jaxpr_interpret.JaxprInterpreter._interpret_wgmma_ref_p is before
 
 
 def test_interpret_refuses_an_interpreter_without_its_patch_targets(monkeypatch):

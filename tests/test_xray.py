@@ -600,3 +600,26 @@ def test_moe_xla_peers_compile_to_launches_and_bytes(moe_compiled):
         assert rows[peer]["key"] == f"moe/qwen3-30b-a3b-down/T1/g128-sym/{peer}"
         assert rows[peer]["bytes"] > 4 * rows[MOSAIC]["bytes"]
     assert rows[MOSAIC]["launches"] == 1 and rows[MOSAIC]["kernel"]["loop"]["instructions_per_weight"] > 0
+
+
+def test_dequantizing_loops_store_without_warpgroup_barriers():
+    """The decode kernels' dequantizing loops, compiled to sm_100a SASS: a warpgroup barrier (BAR.SYNC, all 4
+    warps wait) only where the kernel synchronizes (commit_smem before the A operand's arrival, the
+    tensor-core-ordered arrival, the fold's TMEM load): at most 3 a K step. Mosaic's automatic barriers put
+    two around each of the step's SMEM stores (10 and 11 at M = 1 with them, 2 and 3 without); the kernel
+    turns them off (``unsafe_no_auto_barriers``, blackwell/kernel.py says why that is safe)."""
+    from bench.xray.blackwell import Case
+    from bench.xray.runner import run_cases
+
+    cases = [Case("llama3-8b-qo", 4096, 4096, m, 128, True) for m in (1, 16)]
+    try:
+        records = run_cases(cases, gpu="b200", jobs=2, progress=False, worker="bench.xray.blackwell_worker")
+    except ToolchainMissing as e:
+        pytest.fail(f"the X-ray toolchain is missing: {e}")
+    for case in cases:
+        record = records[case.key]
+        assert "error" not in record, record.get("traceback", record.get("error"))
+        assert record["report"]["kernels"][0]["spill_bytes"] == 0
+        loop = record["loop"]
+        assert loop["dequant_warpgroups"] == 2 and len(loop["warpgroup_barriers"]) == 2, loop
+        assert max(loop["warpgroup_barriers"]) <= 3, (case.key, loop["warpgroup_barriers"])

@@ -6,7 +6,7 @@ TMA copies, and with ``detect_races=True`` it flags a missing barrier wait or ``
 checks numerics only; the hardware rules (layouts, SMEM budget, TMA alignment) are checked by lowering for
 CUDA (``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``).
 
-The interpreters of jax 0.11.2 and 0.12.0.1 (the ends of nybble's range, ``nybble.jax_range``) cannot run
+The interpreters of jax 0.11.2 and 0.12.0.1 (in nybble's range, ``nybble.jax_range``) cannot run
 ``plgpu.wgmma`` with its A operand in registers ("Expected shape (6,) but got (64, 128)"), which is exactly
 how the W4A16 kernel feeds the dequantized weights. ``interpret()`` closes that gap with a small patch of
 ``jax._src.pallas.mosaic_gpu.interpret``, applied only while the context is active, and only under a jax
@@ -20,6 +20,10 @@ patch makes that check wait until every device of the kernel reached it. And the
 4-bit type deadlocked: the host callback that copies it into the simulated memory waits for a CPU device
 busy running callbacks. The patch hands such values to the host widened to 8 bits (exact) and narrows them
 back there.
+
+jax 0.12.1's interpreter runs the register-A WGMMA itself (its ``gpu_callbacks.wgmma`` takes ``a_is_value``),
+and has no ``_remove_noop_transforms`` (the patch's host side called it): there the WGMMA patch is not
+applied, and the other two are (their functions unchanged, 2026-12-06).
 
 Re-verified on 0.12.0.1 (2026-12-04): the register-A WGMMA still fails there without its patch (the same
 error, ``JaxprInterpreter._interpret_wgmma_ref_p`` unchanged); the end-of-kernel barrier check and the
@@ -231,7 +235,6 @@ def _widening(call: Any, host_fn: Any) -> Any:
 # What the patches below replace or call, by module: checked before patching, so that a jax in the range
 # whose interpreter moved one of them fails here, by name, not inside a kernel.
 _PATCH_TARGETS = {
-    "jaxpr_interpret": ("JaxprInterpreter._interpret_wgmma_ref_p", "resolve_ref"),
     "gpu_callbacks": (
         "_assert_no_barriers_allocated",
         "call_allocate_buffer_for_all_threads",
@@ -239,12 +242,25 @@ _PATCH_TARGETS = {
         "call_allocate_buffer",
         "_allocate_buffer",
         "_get_shared_memory",
-        "_remove_noop_transforms",
         "fail_on_exception",
         "HostAllocationKey",
         "TOKEN_SHAPE_DTYPE",
     ),
 }
+# The register-A WGMMA patch's own, where the interpreter needs it (:func:`native_register_a`).
+_REGISTER_A_TARGETS = {
+    "jaxpr_interpret": ("JaxprInterpreter._interpret_wgmma_ref_p", "resolve_ref"),
+    "gpu_callbacks": ("_remove_noop_transforms",),
+}
+
+
+def native_register_a() -> bool:
+    """Whether this jax's interpreter runs a WGMMA whose A operand is in registers by itself (jax 0.12.1's
+    ``gpu_callbacks.wgmma`` takes ``a_is_value``); 0.11.2's and 0.12.0.1's do not, and take the patch."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    wgmma = getattr(gpu_callbacks, "wgmma", None)
+    return wgmma is not None and "a_is_value" in inspect.signature(wgmma).parameters
 
 
 def check_jax_version(version: str | None = None) -> None:
@@ -263,7 +279,8 @@ def check_jax_version(version: str | None = None) -> None:
     import importlib
 
     missing = []
-    for module, names in _PATCH_TARGETS.items():
+    targets = [*_PATCH_TARGETS.items(), *(() if native_register_a() else _REGISTER_A_TARGETS.items())]
+    for module, names in targets:
         mod = importlib.import_module(f"jax._src.pallas.mosaic_gpu.interpret.{module}")
         for name in names:
             obj = mod
@@ -275,7 +292,7 @@ def check_jax_version(version: str | None = None) -> None:
         raise RuntimeError(
             f"nybble.kernels.interpret() patches private functions of jax's Pallas GPU interpreter, and this "
             f"jax {jax.__version__} lacks {', '.join(missing)}: install one of the tested releases "
-            f"({' or '.join(TESTED)})"
+            f"({', '.join(TESTED)})"
         )
 
 
@@ -289,7 +306,8 @@ def _patched_interpreter() -> Iterator[None]:
     with _patch_lock:
         if _patch_depth == 0:
             _saved_method = cls._interpret_wgmma_ref_p
-            cls._interpret_wgmma_ref_p = _patched_wgmma_ref_p
+            if not native_register_a():
+                cls._interpret_wgmma_ref_p = _patched_wgmma_ref_p
             _saved_barrier_check = gpu_callbacks._assert_no_barriers_allocated
             gpu_callbacks._assert_no_barriers_allocated = _assert_no_barriers_allocated_all_devices
             for call, host_fn in (
