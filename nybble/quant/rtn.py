@@ -178,6 +178,14 @@ def group_params(
     return best[1], best[2]
 
 
+def _over(x: jax.Array, d: int) -> jax.Array:
+    """``x / d`` as XLA computes it under jit: ``x * float32(1 / d)`` (its simplifier rewrites a division by a
+    constant so). Written out, the scales are the same bits in every program that computes them: jax 0.12.1
+    divides exactly where the divisor does not reach XLA as a constant (1 ulp apart in about half the
+    cases), and AutoRound's starting scales differed from RTN's there (tests/test_autoround.py)."""
+    return x * (1.0 / d)
+
+
 def _range_params(
     wg: jax.Array, valid: jax.Array, symmetric: bool, scale_dtype: Any, shrink: float, integer: bool = False
 ) -> tuple[jax.Array, jax.Array | None]:
@@ -187,7 +195,7 @@ def _range_params(
         # step is the smaller of what each side needs (up to 12.5% finer than max|w| / 7).
         neg = -jnp.min(jnp.where(valid, wg, 0.0), axis=-2)
         pos = jnp.max(jnp.where(valid, wg, 0.0), axis=-2)
-        return (shrink * jnp.maximum(neg / 8, pos / 7)).astype(scale_dtype), None
+        return (shrink * jnp.maximum(neg / 8, _over(pos, 7))).astype(scale_dtype), None
     has = jnp.any(valid, axis=-2)
     wmin = shrink * jnp.where(has, jnp.min(jnp.where(valid, wg, jnp.inf), axis=-2), 0.0)
     wmax = shrink * jnp.where(has, jnp.max(jnp.where(valid, wg, -jnp.inf), axis=-2), 0.0)
@@ -196,16 +204,16 @@ def _range_params(
         # 1..15 (GPTQ v1 checkpoints store z - 1 in 4 bits, so z = 0 cannot be written): a group with no
         # negative values takes z = 1 and a step of max / 14 (codes 1..15 cover [0, max]).
         wmin, wmax = jnp.minimum(wmin, 0.0), jnp.maximum(wmax, 0.0)
-        scales = ((wmax - wmin) / 15).astype(scale_dtype)
+        scales = _over(wmax - wmin, 15).astype(scale_dtype)
         s = scales.astype(jnp.float32)
         low = -wmin <= 0.5 * s  # would round to z = 0 (round half to even: -min = s / 2 rounds to 0 too)
-        scales = jnp.where(low, (wmax / 14).astype(scale_dtype), scales)
+        scales = jnp.where(low, _over(wmax, 14).astype(scale_dtype), scales)
         short = low & (scales.astype(jnp.float32) * 14 < wmax)
         scales = jnp.where(short, jnp.nextafter(scales, jnp.asarray(jnp.inf, scales.dtype)), scales)
         s = scales.astype(jnp.float32)
         z = jnp.clip(jnp.round(-wmin / jnp.where(s == 0, 1.0, s)), 1, 15)
         return scales, jnp.where(s == 0, 0.0, (8.0 - z) * s)  # float32: exact
-    scales = ((wmax - wmin) / 15).astype(scale_dtype)
+    scales = _over(wmax - wmin, 15).astype(scale_dtype)
     short = scales.astype(jnp.float32) * 15 < (wmax - wmin)
     scales = jnp.where(short, jnp.nextafter(scales, jnp.asarray(jnp.inf, scales.dtype)), scales)
     offsets = (wmin + 8 * scales.astype(jnp.float32)).astype(scale_dtype)
