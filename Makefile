@@ -24,9 +24,9 @@ XRAY_STAMP := $(VENV)/.xray-installed
 XRAY_SITE := $(VENV)/nybble-xray
 XRAY_PACKAGES = $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['xray']))")
 # The same packages for the newest jax with a CUDA 12 plugin: its plugin and PJRT, the same ptxas and nvdisasm.
-LATEST_XRAY_SITE := $(CUDA12_VENV)/nybble-xray
-LATEST_XRAY_STAMP := $(CUDA12_VENV)/.xray-installed
-LATEST_XRAY_PACKAGES = $$($(CUDA12_PY) -c "import tomllib; print(' '.join(p.replace('==$(JAX_PIN)', '==$(JAX_LATEST_CUDA12)') for p in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['xray']))")
+CUDA12_XRAY_SITE := $(CUDA12_VENV)/nybble-xray
+CUDA12_XRAY_STAMP := $(CUDA12_VENV)/.xray-installed
+CUDA12_XRAY_PACKAGES = $$($(CUDA12_PY) -c "import tomllib; print(' '.join(p.replace('==$(JAX_PIN)', '==$(JAX_LATEST_CUDA12)') for p in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['xray']))")
 # First Python >= 3.12 found: pyenv users get 3.12 from .python-version through `python3`.
 PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.14; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
@@ -73,9 +73,9 @@ $(XRAY_STAMP): $(STAMP)
 $(CUDA12_STAMP): pyproject.toml
 	$(call jax_venv,$(CUDA12_VENV),$(JAX_LATEST_CUDA12))
 
-$(LATEST_XRAY_STAMP): $(CUDA12_STAMP)
-	$(CUDA12_PY) -m pip install -q --no-deps --upgrade --target $(LATEST_XRAY_SITE) $(LATEST_XRAY_PACKAGES)
-	touch $(LATEST_XRAY_STAMP)
+$(CUDA12_XRAY_STAMP): $(CUDA12_STAMP)
+	$(CUDA12_PY) -m pip install -q --no-deps --upgrade --target $(CUDA12_XRAY_SITE) $(CUDA12_XRAY_PACKAGES)
+	touch $(CUDA12_XRAY_STAMP)
 
 install: $(STAMP)
 
@@ -94,9 +94,9 @@ bench-checkpoints: $(STAMP)
 xray: $(XRAY_STAMP)
 	$(PY) -m bench.xray
 
-# The X-ray on the newest jax of the range (its own toolchain; `make xray` is the pinned end's, the one
-# bench/xray_baseline.json holds): compare the two tables per kernel case (docs/logs/performance-log.md).
-xray-jax-latest: $(LATEST_XRAY_STAMP)
+# The X-ray on the newest jax with a CUDA 12 plugin (its own toolchain; `make xray` is the pinned end's, the
+# one bench/xray_baseline.json holds): compare the two tables per kernel case (docs/logs/performance-log.md).
+xray-jax-latest: $(CUDA12_XRAY_STAMP)
 	$(CUDA12_PY) -m bench.xray --peers nybble:mosaic_gpu --no-plot --out bench/results/xray-jax-$(JAX_LATEST_CUDA12)
 
 # nybble beside Marlin (vLLM), tokamax, JAX's int8 example and XLA at the Llama-3 shapes and the MoE shapes;

@@ -264,4 +264,3 @@ def test_xray_moe_rows_pair_each_kernel_case_with_its_peers():
     assert {(c.k, c.n) for c in cases} == {(hidden, inter), (inter, hidden)}
     assert {c.m for c in cases} == {top_k, 64 * top_k} and {c.experts for c in cases} == {experts}
     assert len({c.key for c in cases}) == len(cases)  # one row each
-
