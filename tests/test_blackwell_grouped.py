@@ -21,6 +21,7 @@ import nybble
 import nybble.kernels.mosaic_gpu as mg
 from bench.xray.moe_cases import MOE_SHAPES
 from nybble.kernels.mosaic_gpu.blackwell import BlackwellConfig
+from nybble.kernels.mosaic_gpu.blackwell.config import DEFAULT_NUM_SMS
 from nybble.kernels.mosaic_gpu.blackwell.grouped import (
     blackwell_grouped_matmul,
     grouped_heuristic_config,
@@ -39,13 +40,17 @@ CASES = [
     (([25, 10], 40, 128, 100, 16, True, bf16, False), (32, 128, 1)),  # random data, N = 100, 16-row groups
     (([0, 60, 40], 100, 150, 128, 32, False, bf16, False), (64, 64, 1)),  # random, K = 150
     (([50, 40], 90, 384, 64, 128, True, bf16, True), (64, 128, 1)),  # groups across 64-row tiles
-    (([0, 150], 200, 128, 64, 64, True, bf16, True), (128, 64, 1)),  # 50 rows past the sum
-    (([140, 130], 300, 64, 64, None, False, bf16, True), (256, 64, 1)),  # 256-row tiles, per column
+    (([0, 150], 200, 192, 64, 64, True, bf16, True), (128, 64, 1)),  # 50 rows past the sum, K = 3 x 64
+    (([170, 130], 300, 256, 64, 128, True, bf16, True), (128, 128, 1)),  # two 128-row tiles an expert
+    (([140, 130], 300, 64, 64, None, False, bf16, True), (256, 64, 1)),  # 256-row tiles (FEW_SMS), per column
     # K slices: an M tile holds tile_m / S rows of one expert
     (([6, 1], 8, 256, 64, 64, False, bf16, True), (16, 64, 4)),  # an expert across two 4-row M tiles, 1 past
     (([2, 0], 2, 512, 64, 128, True, f16, True), (16, 128, 4)),  # group accumulators, f16 (exact q)
     (([0, 1], 2, 1024, 64, 128, True, bf16, True), (16, 256, 4)),  # 2 accumulators a step, the bias fold
 ]
+# SMs the heuristics plan for, where not a B200's 148: every tiny case fits one wave there, where 128-row M
+# tiles beat 256-row ones; on one SM they tie in waves x tile_m, and ties go to 256 rows.
+FEW_SMS = {(300, 64): 1}
 # Wider sliced tiles, which the picks leave (grouped.MAX_SLICED_TILE_M) but a config may name: (sizes, rows,
 # K, N, group, symmetric, exact, config).
 EXPLICIT_SLICED = [
@@ -66,8 +71,8 @@ def _stacked(rng, experts, k, n, group, symmetric, exact):
     return jax.tree.map(lambda *a: jnp.stack(a), *ws), ws
 
 
-def _run(x, qw, sizes, config=None, *, jit=False):
-    fn = lambda x, s: blackwell_grouped_matmul(x, qw, s, config=config)
+def _run(x, qw, sizes, config=None, *, jit=False, num_sms=DEFAULT_NUM_SMS):
+    fn = lambda x, s: blackwell_grouped_matmul(x, qw, s, config=config, num_sms=num_sms)
     with interpret(detect_races=True, gpu="b200"):
         y = (jax.jit(fn) if jit else fn)(x, jnp.asarray(sizes, jnp.int32))
     assert not mg.races_found(), "the race detector flagged a data race"
@@ -91,10 +96,11 @@ def test_heuristic_configs(case, tiling):
     sizes, rows, k, n, group, symmetric, dtype, exact = case
     rng = np.random.default_rng(rows * 100 + k)
     qw, ws = _stacked(rng, len(sizes), k, n, group, symmetric, exact)
-    c = grouped_plan(rows, qw)[0].config
+    num_sms = FEW_SMS.get((rows, k), DEFAULT_NUM_SMS)
+    c = grouped_plan(rows, qw, num_sms=num_sms)[0].config
     assert (c.tile_m, c.tile_k, c.slices) == tiling
     x = activations(rng, rows, k, dtype, exact=exact)
-    y = _run(x, qw, sizes)
+    y = _run(x, qw, sizes, num_sms=num_sms)
     assert y.shape == (rows, n) and y.dtype == x.dtype
     if exact:
         assert_exact(np.asarray(y, np.float64), reference(x, ws, sizes))

@@ -17,6 +17,7 @@ import nybble
 import nybble.kernels.mosaic_gpu as mg
 from nybble.kernels.mosaic_gpu import interpret as mgpu_interpret
 from nybble.kernels.mosaic_gpu.blackwell import BlackwellConfig, blackwell_matmul, heuristic_config, plan
+from nybble.kernels.mosaic_gpu.blackwell.config import DEFAULT_NUM_SMS
 from nybble.kernels.mosaic_gpu.blackwell.kernel import folds_scales
 from nybble.quant import relayout
 from tests.kernel_checks import (
@@ -44,6 +45,7 @@ CASES = [
     ((40, 384, 128, 128, True, bf16, f32, False), (64, 128, 1)),
     ((100, 192, 100, None, False, bf16, bf16, True), (128, 64, 1)),
     ((200, 256, 128, 256, False, f16, f32, False), (256, 64, 1)),
+    ((130, 256, 128, 64, False, bf16, bf16, True), (128, 128, 1)),  # two 128-row M tiles (prefill)
     ((1, 768, 128, 64, True, bf16, bf16, True), (16, 64, 4)),
     ((4, 1024, 128, 32, False, bf16, bf16, True), (16, 128, 4)),
     ((8, 768, 192, 32, False, f16, bf16, False), (32, 64, 4)),
@@ -57,6 +59,9 @@ CASES = [
     ((1, 256, 128, 128, False, bf16, bf16, True), (16, 256, 1)),  # 256-deep decode steps
     ((1, 1024, 128, 64, True, f16, bf16, False), (16, 256, 4)),
 ]
+# SMs the heuristics plan for, where not a B200's 148: every tiny case fits one wave there, where 128-row M
+# tiles beat 256-row ones; on one SM they tie in waves x tile_m, and ties go to 256 rows.
+FEW_SMS = {(200, 256, 128): 1}
 
 
 @pytest.fixture(autouse=True)
@@ -79,12 +84,13 @@ def test_heuristic_configs(case, tiling):
     m, k, n, group, symmetric, x_dtype, scale_dtype, exact = case
     rng = np.random.default_rng(m * 1000 + k + n)
     qw = _weight(rng, k, n, group, symmetric, scale_dtype, exact)
-    p = plan(m, qw)
+    num_sms = FEW_SMS.get((m, k, n), DEFAULT_NUM_SMS)
+    p = plan(m, qw, num_sms=num_sms)
     c = p.config
     assert (c.tile_m, c.tile_k, c.slices) == tiling
     x = activations(rng, m, k, x_dtype, exact=exact)
     with interpret(detect_races=True, gpu="b200"):
-        y = blackwell_matmul(x, qw)
+        y = blackwell_matmul(x, qw, num_sms=num_sms)
     assert y.shape == (m, n) and y.dtype == x.dtype
     if exact:  # NaN (an element never written) fails both comparisons
         assert_exact(y, x, qw)
@@ -224,6 +230,25 @@ def test_heuristics_pick_only_covered_configs():
                 c = heuristic_config(m, -(-n // 64) * 64, k, group)
                 picked.add((c.tile_m, c.tile_k, c.slices))
     assert picked <= covered, f"configs picked but never interpreted: {sorted(picked - covered)}"
+
+
+@pytest.mark.no_kernel
+def test_prefill_m_tiles_leave_the_busiest_sm_the_fewest_rows():
+    """Past 128 rows the M tile is 256 or 128 rows, whichever gives the busiest SM fewer MMA rows (waves x
+    tile_m), ties to 256: Llama-3-8B's k/v projection (N = 1024) at M = 2048 takes 128-row tiles (128 CTAs
+    in one wave, not 64 of 256), its q/o projection (N = 4096) 256-row ones (2 waves of 256 rows against 4
+    of 128); 128-row tiles step 128 deep where K allows, 256-row ones 64."""
+    sms = 148
+    for n, tiling, ctas in ((1024, (128, 128), 128), (4096, (256, 64), 256), (14336, (128, 128), 1792)):
+        c = heuristic_config(2048, n, 4096, 128, sms)
+        assert ((c.tile_m, c.tile_k), c.ctas(2048, n)) == (tiling, ctas), n
+        for tile_m in (128, 256):  # the pick is never beaten by the other tile on waves x tile_m
+            other = -(-(2048 // tile_m) * (n // 128) // sms) * tile_m
+            assert -(-ctas // sms) * c.tile_m <= other
+    assert heuristic_config(2048, 1024, 4032, 128, sms).tile_k == 64  # K_pad not a multiple of 128
+    # 129..256 rows: two 128-row tiles rather than one of 256 while the CTAs stay in one wave.
+    assert heuristic_config(200, 4096, 4096, 128, sms).tile_m == 128
+    assert heuristic_config(200, 4096 * 8, 4096, 128, sms).tile_m == 256  # 256 -> 512 CTAs: 2 -> 4 waves
 
 
 @pytest.mark.no_kernel

@@ -192,6 +192,35 @@ def test_xray_finds_each_roles_loop():
     assert step["stall_cycles"] == max(2 + 2 + 3 + 1 + 4, 1 + 1 + 9, 9 + 3)
 
 
+
+def test_xray_model_counts_the_busiest_sms_mmas():
+    """The b200 X-ray's tensor bound is the busiest SM's MMAs, not the call's flops spread over every SM:
+    Llama-3-8B's k/v projection at M = 2048 in 256-row M tiles is 64 CTAs for 148 SMs, one wave of
+    2 x 128 x 256 x 4096 flops at an SM's share of the bf16 rate, 148 / 64 times the whole GPU's time for
+    the call; ``% bf16`` (the call's flops at the bf16 rate over the model's time) is then 64 / 148."""
+    from bench.kernel_xray import get_gpu
+    from bench.xray.blackwell import model
+
+    gpu = get_gpu("b200")
+    m, n, k = 2048, 1024, 4096
+    record = {
+        "case": {"m": m, "n": n, "k": k},
+        "report": {"launches": [{"operand_bytes": {"x": 2 * m * k}, "result_bytes": 2 * m * n}]},
+        "plan": {"ctas": 64, "k_steps": 64, "m_pad": m, "cta_mma_flops": 2 * 128 * 256 * k},
+        "loop": {"stall_cycles": 1},
+    }
+    out = model(record, gpu)
+    whole_gpu_us = 2 * m * n * k / gpu.bf16_flops * 1e6
+    assert out["bound"] == "tensor"
+    assert out["times_us"]["tensor"] == pytest.approx(whole_gpu_us * gpu.sms / 64)
+    assert out["tensor_fraction"] == pytest.approx(64 / gpu.sms)
+    # 128-row tiles: 128 CTAs, still one wave, each half the MMAs.
+    record["plan"] |= {"ctas": 128, "cta_mma_flops": 2 * 128 * 128 * k}
+    assert model(record, gpu)["tensor_fraction"] == pytest.approx(128 / gpu.sms)
+    # Past one wave the busiest SM runs two CTAs.
+    record["plan"] |= {"ctas": gpu.sms + 1}
+    assert model(record, gpu)["times_us"]["tensor"] == pytest.approx(2 * whole_gpu_us * gpu.sms / 128)
+
 # ------------------------------------------------------------------------------ the grouped kernel
 
 

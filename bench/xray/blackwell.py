@@ -9,8 +9,10 @@ weights of a step: 4 warps x tile_n x tile_k / 128 a thread; the dequantizing lo
 registers, spills, TMEM columns (the kernel's allocation), launches per call. The model beside them (a
 model, not a timing): HBM-bound = the call's bytes over 8 TB/s; issue-bound = the cycles of a step (an SM
 scheduler issues its dequantizing warp's loop and the issue warp beside it, one instruction a cycle, and
-no warp beats its own stall counts; one CTA per SM) x steps x waves; tensor-bound = 2 M_pad N K over the
-dense bf16 rate. The largest is the model's time.
+no warp beats its own stall counts; one CTA per SM) x steps x waves; tensor-bound = the busiest SM's MMAs
+(waves x a CTA's 2 tile_n tile_m K / S) at its share of the dense bf16 rate (XLA's and the peer's launches,
+whose grids the model does not read: 2 M N K over the whole GPU's rate). The largest is the model's time;
+``% bf16`` is the call's 2 M N K at the bf16 rate over it.
 
 The MoE rows (``moe/<model>-<projection>/T<tokens>/...``, the grouped kernel
 ``blackwell_grouped_matmul`` against ``nybble.ragged_matmul``'s XLA path) are one grouped matmul of tokens x
@@ -339,6 +341,7 @@ def dense_plan_record(case: Case, qw: Any) -> dict[str, Any]:
         "ctas": p.m_tiles * p.n_tiles,
         "k_steps": p.k_steps,
         "m_pad": p.m_tiles * c.tile_m,
+        "cta_mma_flops": 2 * c.tile_n * c.tile_m * p.slice_k,
         "tmem_columns": p.tmem_columns,
         "weights_per_thread": c.tile_n * c.tile_k / 128,
     }
@@ -368,6 +371,7 @@ def grouped_plan_record(case: Case, qw: Any) -> dict[str, Any]:
         "grid": work.ctas(p),
         "k_steps": p.k_steps,
         "m_pad": m_tiles * c.tile_m,
+        "cta_mma_flops": 2 * c.tile_n * c.tile_m * p.slice_k,
         "tmem_columns": p.tmem_columns,
         "weights_per_thread": c.tile_n * c.tile_k / 128,
         "active_experts": active,
@@ -386,11 +390,14 @@ def model(record: dict, gpu: Any) -> dict[str, Any]:
         hbm = sum(sum(la["operand_bytes"].values()) + la["result_bytes"] for la in launches)
         hbm /= gpu.hbm_bytes_per_s
     times = {"hbm": hbm}
-    m_pad = plan["m_pad"] if plan else case["m"]
-    times["tensor"] = 2 * m_pad * case["n"] * case["k"] / gpu.bf16_flops
-    if plan and loop:
+    useful = 2 * case["m"] * case["n"] * case["k"] / gpu.bf16_flops  # the call's flops, nothing padded
+    times["tensor"] = useful
+    if plan:
+        # The busiest SM's MMAs: an SM runs one CTA at a time (TMEM, SMEM), each over its whole tile.
         waves = math.ceil(plan["ctas"] / gpu.sms)
-        times["issue"] = loop["stall_cycles"] * plan["k_steps"] * waves / gpu.clock_hz
+        times["tensor"] = waves * plan["cta_mma_flops"] / (gpu.bf16_flops / gpu.sms)
+        if loop:
+            times["issue"] = loop["stall_cycles"] * plan["k_steps"] * waves / gpu.clock_hz
     bound = max(times, key=times.get)
     total = times[bound] + gpu.launch_s * max(0, len(launches) - 1)
     return {
@@ -398,7 +405,7 @@ def model(record: dict, gpu: Any) -> dict[str, Any]:
         "bound": bound,
         "model_us": total * 1e6,
         "hbm_fraction": hbm / total,
-        "tensor_fraction": times["tensor"] / total,
+        "tensor_fraction": useful / total,
     }
 
 
@@ -468,6 +475,11 @@ def markdown(result: dict) -> str:
         "",
         "dequant loop: each dequantizing warpgroup's K loop, instructions a step; BAR.SYNC: its warpgroup "
         "barriers a step (each waits for the warpgroup's 4 warps).",
+        "",
+        "model: the largest of HBM (the call's bytes at 8 TB/s), issue (the busiest SM's steps at the loops' "
+        "cycles) and tensor (nybble's rows: the busiest SM's MMAs, waves of CTAs at an SM's share of the "
+        "bf16 rate; other rows: the call's flops at the whole GPU's); % HBM, % bf16: the call's bytes and "
+        "flops at the full rates over the model's time.",
         "",
         "| case | config | launches | regs | spills | TMEM cols | dequant loop | BAR.SYNC | issue loops | "
         "UTCHMMA | instr/weight | dequant instr/weight | model bound | model us | % HBM | % bf16 |",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 from nybble.kernels.mosaic_gpu.config import CHUNK_K
 
@@ -160,10 +161,15 @@ def heuristic_config(
     S = 4, up to M = 64 S = 2, where they shorten the slowest SM's K walk (waves of CTAs x K / S: a 64-row
     M tile alone leaves Llama's 4096 columns 32 CTAs for 148 SMs); K steps of 256 at
     decode where 3 of them fit SMEM (the step's fixed cost over more weights, as much K in flight as 6
-    steps of 128), else 128; 64 at prefill (the x slots grow with M); the deepest pipeline that fits SMEM.
-    ``sliced`` False: no K slices.
+    steps of 128), else 128; past 128 rows M tiles of 256 or 128 rows (:func:`prefill_config`); the
+    deepest pipeline that fits SMEM. ``sliced`` False: no K slices.
     """
     del has_offsets
+    if m > PREFILL_TILE_M:
+        config = prefill_config(m, n_pad, k_pad, group, lambda c: c.ctas(m, n_pad), num_sms)
+        if config is None:
+            raise ValueError(f"no Blackwell config fits M={m}, N_pad={n_pad}, K_pad={k_pad}, group={group}")
+        return config
     best = None
     # Slices 4 or none at M <= 32, 2 or none up to 64 (slice_choices): other counts gain little over them
     # in the model (waves x K / S at the Llama and MoE shapes) and each is more code for the suite to
@@ -180,16 +186,45 @@ def heuristic_config(
     return best[1]
 
 
-def sliced_config(m: int, n_pad: int, k_pad: int, group: int, slices: int) -> BlackwellConfig | None:
-    """The tiling of ``slices`` K slices for M rows in one M tile (or M tiles of up to 256 rows without
-    slices), or None where none fits: tile_m the least of TILE_M_CHOICES holding M x S; the deepest K step
-    that divides K_pad and fits SMEM: 256 at decode, where a step's fixed cost (descriptors, barriers, the
-    MMA issue) is shared by more weights, but only with as much K in flight as 6 steps of 128 (the HBM
-    latency a decode CTA hides); 64 at prefill; the deepest pipeline that fits SMEM."""
-    tile_m = next((t for t in TILE_M_CHOICES if t >= m * slices), None if slices > 1 else 256)
+# Past this many rows the M tile is 128 or 256 rows (:func:`prefill_config`).
+PREFILL_TILE_M = 128
+
+
+def prefill_config(
+    m: int, n_pad: int, k_pad: int, group: int, ctas: Callable[[BlackwellConfig], int], num_sms: int
+) -> BlackwellConfig | None:
+    """The tiling of M > 128 rows (``ctas(config)``: the launch's CTAs under a config): M tiles of 256 or
+    128 rows, whichever leaves the busiest SM the fewest MMA rows (waves x tile_m; ties to 256, which
+    dequantizes each weight for twice the rows). Both tilings are tensor-bound in the B200 X-ray's model,
+    where an SM's time is its waves x tile_m x K: Llama-3-8B's k/v projection (N = 1024) at M = 2048 is 64
+    CTAs of 256 rows for 148 SMs, and 128 CTAs of 128 rows in half the time."""
+    best = None
+    for tile_m in (256, PREFILL_TILE_M):
+        config = sliced_config(m, n_pad, k_pad, group, 1, tile_m=tile_m)
+        if config is None:
+            continue
+        t = -(-ctas(config) // num_sms) * tile_m
+        if best is None or t < best[0]:
+            best = (t, config)
+    return None if best is None else best[1]
+
+
+def sliced_config(
+    m: int, n_pad: int, k_pad: int, group: int, slices: int, *, tile_m: int | None = None
+) -> BlackwellConfig | None:
+    """The tiling of ``slices`` K slices for M rows in one M tile (or, without slices, M tiles of
+    ``tile_m`` rows, by default the least of TILE_M_CHOICES holding M, at most 256), or None where none
+    fits: tile_m the least of TILE_M_CHOICES holding M x S; the deepest K step that divides K_pad and fits
+    SMEM: 256 at decode, where a step's fixed cost (descriptors, barriers, the MMA issue) is shared by more
+    weights, but only with as much K in flight as 6 steps of 128 (the HBM latency a decode CTA hides); 128
+    in 128-row M tiles (3 steps fit SMEM); 64 in 256-row ones (the x slots grow with M); the deepest
+    pipeline that fits SMEM."""
+    if tile_m is None:
+        tile_m = next((t for t in TILE_M_CHOICES if t >= m * slices), None if slices > 1 else 256)
     if tile_m is None or (slices > 1 and tile_m > 128):  # x slots past 128 rows outgrow SMEM
         return None
-    config, tile_k = None, 256 if tile_m <= 64 or slices > 1 else 64
+    config = None
+    tile_k = 256 if tile_m <= 64 or slices > 1 else 128 if tile_m == 128 else 64
     while config is None and tile_k >= CHUNK_K:
         if k_pad % (slices * tile_k) == 0 or tile_k == CHUNK_K:
             min_steps = DECODE_K_IN_FLIGHT // tile_k if tile_k > 128 else 2

@@ -27,8 +27,10 @@ import jax.numpy as jnp
 from nybble.kernels.mosaic_gpu import dense as hopper_api
 from nybble.kernels.mosaic_gpu.blackwell.config import (
     DEFAULT_NUM_SMS,
+    PREFILL_TILE_M,
     BlackwellConfig,
     heuristic_config,
+    prefill_config,
     slice_choices,
     sliced_config,
 )
@@ -56,10 +58,15 @@ def grouped_heuristic_config(
     ``ceil(rows / active)``): the dense heuristic's tiling of each K slice count it weighs
     (``config.sliced_config``; slices only in M tiles of at most ``MAX_SLICED_TILE_M``), the one whose
     slowest SM walks least K (waves of the launch's CTAs, every active expert's M and N tiles, times K / S;
-    ties to fewer slices)."""
+    ties to fewer slices); past 128 rows an expert, the dense heuristic's M tiles of 256 or 128 rows over
+    all the active experts' CTAs (``config.prefill_config``)."""
     if rows < 1 or experts < 1:
         raise ValueError(f"grouped_heuristic_config: bad problem rows={rows}, experts={experts}")
     planned, active = planned_rows(rows, experts), active_experts(rows, experts)
+    if planned > PREFILL_TILE_M:
+        ctas = lambda c: active * c.ctas(planned, n_pad)
+        config = prefill_config(planned, n_pad, k_pad, group, ctas, num_sms)
+        return config or heuristic_config(planned, n_pad, k_pad, group, num_sms, sliced=False)  # raises
     best = None
     for slices in slice_choices(planned):
         config = sliced_config(planned, n_pad, k_pad, group, slices)
