@@ -20,6 +20,8 @@ back in token order and summed with their router weights. Shared experts are add
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from typing import Any
 
 import jax
@@ -73,17 +75,33 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool) -> tuple[jax.A
     """Router weights (T, k) float32 and experts (T, k) int32 from logits (T, E): softmax, then top k.
 
     Softmax over all experts in float32, then the k largest probabilities (ties: the lower expert index),
-    renormalized to sum 1 when ``norm_topk_prob``. Renormalized, they are the softmax of the k largest
-    logits (the softmax is increasing, and its normalizer cancels), computed so: the top k of the logits,
-    then a softmax over k values, where the full softmax would be a launch of its own in a decode step.
-    The same experts (up to ties the float32 softmax rounds together) and weights up to float32 rounding.
+    renormalized to sum 1 when ``norm_topk_prob``: the weights are ``scores / totals`` of
+    :func:`route_scores`.
+    """
+    scores, totals, experts = route_scores(logits, top_k, norm_topk_prob=norm_topk_prob)
+    return scores / totals, experts
+
+
+def route_scores(
+    logits: jax.Array, top_k: int, *, norm_topk_prob: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`route`'s weights unnormalized: scores (T, k) and totals (T, 1) float32 (weights = scores /
+    totals), experts (T, k) int32. Renormalized, the weights are the softmax of the k largest logits (the
+    softmax is increasing, and its normalizer cancels): scores exp(top - top[0]) (the first of the top k is
+    the largest), totals their sum; the full softmax would be a launch of its own in a decode step, and so
+    would the k scores' softmax, where the MoE block divides its weighted sum by the totals instead (one
+    fusion). Otherwise the top k of the softmax, totals 1. The same experts (up to ties the float32
+    softmax rounds together) and weights up to float32 rounding.
     """
     logits = logits.astype(jnp.float32)
     if norm_topk_prob:
         top, experts = jax.lax.top_k(logits, top_k)
-        return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
+        scores = jnp.exp(top - top[..., :1])
+        # k terms summed as adds: XLA fuses them into the consumer, where a reduction is a launch of its own
+        totals = functools.reduce(operator.add, [scores[..., i : i + 1] for i in range(top_k)])
+        return scores, totals, experts.astype(jnp.int32)
     weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
-    return weights, experts.astype(jnp.int32)
+    return weights, jnp.ones_like(weights[..., :1]), experts.astype(jnp.int32)
 
 
 # Up to this many (token, expert) pairs (decode), sort_by_expert ranks them by comparing every pair with
@@ -101,10 +119,17 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
         pos = jnp.arange(pairs, dtype=jnp.int32)
         lower, same = flat[None, :] < flat[:, None], flat[None, :] == flat[:, None]
         # pair i's place: the pairs of a lower expert, and of the same expert earlier in token order (stable)
-        inverse = jnp.sum(lower | (same & (pos[None, :] < pos[:, None])), axis=1, dtype=jnp.int32)
-        order = jnp.sum(jnp.where(inverse[None, :] == pos[:, None], pos[None, :], 0), axis=1, dtype=jnp.int32)
+        before = lower | (same & (pos[None, :] < pos[:, None]))  # (pairs, pairs)
         experts_ids = jnp.arange(num_experts, dtype=flat.dtype)
-        group_sizes = jnp.sum(flat[None, :] == experts_ids[:, None], axis=1, dtype=jnp.int32)
+        members = flat[None, :] == experts_ids[:, None]  # (E, pairs)
+        if pairs < num_experts:
+            # Sibling sums of one shape are one launch in XLA, of two shapes two. (Not one sum over both
+            # stacked: the group sizes would be a slice of it, which XLA wraps, with the grouped kernel that
+            # reads them, into a fusion of its own.)
+            before = jnp.pad(before, ((0, num_experts - pairs), (0, 0)))
+        inverse = jnp.sum(before, axis=1, dtype=jnp.int32)[:pairs]
+        group_sizes = jnp.sum(members, axis=1, dtype=jnp.int32)
+        order = jnp.sum(jnp.where(inverse[None, :] == pos[:, None], pos[None, :], 0), axis=1, dtype=jnp.int32)
         return order, inverse, group_sizes
     order = jnp.argsort(flat, stable=True)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
@@ -247,18 +272,24 @@ class MoE(nnx.Module):
         cfg = self.config
         return route(self.router(x), cfg.top_k, norm_topk_prob=cfg.norm_topk_prob)
 
+    def routing_scores(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """:meth:`routing`'s weights unnormalized (:func:`route_scores`): scores, totals and experts."""
+        cfg = self.config
+        return route_scores(self.router(x), cfg.top_k, norm_topk_prob=cfg.norm_topk_prob)
+
     def __call__(self, x: jax.Array) -> jax.Array:
         """x (..., hidden) -> (..., hidden) in x's dtype."""
         cfg = self.config
         shape = x.shape
         xt = x.reshape(-1, cfg.hidden_size)
         tokens = xt.shape[0]
-        weights, experts = self.routing(xt)
+        scores, totals, experts = self.routing_scores(xt)
         order, inverse, group_sizes = sort_by_expert(experts, cfg.num_experts)
         rows = xt[order // cfg.top_k]  # (T*k, hidden), sorted by expert
         y = self.experts(rows, group_sizes)[inverse].reshape(tokens, cfg.top_k, cfg.hidden_size)
-        # Each expert's output is rounded to x's dtype, then weighted and summed in float32.
-        out = jnp.einsum("tkh,tk->th", y.astype(jnp.float32), weights)
+        # Each expert's output is rounded to x's dtype, then weighted and summed in float32 (the weights'
+        # normalization after the sum: one fusion with it).
+        out = jnp.einsum("tkh,tk->th", y.astype(jnp.float32), scores) / totals
         if self.shared_expert is not None:
             shared = self.shared_expert(xt).astype(jnp.float32)
             if self.shared_expert_gate is not None:
@@ -292,5 +323,6 @@ __all__ = [
     "expert_stacks",
     "num_weights",
     "route",
+    "route_scores",
     "sort_by_expert",
 ]
