@@ -42,15 +42,17 @@ CASES = [
     (([50, 40], 90, 384, 64, 128, True, bf16, True), (64, 128, 1)),  # groups across 64-row tiles
     (([0, 150], 200, 192, 64, 64, True, bf16, True), (128, 64, 1)),  # 50 rows past the sum, K = 3 x 64
     (([170, 130], 300, 256, 64, 128, True, bf16, True), (128, 128, 1)),  # two 128-row tiles an expert
-    (([140, 130], 300, 64, 64, None, False, bf16, True), (256, 64, 1)),  # 256-row tiles (FEW_SMS), per column
+    (([260, 240], 500, 64, 64, None, False, bf16, True), (256, 64, 1)),  # 256-row tiles (FEW_SMS), per column
+    (([200, 150], 350, 64, 64, 32, False, bf16, True), (192, 64, 1)),  # 192-row tiles (FEW_SMS), 2 for one
     # K slices: an M tile holds tile_m / S rows of one expert
     (([6, 1], 8, 256, 64, 64, False, bf16, True), (16, 64, 4)),  # an expert across two 4-row M tiles, 1 past
     (([2, 0], 2, 512, 64, 128, True, f16, True), (16, 128, 4)),  # group accumulators, f16 (exact q)
     (([0, 1], 2, 1024, 64, 128, True, bf16, True), (16, 256, 4)),  # 2 accumulators a step, the bias fold
 ]
 # SMs the heuristics plan for, where not a B200's 148: every tiny case fits one wave there, where 128-row M
-# tiles beat 256-row ones; on one SM they tie in waves x tile_m, and ties go to 256 rows.
-FEW_SMS = {(300, 64): 1}
+# tiles beat wider ones. On two SMs 250 rows an expert tie in waves x tile_m (256 x 1 = 128 x 2; 192 x 2),
+# and ties go to the wider tile; 175 rows an expert take one 192-row tile each (one wave) over two of 128.
+FEW_SMS = {(500, 64): 2, (350, 64): 2}
 # Wider sliced tiles, which the picks leave (grouped.MAX_SLICED_TILE_M) but a config may name: (sizes, rows,
 # K, N, group, symmetric, exact, config).
 EXPLICIT_SLICED = [

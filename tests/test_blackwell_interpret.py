@@ -46,6 +46,7 @@ CASES = [
     ((100, 192, 100, None, False, bf16, bf16, True), (128, 64, 1)),
     ((200, 256, 128, 256, False, f16, f32, False), (256, 64, 1)),
     ((130, 256, 128, 64, False, bf16, bf16, True), (128, 128, 1)),  # two 128-row M tiles (prefill)
+    ((300, 192, 128, 128, True, bf16, bf16, False), (192, 64, 1)),  # 192-row M tiles (FEW_SMS)
     ((1, 768, 128, 64, True, bf16, bf16, True), (16, 64, 4)),
     ((4, 1024, 128, 32, False, bf16, bf16, True), (16, 128, 4)),
     ((8, 768, 192, 32, False, f16, bf16, False), (32, 64, 4)),
@@ -60,8 +61,9 @@ CASES = [
     ((1, 1024, 128, 64, True, f16, bf16, False), (16, 256, 4)),
 ]
 # SMs the heuristics plan for, where not a B200's 148: every tiny case fits one wave there, where 128-row M
-# tiles beat 256-row ones; on one SM they tie in waves x tile_m, and ties go to 256 rows.
-FEW_SMS = {(200, 256, 128): 1}
+# tiles beat wider ones. On one SM 200 rows tie in waves x tile_m (256 x 1 = 128 x 2), and ties go to the
+# wider tile; on two, 300 rows take two CTAs of 192 rows (one wave) over three of 128 (two).
+FEW_SMS = {(200, 256, 128): 1, (300, 192, 128): 2}
 
 
 @pytest.fixture(autouse=True)
@@ -234,16 +236,19 @@ def test_heuristics_pick_only_covered_configs():
 
 @pytest.mark.no_kernel
 def test_prefill_m_tiles_leave_the_busiest_sm_the_fewest_rows():
-    """Past 128 rows the M tile is 256 or 128 rows, whichever gives the busiest SM fewer MMA rows (waves x
-    tile_m), ties to 256: Llama-3-8B's k/v projection (N = 1024) at M = 2048 takes 128-row tiles (128 CTAs
-    in one wave, not 64 of 256), its q/o projection (N = 4096) 256-row ones (2 waves of 256 rows against 4
-    of 128); 128-row tiles step 128 deep where K allows, 256-row ones 64."""
+    """Past 128 rows the M tile is 256, 192 or 128 rows, whichever gives the busiest SM fewer MMA rows
+    (waves x tile_m), ties to the wider: Llama-3-8B's k/v projection (N = 1024) at M = 2048 takes 128-row
+    tiles (128 CTAs in one wave, not 64 of 256), its q/o projection (N = 4096) 256-row ones (2 waves of 256
+    rows against 4 of 128), a 1536-column one 192-row ones; 128-row tiles step 128 deep where K allows,
+    wider ones 64."""
     sms = 148
-    for n, tiling, ctas in ((1024, (128, 128), 128), (4096, (256, 64), 256), (14336, (128, 128), 1792)):
-        c = heuristic_config(2048, n, 4096, 128, sms)
+    picks = ((1024, 4096, (128, 128), 128), (4096, 4096, (256, 64), 256), (14336, 4096, (128, 128), 1792))
+    for n, k, tiling, ctas in (*picks, (1536, 2048, (192, 64), 132)):  # 11 x 12 CTAs of 192 rows: one wave
+        c = heuristic_config(2048, n, k, 128, sms)
         assert ((c.tile_m, c.tile_k), c.ctas(2048, n)) == (tiling, ctas), n
-        for tile_m in (128, 256):  # the pick is never beaten by the other tile on waves x tile_m
-            other = -(-(2048 // tile_m) * (n // 128) // sms) * tile_m
+        for tile_m in (128, 192, 256):  # the pick is never beaten by another tile on waves x tile_m
+            m_tiles = -(-2048 // tile_m)
+            other = -(-m_tiles * (n // 128) // sms) * tile_m
             assert -(-ctas // sms) * c.tile_m <= other
     assert heuristic_config(2048, 1024, 4032, 128, sms).tile_k == 64  # K_pad not a multiple of 128
     # 129..256 rows: two 128-row tiles rather than one of 256 while the CTAs stay in one wave.

@@ -21,7 +21,7 @@ TMEM_COLUMNS = 512  # per SM: 128 lanes x 512 columns of 32 bits (256 KiB)
 # tcgen05 M of one CTA (cta_group::1). 64 (the M = 64 MMA) fails Mosaic's layout inference for its TMEM
 # load in jax 0.11.2; an N_pad that is an odd multiple of 64 runs a last CTA whose TMA reads zeros past N_pad.
 TILE_N_CHOICES = (128,)
-TILE_M_CHOICES = (16, 32, 64, 128, 256)  # tcgen05 N: a multiple of 16 for M = 128, at most 256
+TILE_M_CHOICES = (16, 32, 64, 128, 192, 256)  # tcgen05 N: a multiple of 16 for M = 128, at most 256
 TILE_K_CHOICES = (64, 128, 256)
 DEFAULT_NUM_SMS = 148  # a B200
 # K a decode CTA keeps in flight (6 steps of 128): the HBM latency it hides; deeper K steps keep as much.
@@ -161,7 +161,7 @@ def heuristic_config(
     S = 4, up to M = 64 S = 2, where they shorten the slowest SM's K walk (waves of CTAs x K / S: a 64-row
     M tile alone leaves Llama's 4096 columns 32 CTAs for 148 SMs); K steps of 256 at
     decode where 3 of them fit SMEM (the step's fixed cost over more weights, as much K in flight as 6
-    steps of 128), else 128; past 128 rows M tiles of 256 or 128 rows (:func:`prefill_config`); the
+    steps of 128), else 128; past 128 rows M tiles of 256, 192 or 128 rows (:func:`prefill_config`); the
     deepest pipeline that fits SMEM. ``sliced`` False: no K slices.
     """
     del has_offsets
@@ -186,20 +186,22 @@ def heuristic_config(
     return best[1]
 
 
-# Past this many rows the M tile is 128 or 256 rows (:func:`prefill_config`).
+# Past this many rows the M tile is one of PREFILL_TILE_MS (:func:`prefill_config`), widest first.
 PREFILL_TILE_M = 128
+PREFILL_TILE_MS = (256, 192, PREFILL_TILE_M)
 
 
 def prefill_config(
     m: int, n_pad: int, k_pad: int, group: int, ctas: Callable[[BlackwellConfig], int], num_sms: int
 ) -> BlackwellConfig | None:
-    """The tiling of M > 128 rows (``ctas(config)``: the launch's CTAs under a config): M tiles of 256 or
-    128 rows, whichever leaves the busiest SM the fewest MMA rows (waves x tile_m; ties to 256, which
-    dequantizes each weight for twice the rows). Both tilings are tensor-bound in the B200 X-ray's model,
-    where an SM's time is its waves x tile_m x K: Llama-3-8B's k/v projection (N = 1024) at M = 2048 is 64
-    CTAs of 256 rows for 148 SMs, and 128 CTAs of 128 rows in half the time."""
+    """The tiling of M > 128 rows (``ctas(config)``: the launch's CTAs under a config): M tiles of 256,
+    192 or 128 rows, whichever leaves the busiest SM the fewest MMA rows (waves x tile_m; ties to the wider
+    tile, which dequantizes each weight for more rows). All three are tensor-bound in the B200 X-ray's
+    model, where an SM's time is its waves x tile_m x K: Llama-3-8B's k/v projection (N = 1024) at M = 2048
+    is 64 CTAs of 256 rows for 148 SMs, and 128 CTAs of 128 rows in half the time; a 1536-column one
+    (Qwen3-30B-A3B's expert gate-up) 96 of 256 or 192 of 128 rows (2 waves), and 132 of 192 in one."""
     best = None
-    for tile_m in (256, PREFILL_TILE_M):
+    for tile_m in PREFILL_TILE_MS:
         config = sliced_config(m, n_pad, k_pad, group, 1, tile_m=tile_m)
         if config is None:
             continue
@@ -217,7 +219,7 @@ def sliced_config(
     fits: tile_m the least of TILE_M_CHOICES holding M x S; the deepest K step that divides K_pad and fits
     SMEM: 256 at decode, where a step's fixed cost (descriptors, barriers, the MMA issue) is shared by more
     weights, but only with as much K in flight as 6 steps of 128 (the HBM latency a decode CTA hides); 128
-    in 128-row M tiles (3 steps fit SMEM); 64 in 256-row ones (the x slots grow with M); the deepest
+    in 128-row M tiles (3 steps fit SMEM); 64 in wider ones (the x slots grow with M); the deepest
     pipeline that fits SMEM."""
     if tile_m is None:
         tile_m = next((t for t in TILE_M_CHOICES if t >= m * slices), None if slices > 1 else 256)
