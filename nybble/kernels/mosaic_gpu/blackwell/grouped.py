@@ -58,7 +58,7 @@ def grouped_heuristic_config(
     ``ceil(rows / active)``): the dense heuristic's tiling of each K slice count it weighs
     (``config.sliced_config``; slices only in M tiles of at most ``MAX_SLICED_TILE_M``), the one whose
     slowest SM walks least K (waves of the launch's CTAs, every active expert's M and N tiles, times K / S;
-    ties to fewer slices); past 128 rows an expert, the dense heuristic's M tiles of 256 or 128 rows over
+    ties to fewer slices); past 128 rows an expert, the dense heuristic's M tiles of 256, 192 or 128 rows over
     all the active experts' CTAs (``config.prefill_config``)."""
     if rows < 1 or experts < 1:
         raise ValueError(f"grouped_heuristic_config: bad problem rows={rows}, experts={experts}")
