@@ -167,9 +167,18 @@ def heuristic_config(
     del has_offsets
     if m > PREFILL_TILE_M:
         config = prefill_config(m, n_pad, k_pad, group, lambda c: c.ctas(m, n_pad), num_sms)
-        if config is None:
-            raise ValueError(f"no Blackwell config fits M={m}, N_pad={n_pad}, K_pad={k_pad}, group={group}")
-        return config
+    else:
+        config = _decode_config(m, n_pad, k_pad, group, num_sms, sliced)
+    if config is None:
+        raise ValueError(f"no Blackwell config fits M={m}, N_pad={n_pad}, K_pad={k_pad}, group={group}")
+    return config
+
+
+def _decode_config(
+    m: int, n_pad: int, k_pad: int, group: int, num_sms: int, sliced: bool
+) -> BlackwellConfig | None:
+    """The tiling of M <= 128 rows in one M tile: of the K slice counts weighed, the one whose slowest SM
+    walks least K (:func:`_sm_time`; ties to fewer slices), or None where none fits."""
     best = None
     # Slices 4 or none at M <= 32, 2 or none up to 64 (slice_choices): other counts gain little over them
     # in the model (waves x K / S at the Llama and MoE shapes) and each is more code for the suite to
@@ -181,9 +190,7 @@ def heuristic_config(
         t = _sm_time(m, n_pad, k_pad, config, num_sms)
         if best is None or t < best[0]:
             best = (t, config)
-    if best is None:
-        raise ValueError(f"no Blackwell config fits M={m}, N_pad={n_pad}, K_pad={k_pad}, group={group}")
-    return best[1]
+    return None if best is None else best[1]
 
 
 # Past this many rows the M tile is one of PREFILL_TILE_MS (:func:`prefill_config`), widest first.
