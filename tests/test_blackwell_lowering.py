@@ -193,6 +193,72 @@ def test_xray_finds_each_roles_loop():
 
 
 
+def test_xray_counts_alternating_warpgroups_one_turn_a_step():
+    """Two dequantizing warpgroups taking alternate K steps (``dequant_every=2``): each step is one turn of
+    one of them, so a step costs the mean of their loops (each turn dequantizes the whole step), and a
+    warp's own stall counts spread over the two steps between its turns. Where the compiler unrolled one
+    warpgroup's few turns, the other's loop stands for a turn; where it unrolled both, the first
+    warpgroup's turns (its share of the stores, from the wait before its first) over their number, not the
+    fold and epilogue after them."""
+    from bench.kernel_xray import sass
+    from bench.xray.blackwell import kernel_loops
+
+    head = """
+   -:-:-:Y:05        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_2:
+   -:2:-:Y:01        /*0010*/                   UTCHMMA gdesc[UR10], gdesc[UR8], tmem[UR4], UPT ;
+   -:-:-:Y:09        /*0020*/                   BRA.U UP0, `(.L_x_2) ;
+   -:-:-:Y:01        /*0030*/                   UTMALDG.4D [UR8], [UR4] ;
+"""
+    first = """
+.L_x_3:
+   -:-:-:Y:02        /*0040*/                   LDS.64 R4, [R5] ;
+   -:-:-:Y:02        /*0050*/                   LOP3.LUT R4, R5, 0xf000f, R6, 0x6a, !PT ;
+   -:-:-:Y:01        /*0060*/                   STSM.16.M88.4 [R51], R24 ;
+   -:-:-:Y:04        /*0070*/               @P1 BRA `(.L_x_3) ;
+"""
+    second = """
+.L_x_4:
+   -:-:-:Y:02        /*0080*/                   LDS.64 R4, [R5] ;
+   -:-:-:Y:02        /*0090*/                   LOP3.LUT R4, R5, 0xf000f, R6, 0x6a, !PT ;
+   -:-:-:Y:03        /*00a0*/                   SHF.R.U32.HI R4, RZ, 0x4, R5 ;
+   -:-:-:Y:01        /*00b0*/                   STSM.16.M88.4 [R51], R24 ;
+   -:-:-:Y:04        /*00c0*/               @P1 BRA `(.L_x_4) ;
+   -:-:-:Y:05        /*00d0*/                   EXIT ;
+"""
+    both = kernel_loops(sass.parse_sass(head + first + second), k_steps=4, dequant_every=2)
+    assert both is not None and [d.instructions for d in both.dequant] == [4, 5]
+    step = both.per_step(weights_per_thread=2)
+    assert step["instructions"] == "4 + 5 (alternate steps)"
+    # The MMA warp's loop: 2 instructions a step; the TMA warp's one copy, over the 4 steps.
+    assert step["issue_instructions"] == [2, 0.2] and step["instructions_per_weight"] == (4.5 + 2.25 / 4) / 2
+    assert step["dequant_instructions_per_weight"] == 4.5 / 2
+    # Own stalls (2+2+1+4 = 9 and 2+2+3+1+4 = 12) over two steps, the MMA warp's 1 + 9; the scheduler's
+    # 4.5 + 2 a step.
+    assert step["stall_cycles"] == max(9 / 2, 12 / 2, 1 + 9, 4.5 + 2)
+    one = kernel_loops(sass.parse_sass(head + first + second.replace("@P1 BRA `(.L_x_4)", "NOP")), 4, 2)
+    assert one is not None and one.per_step(2)["instructions"] == "4 (alternate steps, one unrolled)"
+    assert one.per_step(2)["dequant_instructions_per_weight"] == 4 / 2
+    # Both unrolled, 4 steps: the first warpgroup's 2 turns hold 2 of the 4 stores; its stretch from the
+    # wait before its first store (3 instructions to the second store, then the fold's 2) is 6 over 2.
+    unrolled = head + """
+   -:-:-:Y:05        /*0040*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;
+   -:-:-:Y:01        /*0050*/                   STSM.16.M88.4 [R51], R24 ;
+   -:-:-:Y:02        /*0060*/                   LOP3.LUT R4, R5, 0xf000f, R6, 0x6a, !PT ;
+   -:-:-:Y:02        /*0070*/                   SHF.R.U32.HI R4, RZ, 0x4, R5 ;
+   -:-:-:Y:01        /*0080*/                   LDS.64 R4, [R5] ;
+   -:-:-:Y:01        /*0090*/                   STSM.16.M88.4 [R51], R24 ;
+   -:-:-:Y:01        /*00a0*/                   LDTM.x16 R36, tmem[UR35] ;
+   -:-:-:Y:01        /*00b0*/                   FFMA2 R4, R82.F32, R36.F32x2.HI_LO, R4.F32x2.HI_LO ;
+   -:-:-:Y:05        /*00c0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR5], R2 ;
+   -:-:-:Y:01        /*00d0*/                   STSM.16.M88.4 [R51], R24 ;
+   -:-:-:Y:01        /*00e0*/                   STSM.16.M88.4 [R51], R24 ;
+   -:-:-:Y:05        /*00f0*/                   EXIT ;
+"""
+    loops = kernel_loops(sass.parse_sass(unrolled), k_steps=4, dequant_every=2)
+    assert loops is not None and loops.dequant[0].instructions == 6 / 2
+    assert loops.per_step(2)["instructions"] == "3 (alternate steps, unrolled)"
+
 def test_xray_model_counts_the_busiest_sms_mmas():
     """The b200 X-ray's tensor bound is the busiest SM's MMAs, not the call's flops spread over every SM:
     Llama-3-8B's k/v projection at M = 2048 in 256-row M tiles is 64 CTAs for 148 SMs, one wave of

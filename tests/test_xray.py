@@ -605,9 +605,10 @@ def test_moe_xla_peers_compile_to_launches_and_bytes(moe_compiled):
 def test_dequantizing_loops_store_without_warpgroup_barriers():
     """The decode kernels' dequantizing loops, compiled to sm_100a SASS: a warpgroup barrier (BAR.SYNC, all 4
     warps wait) only where the kernel synchronizes (commit_smem before the A operand's arrival, the
-    tensor-core-ordered arrival, the fold's TMEM load): at most 3 a K step. Mosaic's automatic barriers put
-    two around each of the step's SMEM stores (10 and 11 at M = 1 with them, 2 and 3 without); the kernel
-    turns them off (``unsafe_no_auto_barriers``, blackwell/kernel.py says why that is safe)."""
+    tensor-core-ordered arrival, the fold's TMEM load and its total's store): at most 4 a turn (a K step of
+    one of the two alternating warpgroups). Mosaic's automatic barriers put two around each of the step's
+    SMEM stores (10 and 11 a step at M = 1 with them, when each warpgroup stored a 64-row half every step);
+    the kernel turns them off (``unsafe_no_auto_barriers``, blackwell/kernel.py says why that is safe)."""
     from bench.xray.blackwell import Case
     from bench.xray.runner import run_cases
 
@@ -622,4 +623,5 @@ def test_dequantizing_loops_store_without_warpgroup_barriers():
         assert record["report"]["kernels"][0]["spill_bytes"] == 0
         loop = record["loop"]
         assert loop["dequant_warpgroups"] == 2 and len(loop["warpgroup_barriers"]) == 2, loop
-        assert max(loop["warpgroup_barriers"]) <= 3, (case.key, loop["warpgroup_barriers"])
+        assert loop["instructions"].endswith("(alternate steps)"), loop["instructions"]
+        assert max(loop["warpgroup_barriers"]) <= 4, (case.key, loop["warpgroup_barriers"])

@@ -299,7 +299,7 @@ def _issue_seconds(
             plan = blackwell.grouped_plan_record(case, qw)
         else:
             plan = blackwell.dense_plan_record(blackwell.Case("decode", k, n, m), qw)
-        loops = blackwell.kernel_loops(code, plan["k_steps"])
+        loops = blackwell.kernel_loops(code, plan["k_steps"], plan["dequant_every"])
         if loops is None:
             return None
         record = {"case": {"m": m, "k": k, "n": n}, "report": {"launches": launched}, "plan": plan,

@@ -3,9 +3,10 @@
 Compiles nybble's tcgen05 kernel (``nybble.kernels.mosaic_gpu.blackwell``) and XLA's int4 path for a
 deviceless B200 (``bench.kernel_xray.target`` with compute capability 10.0; ``target_arch`` makes Mosaic
 emit sm_100a code on a machine whose default device is a CPU), and reads from the SASS the K loop of each
-of the kernel's roles (:func:`kernel_loops`: the dequantizing warpgroup's, each MMA warp's, the TMA
+of the kernel's roles (:func:`kernel_loops`: each dequantizing warpgroup's, each MMA warp's, the TMA
 warp's), their instructions per weight (every warp's loop counted once per warp running it, over the
-weights of a step: 4 warps x tile_n x tile_k / 128 a thread; the dequantizing loop's alone beside it),
+weights of a step: 4 warps x tile_n x tile_k / 128 a thread; two dequantizing warpgroups take alternate
+steps, each loop turn over a step's weights; the dequantizing loops' alone beside it),
 registers, spills, TMEM columns (the kernel's allocation), launches per call. The model beside them (a
 model, not a timing): HBM-bound = the call's bytes over 8 TB/s; issue-bound = the cycles of a step (an SM
 scheduler issues its dequantizing warp's loop and the issue warp beside it, one instruction a cycle, and
@@ -185,19 +186,37 @@ class KernelLoops:
     mma: tuple[RoleLoop, ...]
     tma: float
     straight_line: bool = False
+    # K steps between two turns of a dequantizing loop: 2 where two warpgroups take alternate steps
+    # (each loop turn then dequantizes a whole step, and runs every other step).
+    dequant_every: int = 1
 
     def per_step(self, weights_per_thread: float) -> dict[str, Any]:
         """The loop record of one K step: instructions per weight over all the CTA's warps (each role's
-        loop times the warps running it, over the weights a warpgroup's thread would dequantize alone:
-        ``weights_per_thread``), the dequantizing loops' alone, and the cycles of a step: a warp's loop
-        needs its stall counts, and an SM scheduler issues one instruction a cycle for the dequantizing
-        warps and the issue warp it holds (warp w of every warpgroup runs on scheduler w % 4)."""
-        dq = sum(loop.instructions for loop in self.dequant)
+        loop times the warps running it, a dequantizing loop over the steps between its turns, over the
+        weights a warpgroup's thread would dequantize alone: ``weights_per_thread``), the dequantizing
+        loops' alone, and the cycles of a step: a warp's loop needs its stall counts (a dequantizing warp's
+        spread over the steps between its turns), and an SM scheduler issues one instruction a cycle for
+        the dequantizing warps and the issue warp it holds (warp w of every warpgroup runs on scheduler
+        w % 4)."""
+        turns = [loop.instructions for loop in self.dequant]
+        label = " + ".join(f"{round(t, 1):g}" for t in turns)
+        if self.dequant_every == 2:
+            # Alternating warpgroups: each step is one turn of one of them, the same code (a warpgroup whose
+            # few turns the compiler unrolled takes the other's loop as its turn).
+            dq = sum(turns) / len(turns)
+            if len(turns) == 2:
+                label += " (alternate steps)"
+            else:  # the turns of one or both unrolled
+                both = self.dequant[0].body.straight_line
+                label += " (alternate steps, " + ("unrolled)" if both else "one unrolled)")
+        else:
+            dq = sum(turns)
         issue = [loop.instructions for loop in self.mma] + [self.tma]
-        own = [*(loop.stall_cycles for loop in self.dequant), *(loop.stall_cycles for loop in self.mma)]
+        own = [loop.stall_cycles / self.dequant_every for loop in self.dequant]
+        own += [loop.stall_cycles for loop in self.mma]
         cycles = max(*own, dq + max(issue))
         return {
-            "instructions": " + ".join(f"{round(loop.instructions, 1):g}" for loop in self.dequant),
+            "instructions": label,
             "dequant_warpgroups": len(self.dequant),
             "issue_instructions": [round(i, 1) for i in issue],
             "mmas": round(sum(loop.mmas for loop in self.mma)),
@@ -216,18 +235,35 @@ def _unrolled(s: sass_mod.Sass, pattern: re.Pattern) -> sass_mod.Loop | None:
     return sass_mod.unrolled_stretch(s, lambda ins: bool(pattern.match(ins.opcode)), from_start=False)
 
 
-def kernel_loops(s: sass_mod.Sass, k_steps: int) -> KernelLoops | None:
+def _first_warpgroups_turns(s: sass_mod.Sass, k_steps: int) -> RoleLoop | None:
+    """Alternating dequantizing warpgroups, every turn unrolled: the first warpgroup's (its code comes
+    first, its ceil(K steps / 2) turns hold that share of the stores), from the wait before its first store
+    to its last, over its turns; not its fold and epilogue after them."""
+    stores = [i for i, ins in enumerate(s.instructions) if _STSM.match(ins.opcode)]
+    turns = -(-k_steps // 2)
+    if not stores or len(stores) * turns % k_steps:
+        return None
+    last = stores[len(stores) * turns // k_steps - 1]
+    stretch = sass_mod.unrolled_stretch(s, lambda ins: bool(_STSM.match(ins.opcode)), from_start=False)
+    body = tuple(s.instructions[stretch.start : last + 1])
+    return RoleLoop.of(sass_mod.Loop(stretch.start, last, body, straight_line=True), turns)
+
+
+def kernel_loops(s: sass_mod.Sass, k_steps: int, dequant_every: int = 1) -> KernelLoops | None:
     """The K loops of nybble's Blackwell kernel (``blackwell/kernel.py``'s roles): the innermost loops
-    with the most ``STSM`` (one per dequantizing warpgroup), the innermost loops issuing ``UTCHMMA``
-    without storing, and the TMA warp's copies; barrier-wait retry loops hold none of these. A role whose
-    steps the compiler unrolled (a short K loop) counts its unrolled stretch over the steps."""
+    with the most ``STSM`` (one per dequantizing warpgroup; ``dequant_every``: 2 where two take alternate
+    steps), the innermost loops issuing ``UTCHMMA`` without storing, and the TMA warp's copies;
+    barrier-wait retry loops hold none of these. A role whose steps the compiler unrolled (a short K
+    loop) counts its unrolled stretch over the steps (every warpgroup's, where they alternate)."""
     loops = _loops(s)
     unrolled = False
     stores = _innermost([loop for loop in loops if _count(loop, _STSM)])
     if stores:
         most = max(_count(loop, _STSM) for loop in stores)
         dequant = tuple(RoleLoop.of(loop) for loop in stores if _count(loop, _STSM) == most)
-    elif (stretch := _unrolled(s, _STSM)) is not None:
+    elif dequant_every == 2 and (turns := _first_warpgroups_turns(s, k_steps)) is not None:
+        dequant, unrolled = (turns,), True
+    elif (stretch := _unrolled(s, _STSM)) is not None:  # every step, over the steps
         dequant, unrolled = (RoleLoop.of(stretch, k_steps),), True
     else:
         return None
@@ -246,7 +282,7 @@ def kernel_loops(s: sass_mod.Sass, k_steps: int) -> KernelLoops | None:
     else:
         stretch = _unrolled(s, _TMA)
         tma = stretch.size / k_steps if stretch is not None else 0.0
-    return KernelLoops(dequant, mma, tma, unrolled)
+    return KernelLoops(dequant, mma, tma, unrolled, dequant_every)
 
 
 def _program(case: Case) -> tuple[Any, tuple[Any, ...]]:
@@ -325,7 +361,7 @@ def compile_case(case: Case, out: dict) -> None:
         sass_files = sorted(Path(tmp).glob("*.sass_ctrl"))
         plan = out["plan"]
         sass = sass_mod.parse_sass(sass_files[0].read_text()) if sass_files else None
-        loops = kernel_loops(sass, plan["k_steps"]) if sass is not None else None
+        loops = kernel_loops(sass, plan["k_steps"], plan["dequant_every"]) if sass is not None else None
         if loops is not None:
             out["loop"] = loops.per_step(plan["weights_per_thread"])
 
@@ -333,6 +369,7 @@ def compile_case(case: Case, out: dict) -> None:
 def dense_plan_record(case: Case, qw: Any) -> dict[str, Any]:
     """The dense kernel's launch as the model reads it."""
     from nybble.kernels.mosaic_gpu.blackwell import plan
+    from nybble.kernels.mosaic_gpu.blackwell.kernel import dequant_warpgroups
 
     p = plan(case.m, qw)
     c = p.config
@@ -344,6 +381,7 @@ def dense_plan_record(case: Case, qw: Any) -> dict[str, Any]:
         "cta_mma_flops": 2 * c.tile_n * c.tile_m * p.slice_k,
         "tmem_columns": p.tmem_columns,
         "weights_per_thread": c.tile_n * c.tile_k / 128,
+        "dequant_every": dequant_warpgroups(p),
     }
 
 
@@ -354,6 +392,7 @@ def grouped_plan_record(case: Case, qw: Any) -> dict[str, Any]:
     import numpy as np
 
     from nybble.kernels.mosaic_gpu.blackwell.grouped import grouped_plan
+    from nybble.kernels.mosaic_gpu.blackwell.kernel import dequant_warpgroups
     from nybble.kernels.mosaic_gpu.grouped_config import active_experts, planned_rows
 
     p, work = grouped_plan(case.m, qw)
@@ -374,6 +413,7 @@ def grouped_plan_record(case: Case, qw: Any) -> dict[str, Any]:
         "cta_mma_flops": 2 * c.tile_n * c.tile_m * p.slice_k,
         "tmem_columns": p.tmem_columns,
         "weights_per_thread": c.tile_n * c.tile_k / 128,
+        "dequant_every": dequant_warpgroups(p),
         "active_experts": active,
         "read_bytes": active * per_expert + 2 * case.m * (case.k + case.n),
     }
@@ -473,8 +513,9 @@ def markdown(result: dict) -> str:
         "",
         f"jax {result['jax']}. A static view: SASS counts and a model, no timing. {result['peer_note']}",
         "",
-        "dequant loop: each dequantizing warpgroup's K loop, instructions a step; BAR.SYNC: its warpgroup "
-        "barriers a step (each waits for the warpgroup's 4 warps).",
+        "dequant loop: each dequantizing warpgroup's K loop, instructions a turn (a step; \"alternate "
+        "steps\": two warpgroups take turns, one a step, and a step costs one turn); BAR.SYNC: its warpgroup "
+        "barriers a turn (each waits for the warpgroup's 4 warps).",
         "",
         "model: the largest of HBM (the call's bytes at 8 TB/s), issue (the busiest SM's steps at the loops' "
         "cycles) and tensor (nybble's rows: the busiest SM's MMAs, waves of CTAs at an SM's share of the "

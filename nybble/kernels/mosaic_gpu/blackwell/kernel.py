@@ -9,33 +9,39 @@ the MMA's descriptor directly; x, the B operand, stays in the swizzled SMEM slot
 
 The CTA is warp-specialized: the dequantizing warpgroups run only the unpacking, the stores and the fold,
 and one thread of a warp of the last warpgroup issues each TMA copy or MMA, so no dequantizing warp spends
-issue slots on descriptors. At decode M tiles (``dequant_warpgroups``: tile_m <= 64, two 64-row A tiles)
-two warpgroups dequantize, one A tile each, warpgroup 0 also folding: each SM scheduler then holds two
-dequantizing warps, which hide each other's unpacking latency (one warp alone stalls on its own chain of
-dependent LOP3/SHF, whose integer pipe takes a warp instruction every two cycles); else one does it all.
-The bytes:
+issue slots on descriptors. At decode M tiles (``dequant_warpgroups``: tile_m <= 64) two warpgroups
+dequantize, taking alternate K steps: warpgroup w writes A half w for steps w, w + 2, ..., all of its rows.
+Each SM scheduler then holds two dequantizing warps, which hide each other's unpacking latency (one warp
+alone stalls on its own chain of dependent LOP3/SHF, whose integer pipe takes a warp instruction every two
+cycles), and a step's fixed costs (barrier waits and their phase bits, slot addresses, the fence and
+arrivals: ~50 instructions a warp) are paid once a step, not once by each warpgroup (X-ray at Llama-3-8B
+q/o, M = 1: 217 + 187 instructions a step over 64-row halves -> 341 or 343 a turn, one turn a step).
+Else one warpgroup does it all. The bytes:
 
     TMA warp (the last warpgroup, warp 0), for each K step, into slot ki % ``max_concurrent_steps`` once
-    the slot's previous step is consumed (``x_free``: its MMAs read x; ``codes_free``: every dequantizing
-    warpgroup read its codes and scales), all arriving on ``loaded[slot]``:
+    the slot's previous step is consumed (``x_free``: its MMAs read x; ``codes_free``: its dequantizing
+    warpgroup read its codes and scales), all arriving on ``loaded[slot]`` (with alternating warpgroups
+    ``loaded[ki % 2, slot]``, so each warpgroup waits every phase of the barriers it waits):
         TMA  codes (tile_n / 64, 8, tile_k) ``wgmma_int4`` words   (the layout the Hopper kernel reads)
         TMA  x     (tile_m, tile_k) bf16/f16, 128-byte swizzle      (rows past M zero-filled)
         TMA  scale [and offset] rows (tile_k / G or 1, tile_n)
-    dequantizing warpgroups (0, and 1 at decode), for each K step, once ``loaded[slot]``:
+    dequantizing warpgroup (0, or at decode 0 and 1 by turns), for each of its K steps, once
+    ``loaded[slot]`` and (ki >= 2) ``mma_done[half]``, the MMAs of step ki - 2 that read its A half:
+        [accumulator route: fold step ki - 2's group accumulators into its total (TMEM), before step ki's
+            MMAs rewrite them]
         for each 64-wide chunk and its 64-row tiles: LDS.64 of 8 code words, 3 SHF + 4 LOP3 per 8 weights
             (dequant_registers.dequantize_chunk) giving BIAS + q, [4 HSUB2: exact q,] [w = q * s (+ o)
             in x's dtype,] stored into the step's half of a double-buffered (2, tile_n, tile_k) A buffer
-            (128-byte swizzle); the half is free once the MMAs of two steps back completed
+            (128-byte swizzle)
         arrive ``a_ready[half]`` and ``codes_free[slot]`` (after commit_smem's warpgroup barrier: every
-            thread's reads and stores are done; one arrival per dequantizing warpgroup)
-        [accumulator route, warpgroup 0: wait for the previous step's MMAs (``mma_done``) and fold its
-            accumulators]
+            thread's reads and stores are done; one arrival)
     MMA warps (the last warpgroup, warps 1..3), for each K step, once ``loaded[slot]`` and ``a_ready[half]``:
         tcgen05_mma(acc, A half, x^T) (per group on the accumulator route, the groups dealt round-robin
             to the warps, each group's MMAs from one warp so they run in order), then commit-arrive on
             ``mma_done[half]`` and ``x_free[slot]``
-    epilogue (warpgroup 0): wait for the last MMAs, TMEM -> registers -> y^T into SMEM (transposed view)
-    -> TMA to y
+    epilogue (warpgroup 0; on the weights route with alternating warpgroups, the one of the last step):
+    wait for the last MMAs, [fold the last step, add warpgroup 1's total,] TMEM -> registers -> y^T into
+    SMEM (transposed view) -> TMA to y
 
 Mosaic's automatic warpgroup barriers are off (``unsafe_no_auto_barriers``): with them every SMEM store
 is fenced by two BAR.SYNCs (each waits for the warpgroup's 4 warps), 8 more a K step in each dequantizing
@@ -66,9 +72,12 @@ Two routes for the scales (:func:`folds_scales` picks):
 * On per-group accumulators, at decode (symmetric, G a multiple of 64 inside one step, tile_m small
   enough): each step's tile_k / G groups get their own MMA into their own TMEM columns
   (accumulate=False), double-buffered by step parity (2 x tile_k / G x tile_m columns), and the MMA warps'
-  commits arrive on the step's barrier. The next step, after writing its own A half, loads those columns
-  and adds ``s_g * acc_g`` into an f32 register total (the scales carried from the step that read them;
-  the first step folds a zeroed slot with zero scales). With bf16 x (:func:`folds_bias`) A holds BIAS + q
+  commits arrive on the step's barrier. The warpgroup's next step (ki + 2), once those MMAs completed,
+  loads those columns and adds ``s_g * acc_g`` into its f32 total (the scales carried from the step that
+  read them), which stays in TMEM (tile_m columns a warpgroup: carried in registers through the K loop
+  beside two A tiles' unpacking it crowded them to 168 at M = 16, where ptxas copied the loaded
+  accumulators into the total's registers, ~60 IMAD.MOV a step); warpgroup 0 adds warpgroup 1's total at
+  the end. With bf16 x (:func:`folds_bias`) A holds BIAS + q
   as the LOP3 leaves it, and after each group's MMA, MMAs of a constant -BIAS tile (64 columns in TMEM,
   an A operand the tensor core reads without SMEM) times the group's x chunks take BIAS x sum(x) out of
   the same accumulator (every product exact in f32); with f16 x (BIAS 1032, a cancellation 8x larger) A
@@ -164,7 +173,7 @@ class BlackwellProblem:
         """TMEM columns the kernel allocates (a power of two >= 32): the accumulator, or the accumulator
         route's double-buffered group accumulators and its -BIAS tile."""
         if folds_scales(self):
-            used = group_accumulator_columns(self) + (BIAS_TILE_COLUMNS if folds_bias(self) else 0)
+            used = fold_columns(self) + (BIAS_TILE_COLUMNS if folds_bias(self) else 0)
         else:
             used = self.config.tile_m
         return max(32, 1 << (used - 1).bit_length())
@@ -251,6 +260,13 @@ def group_accumulator_columns(p: BlackwellProblem) -> int:
     return 2 * (p.config.tile_k // p.group) * p.config.tile_m
 
 
+def fold_columns(p: BlackwellProblem) -> int:
+    """TMEM columns of the accumulator route: the group accumulators, then each dequantizing warpgroup's
+    f32 total (tile_m columns; kept in TMEM, not carried in registers through the K loop, where beside a
+    step's unpacking it would crowd the registers)."""
+    return group_accumulator_columns(p) + 2 * p.config.tile_m
+
+
 def folds_scales(p: BlackwellProblem) -> bool:
     """Whether the scales go on per-group TMEM accumulators instead of the weights: symmetric groups of
     whole 64-wide chunks inside one step, and an M tile that costs less to fold than it saves. A thread
@@ -262,7 +278,7 @@ def folds_scales(p: BlackwellProblem) -> bool:
     c = p.config
     if p.per_column or p.has_offsets or p.group % CHUNK_K or p.group > c.tile_k:
         return False
-    if group_accumulator_columns(p) + BIAS_TILE_COLUMNS > TMEM_COLUMNS:
+    if fold_columns(p) + BIAS_TILE_COLUMNS > TMEM_COLUMNS:
         return False
     if p.dtype == jnp.dtype(jnp.bfloat16):
         return c.tile_m <= min(p.group, MAX_FOLD_TILE_M)
@@ -277,18 +293,17 @@ def folds_bias(p: BlackwellProblem) -> bool:
     return folds_scales(p) and p.dtype == jnp.dtype(jnp.bfloat16)
 
 
-def dequantize_step(
-    p: BlackwellProblem, codes: Any, scales: Any, offsets: Any, out: Any, tiles: range | None = None
-) -> None:
-    """The step's weights w = q * s (+ o), (tile_n, tile_k) in x's dtype, into the A buffer ``out``; only
-    the 64-row A tiles ``tiles`` (consecutive; default all)."""
+def dequantize_step(p: BlackwellProblem, codes: Any, scales: Any, offsets: Any, out: Any) -> None:
+    """The step's weights w = q * s (+ o), (tile_n, tile_k) in x's dtype, into the A buffer ``out``, a
+    64-wide chunk of every A row at a time (both 64-row tiles in one store: the single dequantizing
+    warpgroup of prefill interleaves their unpacking, X-ray: 466 stall cycles a step against 520 one tile at
+    a time)."""
     c = p.config
     dt = p.dtype
     fold, exact = folds_scales(p), not folds_bias(p)
-    tiles = range(c.tiles) if tiles is None else tiles
     for k0 in range(0, c.tile_k, CHUNK_K):
         parts = []
-        for t in tiles:
+        for t in range(c.tiles):
             q = dequantize_chunk(plgpu.load(codes.at[t, :, pl.ds(k0, CHUNK_K)]), exact=exact, dtype=dt)
             if fold:
                 parts.append(q)
@@ -305,8 +320,7 @@ def dequantize_step(
                     w = w + lax.broadcast_in_dim(o, qp.shape, [0])
                 cols.append(w)
             parts.append(cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=1))
-        a = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-        out.at[pl.ds(tiles.start * 64, len(tiles) * 64), pl.ds(k0, CHUNK_K)][...] = a
+        out.at[:, pl.ds(k0, CHUNK_K)][...] = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
 
 def operand_views(p: BlackwellProblem, codes: Any, x: jax.Array, scales: Any, offsets: Any) -> list[Any]:
@@ -329,9 +343,9 @@ def w4a16_blackwell(
     return launch(p, operand_views(p, codes, x, scales, offsets), DenseTiles())
 
 
-# The CTA's roles: warpgroup 0 dequantizes (all A rows, or the first 64-row tile where warpgroup 1 takes
-# the second) and folds; the last warpgroup's warp 0 issues the TMA copies and its warps 1..3 the tcgen05
-# MMAs (one thread each), so the dequantizing warps never run the issue code.
+# The CTA's roles: warpgroup 0 dequantizes (every step, or the even steps where warpgroup 1 takes the odd
+# ones) and stores y; the last warpgroup's warp 0 issues the TMA copies and its warps 1..3 the tcgen05 MMAs
+# (one thread each), so the dequantizing warps never run the issue code.
 FOLD_WG = 0
 TMA_WARP = 0
 FIRST_MMA_WARP = 1
@@ -341,8 +355,9 @@ MAX_TWO_WG_TILE_M = 64
 
 
 def dequant_warpgroups(p: BlackwellProblem) -> int:
-    """Warpgroups dequantizing: two at decode M tiles, one 64-row A tile each (two warps per SM scheduler
-    hide each other's unpacking latency, which one warp alone leaves exposed), else one."""
+    """Warpgroups dequantizing: two at decode M tiles, taking alternate K steps (two warps per SM scheduler
+    hide each other's unpacking latency, which one warp alone leaves exposed, and each pays a step's fixed
+    costs every other step), else one."""
     return 2 if p.config.tile_m <= MAX_TWO_WG_TILE_M and p.config.tiles == 2 else 1
 
 
@@ -374,6 +389,11 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
     issuers = mma_warps(p)
     dequant_wgs = dequant_warpgroups(p)
     issue_wg = dequant_wgs  # the last warpgroup
+    alternate = dequant_wgs == 2  # the dequantizing warpgroups take alternate K steps
+    if fold and not alternate:
+        raise AssertionError(f"{c.tag}: the accumulator route runs on two dequantizing warpgroups")
+    handing_off = fold and p.k_steps > 1  # warpgroup 1 folds steps too, and hands its total over
+    loaded_barriers = depth * (2 if alternate else 1)  # per (step parity, slot) when alternating
     # K slices: the accumulators load in TMEM's native layout (a thread per row), whose rows the sliced
     # scales are gathered in (dequant_registers.tmem_rows); without, layout inference picks the one the
     # transposed y store takes.
@@ -388,7 +408,8 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
         weight_smem, rest = rest[:n_weight_ops], rest[n_weight_ops:]
         acc_tmem, *rest = rest
         bias_tmem, rest = (rest[0], rest[1:]) if bias else (None, rest)
-        loaded, a_ready, mma_done, x_free, codes_free, y_smem, *sliced = rest
+        loaded, a_ready, mma_done, x_free, codes_free, y_smem, *rest = rest
+        handoff, sliced = (rest[0], rest[1:]) if handing_off else (None, rest)
         wg = lax.axis_index("wg")
         tile = work.tile(p, ins)
         mi, ni = tile.mi, tile.ni
@@ -403,12 +424,26 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                 return plgpu.load(scales.at[0, gi]).astype(jnp.float32)
             return tmem_rows(scales, gi, s, s)
 
-        def fold_groups(slot: Any, total: Any, scales: Any) -> Any:
-            parts = [plgpu.async_load_tmem(group_acc(slot, gi), layout=native) for gi in range(gps)]
+        def total_columns(w: int) -> Any:
+            """Dequantizing warpgroup ``w``'s f32 total of the accumulator route."""
+            return acc_tmem.at[:, pl.ds(group_accumulator_columns(p) + w * tm, tm)]
+
+        def fold_into_total(half: int, scales: Any) -> None:
+            """Warpgroup ``half``'s total += each group accumulator of its last step x the group's scales."""
+            parts = [plgpu.async_load_tmem(group_acc(half, gi), layout=native) for gi in range(gps)]
+            total = plgpu.async_load_tmem(total_columns(half), layout=native)
             plgpu.wait_load_tmem()
             for v, sv in zip(parts, scales, strict=True):
                 total = total + v * lax.broadcast_in_dim(sv, v.shape, [0])
-            return total
+            plgpu.async_store_tmem(total_columns(half), total)
+            plgpu.commit_tmem()
+
+        def loaded_at(half: Any, slot: Any) -> Any:
+            """The barrier step ``ki``'s copies arrive on: one per (ki % 2, slot) when the dequantizing
+            warpgroups take alternate steps, so each waits every phase of its own barriers (Mosaic GPU
+            tracks a barrier's phase per thread by counting its waits; a warpgroup skipping a phase would
+            wait the wrong parity), one per slot else."""
+            return loaded.at[half * depth + slot] if alternate else loaded.at[slot]
 
         def copy_step(ki: Any) -> None:
             """TMA warp: the step's codes, x tile and scale [and offset] rows into its slot."""
@@ -423,13 +458,13 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             blocks = [_block(codes, codes_block, (ni, 0, ki)), _block(x, x_block, (mi, ki))]
             blocks += [_block(g, scale_block, _scale_block(p, ki, ni)) for g in weight_ops]
             for block, smem in zip(blocks, [codes_smem, x_smem, *weight_smem], strict=True):
-                plgpu.copy_gmem_to_smem(block, smem.at[slot], loaded.at[slot])
+                plgpu.copy_gmem_to_smem(block, smem.at[slot], loaded_at(lax.rem(ki, 2), slot))
 
         def mma_step(ki: Any, groups: range) -> None:
             """An MMA warp: the step's MMAs (of ``groups``, on the accumulator route) once its A half is
             written, committed to the step's barriers."""
             slot, half = lax.rem(ki, depth), lax.rem(ki, 2)
-            plgpu.barrier_wait(loaded.at[slot])
+            plgpu.barrier_wait(loaded_at(half, slot))
             plgpu.barrier_wait(a_ready.at[half])
             a, x = w_smem.at[half], x_smem.at[slot]
             if fold:
@@ -446,38 +481,30 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             plgpu.tcgen05_commit_arrive(mma_done.at[half])  # the A half (and TMEM slot) it read
             plgpu.tcgen05_commit_arrive(x_free.at[slot])
 
-        def dequant_step(ki: Any, carry: Any, tiles: range, folds: bool) -> Any:
-            """A dequantizing warpgroup: the step's A rows ``tiles``, then (accumulator route, the folding
-            warpgroup) the last step's fold."""
-            slot, half = lax.rem(ki, depth), lax.rem(ki, 2)
-            plgpu.barrier_wait(loaded.at[slot])
-            if not folds:
+        def dequant_step(ki: Any, half: Any, carry: Any) -> Any:
+            """A dequantizing warpgroup's step ``ki``: its A half (every A row), on the accumulator route with
+            the fold of the step that last used the half (ki - 2), whose group accumulators step ki's MMAs
+            overwrite once the half is handed over."""
+            slot = lax.rem(ki, depth)
+            plgpu.barrier_wait(loaded_at(half, slot))
 
-                @pl.when(ki >= 2)
-                def _() -> None:  # MMA ki - 2 read this A half
-                    plgpu.barrier_wait(mma_done.at[half])
-
+            @pl.when(ki >= 2)
+            def _() -> None:  # MMA ki - 2: it read this A half and wrote this parity's accumulators
+                plgpu.barrier_wait(mma_done.at[half])
+                if fold:  # step ki - 2's accumulators, before step ki's MMAs rewrite them
+                    with jax.named_scope("fold"):
+                        fold_into_total(half, carry)
             scales = weight_smem[0].at[slot]
             offsets = weight_smem[1].at[slot] if p.has_offsets else None
             with jax.named_scope("dequant"):
-                dequantize_step(p, codes_smem.at[slot], scales, offsets, w_smem.at[half], tiles)
+                dequantize_step(p, codes_smem.at[slot], scales, offsets, w_smem.at[half])
                 # The accumulator route's scales, read now: commit_smem's warpgroup barrier orders every
                 # thread's reads of the slot before the one arrival that frees it for TMA.
-                current = tuple(group_scales(scales, gi) for gi in range(gps)) if folds else None
+                current = tuple(group_scales(scales, gi) for gi in range(gps)) if fold else None
             plgpu.commit_smem()  # the generic-proxy stores, before the tensor core reads them
             plgpu.barrier_arrive(a_ready.at[half])
             plgpu.barrier_arrive(codes_free.at[slot])
-            if not folds:
-                return carry
-            with jax.named_scope("fold"):
-
-                @pl.when(ki > 0)
-                def _() -> None:  # MMA ki - 1: its accumulators, and the A half step ki + 1 rewrites
-                    plgpu.barrier_wait(mma_done.at[1 - half])
-
-                total, previous = carry
-                total = fold_groups(1 - half, total, previous)
-            return total, current
+            return current
 
         def store() -> None:
             """y_smem's rows to y: the whole M tile, or the tile's window of rows (grouped)."""
@@ -505,44 +532,9 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                             groups = range(j, gps, issuers)
                             lax.fori_loop(0, p.k_steps, lambda ki, _: mma_step(ki, groups), None)
 
-        per_wg = c.tiles // dequant_wgs  # 64-row A tiles each dequantizing warpgroup writes
-
-        def wait_last_mmas(n: int) -> None:
-            """Waits the last ``n`` steps' MMAs, in order: the phases a dequantizing loop left unobserved."""
-            for ki in range(max(p.k_steps - n, 0), p.k_steps):
-                plgpu.barrier_wait(mma_done.at[ki % 2])
-
-        def dequant_rows() -> None:
-            """The second dequantizing warpgroup: its A rows each step, waiting for the MMAs of two steps
-            back (the weights route's order), every phase observed before it ends."""
-            tiles = range(per_wg, 2 * per_wg)
-            lax.fori_loop(0, p.k_steps, lambda ki, _: dequant_step(ki, None, tiles, False), None)
-            wait_last_mmas(2)
-
-        def dequant() -> None:
-            tiles = range(per_wg)  # the folding warpgroup's A rows
-            init = None
-            if fold:  # the "previous" slot of step 0 holds zeros, its scales are zero
-                zeros = jnp.zeros((c.tile_n, gps * tm), jnp.float32)
-                plgpu.async_store_tmem(acc_tmem.at[:, pl.ds(gps * tm, gps * tm)], zeros)
-                if bias:
-                    plgpu.async_store_tmem(bias_tmem, jnp.full(bias_tmem.shape, -BIAS[p.dtype.name], p.dtype))
-                plgpu.commit_tmem()
-                total0 = jnp.zeros((c.tile_n, tm), jnp.float32)
-                scales0 = tuple(jnp.zeros((c.tile_n,), jnp.float32) for _ in range(gps))
-                if native is not None:
-                    total0 = plgpu.layout_cast(total0, native)
-                    scales0 = tuple(plgpu.layout_cast(v, native.reduce(1)) for v in scales0)
-                init = (total0, scales0)
-            final = lax.fori_loop(0, p.k_steps, lambda ki, carry: dequant_step(ki, carry, tiles, fold), init)
-            wait_last_mmas(1 if fold else 2)  # the last step's (the fold waited the others), or two
+        def epilogue(acc: Any) -> None:
+            """The accumulated (tile_n, tile_m) f32 tile, y^T, to y."""
             with jax.named_scope("epilogue"):
-                if fold:
-                    total, last_scales = final
-                    acc = fold_groups((p.k_steps - 1) % 2, total, last_scales)
-                else:
-                    acc = plgpu.async_load_tmem(acc_tmem)
-                    plgpu.wait_load_tmem()
                 if s == 1:
                     y_smem.T[...] = acc.astype(p.dtype)  # y^T into the transposed view: y itself
                     plgpu.commit_smem()
@@ -563,11 +555,66 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                         store_rows(y_smem, y_gmem, cols, tile.rows)
                 plgpu.wait_smem_to_gmem(0)
 
+        def fold_init(w: int) -> Any:
+            """The accumulator route's start: this warpgroup's total zeroed and, warpgroup 0, the -BIAS tile
+            stored. Returns scales of the loop's carry before the first step (zeros, never folded)."""
+            if not fold:
+                return None
+            plgpu.async_store_tmem(total_columns(w), jnp.zeros((c.tile_n, tm), jnp.float32))
+            if bias and w == 0:  # before warpgroup 0's first arrival, which every MMA follows
+                plgpu.async_store_tmem(bias_tmem, jnp.full(bias_tmem.shape, -BIAS[p.dtype.name], p.dtype))
+            plgpu.commit_tmem()
+            scales0 = tuple(jnp.zeros((c.tile_n,), jnp.float32) for _ in range(gps))
+            if native is not None:
+                scales0 = tuple(plgpu.layout_cast(v, native.reduce(1)) for v in scales0)
+            return scales0
+
+        def alternating_warpgroup(w: int) -> None:
+            """Dequantizing warpgroup ``w`` of two: steps w, w + 2, ... into A half w. Each folds its own
+            steps' accumulators into its own total; warpgroup 0 adds warpgroup 1's and stores y (on the
+            weights route the warpgroup of the last step does, once its MMAs completed)."""
+            steps = (p.k_steps - w + 1) // 2
+            if steps == 0:
+                return
+            step = lambda i, carry: dequant_step(2 * i + w, w, carry)
+            last_scales = lax.fori_loop(0, steps, step, fold_init(w))
+            plgpu.barrier_wait(mma_done.at[w])  # the last step's MMAs: every phase observed
+            if not fold:
+                if w == (p.k_steps - 1) % 2:  # the last MMAs, so the whole accumulator
+                    acc = plgpu.async_load_tmem(acc_tmem)
+                    plgpu.wait_load_tmem()
+                    epilogue(acc)
+                return
+            with jax.named_scope("fold"):
+                fold_into_total(w, last_scales)
+            if w == 1:
+                plgpu.barrier_arrive(handoff)  # its total, stored and committed
+                return
+            if p.k_steps > 1:
+                plgpu.barrier_wait(handoff)
+            totals = [
+                plgpu.async_load_tmem(total_columns(i), layout=native) for i in range(min(p.k_steps, 2))
+            ]
+            plgpu.wait_load_tmem()
+            epilogue(sum(totals[1:], totals[0]))
+
+        def single_warpgroup() -> None:
+            """The one dequantizing warpgroup (weights route): every step, waiting for the MMAs of two steps
+            back, then the last two steps' MMAs (every phase observed)."""
+            lax.fori_loop(0, p.k_steps, lambda ki, _: dequant_step(ki, lax.rem(ki, 2), None), None)
+            for ki in range(max(p.k_steps - 2, 0), p.k_steps):
+                plgpu.barrier_wait(mma_done.at[ki % 2])
+            acc = plgpu.async_load_tmem(acc_tmem)
+            plgpu.wait_load_tmem()
+            epilogue(acc)
+
         def compute() -> None:
             pl.when(wg == issue_wg)(issue)
-            pl.when(wg == FOLD_WG)(dequant)
-            if dequant_wgs == 2:
-                pl.when(wg == 1)(dequant_rows)
+            if alternate:
+                pl.when(wg == 0)(lambda: alternating_warpgroup(0))
+                pl.when(wg == 1)(lambda: alternating_warpgroup(1))
+            else:
+                pl.when(wg == 0)(single_warpgroup)
 
         def zeros() -> None:  # the grouped kernel's rows past the groups: no weight read
             @pl.when(wg == FOLD_WG)
@@ -601,14 +648,16 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             plgpu.SMEM((depth, *codes_block), codes_dtype),
             plgpu.SMEM((depth, *x_block), p.dtype, transforms=_swizzled(p.dtype)),
             *[plgpu.SMEM((depth, *scale_block), scale_dtype) for _ in range(n_weight_ops)],
-            plgpu.TMEM((c.tile_n, group_accumulator_columns(p) if fold else c.tile_m), jnp.float32),
+            plgpu.TMEM((c.tile_n, fold_columns(p) if fold else c.tile_m), jnp.float32),
             *([plgpu.TMEM((c.tile_n, CHUNK_K), p.dtype, packed=True)] if bias else []),  # -BIAS, an A operand
-            plgpu.Barrier(num_arrivals=2 + n_weight_ops, num_barriers=depth),  # loaded: one per copy
-            plgpu.Barrier(num_arrivals=dequant_wgs, num_barriers=2, orders_tensor_core=True),  # a_ready
+            plgpu.Barrier(num_arrivals=2 + n_weight_ops, num_barriers=loaded_barriers),  # loaded
+            plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True),  # a_ready
             plgpu.Barrier(num_arrivals=issuers, num_barriers=2, orders_tensor_core=True),  # mma_done
             plgpu.Barrier(num_arrivals=issuers, num_barriers=depth, orders_tensor_core=True),  # x_free
-            plgpu.Barrier(num_arrivals=dequant_wgs, num_barriers=depth),  # codes_free
+            plgpu.Barrier(num_arrivals=1, num_barriers=depth),  # codes_free
             y_staging((c.x_rows_per_tile, c.cta_cols), p.dtype, any_rows=s == 1),
+            # handoff: warpgroup 1's total, in TMEM for warpgroup 0
+            *([plgpu.Barrier(num_arrivals=1, orders_tensor_core=True)] if handing_off else []),
             *([plgpu.SMEM((c.tile_n, c.tile_m), jnp.float32)] if s > 1 else []),
         ],
         # No automatic barriers (see the module docstring): Mosaic would fence each SMEM store with two.
