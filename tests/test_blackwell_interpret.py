@@ -18,7 +18,7 @@ import nybble.kernels.mosaic_gpu as mg
 from nybble.kernels.mosaic_gpu import interpret as mgpu_interpret
 from nybble.kernels.mosaic_gpu.blackwell import BlackwellConfig, blackwell_matmul, heuristic_config, plan
 from nybble.kernels.mosaic_gpu.blackwell.config import DEFAULT_NUM_SMS
-from nybble.kernels.mosaic_gpu.blackwell.kernel import folds_scales
+from nybble.kernels.mosaic_gpu.blackwell.kernel import a_in_tmem, folds_scales
 from nybble.quant import relayout
 from tests.kernel_checks import (
     activations,
@@ -118,7 +118,8 @@ def test_scales_on_group_accumulators_without_slices(case):
     rng = np.random.default_rng(m + k + n)
     qw = _weight(rng, k, n, group, True, scale_dtype, exact)
     config = BlackwellConfig(128, tile_m, tile_k, 3, slices)
-    assert folds_scales(plan(m, qw, config=config, dtype=x_dtype))
+    p = plan(m, qw, config=config, dtype=x_dtype)
+    assert folds_scales(p) and a_in_tmem(p)  # the A operand through TMEM
     x = activations(rng, m, k, x_dtype, exact=exact)
     with interpret(detect_races=True, gpu="b200"):
         y = blackwell_matmul(x, qw, config=config)
@@ -126,6 +127,23 @@ def test_scales_on_group_accumulators_without_slices(case):
         assert_exact(y, x, qw)
     else:
         assert_kernel_within_rounding(y, x, qw, "accumulators")
+
+
+def test_group_accumulators_beside_an_a_operand_in_smem():
+    """The accumulator route keeps its A operand in SMEM where the double-buffered A halves (tile_k
+    columns) do not fit TMEM beside the group accumulators: 32-row M tiles, 256-deep steps, groups of 64
+    (4 group accumulators a step, double-buffered, 320 columns, the -BIAS tile's 32 and 256 of A: 608 of
+    512). Exact on small integers."""
+    rng = np.random.default_rng(7)
+    m, k, n = 20, 512, 128
+    qw = _weight(rng, k, n, 64, True, bf16, True)
+    config = BlackwellConfig(128, 32, 256, 2, 1)
+    p = plan(m, qw, config=config)
+    assert folds_scales(p) and not a_in_tmem(p)
+    x = activations(rng, m, k, bf16, exact=True)
+    with interpret(detect_races=True, gpu="b200"):
+        y = blackwell_matmul(x, qw, config=config)
+    assert_exact(y, x, qw)
 
 
 @pytest.mark.no_kernel

@@ -69,7 +69,9 @@ PEER_NOTE = (
     "counts the active experts' weights only; compare launches, registers and spills as compiled."
 )
 _MMA = re.compile(r"^UTC[A-Z]*MMA")
-_STSM = re.compile(r"^STSM")
+# The A operand's stores: STSM into SMEM, or tcgen05.st of packed pairs (16x128b) into TMEM (the fold's
+# f32 total goes by 32x32b, its zeroing by 16x256b).
+_A_STORE = re.compile(r"^(STSM|STTM\.16dp128bit)")
 _TMA = re.compile(r"^UTMALDG")
 _BAR_SYNC = re.compile(r"^BAR\.SYNC")
 _BACK_BRANCH = re.compile(r"BRA(?:\.U)?\s+(?:!?U?P\d+,\s*)?`?\(?(?P<label>\.L_x_\d+)\)?`?")
@@ -175,7 +177,7 @@ class RoleLoop:
 @dataclasses.dataclass(frozen=True)
 class KernelLoops:
     """The warp-specialized kernel's K loops, one per role: each dequantizing warpgroup's (4 warps: the
-    loop that stores the A operand, ``STSM``; two warpgroups at decode tiles, one A tile each), each MMA
+    loop that stores the A operand, ``STSM`` or ``STTM``; two at decode tiles, by turns), each MMA
     warp's (one warp: ``UTCHMMA``, no stores), and the TMA warp's (one warp: ``UTMALDG``). Where the
     compiler unrolled a role's short K loop (``straight_line``), its stretch from the wait before its first
     step to its last store, MMA or copy, over the steps (with two dequantizing warpgroups, both in one
@@ -239,35 +241,35 @@ def _first_warpgroups_turns(s: sass_mod.Sass, k_steps: int) -> RoleLoop | None:
     """Alternating dequantizing warpgroups, every turn unrolled: the first warpgroup's (its code comes
     first, its ceil(K steps / 2) turns hold that share of the stores), from the wait before its first store
     to its last, over its turns; not its fold and epilogue after them."""
-    stores = [i for i, ins in enumerate(s.instructions) if _STSM.match(ins.opcode)]
+    stores = [i for i, ins in enumerate(s.instructions) if _A_STORE.match(ins.opcode)]
     turns = -(-k_steps // 2)
     if not stores or len(stores) * turns % k_steps:
         return None
     last = stores[len(stores) * turns // k_steps - 1]
-    stretch = sass_mod.unrolled_stretch(s, lambda ins: bool(_STSM.match(ins.opcode)), from_start=False)
+    stretch = sass_mod.unrolled_stretch(s, lambda ins: bool(_A_STORE.match(ins.opcode)), from_start=False)
     body = tuple(s.instructions[stretch.start : last + 1])
     return RoleLoop.of(sass_mod.Loop(stretch.start, last, body, straight_line=True), turns)
 
 
 def kernel_loops(s: sass_mod.Sass, k_steps: int, dequant_every: int = 1) -> KernelLoops | None:
     """The K loops of nybble's Blackwell kernel (``blackwell/kernel.py``'s roles): the innermost loops
-    with the most ``STSM`` (one per dequantizing warpgroup; ``dequant_every``: 2 where two take alternate
+    with the most A stores (one per dequantizing warpgroup; ``dequant_every``: 2 where two take alternate
     steps), the innermost loops issuing ``UTCHMMA`` without storing, and the TMA warp's copies;
     barrier-wait retry loops hold none of these. A role whose steps the compiler unrolled (a short K
     loop) counts its unrolled stretch over the steps (every warpgroup's, where they alternate)."""
     loops = _loops(s)
     unrolled = False
-    stores = _innermost([loop for loop in loops if _count(loop, _STSM)])
+    stores = _innermost([loop for loop in loops if _count(loop, _A_STORE)])
     if stores:
-        most = max(_count(loop, _STSM) for loop in stores)
-        dequant = tuple(RoleLoop.of(loop) for loop in stores if _count(loop, _STSM) == most)
+        most = max(_count(loop, _A_STORE) for loop in stores)
+        dequant = tuple(RoleLoop.of(loop) for loop in stores if _count(loop, _A_STORE) == most)
     elif dequant_every == 2 and (turns := _first_warpgroups_turns(s, k_steps)) is not None:
         dequant, unrolled = (turns,), True
-    elif (stretch := _unrolled(s, _STSM)) is not None:  # every step, over the steps
+    elif (stretch := _unrolled(s, _A_STORE)) is not None:  # every step, over the steps
         dequant, unrolled = (RoleLoop.of(stretch, k_steps),), True
     else:
         return None
-    mma_loops = _innermost([loop for loop in loops if _count(loop, _MMA) and not _count(loop, _STSM)])
+    mma_loops = _innermost([loop for loop in loops if _count(loop, _MMA) and not _count(loop, _A_STORE)])
     if mma_loops:
         mma = tuple(RoleLoop.of(loop) for loop in sorted(mma_loops, key=lambda loop: loop.start))
     elif (stretch := _unrolled(s, _MMA)) is not None:
@@ -275,7 +277,7 @@ def kernel_loops(s: sass_mod.Sass, k_steps: int, dequant_every: int = 1) -> Kern
     else:
         return None
     tma_loops = _innermost(
-        [loop for loop in loops if _count(loop, _TMA) and not _count(loop, _STSM) and not _count(loop, _MMA)]
+        [loop for loop in loops if _count(loop, _TMA) and not (_count(loop, _A_STORE) or _count(loop, _MMA))]
     )
     if tma_loops:
         tma = float(sum(loop.size for loop in tma_loops))

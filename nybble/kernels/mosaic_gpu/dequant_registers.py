@@ -58,10 +58,14 @@ def _name(dtype: Any) -> str:
     return name
 
 
-def words_layout() -> Any:
+def words_layout(slots: int = 8) -> Any:
+    """How a chunk's words load: ``slots`` (8: a 64-row tile, WGMMA's rows; 16: two tiles, tcgen05's 128
+    rows) x 64 words, warp w taking slots (slots / 4) w .. (slots / 4) (w + 1) - 1 (its rows), lane l words
+    (2l, 2l + 1) of each (one ``LDS.64``)."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
 
-    return L.TILED(fa.Tiling(((8, 64), (2, 64), (2,))), warp_dims=(-5,), lane_dims=(-2,), vector_dim=-1)
+    tiling = fa.Tiling(((slots, 64), (slots // 4, 64), (2,)))
+    return L.TILED(tiling, warp_dims=(-5,), lane_dims=(-2,), vector_dim=-1)
 
 
 # --------------------------------------------------------------------------- the bit operations, modelled
@@ -112,10 +116,23 @@ def dequantize_chunk(words: jax.Array, *, exact: bool, dtype: Any = jnp.bfloat16
     return _gpu_dequantize(exact, _name(dtype))(words)
 
 
-def _gpu_dequantize(exact: bool, name: str) -> Any:
+def dequantize_rows(words: jax.Array, *, exact: bool, dtype: Any = jnp.bfloat16) -> jax.Array:
+    """(16 slots, 64 words) uint32, two 64-row tiles' chunk loaded with ``words_layout(16)`` -> (128, 64)
+    ``dtype`` in tcgen05's register layout (``TCGEN05``: WGMMA's, each warp 32 rows), what a TMEM store
+    of an A operand takes: the same bit operations as :func:`dequantize_chunk`, warp w's four slots
+    4w .. 4w + 3 its four 8-row groups."""
+    if active_params() is not None:
+        return jnp.concatenate([_twin_dequantize(words[8 * t : 8 * t + 8], exact, dtype) for t in range(2)])
+    return _gpu_dequantize(exact, _name(dtype), slots=16)(words)
+
+
+def _gpu_dequantize(exact: bool, name: str, slots: int = 8) -> Any:
+    rows = 8 * slots
+    layout = L.WGMMA if slots == 8 else L.TCGEN05
+
     @plgpu.inline_mgpu(
-        arg_types=(words_layout(),),
-        return_type=plgpu.ShapeDtypeStruct((CHUNK, CHUNK), jnp.dtype(name), layout=L.WGMMA),
+        arg_types=(words_layout(slots),),
+        return_type=plgpu.ShapeDtypeStruct((rows, CHUNK), jnp.dtype(name), layout=layout),
     )
     def relabel(ctx: Any, words: Any) -> Any:
         from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -136,17 +153,19 @@ def _gpu_dequantize(exact: bool, name: str) -> Any:
                 f"{{ .reg .b32 t, c; lop3.b32 t, $1, 0x000F000F, {magic}, 0x6A; "
                 f"mov.b32 c, {magic}; sub.{ptx_type} $0, t, c; }}"
             )
-        out = np.empty(fa.WGMMA_LAYOUT.registers_shape((CHUNK, CHUNK)), dtype=object)
-        for h in range(2):  # row half: slot 2w + h
+        fa_layout = fa.WGMMA_LAYOUT if slots == 8 else fa.TCGEN05_LAYOUT
+        out = np.empty(fa_layout.registers_shape((rows, CHUNK)), dtype=object)
+        for h in range(slots // 4):  # the warp's 8-row group: slot (slots / 4) w + h
             vec = words.registers[0, 0, 0, 0, h, 0, 0]
             for q in range(2):
                 w = vector.extract(vec, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([q]))
                 for u in range(4):
                     src = w if u == 0 else arith.shrui(w, arith.constant(i32, 4 * u))
                     bits = llvm.inline_asm(i32, [src], asm, "=r,r")
-                    # Register (column tile 4q + u, row half h) of the WGMMA layout: no data movement.
+                    # Register (column tile 4q + u, row group h) of the WGMMA (TCGEN05) layout: no data
+                    # movement.
                     out[0, 4 * q + u, 0, 0, h, 0, 0, 0, 0] = utils.bitcast(bits, pair)
-        return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+        return fa.FragmentedArray(_registers=out, _layout=fa_layout, _is_signed=None)
 
     return relabel
 

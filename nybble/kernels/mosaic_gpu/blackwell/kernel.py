@@ -3,9 +3,18 @@
 The kernel computes y^T = W^T x^T, as the Hopper kernel does: tcgen05's M (64 or 128 rows, the tensor
 core's fixed side) covers weight columns, its N (16..256) the batch, so at decode (M <= 16) no MMA row is
 padding and the f32 accumulator is only ``tile_m`` TMEM columns. The weight reaches the tensor core as the
-A operand in SMEM, dequantized there by the CTA's first warpgroup: tcgen05 reads A from SMEM or TMEM, and a
-TMEM A operand would need a TMEM store (tcgen05.st) per step plus its own fences, where an SMEM store feeds
-the MMA's descriptor directly; x, the B operand, stays in the swizzled SMEM slot TMA filled.
+A operand, dequantized by the CTA's first warpgroups into TMEM or SMEM (tcgen05 reads A from either); x,
+the B operand, stays in the swizzled SMEM slot TMA filled:
+
+* TMEM (:func:`a_in_tmem`: the accumulator route, where A is BIAS + q with no scales to apply, and the
+  A halves fit TMEM beside the accumulators, i.e. every symmetric decode tile the heuristics pick). Each
+  warp owns TMEM lanes 32w..32w + 31, so it unpacks A rows 32w..32w + 31, in tcgen05's register layout
+  (``dequant_registers.dequantize_rows``: WGMMA's fragment, four 8-row groups a warp), and one
+  ``tcgen05.st`` 16x128b.x8 stores 16 registers (32 weights) a thread, where an ``STSM`` stores 8. X-ray
+  at Llama-3-8B q/o, M = 1: a turn 341 -> 320 instructions (32 STSM -> 8 STTM), and the MMA warps' 231 ->
+  203 (a TMEM A operand needs no SMEM descriptor): 1.65 -> 1.50 instructions per weight.
+* SMEM, 128-byte swizzle (the weights route: scales and offsets applied to A, prefill tiles): ``STSM``
+  of WGMMA's fragment (one a word of 8 weights), then a proxy fence.
 
 The CTA is warp-specialized: the dequantizing warpgroups run only the unpacking, the stores and the fold,
 and one thread of a warp of the last warpgroup issues each TMA copy or MMA, so no dequantizing warp spends
@@ -22,7 +31,7 @@ Else one warpgroup does it all. The bytes:
     the slot's previous step is consumed (``x_free``: its MMAs read x; ``codes_free``: its dequantizing
     warpgroup read its codes and scales), all arriving on ``loaded[slot]`` (with alternating warpgroups
     ``loaded[ki % 2, slot]``, so each warpgroup waits every phase of the barriers it waits):
-        TMA  codes (tile_n / 64, 8, tile_k) ``wgmma_int4`` words   (the layout the Hopper kernel reads)
+        TMA  codes (tile_n / 8 slots, tile_k) ``wgmma_int4`` words   (the layout the Hopper kernel reads)
         TMA  x     (tile_m, tile_k) bf16/f16, 128-byte swizzle      (rows past M zero-filled)
         TMA  scale [and offset] rows (tile_k / G or 1, tile_n)
     dequantizing warpgroup (0, or at decode 0 and 1 by turns), for each of its K steps, once
@@ -30,11 +39,12 @@ Else one warpgroup does it all. The bytes:
         [accumulator route: fold step ki - 2's group accumulators into its total (TMEM), before step ki's
             MMAs rewrite them]
         for each 64-wide chunk and its 64-row tiles: LDS.64 of 8 code words, 3 SHF + 4 LOP3 per 8 weights
-            (dequant_registers.dequantize_chunk) giving BIAS + q, [4 HSUB2: exact q,] [w = q * s (+ o)
-            in x's dtype,] stored into the step's half of a double-buffered (2, tile_n, tile_k) A buffer
-            (128-byte swizzle)
-        arrive ``a_ready[half]`` and ``codes_free[slot]`` (after commit_smem's warpgroup barrier: every
-            thread's reads and stores are done; one arrival)
+            (dequant_registers.dequantize_chunk / dequantize_rows) giving BIAS + q, [4 HSUB2: exact q,]
+            [w = q * s (+ o) in x's dtype,] stored into the step's half of a double-buffered A buffer:
+            TMEM (tile_n lanes, 2 x tile_k packed pairs) or SMEM (2, tile_n, tile_k)
+        [TMEM: commit_tmem (tcgen05.wait::st, a warpgroup barrier)] commit_smem (a proxy fence, a warpgroup
+            barrier: every thread's reads and stores are done), then arrive ``a_ready[half]`` and
+            ``codes_free[slot]`` (one arrival each)
     MMA warps (the last warpgroup, warps 1..3), for each K step, once ``loaded[slot]`` and ``a_ready[half]``:
         tcgen05_mma(acc, A half, x^T) (per group on the accumulator route, the groups dealt round-robin
             to the warps, each group's MMAs from one warp so they run in order), then commit-arrive on
@@ -48,7 +58,9 @@ is fenced by two BAR.SYNCs (each waits for the warpgroup's 4 warps), 8 more a K 
 loop at decode than the kernel needs (X-ray: 11 -> 3 a step at M = 1). They are safe to drop here because
 no thread reads SMEM another thread of its warpgroup wrote without a barrier the kernel places itself: the
 A halves, y and the zero tile are written by threads and read only by the tensor core or TMA, after
-``commit_smem`` (a proxy fence and a warpgroup barrier); the sliced partials are read by other threads
+``commit_smem`` (a proxy fence and a warpgroup barrier); a TMEM A half is written by each thread in
+its own lanes and read by the tensor core after ``commit_tmem`` and the tensor-core-ordered arrival; the
+sliced partials are read by other threads
 only after ``commit_smem`` too; codes, x and scales are written by TMA and read by threads after
 ``loaded``, and freed by one arrival after ``commit_smem``'s barrier; TMEM loads end in
 ``wait_load_tmem``'s barrier. Interpret mode runs a warpgroup as one thread, so it cannot see this order:
@@ -111,6 +123,7 @@ from nybble.kernels.mosaic_gpu.config import CHUNK_K
 from nybble.kernels.mosaic_gpu.dequant_registers import (
     BIAS,
     dequantize_chunk,
+    dequantize_rows,
     slot_rows,
     sum_slices,
     tmem_rows,
@@ -174,6 +187,7 @@ class BlackwellProblem:
         route's double-buffered group accumulators and its -BIAS tile."""
         if folds_scales(self):
             used = fold_columns(self) + (BIAS_TILE_COLUMNS if folds_bias(self) else 0)
+            used += self.config.tile_k if a_in_tmem(self) else 0  # the A halves, packed pairs
         else:
             used = self.config.tile_m
         return max(32, 1 << (used - 1).bit_length())
@@ -293,6 +307,26 @@ def folds_bias(p: BlackwellProblem) -> bool:
     return folds_scales(p) and p.dtype == jnp.dtype(jnp.bfloat16)
 
 
+def a_in_tmem(p: BlackwellProblem) -> bool:
+    """Whether the A operand goes through TMEM instead of SMEM: on the accumulator route (A is BIAS + q or
+    q, no scales to apply), where the double-buffered A tile (tile_k columns of packed pairs) fits TMEM
+    beside the group accumulators. A TMEM store (``tcgen05.st`` 16x128b) writes many fragment registers a
+    thread in one instruction, where an ``STSM`` stores one word's 8 weights; and the tensor core reads A
+    there without the SMEM proxy fence."""
+    if not folds_scales(p):
+        return False
+    return fold_columns(p) + (BIAS_TILE_COLUMNS if folds_bias(p) else 0) + p.config.tile_k <= TMEM_COLUMNS
+
+
+def dequantize_to_tmem(p: BlackwellProblem, codes: Any, out: Any) -> None:
+    """The step's A operand, BIAS + q (or q), (tile_n, tile_k) into the TMEM half ``out``, a 64-wide chunk
+    of all 128 rows at a time: each warp's 32 rows (its TMEM lanes) in tcgen05's register layout."""
+    for k0 in range(0, p.config.tile_k, CHUNK_K):
+        words = plgpu.load(codes.at[:, pl.ds(k0, CHUNK_K)])
+        q = dequantize_rows(words, exact=not folds_bias(p), dtype=p.dtype)
+        plgpu.async_store_tmem(out.at[:, pl.ds(k0, CHUNK_K)], q)
+
+
 def dequantize_step(p: BlackwellProblem, codes: Any, scales: Any, offsets: Any, out: Any) -> None:
     """The step's weights w = q * s (+ o), (tile_n, tile_k) in x's dtype, into the A buffer ``out``, a
     64-wide chunk of every A row at a time (both 64-row tiles in one store: the single dequantizing
@@ -304,7 +338,8 @@ def dequantize_step(p: BlackwellProblem, codes: Any, scales: Any, offsets: Any, 
     for k0 in range(0, c.tile_k, CHUNK_K):
         parts = []
         for t in range(c.tiles):
-            q = dequantize_chunk(plgpu.load(codes.at[t, :, pl.ds(k0, CHUNK_K)]), exact=exact, dtype=dt)
+            words = plgpu.load(codes.at[pl.ds(8 * t, 8), pl.ds(k0, CHUNK_K)])
+            q = dequantize_chunk(words, exact=exact, dtype=dt)
             if fold:
                 parts.append(q)
                 continue
@@ -324,12 +359,13 @@ def dequantize_step(p: BlackwellProblem, codes: Any, scales: Any, offsets: Any, 
 
 
 def operand_views(p: BlackwellProblem, codes: Any, x: jax.Array, scales: Any, offsets: Any) -> list[Any]:
-    """The kernel's GMEM views, by reshape (dequant_registers.py): a 64-row A tile is 8 slots of 8 rows,
-    slot = band * S + slice; x row m * S + j is x[m] over slice j; scale rows (S, groups / S, N_pad), per
-    slice. A leading expert axis of a stacked weight (``codes.ndim == 3``) is kept."""
+    """The kernel's GMEM views, by reshape (dequant_registers.py): codes in slots of 8 A rows (a 64-row A
+    tile 8 of them, slot = band * S + slice); x row m * S + j is x[m] over slice j; scale rows (S,
+    groups / S, N_pad), per slice. A leading expert axis of a stacked weight (``codes.ndim == 3``) is
+    kept."""
     s = p.config.slices
     lead = codes.shape[:-2]
-    views = [codes.reshape(*lead, p.n_pad // (64 // s), 8, p.slice_k), x.reshape(p.x_rows * s, p.slice_k)]
+    views = [codes.reshape(*lead, p.n_pad * s // 8, p.slice_k), x.reshape(p.x_rows * s, p.slice_k)]
     for a in (scales, offsets) if p.has_offsets else (scales,):
         views.append(a.reshape(*lead, 1, 1, p.n_pad) if p.per_column else a.reshape(*lead, s, -1, p.n_pad))
     return views
@@ -393,18 +429,19 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
     if fold and not alternate:
         raise AssertionError(f"{c.tag}: the accumulator route runs on two dequantizing warpgroups")
     handing_off = fold and p.k_steps > 1  # warpgroup 1 folds steps too, and hands its total over
+    tmem_a = a_in_tmem(p)
     loaded_barriers = depth * (2 if alternate else 1)  # per (step parity, slot) when alternating
     # K slices: the accumulators load in TMEM's native layout (a thread per row), whose rows the sliced
     # scales are gathered in (dequant_registers.tmem_rows); without, layout inference picks the one the
     # transposed y store takes.
     native = plgpu.Layout.TCGEN05_TMEM_NATIVE if s > 1 else None
-    codes_block = (c.tiles, 8, c.tile_k)
+    codes_block = (c.tiles * 8, c.tile_k)  # 8-row slots
     x_block = (c.tile_m, c.tile_k)
     scale_block = (1 if p.per_column else s, p.scale_rows, c.cta_cols)
 
     def kernel(*refs: Any) -> None:
         ins, y_gmem = refs[:n_in], refs[n_in]
-        (w_smem, codes_smem, x_smem, *rest) = refs[n_in + 1 :]
+        (a_buffer, codes_smem, x_smem, *rest) = refs[n_in + 1 :]
         weight_smem, rest = rest[:n_weight_ops], rest[n_weight_ops:]
         acc_tmem, *rest = rest
         bias_tmem, rest = (rest[0], rest[1:]) if bias else (None, rest)
@@ -428,15 +465,17 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             """Dequantizing warpgroup ``w``'s f32 total of the accumulator route."""
             return acc_tmem.at[:, pl.ds(group_accumulator_columns(p) + w * tm, tm)]
 
-        def fold_into_total(half: int, scales: Any) -> None:
-            """Warpgroup ``half``'s total += each group accumulator of its last step x the group's scales."""
+        def fold_into_total(half: int, scales: Any, commit: bool = True) -> None:
+            """Warpgroup ``half``'s total += each group accumulator of its last step x the group's scales;
+            the total's store committed (``commit``), or by the step's commit of its A operand."""
             parts = [plgpu.async_load_tmem(group_acc(half, gi), layout=native) for gi in range(gps)]
             total = plgpu.async_load_tmem(total_columns(half), layout=native)
             plgpu.wait_load_tmem()
             for v, sv in zip(parts, scales, strict=True):
                 total = total + v * lax.broadcast_in_dim(sv, v.shape, [0])
             plgpu.async_store_tmem(total_columns(half), total)
-            plgpu.commit_tmem()
+            if commit:
+                plgpu.commit_tmem()
 
         def loaded_at(half: Any, slot: Any) -> Any:
             """The barrier step ``ki``'s copies arrive on: one per (ki % 2, slot) when the dequantizing
@@ -455,7 +494,7 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                 plgpu.barrier_wait(codes_free.at[slot])
 
             codes, x, *weight_ops = tile.gmem
-            blocks = [_block(codes, codes_block, (ni, 0, ki)), _block(x, x_block, (mi, ki))]
+            blocks = [_block(codes, codes_block, (ni, ki)), _block(x, x_block, (mi, ki))]
             blocks += [_block(g, scale_block, _scale_block(p, ki, ni)) for g in weight_ops]
             for block, smem in zip(blocks, [codes_smem, x_smem, *weight_smem], strict=True):
                 plgpu.copy_gmem_to_smem(block, smem.at[slot], loaded_at(lax.rem(ki, 2), slot))
@@ -466,15 +505,19 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             slot, half = lax.rem(ki, depth), lax.rem(ki, 2)
             plgpu.barrier_wait(loaded_at(half, slot))
             plgpu.barrier_wait(a_ready.at[half])
-            a, x = w_smem.at[half], x_smem.at[slot]
+            x = x_smem.at[slot]
+            a = a_buffer.at[:, pl.ds(half * c.tile_k, c.tile_k)] if tmem_a else a_buffer.at[half]
             if fold:
                 for gi in groups:
                     g = pl.ds(gi * p.group, p.group)
-                    plgpu.tcgen05_mma(group_acc(half, gi), a.at[:, g], x.at[:, g].T, accumulate=False)
                     if not bias:
+                        plgpu.tcgen05_mma(group_acc(half, gi), a.at[:, g], x.at[:, g].T, accumulate=False)
                         continue
                     for k0 in range(gi * p.group, (gi + 1) * p.group, CHUNK_K):  # minus BIAS x sum(x)
-                        chunk = x.at[:, pl.ds(k0, CHUNK_K)].T
+                        kc = pl.ds(k0, CHUNK_K)
+                        chunk = x.at[:, kc].T
+                        first = k0 == gi * p.group
+                        plgpu.tcgen05_mma(group_acc(half, gi), a.at[:, kc], chunk, accumulate=not first)
                         plgpu.tcgen05_mma(group_acc(half, gi), bias_tmem, chunk, accumulate=True)
             else:
                 plgpu.tcgen05_mma(acc_tmem, a, x.T, accumulate=ki > 0)
@@ -493,15 +536,25 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                 plgpu.barrier_wait(mma_done.at[half])
                 if fold:  # step ki - 2's accumulators, before step ki's MMAs rewrite them
                     with jax.named_scope("fold"):
-                        fold_into_total(half, carry)
+                        fold_into_total(half, carry, commit=not tmem_a)
             scales = weight_smem[0].at[slot]
             offsets = weight_smem[1].at[slot] if p.has_offsets else None
             with jax.named_scope("dequant"):
-                dequantize_step(p, codes_smem.at[slot], scales, offsets, w_smem.at[half])
-                # The accumulator route's scales, read now: commit_smem's warpgroup barrier orders every
+                if tmem_a:
+                    a_half = a_buffer.at[:, pl.ds(half * c.tile_k, c.tile_k)]
+                    dequantize_to_tmem(p, codes_smem.at[slot], a_half)
+                else:
+                    dequantize_step(p, codes_smem.at[slot], scales, offsets, a_buffer.at[half])
+                # The accumulator route's scales, read now: the warpgroup barrier below orders every
                 # thread's reads of the slot before the one arrival that frees it for TMA.
                 current = tuple(group_scales(scales, gi) for gi in range(gps)) if fold else None
-            plgpu.commit_smem()  # the generic-proxy stores, before the tensor core reads them
+            if tmem_a:
+                plgpu.commit_tmem()  # the TMEM stores done, every thread past them (a warpgroup barrier)
+                # The slot's reads ordered before TMA's next writes into it (GPU interpret mode's race
+                # detector asks the proxy fence of a generic read before an async-proxy write too).
+                plgpu.commit_smem()
+            else:
+                plgpu.commit_smem()  # the generic-proxy stores, before the tensor core reads them
             plgpu.barrier_arrive(a_ready.at[half])
             plgpu.barrier_arrive(codes_free.at[slot])
             return current
@@ -562,7 +615,11 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                 return None
             plgpu.async_store_tmem(total_columns(w), jnp.zeros((c.tile_n, tm), jnp.float32))
             if bias and w == 0:  # before warpgroup 0's first arrival, which every MMA follows
-                plgpu.async_store_tmem(bias_tmem, jnp.full(bias_tmem.shape, -BIAS[p.dtype.name], p.dtype))
+                # In TMEM's native layout (32x32b stores), so the X-ray tells these constant stores from
+                # the A operand's (16x128b).
+                minus_bias = jnp.full(bias_tmem.shape, -BIAS[p.dtype.name], p.dtype)
+                native_rows = plgpu.Layout.TCGEN05_TMEM_NATIVE
+                plgpu.async_store_tmem(bias_tmem, plgpu.layout_cast(minus_bias, native_rows))
             plgpu.commit_tmem()
             scales0 = tuple(jnp.zeros((c.tile_n,), jnp.float32) for _ in range(gps))
             if native is not None:
@@ -644,7 +701,10 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
         num_threads=dequant_wgs + 1,
         thread_name="wg",
         scratch_types=[
-            plgpu.SMEM((2, c.tile_n, c.tile_k), p.dtype, transforms=_swizzled(p.dtype)),
+            # The A operand, double-buffered: TMEM (packed pairs, halves side by side) or swizzled SMEM.
+            plgpu.TMEM((c.tile_n, 2 * c.tile_k), p.dtype, packed=True)
+            if tmem_a
+            else plgpu.SMEM((2, c.tile_n, c.tile_k), p.dtype, transforms=_swizzled(p.dtype)),
             plgpu.SMEM((depth, *codes_block), codes_dtype),
             plgpu.SMEM((depth, *x_block), p.dtype, transforms=_swizzled(p.dtype)),
             *[plgpu.SMEM((depth, *scale_block), scale_dtype) for _ in range(n_weight_ops)],
