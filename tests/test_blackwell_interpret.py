@@ -147,6 +147,27 @@ def test_group_accumulators_beside_an_a_operand_in_smem():
 
 
 @pytest.mark.no_kernel
+def test_the_fold_reads_the_columns_of_x_rows_only():
+    """A dense call folds only the accumulator columns of its x rows (m * S + j for row m < M over slice j;
+    those of TMA's zero rows hold zeros): 4 of 16 at M = 1 with 4 K slices, 2 (the fewest) at M = 1
+    without, all of a tile that M fills or that spans M tiles; a grouped call, whose rows per tile are found
+    on the device, all of them. The interpret cases above run M = 1, 3 and 5 through it, exactly."""
+    from nybble.kernels.mosaic_gpu.blackwell.kernel import folded_columns
+
+    rng = np.random.default_rng(0)
+    qw = _weight(rng, 1024, 128, 128, True, bf16, True)
+
+    def cols(m: int, tile_m: int, tile_k: int, slices: int, dense: bool = True) -> int:
+        config = BlackwellConfig(128, tile_m, tile_k, 3, slices)
+        return folded_columns(plan(m, qw, config=config), dense=dense)
+
+    assert [cols(1, 16, 256, 4), cols(1, 16, 256, 1), cols(3, 16, 256, 1)] == [4, 2, 4]
+    assert cols(16, 64, 128, 4) == 64
+    assert cols(40, 16, 256, 1) == 16  # three M tiles
+    assert cols(1, 16, 256, 4, dense=False) == 16
+
+
+@pytest.mark.no_kernel
 def test_decode_tiles_dequantize_on_two_warpgroups(monkeypatch):
     """Decode M tiles (<= 64) split the two 64-row A tiles between two dequantizing warpgroups (the cases
     above run both splits, weights and accumulator routes); wider tiles keep one. Interpret mode runs each

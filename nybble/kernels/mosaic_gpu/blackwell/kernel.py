@@ -89,13 +89,14 @@ Two routes for the scales (:func:`folds_scales` picks):
   read them), which stays in TMEM (tile_m columns a warpgroup: carried in registers through the K loop
   beside two A tiles' unpacking it crowded them to 168 at M = 16, where ptxas copied the loaded
   accumulators into the total's registers, ~60 IMAD.MOV a step); warpgroup 0 adds warpgroup 1's total at
-  the end. With bf16 x (:func:`folds_bias`) A holds BIAS + q
-  as the LOP3 leaves it, and after each group's MMA, MMAs of a constant -BIAS tile (64 columns in TMEM,
-  an A operand the tensor core reads without SMEM) times the group's x chunks take BIAS x sum(x) out of
-  the same accumulator (every product exact in f32); with f16 x (BIAS 1032, a cancellation 8x larger) A
-  holds the exact q. Under K slices each A row's scale is gathered for its own (band, slice) in TMEM's
-  native row layout (``dequant_registers.tmem_rows``); the slices' partial sums are then added as on the
-  other route.
+  the end. The fold works in TMEM's native layout (a thread per A row, one scale a group) and, in a dense
+  call, over the columns of x's rows only (:func:`folded_columns`: 4 of 16 at M = 1 under 4 K slices).
+  With bf16 x (:func:`folds_bias`) A holds BIAS + q as the LOP3 leaves it, and beside each group's MMAs,
+  MMAs of a constant -BIAS tile (64 columns in TMEM, an A operand the tensor core reads without SMEM)
+  times the group's x chunks take BIAS x sum(x) out of the same accumulator (every product exact in
+  f32); with f16 x (BIAS 1032, a cancellation 8x larger) A holds the exact q. Under K slices each A
+  row's scale is gathered for its own (band, slice) in TMEM's native row layout
+  (``dequant_registers.tmem_rows``); the slices' partial sums are then added as on the other route.
 """
 
 from __future__ import annotations
@@ -318,6 +319,22 @@ def a_in_tmem(p: BlackwellProblem) -> bool:
     return fold_columns(p) + (BIAS_TILE_COLUMNS if folds_bias(p) else 0) + p.config.tile_k <= TMEM_COLUMNS
 
 
+# The fewest accumulator columns a fold loads (TMEM loads of 32-bit columns in TMEM's native layout).
+MIN_FOLDED_COLUMNS = 2
+
+
+def folded_columns(p: BlackwellProblem, *, dense: bool) -> int:
+    """Accumulator columns the fold reads (of tile_m): a dense call's x rows are known, and the columns of
+    x rows past them (TMA's zeros) hold zeros; a power of two, at least ``MIN_FOLDED_COLUMNS``. A grouped
+    call's rows per M tile are found on the device: all of them. At M = 1 with 4 K slices: 4 of 16 columns
+    (the columns m * S + j of x row m over slice j; the epilogue's sum reads those of its row's slice)."""
+    c = p.config
+    if not dense:
+        return c.tile_m
+    rows = p.m if p.m_tiles == 1 else c.x_rows_per_tile
+    return min(c.tile_m, max(MIN_FOLDED_COLUMNS, 1 << (rows * c.slices - 1).bit_length()))
+
+
 def dequantize_to_tmem(p: BlackwellProblem, codes: Any, out: Any) -> None:
     """The step's A operand, BIAS + q (or q), (tile_n, tile_k) into the TMEM half ``out``, a 64-wide chunk
     of all 128 rows at a time: each warp's 32 rows (its TMEM lanes) in tcgen05's register layout."""
@@ -430,11 +447,12 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
         raise AssertionError(f"{c.tag}: the accumulator route runs on two dequantizing warpgroups")
     handing_off = fold and p.k_steps > 1  # warpgroup 1 folds steps too, and hands its total over
     tmem_a = a_in_tmem(p)
+    live_columns = folded_columns(p, dense=isinstance(work, DenseTiles))
     loaded_barriers = depth * (2 if alternate else 1)  # per (step parity, slot) when alternating
-    # K slices: the accumulators load in TMEM's native layout (a thread per row), whose rows the sliced
-    # scales are gathered in (dequant_registers.tmem_rows); without, layout inference picks the one the
-    # transposed y store takes.
-    native = plgpu.Layout.TCGEN05_TMEM_NATIVE if s > 1 else None
+    # The accumulator route's fold and K slices' accumulator: TMEM's native layout (a thread per row: one
+    # scale a group, gathered for its (band, slice) under K slices, dequant_registers.tmem_rows); else
+    # layout inference picks the one the transposed y store takes.
+    native = plgpu.Layout.TCGEN05_TMEM_NATIVE if s > 1 or fold else None
     codes_block = (c.tiles * 8, c.tile_k)  # 8-row slots
     x_block = (c.tile_m, c.tile_k)
     scale_block = (1 if p.per_column else s, p.scale_rows, c.cta_cols)
@@ -458,7 +476,7 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
         def group_scales(scales: Any, gi: int) -> Any:
             """(tile_n,) f32 scales of the step's group ``gi``, one per A row, in the accumulator's rows."""
             if s == 1:
-                return plgpu.load(scales.at[0, gi]).astype(jnp.float32)
+                return plgpu.layout_cast(plgpu.load(scales.at[0, gi]).astype(jnp.float32), native.reduce(1))
             return tmem_rows(scales, gi, s, s)
 
         def total_columns(w: int) -> Any:
@@ -468,12 +486,13 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
         def fold_into_total(half: int, scales: Any, commit: bool = True) -> None:
             """Warpgroup ``half``'s total += each group accumulator of its last step x the group's scales;
             the total's store committed (``commit``), or by the step's commit of its A operand."""
-            parts = [plgpu.async_load_tmem(group_acc(half, gi), layout=native) for gi in range(gps)]
-            total = plgpu.async_load_tmem(total_columns(half), layout=native)
+            live = pl.ds(0, live_columns)
+            parts = [plgpu.async_load_tmem(group_acc(half, g).at[:, live], layout=native) for g in range(gps)]
+            total = plgpu.async_load_tmem(total_columns(half).at[:, live], layout=native)
             plgpu.wait_load_tmem()
             for v, sv in zip(parts, scales, strict=True):
                 total = total + v * lax.broadcast_in_dim(sv, v.shape, [0])
-            plgpu.async_store_tmem(total_columns(half), total)
+            plgpu.async_store_tmem(total_columns(half).at[:, live], total)
             if commit:
                 plgpu.commit_tmem()
 
@@ -649,9 +668,10 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                 return
             if p.k_steps > 1:
                 plgpu.barrier_wait(handoff)
-            totals = [
-                plgpu.async_load_tmem(total_columns(i), layout=native) for i in range(min(p.k_steps, 2))
-            ]
+            # Without K slices the totals load in the layout the transposed y store takes (inferred).
+            layout = native if s > 1 else None
+            alive = range(min(p.k_steps, 2))  # the warpgroups that took a step
+            totals = [plgpu.async_load_tmem(total_columns(w), layout=layout) for w in alive]
             plgpu.wait_load_tmem()
             epilogue(sum(totals[1:], totals[0]))
 
