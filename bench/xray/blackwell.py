@@ -180,9 +180,9 @@ class KernelLoops:
     loop that stores the A operand, ``STSM`` or ``STTM``; two at decode tiles, by turns), each MMA
     warp's (one warp: ``UTCHMMA``, no stores), and the TMA warp's (one warp: ``UTMALDG``). Where the
     compiler unrolled a role's short K loop (``straight_line``), its stretch from the wait before its first
-    step to its last store, MMA or copy, over the steps (with two dequantizing warpgroups, both in one
-    stretch: one warp's stall counts then cover both, an upper bound); unrolled MMA warps count as one (an
-    upper bound on the issue beside a dequantizing warp)."""
+    step to its last store, MMA or copy, over the steps (with two alternating dequantizing warpgroups, the
+    first one's turns); unrolled MMA warps count as one (an upper bound on the issue beside a dequantizing
+    warp)."""
 
     dequant: tuple[RoleLoop, ...]
     mma: tuple[RoleLoop, ...]
@@ -246,9 +246,9 @@ def _first_warpgroups_turns(s: sass_mod.Sass, k_steps: int) -> RoleLoop | None:
     if not stores or len(stores) * turns % k_steps:
         return None
     last = stores[len(stores) * turns // k_steps - 1]
-    stretch = sass_mod.unrolled_stretch(s, lambda ins: bool(_A_STORE.match(ins.opcode)), from_start=False)
-    body = tuple(s.instructions[stretch.start : last + 1])
-    return RoleLoop.of(sass_mod.Loop(stretch.start, last, body, straight_line=True), turns)
+    start = _unrolled(s, _A_STORE).start
+    body = tuple(s.instructions[start : last + 1])
+    return RoleLoop.of(sass_mod.Loop(start, last, body, straight_line=True), turns)
 
 
 def kernel_loops(s: sass_mod.Sass, k_steps: int, dequant_every: int = 1) -> KernelLoops | None:

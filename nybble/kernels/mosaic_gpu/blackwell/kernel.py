@@ -496,6 +496,10 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             if commit:
                 plgpu.commit_tmem()
 
+        def a_half(half: Any) -> Any:
+            """Half ``half`` of the double-buffered A operand: TMEM columns side by side, or an SMEM slot."""
+            return a_buffer.at[:, pl.ds(half * c.tile_k, c.tile_k)] if tmem_a else a_buffer.at[half]
+
         def loaded_at(half: Any, slot: Any) -> Any:
             """The barrier step ``ki``'s copies arrive on: one per (ki % 2, slot) when the dequantizing
             warpgroups take alternate steps, so each waits every phase of its own barriers (Mosaic GPU
@@ -524,8 +528,7 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             slot, half = lax.rem(ki, depth), lax.rem(ki, 2)
             plgpu.barrier_wait(loaded_at(half, slot))
             plgpu.barrier_wait(a_ready.at[half])
-            x = x_smem.at[slot]
-            a = a_buffer.at[:, pl.ds(half * c.tile_k, c.tile_k)] if tmem_a else a_buffer.at[half]
+            a, x = a_half(half), x_smem.at[slot]
             if fold:
                 for gi in groups:
                     g = pl.ds(gi * p.group, p.group)
@@ -560,20 +563,18 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             offsets = weight_smem[1].at[slot] if p.has_offsets else None
             with jax.named_scope("dequant"):
                 if tmem_a:
-                    a_half = a_buffer.at[:, pl.ds(half * c.tile_k, c.tile_k)]
-                    dequantize_to_tmem(p, codes_smem.at[slot], a_half)
+                    dequantize_to_tmem(p, codes_smem.at[slot], a_half(half))
                 else:
-                    dequantize_step(p, codes_smem.at[slot], scales, offsets, a_buffer.at[half])
+                    dequantize_step(p, codes_smem.at[slot], scales, offsets, a_half(half))
                 # The accumulator route's scales, read now: the warpgroup barrier below orders every
                 # thread's reads of the slot before the one arrival that frees it for TMA.
                 current = tuple(group_scales(scales, gi) for gi in range(gps)) if fold else None
             if tmem_a:
                 plgpu.commit_tmem()  # the TMEM stores done, every thread past them (a warpgroup barrier)
-                # The slot's reads ordered before TMA's next writes into it (GPU interpret mode's race
-                # detector asks the proxy fence of a generic read before an async-proxy write too).
-                plgpu.commit_smem()
-            else:
-                plgpu.commit_smem()  # the generic-proxy stores, before the tensor core reads them
+            # The SMEM A half's generic-proxy stores before the tensor core reads them; with A in TMEM, the
+            # slot's reads before TMA's next writes into it (GPU interpret mode's race detector asks the
+            # proxy fence of a generic read before an async-proxy write too).
+            plgpu.commit_smem()
             plgpu.barrier_arrive(a_ready.at[half])
             plgpu.barrier_arrive(codes_free.at[slot])
             return current
@@ -666,12 +667,12 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             if w == 1:
                 plgpu.barrier_arrive(handoff)  # its total, stored and committed
                 return
-            if p.k_steps > 1:
+            if handing_off:
                 plgpu.barrier_wait(handoff)
             # Without K slices the totals load in the layout the transposed y store takes (inferred).
             layout = native if s > 1 else None
             alive = range(min(p.k_steps, 2))  # the warpgroups that took a step
-            totals = [plgpu.async_load_tmem(total_columns(w), layout=layout) for w in alive]
+            totals = [plgpu.async_load_tmem(total_columns(i), layout=layout) for i in alive]
             plgpu.wait_load_tmem()
             epilogue(sum(totals[1:], totals[0]))
 
