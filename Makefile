@@ -136,7 +136,7 @@ KERNEL_TESTS := tests/test_jax_range.py tests/test_dispatch.py tests/test_kernel
 	tests/test_grouped_lowering.py tests/test_grouped_interpret.py tests/test_kernel_interpret.py \
 	tests/test_triton_dispatch.py tests/test_triton_interpret.py \
 	tests/test_blackwell_interpret.py tests/test_blackwell_lowering.py tests/test_blackwell_dispatch.py \
-	tests/test_blackwell_grouped.py
+	tests/test_blackwell_grouped.py tests/test_decode_attention_kernel.py
 LATEST_TESTS := $(FAST_TESTS) $(KERNEL_TESTS)
 LATEST_DESELECT := not test_every_heuristic_config_in_interpret_mode
 test-jax-latest: $(LATEST_STAMP)
@@ -149,7 +149,7 @@ test-jax-latest: $(LATEST_STAMP)
 # tier's XLA paths too. CI's third step: 207 -> 85 s on two cores (2026-12-06), which CI's 20 minutes needed.
 CUDA12_TESTS := tests/test_jax_range.py tests/test_dispatch.py tests/test_kernel_lowering.py \
 	tests/test_grouped_lowering.py tests/test_triton_dispatch.py tests/test_blackwell_lowering.py \
-	tests/test_blackwell_dispatch.py
+	tests/test_blackwell_dispatch.py tests/test_decode_attention_lowering.py
 test-jax-cuda12: $(CUDA12_STAMP)
 	NYBBLE_LOWER_GATE_KERNELS=1 $(CUDA12_PY) -m pytest -q -n 2 --dist load -m "not slow" $(CUDA12_TESTS)
 

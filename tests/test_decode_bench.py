@@ -20,6 +20,12 @@ CASES = {
     "int4-base": StepCase("tiny-llama", "int4", BATCH, CONTEXT, 1),
     "int4": StepCase("tiny-llama", "int4", BATCH, CONTEXT, 1, fused=True, donate=True),
     "int4-whole": StepCase("tiny-llama", "int4", BATCH, CONTEXT, 3, fused=True, donate=True),
+    "int4-serving": StepCase(
+        "tiny-llama", "int4", BATCH, CONTEXT, 1, fused=True, donate=True, attention="triton"
+    ),
+    "int4-serving-whole": StepCase(
+        "tiny-llama", "int4", BATCH, CONTEXT, 3, fused=True, donate=True, attention="triton"
+    ),
     "moe": StepCase("tiny-moe", "int4", BATCH, CONTEXT, 1, fused=True, donate=True),
     # batch 64: XLA fuses the embedding gather into layer 0's residual add and launches the residual adds
     # apart from the norms
@@ -79,8 +85,13 @@ def test_bytes_read_of_weights_and_cache(records):
 
 # XLA fuses a few elementwise ops across a layer boundary differently: 0.3% of this small model's bytes at
 # batch 2; at batch 64 the one-layer compile's key cache write also computes the key's rotary embedding,
-# reading the qkv output a second time (8% of this small model's bytes, 0.06% of Llama-3-8B's)
-@pytest.mark.parametrize("one_layer, more, rel", [("one", "whole", 5e-3), ("one-b64", "whole-b64", 0.1)])
+# reading the qkv output a second time (8% of this small model's bytes, 0.06% of Llama-3-8B's). With the
+# Triton attention each norm's fusion sums the residual stream's parts itself, reading one more activation
+# a layer deeper (0.8% here, 8 KB a layer at Llama-3-8B's batch 1: 0.2% of its step).
+@pytest.mark.parametrize(
+    "one_layer, more, rel",
+    [("one", "whole", 5e-3), ("one-b64", "whole-b64", 0.1), ("int4-serving", "int4-serving-whole", 0.01)],
+)
 def test_one_layer_extrapolates_to_the_whole_model(records, one_layer, more, rel):
     one = totals(extrapolate(records[one_layer]["launches"], 1, 3))
     whole = totals(extrapolate(records[more]["launches"], 3, 3))
@@ -92,8 +103,9 @@ def test_one_layer_extrapolates_to_the_whole_model(records, one_layer, more, rel
 
 def test_command_buffers_extrapolate(records):
     # the launches inside command buffers, and the command buffers, as the whole compile's thunks have them:
-    # bf16 (one graph on either jax end) and int4 (on jax 0.11.2 nybble's kernels cut each layer's graph)
-    for one_layer, more in (("one", "whole"), ("int4", "int4-whole")):
+    # bf16 (one graph on either jax end) and int4 (on jax 0.11.2 nybble's kernels cut each layer's graph;
+    # with the Triton attention no run between them reaches XLA's smallest graph there)
+    for one_layer, more in (("one", "whole"), ("int4", "int4-whole"), ("int4-serving", "int4-serving-whole")):
         ex, whole_ex = extrapolate(records[one_layer]["launches"], 1, 3), records[more]["launches"]
         assert totals(ex)["in_command_buffers"] == totals(whole_ex)["in_command_buffers"], one_layer
         assert graph_launches(ex) == records[more]["command_buffers"], one_layer
@@ -177,6 +189,33 @@ def test_decode_step_launch_count(records):
     assert len(layer) <= 15
     # 3 layers: + 2 input norms (layer 0 has its fused with the gather), + the rotary cos and sin once
     assert totals(extrapolate(records["int4"]["launches"], 1, 3))["launches"] == 3 * len(layer) + 2 + 2 + 3
+
+
+def test_triton_attention_takes_two_launches_and_reads_the_cache_once(records):
+    # set_decode_attention(model, "triton"): the kernel (from the qkv kernel's output as it is: the input
+    # norm's scale, the rotary embedding, the cache write and the attention) and the splits' merge (which
+    # writes the o kernel's input): 2 launches a layer where XLA's path takes 6 (the rotary embedding, two
+    # cache writes, scores, softmax, values) and a convert before the o kernel; the rotary factors once a
+    # step. 8 launches a layer here (Llama-3-8B: 9, and 15 before).
+    fused = [la for la in extrapolate(records["int4"]["launches"], 1, 1) if la["layer"]]
+    step = extrapolate(records["int4-serving"]["launches"], 1, 1)
+    serving = [la for la in step if la["layer"]]
+    attention = [la for la in serving if la["family"] == "attention"]
+    names = [la["op_name"] for la in attention]
+    assert [la["kind"] for la in attention] == ["custom-call", "custom-call"], names
+    assert len(serving) == len(fused) - 4 == 8, [la["op_name"] for la in serving]
+    assert len([la for la in step if "/rope_factors/" in la["op_name"] and not la["layer"]]) == 1
+    kernel, merge = attention
+    assert "/nybble_decode_attention/" in kernel["op_name"]
+    cfg = config_for("tiny-llama")
+    cache = BATCH * CONTEXT * cfg.num_kv_heads * cfg.head_dim * 2
+    states = BATCH * cfg.num_kv_heads * 16 * (cfg.head_dim + 2) * 4  # one split: (out, max, sum) of 16 rows
+    qkv = BATCH * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * 2
+    rope = 2 * cfg.head_dim * 4
+    # both caches read once, a row of each written (aliased: not the whole cache), the states written; the
+    # qkv output, the rotary factors, the input norm's sums of squares (f32) and the position read
+    assert kernel["bytes"] == 2 * cache + 2 * cache / CONTEXT + states + qkv + rope + 4 * BATCH + 4
+    assert merge["bytes"] == states + BATCH * cfg.num_heads * cfg.head_dim * 2
 
 
 def test_qk_norms_take_one_launch(records):

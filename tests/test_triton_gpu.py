@@ -128,3 +128,55 @@ def test_grouped_exact_with_empty_experts_and_tail(symmetric, cfg):
     expected = grouped.reference(x, qw, sizes).astype(np.float32).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(y), expected)
     assert (np.asarray(y)[32:] == 0).all() and np.abs(np.asarray(y)[:32]).sum() > 0
+
+
+# (batch, kv_heads, groups, head_dim, max_len, position, window, row scale, q/k norms): the smallest first
+# (interpret mode's smoke check), then Llama-3-8B's layer at batch 1 and 8 (the heuristics' 16 and 4
+# splits), Qwen3's 8 groups with its q/k norms, a sliding window, a cache of 48 positions (blocks of 16).
+ATTENTION_CASES = [
+    (1, 2, 4, 64, 128, 77, None, True, False),
+    (1, 8, 4, 128, 4096, 3000, None, True, False),
+    (8, 8, 4, 128, 4096, 4095, None, True, False),
+    (2, 4, 8, 128, 2048, 1, None, True, True),
+    (1, 8, 4, 128, 4096, 2500, 1024, False, False),
+    (3, 3, 3, 64, 48, 40, None, False, False),
+]
+
+
+ATTENTION_ID = "b{}h{}g{}d{}s{}p{}w{}-scale{}-norm{}"
+
+
+@pytest.mark.parametrize("case", _cases(ATTENTION_CASES), ids=lambda c: ATTENTION_ID.format(*c))
+def test_decode_attention_against_float64(case):
+    from nybble.kernels.triton import decode_attention as kernel
+
+    b, h, g, d, s, position, window, with_scale, with_norms = case
+    rng = np.random.default_rng(sum(case[:6]))
+    qkv, k_cache, v_cache = (
+        np.asarray(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16), np.float64)
+        for shape in ((b, h * g + 2 * h, d), (b, h, s, d), (b, h, s, d))
+    )
+    k_cache[:, :, position:] = v_cache[:, :, position:] = 4096.0  # never seen (the new row replaces its own)
+    row_ssq = (rng.uniform(0.25, 4.0, b) * 4096).astype(np.float32) if with_scale else None
+    norms = (rng.uniform(0.5, 1.5, (2, d)).astype(np.float32)) if with_norms else None
+    row_norm = (4096, 1e-5) if with_scale else None
+    token = kernel.NewToken(h * g, h, row_norm, (1e-6, 1e-6) if with_norms else None)
+    inv_freq = 1.0 / (500000.0 ** (np.arange(0, d, 2) / d))
+    ref, k_ref, v_ref = kernel.reference(
+        qkv, k_cache, v_cache, position, window, token, inv_freq, row_ssq,
+        None if norms is None else (norms[0], norms[1]),
+    )  # fmt: skip
+    cfg = kernel.choose_config(b, h, s, backend.target_gpu().sms)
+    out, k_out, v_out = kernel.write_and_attend(
+        *(jnp.asarray(a, jnp.bfloat16) for a in (qkv, k_cache, v_cache)), jnp.int32(position), window, cfg,
+        token, kernel.rope_factors(jnp.int32(position), inv_freq),
+        row_sum_of_squares=None if row_ssq is None else jnp.asarray(row_ssq),
+        norm_weights=None if norms is None else (jnp.asarray(norms[0]), jnp.asarray(norms[1])),
+        interpret=INTERPRET,
+    )  # fmt: skip
+    others = np.arange(s) != position
+    for got, want in ((k_out, k_ref), (v_out, v_ref)):
+        got = np.asarray(got, np.float64)
+        np.testing.assert_array_equal(got[:, :, others], want[:, :, others])
+        np.testing.assert_allclose(got[:, :, position], want[:, :, position], rtol=0.024, atol=0.024)
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref, rtol=0, atol=2e-2)

@@ -244,6 +244,18 @@ def test_launches_and_their_bytes():
     }
 
 
+def test_operands_past_xlas_index_comments_are_read():
+    # XLA prints "/*index=5*/" before every fifth operand of a long operand list: the sixth and later
+    # operands (a kernel's second cache) count too.
+    line = '  %p{0} = f32[4]{{0}} parameter({0}), metadata={{op_name="p{0}"}}\n'
+    params = "".join(line.format(i) for i in range(7))
+    operands = ", ".join(f"/*index=5*/%p{i}" if i == 5 else f"%p{i}" for i in range(7))
+    text = f"HloModule m\n\nENTRY %main (x: f32[4]) -> f32[4] {{\n{params}"
+    text += f'  ROOT %k = f32[4]{{0}} custom-call({operands}), custom_call_target="mosaic_gpu"\n}}\n'
+    [kernel] = hlo.launches(text)
+    assert kernel.operand_bytes == {f"p{i}": 16 for i in range(7)}
+
+
 # -------------------------------------------------------------------------------------------- the model
 
 

@@ -20,9 +20,11 @@ from bench.decode.predict import hbm_limit, needed_bytes, predict
 
 VARIANTS = {
     "baseline": {"fused": False, "donate": False},  # the step as the model first ran it
-    "fused": {"fused": True, "donate": True},  # fuse_projections=True (the serving setup), donated cache
+    "fused": {"fused": True, "donate": True},  # fuse_projections=True, donated cache
+    # the serving setup: fused, donated, and set_decode_attention(model, "triton") (one-launch attention)
+    "serving": {"fused": True, "donate": True, "attention": "triton"},
 }
-DEFAULT_VARIANT = "fused"
+DEFAULT_VARIANT = "serving"
 
 
 def rows_for(records: dict[str, Any], cases: Sequence[StepCase], gpu: Any) -> list[dict[str, Any]]:

@@ -14,8 +14,9 @@ type is not the traffic: a grouped (MoE) kernel's weight stack, of which it read
 (the expected number of distinct experts ``batch`` tokens routed uniformly to their top k reach,
 ``active_experts``); the embedding gather, which reads one table row per token (also where XLA fuses it
 into the first norm); any other fusion gathering straight from an operand (a float expert stack at
-decode, ``moe.Experts``), which reads the slices it gathers (``hlo.gathered_reads``); and the in-place
-KV-cache update, which reads and writes the new row only.
+decode, ``moe.Experts``), which reads the slices it gathers (``hlo.gathered_reads``); the in-place
+KV-cache update, which reads and writes the new row only; and the Triton decode attention kernel, whose
+results include the caches it updates in place, of which it writes the new row.
 """
 
 from __future__ import annotations
@@ -43,11 +44,13 @@ class StepCase:
     fused: bool = False  # nybble.models.fuse_projections applied
     donate: bool = False  # the cache donated to the step
     int4_lm_head: bool = False  # int4 weights: the LM head int4 too (a QuantRule)
+    attention: str = "xla"  # the decode step's attention (nybble.models.set_decode_attention)
 
     @property
     def key(self) -> str:
         tag = ("-fused" if self.fused else "") + ("-donated" if self.donate else "")
         tag += "-int4head" if self.int4_lm_head else ""
+        tag += f"-{self.attention}attn" if self.attention != "xla" else ""
         return f"{self.model}/{self.weights}/B{self.batch}/ctx{self.context}/L{self.layers}{tag}"
 
     # bench.xray.runner orders work by k * n * m (heaviest first)
@@ -81,6 +84,7 @@ class StepCase:
             fused=self.fused,
             donate=self.donate,
             int4_lm_head=self.int4_lm_head and self.weights == "int4",
+            attention=self.attention,
         )
 
 
@@ -191,6 +195,10 @@ def step_record(
         sources = list(operands)
         scopes = op_name.split("/")
         bytes_, flops, issue_s = float(launch.result_bytes), 0.0, None
+        if "nybble_decode_attention" in scopes:
+            # its results include the caches it updates in place (aliased): it writes one row of each
+            caches = sum(size for source, size in operands.items() if source.startswith("cache."))
+            bytes_ += 2.0 * cache_bytes / case.context - caches
         if "dynamic_update_slice" in scopes[-1]:
             # In place: the result is the cache buffer, untouched but for the new row (read and written).
             update = sum(operands.values()) - max(operands.values())
@@ -266,9 +274,11 @@ def _record(
 
 def _shared(op_name: str, sources: list[str]) -> bool:
     """Work on the position alone, computed once per step and shared by every layer: the rotary angles'
-    cos and sin (XLA computes them once for all layers)."""
+    cos and sin (XLA computes them once for all layers), and the Triton decode attention kernel's rotary
+    factors (scope ``rope_factors``)."""
     scopes = op_name.split("/")
-    return set(sources) <= {"position"} or ("rope" in scopes and scopes[-1] in ("cos", "sin"))
+    rotary = "rope" in scopes and scopes[-1] in ("cos", "sin")
+    return set(sources) <= {"position"} or rotary or "rope_factors" in scopes
 
 
 def _issue_seconds(

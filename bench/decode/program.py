@@ -25,14 +25,17 @@ class StepProgram:
     state: Any  # the abstract model state (args[0])
 
 
-def abstract_model(cfg: Any, weights: str, *, fused: bool = False, int4_lm_head: bool = False) -> Any:
+def abstract_model(
+    cfg: Any, weights: str, *, fused: bool = False, int4_lm_head: bool = False, attention: str = "xla"
+) -> Any:
     """The model as ShapeDtypeStructs: bf16 weights, or int4 g128 (``nybble.models.quantize``, RTN; the LM
-    head too with ``int4_lm_head``, the ``QuantRule`` a user gives for it)."""
+    head too with ``int4_lm_head``, the ``QuantRule`` a user gives for it); a decode step's attention by
+    ``attention`` (``nybble.models.set_decode_attention``)."""
     import jax.numpy as jnp
     from flax import nnx
 
     from nybble.models import QuantRule, quantize
-    from nybble.models.definitions.llama import Llama
+    from nybble.models.definitions.llama import Llama, set_decode_attention
 
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
@@ -47,7 +50,7 @@ def abstract_model(cfg: Any, weights: str, *, fused: bool = False, int4_lm_head:
             from nybble.models.definitions.fuse import fuse_projections
 
             fuse_projections(model)
-        return model
+        return set_decode_attention(model, attention)
 
     model = nnx.eval_shape(build)
     for _, module in nnx.iter_modules(model):
@@ -65,6 +68,7 @@ def abstract_step(
     fused: bool = False,
     donate: bool = False,
     int4_lm_head: bool = False,
+    attention: str = "xla",
 ) -> StepProgram:
     """One decode step of ``cfg`` at ``batch`` sequences over a ``context``-position cache (see module)."""
     import jax
@@ -76,7 +80,7 @@ def abstract_step(
 
     if batch < 1 or context < 1:
         raise ValueError(f"batch ({batch}) and context ({context}) must be positive")
-    model = abstract_model(cfg, weights, fused=fused, int4_lm_head=int4_lm_head)
+    model = abstract_model(cfg, weights, fused=fused, int4_lm_head=int4_lm_head, attention=attention)
     graphdef, state = nnx.split(model)
     kv = jax.ShapeDtypeStruct((batch, cfg.num_kv_heads, context, cfg.head_dim), jnp.bfloat16)
     cache = KVCache(k=(kv,) * cfg.num_layers, v=(kv,) * cfg.num_layers)

@@ -34,9 +34,10 @@ def compile_step(program: Any, gpu: Any) -> tuple[Any, str, str, dict[str, Any]]
     from bench.kernel_xray.target import deviceless_devices
 
     layout_key.install()  # the same lowering, faster on jax 0.11.2 (bench.kernel_xray.layout_key)
-    args = xc.abstract(program.args, deviceless_devices(gpu, 1)[0])
+    device = deviceless_devices(gpu, 1)[0]
+    args = xc.abstract(program.args, device)
     with kernel_family(gpu):
-        return _compile(program, args)
+        return _compile(program, args, device)
 
 
 @contextlib.contextmanager
@@ -59,8 +60,10 @@ def kernel_family(gpu: Any) -> Iterator[None]:
         backend.family = saved
 
 
-def _compile(program: Any, args: Any) -> tuple[Any, str, str, dict[str, Any]]:
+def _compile(program: Any, args: Any, device: Any) -> tuple[Any, str, str, dict[str, Any]]:
     import jax
+    import numpy as np
+    from jax.sharding import Mesh
 
     from bench.kernel_xray import compile as xc
     from bench.kernel_xray import hlo, sass
@@ -69,7 +72,8 @@ def _compile(program: Any, args: Any) -> tuple[Any, str, str, dict[str, Any]]:
     for old in Path(_XLA_DUMP).iterdir():
         old.unlink()
     with tempfile.TemporaryDirectory(prefix="nybble-decode-") as tmp:
-        with mosaic_dumps(Path(tmp)):
+        # the mesh: Pallas' Triton lowering (the decode attention kernel) reads its target GPU there
+        with mosaic_dumps(Path(tmp)), jax.set_mesh(Mesh(np.array([device]), ("x",))):
             jitted = jax.jit(program.fn, donate_argnums=program.donate_argnums)
             compiled = jitted.trace(*args).lower(lowering_platforms=("cuda",)).compile()
         kernels = xc.read_kernel_dumps(Path(tmp))
@@ -77,7 +81,9 @@ def _compile(program: Any, args: Any) -> tuple[Any, str, str, dict[str, Any]]:
         sass_by_kernel = {f.stem: sass.parse_sass(f.read_text()) for f in Path(tmp).glob("*.sass_ctrl")}
     text = compiled.as_text()
     report = xc.CompileReport(hlo.launches(text), kernels, [], text)
-    thunks = _last_dump("*thunk_sequence_after_thunk_passes.txt")
+    # XLA writes the sequence after its thunk passes where they changed it (formed a command buffer), else
+    # only the sequence before them, which is then the one that runs
+    thunks = _last_dump("*thunk_sequence_after_thunk_passes.txt") or _last_dump("*thunk_sequence.txt")
     return report, thunks, _last_dump("*thunk_metadata.txt"), sass_by_kernel
 
 

@@ -57,6 +57,7 @@ _DTYPE_BITS = {
     "f8e5m2": 8,
     "token": 0,
 }
+_INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")
 _LINE = re.compile(r"^\s*(?P<root>ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
 _ARRAY_TYPE = re.compile(r"(?P<dtype>[a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[(?P<dims>[\d,]*)\]")
 _OP_NAME = re.compile(r'op_name="(?P<name>[^"]*)"')
@@ -134,6 +135,8 @@ def entry_values(hlo_text: str) -> dict[str, Value]:
             continue
         type_text, opcode, packed = _split_type_and_op(m["rest"])
         args, _, _after = packed.partition("\x00")
+        # XLA numbers every fifth operand with a comment: "..., /*index=5*/%k_cache.1, ..."
+        args = _INDEX_COMMENT.sub("", args)
         operands = tuple(a.strip().lstrip("%") for a in args.split(",") if a.strip().startswith("%"))
         op_name = _OP_NAME.search(line)
         values[m["name"]] = Value(

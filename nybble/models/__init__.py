@@ -16,7 +16,7 @@ except ModuleNotFoundError:
 
 from nybble.models.definitions.fuse import fuse_projections, unfuse_projections
 from nybble.models.definitions.layers import QDense, QLinear, QuantizedParam, dense
-from nybble.models.definitions.llama import KVCache, Llama, LlamaConfig
+from nybble.models.definitions.llama import KVCache, Llama, LlamaConfig, set_decode_attention
 from nybble.models.definitions.moe import MoE, MoEConfig, QExperts
 from nybble.models.evaluate.measure import generate, negative_log_likelihood, perplexity
 from nybble.models.evaluate.text import eval_text
@@ -65,6 +65,7 @@ __all__ = [
     "quantize_params",
     "save_model",
     "save_pretrained",
+    "set_decode_attention",
     "shard",
     "smollm2",
     "unfuse_projections",

@@ -2,6 +2,13 @@
 
     out = attend_one(q, k_cache, v_cache, position, window)   # q (b, kv_heads, groups, d)
 
+Two implementations (``DECODE_ATTENTION``), chosen per model with :func:`set_decode_attention`:
+``"xla"`` (the default, below) and ``"triton"``, nybble's Pallas-on-Triton kernel
+(``nybble.kernels.triton.decode_attention``: the cache write and the attention in one launch, the splits
+merged in a second), on NVIDIA GPUs of compute capability 8.0 or newer, or on a CPU inside
+``nybble.kernels.triton.backend.interpret()``. The kernel is not the default because it has not yet run
+on a GPU (none was lent since it was written): ``make gpu-check`` tests it against this XLA path.
+
 The cache already holds the new token's key and value at ``position`` (written first, in place when the
 cache is donated), so the step reads keys and values once, as one sequence, with no second block for the
 new token. Each part is a reduction XLA fuses with its elementwise neighbours: the scores (q . k, the scale
@@ -18,6 +25,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from nybble.kernels.triton import backend as triton_backend
+from nybble.kernels.triton import decode_attention as kernel
 
 _LOWEST = float(jnp.finfo(jnp.float32).min)
 
@@ -56,6 +67,17 @@ def attend_one(
     return jnp.einsum("bhgs,bhsd->bhgd", probs, v_cache.astype(q.dtype), preferred_element_type=jnp.float32)
 
 
+DECODE_ATTENTION = ("xla", "triton")
+
+
+def check_decode_attention(implementation: Any) -> None:
+    """Refuses a name that is not one of :data:`DECODE_ATTENTION`."""
+    if implementation not in DECODE_ATTENTION:
+        raise ValueError(
+            f"decode attention: unknown implementation {implementation!r}; choose one of {DECODE_ATTENTION}"
+        )
+
+
 def write_and_attend(
     q: jax.Array,
     k_new: jax.Array,
@@ -77,4 +99,47 @@ def write_and_attend(
     return out.reshape(b, 1, heads * d), k_cache, v_cache
 
 
-__all__: list[Any] = ["attend_one", "visible_positions", "write_and_attend"]
+def write_and_attend_on_kernel(
+    qkv: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    position: jax.Array,
+    *,
+    heads: int,
+    window: int | None,
+    inv_freq: np.ndarray,
+    row_norm: tuple[jax.Array, int, float] | None,
+    norms: tuple[jax.Array, jax.Array, float, float] | None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The decode step's attention on the Triton kernel, from the q/k/v projections' output qkv (b, 1,
+    (heads + 2 kv_heads) d): the input norm's deferred row scale as (sum of squares (b, 1, 1) f32, dim,
+    eps) or None, the q/k norms (weights and eps) or None, the rotary embedding, the cache write and the
+    attention in one launch, the splits merged in a second; returns (out (b, 1, heads * d) in qkv's dtype,
+    k_cache, v_cache). Arguments are checked here (a clear error, never one from inside Pallas); the
+    machine at lowering, as for a forced ``nybble.matmul`` backend."""
+    b, kv_heads, max_len, d = k_cache.shape
+    rows = qkv.reshape(b, heads + 2 * kv_heads, d)
+    eps = None if norms is None else (float(norms[2]), float(norms[3]))
+    token = kernel.NewToken(heads, kv_heads, None if row_norm is None else row_norm[1:], eps)
+    if (why := kernel.unsupported(rows, k_cache, v_cache, token)) is not None:
+        raise NotImplementedError(f"decode attention 'triton': {why}; or set_decode_attention(model, 'xla')")
+    cfg = kernel.choose_config(b, kv_heads, max_len, triton_backend.target_gpu().sms)
+    with jax.named_scope("rope_factors"):  # the same for every layer: XLA computes them once a step
+        rope = kernel.rope_factors(position, inv_freq)
+    out, k_cache, v_cache = kernel.write_and_attend(
+        rows, k_cache, v_cache, position, window, cfg, token, rope,
+        row_sum_of_squares=None if row_norm is None else row_norm[0].reshape(b),
+        norm_weights=None if norms is None else norms[:2],
+        out_dtype=qkv.dtype, interpret=triton_backend.is_interpret_active(),
+    )  # fmt: skip
+    return out.reshape(b, 1, heads * d), k_cache, v_cache
+
+
+__all__: list[Any] = [
+    "DECODE_ATTENTION",
+    "attend_one",
+    "check_decode_attention",
+    "visible_positions",
+    "write_and_attend",
+    "write_and_attend_on_kernel",
+]

@@ -29,7 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nybble.models.definitions.decode_attention import write_and_attend
+from nybble.models.definitions.decode_attention import (
+    check_decode_attention,
+    write_and_attend,
+    write_and_attend_on_kernel,
+)
 from nybble.models.definitions.fuse import FusedParts
 from nybble.models.definitions.layers import projections
 from nybble.models.definitions.moe import MoE
@@ -133,6 +137,19 @@ class KVCache(NamedTuple):
         return int(self.k[0].shape[0])
 
 
+class DeferredNorm(NamedTuple):
+    """An RMSNorm's per-row scale, not yet computed: ``rsqrt(sum_of_squares / dim + eps)``."""
+
+    sum_of_squares: jax.Array  # (..., 1) float32
+    dim: int
+    eps: float
+
+    def scale(self) -> jax.Array:
+        """The scale (as ``RMSNorm.deferred`` computes it: the mean is the sum over ``dim``)."""
+        with jax.named_scope("norm"):
+            return jax.lax.rsqrt(self.sum_of_squares / self.dim + self.eps)
+
+
 class RMSNorm(nnx.Module):
     """``x / rms(x) * weight``, computed in float32, returned in ``x.dtype``."""
 
@@ -145,6 +162,16 @@ class RMSNorm(nnx.Module):
             xf = x.astype(jnp.float32)
             xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
             return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+    def deferred_sum(self, x: jax.Array) -> tuple[jax.Array, DeferredNorm]:
+        """``(x * weight, DeferredNorm)``: :meth:`deferred` with the scale not yet computed, for a consumer
+        that computes it itself (the Triton decode attention kernel: the scale's rsqrt, a launch of its own
+        after the reduction otherwise, since XLA fuses no elementwise op into a reduction's result)."""
+        with jax.named_scope("norm"):
+            xf = x.astype(jnp.float32)
+            total = jnp.sum(xf * xf, axis=-1, keepdims=True)
+            h = (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+            return h, DeferredNorm(total, x.shape[-1], self.eps)
 
     def deferred(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(x * weight, 1 / rms(x))``: the norm with its per-row scale left for after a bias-free
@@ -246,6 +273,7 @@ class Attention(FusedParts, nnx.Module):
         self.rope_theta = cfg.rope_theta
         self.rope_scaling = cfg.rope_scaling
         self.sliding_window = cfg.sliding_window
+        self.decode_attention = "xla"  # a decode step's attention: "xla" | "triton" (set_decode_attention)
         self.q_proj = _linear(cfg.hidden_size, cfg.num_heads * hd, rngs, dtype, bias=cfg.qkv_bias)
         self.k_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * hd, rngs, dtype, bias=cfg.qkv_bias)
         self.v_proj = _linear(cfg.hidden_size, cfg.num_kv_heads * hd, rngs, dtype, bias=cfg.qkv_bias)
@@ -296,14 +324,14 @@ class Attention(FusedParts, nnx.Module):
         position: jax.Array | int,
         k_cache: jax.Array,
         v_cache: jax.Array,
-        row_scale: jax.Array | None = None,
+        row_scale: DeferredNorm | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Attention of x (b, t, hidden) at positions ``position .. position + t - 1`` over the cache.
 
         Writes this chunk's keys and values into ``k_cache``/``v_cache`` (b, kv_heads, max_len, d) at
         ``position`` and attends causally to every cached position up to each query's own.
-        Returns ``(output, k_cache, v_cache)``. ``row_scale`` (b, t, 1): the input norm's deferred scale
-        (``RMSNorm.deferred``), applied to q, k and v.
+        Returns ``(output, k_cache, v_cache)``. ``row_scale``: the input norm's deferred scale
+        (``RMSNorm.deferred_sum``), applied to q, k and v.
 
         The cache is read once. One token (a decode step): written at ``position`` first, in place, then
         attended as one sequence (``decode_attention``: a few fused reductions, no GEMM). A chunk (a
@@ -313,8 +341,10 @@ class Attention(FusedParts, nnx.Module):
         """
         b, t, _ = x.shape
         position = jnp.asarray(position, jnp.int32)
+        if t == 1 and getattr(self, "decode_attention", "xla") == "triton":
+            return self._decode_on_kernel(x, position, k_cache, v_cache, row_scale)
         positions = jnp.broadcast_to(position + jnp.arange(t, dtype=jnp.int32), (b, t))
-        q, k, v = self._qkv(x, positions, row_scale)
+        q, k, v = self._qkv(x, positions, None if row_scale is None else row_scale.scale())
         if t == 1:  # a decode step: written first, then one read of the cache (decode_attention)
             with jax.named_scope("attention"):
                 k_new, v_new = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
@@ -333,6 +363,30 @@ class Attention(FusedParts, nnx.Module):
             start = (jnp.int32(0), jnp.int32(0), position, jnp.int32(0))
             k_cache = jax.lax.dynamic_update_slice(k_cache, k_new, start)
             v_cache = jax.lax.dynamic_update_slice(v_cache, v_new, start)
+        return self.o_proj(out), k_cache, v_cache
+
+    def _decode_on_kernel(
+        self,
+        x: jax.Array,
+        position: jax.Array,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        row_scale: DeferredNorm | None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """A decode step's attention on the Triton kernel (``set_decode_attention``): the projections' output
+        as one array (the fused layer's own: XLA folds the concatenation of its slices away), then the row
+        scale, q/k norms, rotary embedding, cache write and attention in the kernel."""
+        qkv = jnp.concatenate(projections(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"), x), axis=-1)
+        norms = None
+        if self.q_norm is not None and self.k_norm is not None:
+            norms = (self.q_norm.weight[...], self.k_norm.weight[...], self.q_norm.eps, self.k_norm.eps)
+        with jax.named_scope("attention"):
+            out, k_cache, v_cache = write_and_attend_on_kernel(
+                qkv, k_cache, v_cache, position,
+                heads=self.num_heads, window=self.sliding_window,
+                inv_freq=rope_frequencies(self.head_dim, float(self.rope_theta), self.rope_scaling),
+                row_norm=None if row_scale is None else tuple(row_scale), norms=norms,
+            )  # fmt: skip
         return self.o_proj(out), k_cache, v_cache
 
     def _attend_split(
@@ -429,7 +483,7 @@ class Block(nnx.Module):
         One token (a decode step): each norm's per-row scale is deferred past the bias-free projections
         that read it (``RMSNorm.deferred``), which saves the launch that would apply it."""
         if x.shape[1] == 1 and _bias_free(self.attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")):
-            h, r = self.input_norm.deferred(x)
+            h, r = self.input_norm.deferred_sum(x)
             a, k_cache, v_cache = self.attn.cached(h, position, k_cache, v_cache, row_scale=r)
         else:
             a, k_cache, v_cache = self.attn.cached(self.input_norm(x), position, k_cache, v_cache)
@@ -546,10 +600,24 @@ class Llama(nnx.Module):
         return self.logits(hidden), cache
 
 
+def set_decode_attention(model: nnx.Module, implementation: str) -> nnx.Module:
+    """Every attention layer of ``model`` attends a decode step's token with ``implementation``: "xla"
+    (the default: XLA's fused reductions) or "triton" (nybble's one-launch Pallas-on-Triton kernel, see
+    ``nybble.models.definitions.decode_attention``). In place; returns the model. Prefill is unchanged."""
+    check_decode_attention(implementation)
+    layers = [m for _, m in nnx.iter_modules(model) if isinstance(m, Attention)]
+    if not layers:
+        raise ValueError(f"set_decode_attention: {type(model).__name__} has no nybble Attention layer")
+    for layer in layers:
+        layer.decode_attention = implementation
+    return model
+
+
 __all__ = [
     "MLP",
     "Attention",
     "Block",
+    "DeferredNorm",
     "KVCache",
     "Llama",
     "LlamaConfig",
@@ -557,4 +625,5 @@ __all__ = [
     "RopeScaling",
     "rope",
     "rope_frequencies",
+    "set_decode_attention",
 ]

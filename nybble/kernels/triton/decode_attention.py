@@ -1,0 +1,354 @@
+"""Decode attention in one launch on Pallas' Triton backend: from the qkv projection's output to the
+attention's output, with the new token's key and value written into the KV cache on the way, each cached key
+and value read once.
+
+    out, k_cache, v_cache = write_and_attend(qkv, k_cache, v_cache, position, window, cfg, token, rope)
+
+qkv (b, heads + 2 kv_heads, d): the new token's projections as the fused q/k/v layer writes them (query
+heads, then keys, then values; a reshape of its (b, 1, N) output, no copy); caches (b, kv_heads, max_len,
+d), bf16 or f16, updated in place (``input_output_aliases``: a donated cache is never copied); ``position``
+is the new token's (a scalar). ``token`` (:class:`NewToken`) says what turns the projections into the query,
+key and value, as the model's XLA path computes them, in its order and with its roundings to x's dtype: the
+input norm's deferred row scale (``RMSNorm.deferred``), Qwen3's per-head q/k norms, the rotary embedding
+(``rope``: full-width cos and signed sin, so a rotated copy of each head, read with permuted columns, needs
+no half-width slices, which Triton tensors do not have).
+
+Grid (b, kv_heads, splits): program (i, h, s) computes the query heads of KV head h (its ``groups`` rows,
+read with their row indices clamped, as 16 rows: tensor cores' smallest M) and the new key and value, then
+reads the positions of split s (flash decoding) in blocks of ``block_s`` rows, from the sliding window's
+first position to ``position``: a short sequence reads only what it attends to. Per block it
+- loads the (block_s, d) keys and swaps in the new key at ``position`` (registers, not memory: the cache row
+  still holds the old value until this program writes it);
+- multiplies the (16, d) query block by the keys: (16, block_s) scores in f32;
+- folds them into the running maximum, sum and (16, d) f32 output of online softmax; the probabilities,
+  rounded to the cache's dtype, weight the values in a second MMA.
+It writes its split's (maximum, sum, output); the program whose split holds ``position`` also writes the new
+key and value rows. A second launch (:func:`combine`, one program per sequence and KV head) merges the
+splits and writes the output projection's input in its dtype.
+
+Every row a program reads it owns: no split reads another's rows, and the new row is never read back from
+memory, so the in-place write races with nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+DTYPES = ("bfloat16", "float16")  # the cache's and q's: the MMA's inputs
+MIN_ROWS = 16  # an MMA's smallest M, N and K on Triton (mma.sync m16n8k16): the groups are padded to it
+BLOCK_ROWS = (64, 32, 16)  # cache positions a block, largest first; one must divide max_len
+MIN_BLOCKS_PER_SPLIT = 4  # a split reads at least 4 blocks: fewer make its (max, sum, out) write dominate
+_LOWEST = float(np.finfo(np.float32).min)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """``block_s`` cache positions a block, ``splits`` programs along the cache per (sequence, KV head)."""
+
+    block_s: int
+    splits: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class NewToken:
+    """The new token's rows in the qkv projection's output and what the model does to them before attention:
+    ``row_norm`` (the input RMSNorm's (dim, eps), its per-row scale deferred past the projection: the
+    kernel computes ``rsqrt(sum_of_squares / dim + eps)`` from each sequence's f32 sum of squares, an
+    operand), ``norm_eps`` (Qwen3: the q and k per-head RMSNorms' eps; their weights are operands)."""
+
+    heads: int
+    kv_heads: int
+    row_norm: tuple[int, float] | None = None
+    norm_eps: tuple[float, float] | None = None
+
+    @property
+    def groups(self) -> int:
+        return self.heads // self.kv_heads
+
+
+def padded_groups(groups: int) -> int:
+    """The query block's rows: ``groups`` padded to a power of two of at least 16."""
+    return max(MIN_ROWS, 1 << (groups - 1).bit_length())
+
+
+def unsupported(qkv: Any, k_cache: Any, v_cache: Any, token: NewToken) -> str | None:
+    """Why the kernel cannot attend the new token of qkv (b, heads + 2 kv_heads, d) over these caches, or
+    None."""
+    from nybble.jax_range import outside_reason
+
+    if (reason := outside_reason()) is not None:
+        return reason
+    dtype, v_dtype = np.dtype(k_cache.dtype).name, np.dtype(v_cache.dtype).name
+    if dtype not in DTYPES or v_dtype != dtype:
+        return f"the decode attention kernel reads bf16 or f16 caches of one dtype, got {dtype} and {v_dtype}"
+    d, max_len = k_cache.shape[-1], k_cache.shape[2]
+    if d < MIN_ROWS or d & (d - 1):
+        return f"the decode attention kernel takes a head_dim that is a power of two >= 16, got {d}"
+    if max_len % BLOCK_ROWS[-1]:
+        return (
+            f"the decode attention kernel reads the cache in blocks of 16 positions and this cache holds "
+            f"{max_len}: make the cache a multiple of 16 positions (Llama.init_cache(batch, max_len))"
+        )
+    if token.groups > 128 or token.heads % token.kv_heads:
+        return f"the decode attention kernel takes up to 128 query heads per KV head, got {token}"
+    if qkv.shape[1:] != (token.heads + 2 * token.kv_heads, d) or k_cache.shape[1] != token.kv_heads:
+        return f"qkv {tuple(qkv.shape)} and the caches {tuple(k_cache.shape)} do not match {token}"
+    return None
+
+
+def choose_config(batch: int, kv_heads: int, max_len: int, sms: int) -> AttentionConfig:
+    """Blocks of 64 positions where they divide the cache; splits (a power of two dividing the blocks, each
+    at least ``MIN_BLOCKS_PER_SPLIT`` blocks) until the grid covers every SM once."""
+    block_s = next(b for b in BLOCK_ROWS if max_len % b == 0)
+    blocks = max_len // block_s
+    splits = 1
+    while (
+        batch * kv_heads * splits < sms
+        and blocks % (2 * splits) == 0
+        and blocks // (2 * splits) >= MIN_BLOCKS_PER_SPLIT
+    ):
+        splits *= 2
+    return AttentionConfig(block_s=block_s, splits=splits)
+
+
+def _round(x: jax.Array, dtype: Any) -> jax.Array:
+    return x.astype(dtype).astype(jnp.float32)
+
+
+def _new_token(qkv_ref, rope_ref, scale_ref, qw_ref, kw_ref, i, h, *, token: NewToken, rows: int):
+    """(q (rows, d), k (1, d), v (1, d)) of program (i, h), in the cache's dtype: the model's steps (see the
+    module), each rounded to qkv's dtype where the model rounds."""
+    d, dtype = qkv_ref.shape[2], qkv_ref.dtype
+    col = jax.lax.broadcasted_iota(jnp.int32, (d,), 0)
+    rotated = (col + d // 2) % d  # rotate-half: column j reads j + d/2 (first half) or j - d/2 (second)
+    cos, sin = rope_ref[pl.ds(0, 1), :], rope_ref[pl.ds(1, 1), :]  # (1, d): [cos, cos] and [-sin, sin]
+    scale = None
+    if token.row_norm is not None:  # RMSNorm.deferred_sum's scale, as DeferredNorm.scale computes it
+        dim, eps = token.row_norm
+        scale = jax.lax.rsqrt(scale_ref[i] / dim + eps)
+
+    def head(row_ids, weight_ref, eps):
+        x = qkv_ref[i, row_ids, :].astype(jnp.float32)
+        x_rot = qkv_ref[i, row_ids[:, None], rotated[None, :]].astype(jnp.float32)
+        if scale is not None:  # llama.scaled
+            x, x_rot = _round(x * scale, dtype), _round(x_rot * scale, dtype)
+        if weight_ref is not None:  # llama.norm_heads_together: each head over its own d values
+            inv = jax.lax.rsqrt((x * x).sum(axis=1, keepdims=True) / d + eps)
+            weight = weight_ref[...].astype(jnp.float32)
+            x = _round(x * inv * weight[None, :], dtype)
+            x_rot = _round(x_rot * inv * weight_ref[rotated].astype(jnp.float32)[None, :], dtype)
+        return (x * cos + x_rot * sin).astype(dtype)  # llama.rope: x1 cos - x2 sin | x2 cos + x1 sin
+
+    eps_q, eps_k = token.norm_eps or (0.0, 0.0)
+    r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    q = head(h * token.groups + jnp.minimum(r, token.groups - 1), qw_ref, eps_q)  # rows past groups: reread
+    k = head(token.heads + h + jnp.zeros((1,), jnp.int32), kw_ref, eps_k)
+    v = qkv_ref[i, pl.ds(token.heads + token.kv_heads + h, 1), :]
+    if scale is not None:
+        v = (v.astype(jnp.float32) * scale).astype(dtype)
+    return q, k, v
+
+
+def _kernel(*refs, cfg: AttentionConfig, token: NewToken, window: int | None, scale: float):
+    pos_ref, qkv_ref, rope_ref, *rest = refs
+    scale_ref = rest.pop(0) if token.row_norm else None
+    qw_ref, kw_ref = (rest.pop(0), rest.pop(0)) if token.norm_eps else (None, None)
+    kc_ref, vc_ref, m_ref, l_ref, o_ref, kc_out, vc_out = rest
+    i, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bs = cfg.block_s
+    per_split = kc_ref.shape[2] // bs // cfg.splits
+    first = s * per_split * bs  # this split's first cache position
+    pos = pos_ref[()]
+    lowest = pos - window + 1 if window is not None else 0  # the first position the query sees
+    rows = padded_groups(token.groups)
+    q, k_new, v_new = _new_token(
+        qkv_ref, rope_ref, scale_ref, qw_ref, kw_ref, i, h, token=token, rows=rows
+    )
+    cache_dtype = kc_ref.dtype
+    q, k_new, v_new = q.astype(cache_dtype), k_new.astype(cache_dtype), v_new.astype(cache_dtype)
+
+    def body(j, carry):
+        out, top, total = carry
+        start = first + j * bs
+        position = start + jax.lax.broadcasted_iota(jnp.int32, (bs,), 0)
+        fresh = (position == pos)[:, None]  # the new token's row: from registers, not the cache
+        keys = jnp.where(fresh, k_new, kc_ref[i, h, pl.ds(pl.multiple_of(start, bs), bs), :])
+        scores = plgpu.dot(q, keys, trans_b=True) * scale  # (rows, bs) f32
+        seen = ((position <= pos) & (position >= lowest))[None, :]
+        scores = jnp.where(seen, scores, _LOWEST)
+        new_top = jnp.maximum(top, scores.max(axis=1))
+        rescale = jnp.exp(top - new_top)
+        probs = jnp.where(seen, jnp.exp(scores - new_top[:, None]), 0.0)
+        values = jnp.where(fresh, v_new, vc_ref[i, h, pl.ds(pl.multiple_of(start, bs), bs), :])
+        out = out * rescale[:, None] + plgpu.dot(probs.astype(values.dtype), values)
+        return out, new_top, total * rescale + probs.sum(axis=1)
+
+    # the blocks of this split that hold positions lowest .. pos (none: the split writes an empty state)
+    j_lo = jnp.clip(jax.lax.div(jnp.maximum(lowest - first, 0), bs), 0, per_split)
+    j_hi = jnp.clip(jax.lax.div(pos - first + bs, bs), 0, per_split)
+    init = (
+        jnp.zeros((rows, q.shape[1]), jnp.float32),
+        jnp.full((rows,), _LOWEST, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    out, top, total = jax.lax.fori_loop(j_lo, j_hi, body, init)
+    o_ref[i, h, s] = out
+    m_ref[i, h, s] = top
+    l_ref[i, h, s] = total
+
+    @pl.when((pos >= first) & (pos < first + per_split * bs))
+    def _write_new_row():
+        kc_out[i, h, pl.ds(pos, 1), :] = k_new  # kc_out aliases kc_ref's buffer
+        vc_out[i, h, pl.ds(pos, 1), :] = v_new
+
+
+def _combine_kernel(m_ref, l_ref, o_ref, y_ref):
+    i, h = pl.program_id(0), pl.program_id(1)
+    rows = y_ref.shape[2]
+    top = m_ref[i, h, :, pl.ds(0, rows)]  # (splits, rows)
+    best = top.max(axis=0)
+    weight = jnp.exp(top - best[None, :])  # 0 for a split that saw no position (its maximum: f32's lowest)
+    norm = (l_ref[i, h, :, pl.ds(0, rows)] * weight).sum(axis=0)
+    out = (o_ref[i, h, :, pl.ds(0, rows), :] * weight[:, :, None]).sum(axis=0)
+    y_ref[i, h] = (out / norm[:, None]).astype(y_ref.dtype)
+
+
+def combine(top: jax.Array, total: jax.Array, out: jax.Array, groups: int, dtype: Any, *, interpret: bool):
+    """Merges the splits' online-softmax states, top and total (b, h, splits, rows) and out (..., rows, d),
+    into (b, h, groups, d) of ``dtype``: one launch, which writes the output projection's input itself (a
+    power-of-two ``groups``; others write the next power of two of rows, then XLA slices)."""
+    b, h, _, _, d = out.shape
+    rows = 1 << (groups - 1).bit_length()
+    y = pl.pallas_call(
+        _combine_kernel,
+        out_shape=jax.ShapeDtypeStruct((b, h, rows, d), dtype),
+        grid=(b, h),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="nybble_decode_attention_combine",
+    )(top, total, out)
+    return y if rows == groups else y[:, :, :groups]
+
+
+def rope_factors(position: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """(2, d) f32 of the rotary embedding at ``position``: ``[cos, cos]`` and ``[-sin, sin]`` of
+    ``position * inv_freq`` (as ``llama.rope`` computes its angles); one array, so one fusion."""
+    angles = jnp.asarray(position).astype(jnp.float32) * jnp.asarray(inv_freq)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    return jnp.stack([jnp.concatenate([cos, cos]), jnp.concatenate([-sin, sin])])
+
+
+def write_and_attend(
+    qkv: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    position: jax.Array,
+    window: int | None,
+    cfg: AttentionConfig,
+    token: NewToken,
+    rope: jax.Array,
+    *,
+    row_sum_of_squares: jax.Array | None = None,
+    norm_weights: tuple[jax.Array, jax.Array] | None = None,
+    out_dtype: Any = jnp.float32,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The kernel (see module): (out (b, kv_heads, groups, d) of ``out_dtype``, k_cache, v_cache).
+    ``rope``: :func:`rope_factors`; ``row_sum_of_squares`` (b,) f32 where ``token.row_norm``;
+    ``norm_weights`` (the q and k norms', (d,) each) where ``token.norm_eps``. Arguments are checked by
+    :func:`unsupported`."""
+    b, kv_heads, max_len, d = k_cache.shape
+    if max_len % (cfg.block_s * cfg.splits):
+        raise ValueError(f"{cfg}: block_s x splits must divide the cache's {max_len} positions")
+    if (row_sum_of_squares is None) != (token.row_norm is None) or (norm_weights is None) != (
+        token.norm_eps is None
+    ):
+        raise ValueError(f"{token}: row_sum_of_squares and norm_weights are given exactly where it says so")
+    operands = [jnp.asarray(position, jnp.int32).reshape(()), qkv, rope]
+    if row_sum_of_squares is not None:
+        operands.append(jnp.asarray(row_sum_of_squares, jnp.float32).reshape(b))
+    if norm_weights is not None:
+        operands.extend(norm_weights)
+    caches = len(operands)
+    state = (b, kv_heads, cfg.splits, padded_groups(token.groups))
+    top, total, out, k_cache, v_cache = pl.pallas_call(
+        functools.partial(_kernel, cfg=cfg, token=token, window=window, scale=d**-0.5),
+        out_shape=(
+            jax.ShapeDtypeStruct(state, jnp.float32),
+            jax.ShapeDtypeStruct(state, jnp.float32),
+            jax.ShapeDtypeStruct((*state, d), jnp.float32),
+            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+        ),
+        grid=(b, kv_heads, cfg.splits),
+        input_output_aliases={caches: 3, caches + 1: 4},
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="nybble_decode_attention",
+    )(*operands, k_cache, v_cache)
+    return combine(top, total, out, token.groups, out_dtype, interpret=interpret), k_cache, v_cache
+
+
+def reference(
+    qkv,
+    k_cache,
+    v_cache,
+    position: int,
+    window: int | None,
+    token: NewToken,
+    inv_freq,
+    row_sum_of_squares=None,
+    norm_weights=None,
+):
+    """float64 numpy, no rounding: the new token's q, k, v from qkv (row scale, q/k norms, rotary
+    embedding), the caches with the new rows written, then softmax(q k^T / sqrt(d)) v over the positions
+    ``position - window + 1 .. position``; (out (b, kv_heads, groups, d), k_cache, v_cache)."""
+    x = np.array(qkv, np.float64)
+    if row_sum_of_squares is not None:
+        dim, eps = token.row_norm
+        x = x / np.sqrt(np.asarray(row_sum_of_squares, np.float64).reshape(-1, 1, 1) / dim + eps)
+    hq, hk = token.heads, token.kv_heads
+    q, k, v = x[:, :hq], x[:, hq : hq + hk], x[:, hq + hk :]
+    if norm_weights is not None:
+        (wq, wk), (eq, ek) = norm_weights, token.norm_eps
+        q = q / np.sqrt((q * q).mean(-1, keepdims=True) + eq) * np.asarray(wq, np.float64)
+        k = k / np.sqrt((k * k).mean(-1, keepdims=True) + ek) * np.asarray(wk, np.float64)
+    angles = position * np.asarray(inv_freq, np.float64)
+    cos, sin = np.cos(angles), np.sin(angles)
+
+    def rope(y):
+        y1, y2 = np.split(y, 2, axis=-1)
+        return np.concatenate([y1 * cos - y2 * sin, y2 * cos + y1 * sin], axis=-1)
+
+    q, k = rope(q), rope(k)
+    kc, vc = np.array(k_cache, np.float64), np.array(v_cache, np.float64)
+    kc[:, :, position], vc[:, :, position] = k, v
+    lo = 0 if window is None else max(0, position - window + 1)
+    qg = q.reshape(q.shape[0], hk, token.groups, -1)
+    scores = np.einsum("bhgd,bhsd->bhgs", qg, kc[:, :, lo : position + 1]) / np.sqrt(qg.shape[-1])
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("bhgs,bhsd->bhgd", probs, vc[:, :, lo : position + 1]), kc, vc
+
+
+__all__ = [
+    "AttentionConfig",
+    "NewToken",
+    "choose_config",
+    "combine",
+    "padded_groups",
+    "reference",
+    "rope_factors",
+    "unsupported",
+    "write_and_attend",
+]

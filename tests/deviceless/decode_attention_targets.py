@@ -1,0 +1,56 @@
+"""Compiles the Triton decode attention kernel for deviceless GPUs of each compute capability named on the
+command line, at Llama-3-8B's shape: the qkv projection's output of one token (32 query heads, 8 KV heads
+of 128), the deferred input norm's sum of squares, a 4096-position bf16 cache, batch 1, the caches donated.
+Prints one JSON line: per GPU, the config and the optimized program's launches (kind, name, bytes of each
+operand by source, result bytes). Run it in the X-ray toolchain's environment
+(``bench.kernel_xray.toolchain.child_environment``), as tests/test_decode_attention_lowering.py does."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from bench.kernel_xray import get_gpu, hlo
+from bench.kernel_xray.target import deviceless_devices
+from nybble.kernels.triton import decode_attention as kernel
+
+BATCH, KV_HEADS, GROUPS, HEAD_DIM, CONTEXT = 1, 8, 4, 128, 4096
+
+
+def compile_for(gpu: str) -> dict:
+    device = deviceless_devices(gpu, 1)[0]
+    sharding = SingleDeviceSharding(device)
+    cfg = kernel.choose_config(BATCH, KV_HEADS, CONTEXT, get_gpu(gpu).sms)
+    token = kernel.NewToken(KV_HEADS * GROUPS, KV_HEADS, row_norm=(4096, 1e-5))
+    inv_freq = 1.0 / (500000.0 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM))
+
+    def arg(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    def step(qkv, row_sum_of_squares, k_cache, v_cache, position):
+        rope = kernel.rope_factors(position, inv_freq)
+        return kernel.write_and_attend(
+            qkv, k_cache, v_cache, position, None, cfg, token, rope, row_sum_of_squares=row_sum_of_squares,
+            out_dtype=jnp.bfloat16,
+        )  # fmt: skip
+
+    cache = arg((BATCH, KV_HEADS, CONTEXT, HEAD_DIM))
+    qkv = arg((BATCH, KV_HEADS * (GROUPS + 2), HEAD_DIM))
+    args = (qkv, arg((BATCH,), jnp.float32), cache, cache, arg((), jnp.int32))
+    with jax.set_mesh(Mesh(np.array([device]), ("x",))):  # the Triton lowering reads its target here
+        jitted = jax.jit(step, donate_argnums=(2, 3))
+        text = jitted.trace(*args).lower(lowering_platforms=("cuda",)).compile().as_text()
+    launches = [
+        {"kind": la.kind, "name": la.name, "operands": la.operand_bytes, "result_bytes": la.result_bytes}
+        for la in hlo.launches(text)
+    ]
+    return {"config": [cfg.block_s, cfg.splits], "launches": launches}
+
+
+if __name__ == "__main__":
+    print(json.dumps({gpu: compile_for(gpu) for gpu in sys.argv[1:]}))
