@@ -209,7 +209,8 @@ def test_triton_attention_takes_two_launches_and_reads_the_cache_once(records):
     assert "/nybble_decode_attention/" in kernel["op_name"]
     cfg = config_for("tiny-llama")
     cache = BATCH * CONTEXT * cfg.num_kv_heads * cfg.head_dim * 2
-    states = BATCH * cfg.num_kv_heads * 16 * (cfg.head_dim + 2) * 4  # one split: (out, max, sum) of 16 rows
+    groups = cfg.num_heads // cfg.num_kv_heads  # one split's (out, max, sum) of each query head
+    states = BATCH * cfg.num_kv_heads * groups * (cfg.head_dim + 2) * 4
     qkv = BATCH * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * 2
     rope = 2 * cfg.head_dim * 4
     # both caches read once, a row of each written (aliased: not the whole cache), the states written; the

@@ -135,19 +135,24 @@ NOTES: list[str] = [
     "abstract (`jax.ShapeDtypeStruct`): bf16, and int4 g128 symmetric as `nybble.models.quantize` makes them "
     "(the LM head stays bf16, `DEFAULT_RULES`). Variant `baseline`: separate q/k/v and gate/up, the cache "
     "not donated (the model code of the commit otherwise); "
-    "`fused`: the serving setup, `quantize(..., fuse_projections=True)` (q/k/v, gate/up and the MoE "
+    "`fused`: `quantize(..., fuse_projections=True)` (q/k/v, gate/up and the MoE "
     "experts' gate/up fused), the cache donated; the step as the model code of the commit computes it (one "
     "token: written to the cache, then attended in a few fused reductions; each norm's row scale deferred "
-    "past its projections).",
+    "past its projections); `serving` (the default): `fused` with `set_decode_attention(model, 'triton')`, "
+    "nybble's Pallas-on-Triton decode attention kernel (from the qkv kernel's output: the deferred norm "
+    "scale, q/k norms, rotary embedding, cache write and attention in one launch, the splits merged in a "
+    "second; opt-in until a GPU has run it).",
     "- **One layer compiled, the rest multiplied**: the model is compiled with 1 layer; launches outside the "
     "layers (embedding gather, final norm, LM head, the rotary angles XLA computes once for all layers) "
     "count once, every other launch `layers` times. Checked against a whole compile of a 3-layer model in "
     "tests/test_decode_bench.py (fused variant: launches equal, per family too; bytes within 0.3%, XLA "
-    "fusing a few elementwise ops across a layer boundary differently).",
+    "fusing a few elementwise ops across a layer boundary differently; serving variant: launches equal, "
+    "bytes within 0.8%, each norm summing the residual stream's parts itself).",
     "- **Launches and bytes** are read off XLA's optimized HLO (`bench.kernel_xray.hlo`: every fusion, "
     "custom call and copy of the entry computation; bytes = operands + result as typed), with three "
     "corrections where the type is not the traffic: the embedding gather (alone or fused into the first "
-    "norm) reads one row per token; the in-place cache update reads and writes one row; a grouped MoE "
+    "norm) reads one row per token; the in-place cache update reads and writes one row (the Triton "
+    "attention kernel's caches too, which it returns aliased); a grouped MoE "
     "kernel reads the experts its tokens reach (expected distinct experts of `batch` tokens routed "
     "uniformly to their top k). Launch counts equal the thunks XLA's runtime executes (its dumped thunk "
     "sequence; tested).",

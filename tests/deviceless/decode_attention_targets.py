@@ -1,14 +1,22 @@
 """Compiles the Triton decode attention kernel for deviceless GPUs of each compute capability named on the
 command line, at Llama-3-8B's shape: the qkv projection's output of one token (32 query heads, 8 KV heads
 of 128), the deferred input norm's sum of squares, a 4096-position bf16 cache, batch 1, the caches donated.
-Prints one JSON line: per GPU, the config and the optimized program's launches (kind, name, bytes of each
-operand by source, result bytes). Run it in the X-ray toolchain's environment
-(``bench.kernel_xray.toolchain.child_environment``), as tests/test_decode_attention_lowering.py does."""
+Prints one JSON line: per GPU, the config, the optimized program's launches (kind, name, bytes of each
+operand by source, result bytes) and the attention kernel's SASS (its main loop's instructions and opcodes,
+local-memory spills). Run it in the X-ray toolchain's environment with ptxas wrapped to keep its cubins
+(``bench.kernel_xray.toolchain.child_environment``, ``CUDA_ROOT`` from ``bench.xray.gpus.wrapped_cuda_root``),
+as tests/test_decode_attention_lowering.py does."""
 
 from __future__ import annotations
 
+import collections
 import json
+import os
+import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +28,29 @@ from bench.kernel_xray.target import deviceless_devices
 from nybble.kernels.triton import decode_attention as kernel
 
 BATCH, KV_HEADS, GROUPS, HEAD_DIM, CONTEXT = 1, 8, 4, 128, 4096
+
+
+def kernel_sass(cubins: list[Path]) -> dict:
+    """The attention kernel's SASS: its main loop (``bench.xray.gpus.mma_loop``) and spills."""
+    from bench.kernel_xray import sass
+    from bench.kernel_xray.toolchain import find_toolchain
+    from bench.xray.gpus import mma_loop
+    from bench.xray.marlin import control_code_sass
+
+    nvdisasm = find_toolchain().nvdisasm
+    for path in cubins:
+        text = subprocess.run([str(nvdisasm), "-c", "-hex", str(path)], capture_output=True, text=True).stdout
+        if not re.search(r"\.text\.nybble_decode_attention\b", text):
+            continue
+        code = sass.parse_sass(control_code_sass(text))
+        loop = mma_loop(code) or []
+        opcodes = collections.Counter(ins.base_opcode for ins in code.instructions)
+        return {
+            "loop_instructions": len(loop),
+            "loop_opcodes": dict(collections.Counter(ins.base_opcode for ins in loop)),
+            "spills": opcodes["STL"] + opcodes["LDL"],
+        }
+    return {}
 
 
 def compile_for(gpu: str) -> dict:
@@ -42,14 +73,18 @@ def compile_for(gpu: str) -> dict:
     cache = arg((BATCH, KV_HEADS, CONTEXT, HEAD_DIM))
     qkv = arg((BATCH, KV_HEADS * (GROUPS + 2), HEAD_DIM))
     args = (qkv, arg((BATCH,), jnp.float32), cache, cache, arg((), jnp.int32))
+    dump = Path(tempfile.mkdtemp(prefix="nybble-attention-cubins-"))
+    os.environ["NYBBLE_PTX_DUMP"] = str(dump)  # read by the ptxas wrapper XLA runs
     with jax.set_mesh(Mesh(np.array([device]), ("x",))):  # the Triton lowering reads its target here
         jitted = jax.jit(step, donate_argnums=(2, 3))
         text = jitted.trace(*args).lower(lowering_platforms=("cuda",)).compile().as_text()
+    os.environ.pop("NYBBLE_PTX_DUMP")
+    sass_facts = kernel_sass(sorted(dump.glob("*.cubin")))
     launches = [
         {"kind": la.kind, "name": la.name, "operands": la.operand_bytes, "result_bytes": la.result_bytes}
         for la in hlo.launches(text)
     ]
-    return {"config": [cfg.block_s, cfg.splits], "launches": launches}
+    return {"config": [cfg.block_s, cfg.splits], "launches": launches, "sass": sass_facts}
 
 
 if __name__ == "__main__":
