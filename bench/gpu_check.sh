@@ -182,6 +182,12 @@ timeout "$MODEL_BENCH_TIMEOUT_S" "$PY" -m bench.model_bench --out "$DEST" --no-m
 MODEL_RC=$?
 [ "$MODEL_RC" = 124 ] && echo "model benchmark: KILLED after ${MODEL_BENCH_TIMEOUT_S}s" >>"$DEST/bench.log"
 tail -n +"$((MARK + 1))" "$DEST/bench.log" | tail -n 12
+# The same with nybble's Triton decode attention in both models (set_decode_attention; its correctness is
+# tests/test_triton_gpu.py's): model_bench.json under triton-attention/.
+echo "== model benchmark, Triton decode attention (cap ${MODEL_BENCH_TIMEOUT_S}s): $DEST/triton-attention"
+# shellcheck disable=SC2086
+timeout "$MODEL_BENCH_TIMEOUT_S" "$PY" -m bench.model_bench --out "$DEST/triton-attention" --no-markdown \
+  --decode-attention triton $MODEL_BENCH_ARGS >>"$DEST/bench.log" 2>&1 || true
 fi
 # The measured decode tokens/s (float vs int4) beside bench.decode's committed prediction for that model.
 DECODE_PREDICTION="${DECODE_PREDICTION:-$ROOT/bench/results/decode-2026-12-04/smollm2/decode.json}"

@@ -292,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: bf16 on GPU, f32 on CPU",
     )
+    p.add_argument(
+        "--decode-attention",
+        choices=["xla", "triton"],
+        default="xla",
+        help="both models' decode-step attention (nybble.models.set_decode_attention)",
+    )
     p.add_argument("--out", type=Path, default=None, help="output folder (default: $OUT or bench/results/)")
     p.add_argument("--no-markdown", action="store_true", help="write model_bench.json only")
     return p
@@ -319,13 +325,14 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_len": args.prompt_len,
         "new_tokens": new_tokens,
         "repeats": repeats,
+        "decode_attention": args.decode_attention,
     }
     result: dict[str, Any] = {"schema": SCHEMA, "machine": machine_info(), "config": config, "rows": []}
     result["notes"] = [] if gpu else ["no GPU: int4 runs through XLA on the CPU (no Mosaic kernel)"]
     try:
         from flax import nnx
 
-        from nybble.models import eval_text, fuse_projections, quantize
+        from nybble.models import eval_text, fuse_projections, quantize, set_decode_attention
         from nybble.models.evaluate.zoo import load_named
 
         float_model, tokenizer = load_named(args.model, dtype)
@@ -339,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     int4_model = quantize(
         nnx.clone(float_model), group_size=args.group_size, progress=False, fuse_projections=True
     )
+    for model in (float_model, int4_model):
+        set_decode_attention(model, args.decode_attention)
     config["int4_paths"] = int4_paths(int4_model, args.batches, dtype)
     stream = tokenizer.encode(eval_text()).ids
     print(f"model_bench: {args.model}, {dtype_name}, {result['machine']['device']}; {new_tokens} steps")
