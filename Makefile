@@ -136,7 +136,7 @@ KERNEL_TESTS := tests/test_jax_range.py tests/test_dispatch.py tests/test_kernel
 	tests/test_grouped_lowering.py tests/test_grouped_interpret.py tests/test_kernel_interpret.py \
 	tests/test_triton_dispatch.py tests/test_triton_interpret.py \
 	tests/test_blackwell_interpret.py tests/test_blackwell_lowering.py tests/test_blackwell_dispatch.py \
-	tests/test_blackwell_grouped.py tests/test_decode_attention_kernel.py
+	tests/test_blackwell_grouped.py tests/test_decode_attention_kernel.py tests/test_decode_attention_lowering.py
 LATEST_TESTS := $(FAST_TESTS) $(KERNEL_TESTS)
 LATEST_DESELECT := not test_every_heuristic_config_in_interpret_mode
 test-jax-latest: $(LATEST_STAMP)

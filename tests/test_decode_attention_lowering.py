@@ -1,82 +1,59 @@
-"""The Triton decode attention kernel compiled without a GPU for sm_80, sm_89, sm_90, sm_100 and sm_120
-(tests/deviceless/decode_attention_targets.py, in the X-ray toolchain's environment), the optimized program
-read back: three launches (the rotary factors, the kernel, the splits' merge), the qkv projection's output
-read as it is, the caches read once and updated in place, the merge writing the output projection's bf16
-input and nothing else."""
+"""The Triton decode attention kernel lowered for CUDA on a CPU, with no GPU and no toolchain: Pallas'
+Triton lowering reads its target from an abstract mesh's device (``jax.sharding.use_abstract_mesh``), so
+this runs on every jax of the range (the compile and the SASS: tests/test_decode_attention_sass.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = Path(__file__).resolve().parent / "deviceless" / "decode_attention_targets.py"
-TARGETS = ("a100", "l40s", "h200", "b200", "rtx5090")
-BATCH, KV_HEADS, GROUPS, HEAD_DIM, CONTEXT = 1, 8, 4, 128, 4096  # the script's shape
+from nybble.kernels.triton import decode_attention as kernel
+
+# sm_80, sm_89 (an L40S lowers as the L40), sm_90, sm_100, sm_120
+KINDS = ("NVIDIA A100-SXM4-80GB", "NVIDIA L40", "NVIDIA H200", "NVIDIA B200", "NVIDIA RTX PRO 6000")
 
 
-@pytest.fixture(scope="module")
-def programs():
-    from bench.kernel_xray import ToolchainMissing
-    from bench.kernel_xray.toolchain import child_environment, find_toolchain
+def _lowered(kind: str, token: kernel.NewToken, window: int | None) -> str:
+    cfg = kernel.choose_config(1, token.kv_heads, 4096, 132)
+    inv_freq = 1.0 / (500000.0 ** (np.arange(0, 128, 2) / 128))
+    norms = (jnp.ones(128), jnp.ones(128)) if token.norm_eps else None
 
-    try:
-        toolchain = find_toolchain()
-    except ToolchainMissing as e:
-        pytest.fail(f"the X-ray toolchain is missing: {e}")
-    from bench.xray.gpus import wrapped_cuda_root
+    def step(qkv, row_ssq, k_cache, v_cache, position):
+        rope = kernel.rope_factors(position, inv_freq)
+        return kernel.write_and_attend(
+            qkv, k_cache, v_cache, position, window, cfg, token, rope,
+            row_sum_of_squares=row_ssq if token.row_norm else None, norm_weights=norms,
+            out_dtype=jnp.bfloat16,
+        )  # fmt: skip
 
-    env = child_environment(toolchain)
-    env["CUDA_ROOT"] = str(wrapped_cuda_root(toolchain))  # ptxas keeps its cubins: the SASS is read
-    path = env.get("PYTHONPATH", "").split(os.pathsep)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, path)])
-    cmd = [sys.executable, str(SCRIPT), *TARGETS]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("gpu", TARGETS)
-def test_three_launches_and_the_cache_read_once(programs, gpu):
-    program = programs[gpu]
-    assert [la["kind"] for la in program["launches"]] == ["fusion", "custom-call", "custom-call"]
-    rope, kernel, merge = program["launches"]
-    assert rope["result_bytes"] == 2 * HEAD_DIM * 4  # [cos, cos] and [-sin, sin], f32
-    block_s, splits = program["config"]
-    assert (block_s, splits) == (64, 16)  # 8 KV heads x 16 splits: 128 programs, one wave on 108..170 SMs
-    cache = BATCH * KV_HEADS * CONTEXT * HEAD_DIM * 2
-    # the kernel reads the qkv projection's output as it is (no fusion between: the scale, the rotation and
-    # the padding of the query heads are the kernel's), both caches once, the rope factors, the input
-    # norm's sum of squares
-    assert kernel["operands"] == {
-        "position": 4,
-        "qkv": BATCH * KV_HEADS * (GROUPS + 2) * HEAD_DIM * 2,
-        "intermediate": rope["result_bytes"],
-        "row_sum_of_squares": 4 * BATCH,
-        "k_cache": cache,
-        "v_cache": cache,
-    }
-    # results: the caches (aliased: the same buffers, written one row each) and each split's f32 (out, max,
-    # sum) of its 4 query heads (not the 16 rows of its MMAs)
-    states = BATCH * KV_HEADS * splits * GROUPS * (HEAD_DIM + 2) * 4
-    assert kernel["result_bytes"] == 2 * cache + states
-    assert merge["operands"] == {"intermediate": states}
-    assert merge["result_bytes"] == BATCH * KV_HEADS * GROUPS * HEAD_DIM * 2  # the o projection's bf16 input
+    cache = jax.ShapeDtypeStruct((1, token.kv_heads, 4096, 128), jnp.bfloat16)
+    args = (
+        jax.ShapeDtypeStruct((1, token.heads + 2 * token.kv_heads, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1,), jnp.float32),
+        cache,
+        cache,
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
+    device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        return jax.jit(step, donate_argnums=(2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("gpu", TARGETS)
-def test_the_kernels_loop_is_two_mmas_on_pipelined_loads(programs, gpu):
-    # The SASS of the attention kernel's main loop (a 64-position block): the scores' and the values' MMAs
-    # (16 x 64 x 128 each: 32 mma.sync m16n8k16) on keys and values that Triton's pipeliner staged in shared
-    # memory (LDSM), no per-element work on them (the new token's row is folded in after the loop; swapped
-    # into each block in registers, the loop took 872 instructions with 128 selects), no spills.
-    sass = programs[gpu]["sass"]
-    assert sass["spills"] == 0
-    ops = sass["loop_opcodes"]
-    assert ops.get("HMMA") == 32 and ops.get("LDSM", 0) > 0 and "SEL" not in ops, ops
-    assert sass["loop_instructions"] <= 400, ops
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "token, window",
+    [
+        (kernel.NewToken(32, 8, (4096, 1e-5)), None),  # Llama-3-8B: the input norm's deferred scale
+        (kernel.NewToken(32, 4, (2048, 1e-6), (1e-6, 1e-6)), None),  # Qwen3-30B-A3B: the q/k norms too
+        (kernel.NewToken(32, 8), 1024),  # a sliding window, no deferred scale
+    ],
+    ids=["llama3", "qwen3", "window"],
+)
+def test_lowers_to_two_triton_calls_updating_the_caches_in_place(kind, token, window):
+    text = _lowered(kind, token, window)
+    calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+    assert len(calls) == 2, calls  # the kernel and the splits' merge
+    # the kernel's last two results alias its last two operands (the caches): updated in place
+    assert "output_operand_aliases" in text and text.count("#stablehlo.output_operand_alias") == 2, calls

@@ -5,7 +5,7 @@ Prints one JSON line: per GPU, the config, the optimized program's launches (kin
 operand by source, result bytes) and the attention kernel's SASS (its main loop's instructions and opcodes,
 local-memory spills). Run it in the X-ray toolchain's environment with ptxas wrapped to keep its cubins
 (``bench.kernel_xray.toolchain.child_environment``, ``CUDA_ROOT`` from ``bench.xray.gpus.wrapped_cuda_root``),
-as tests/test_decode_attention_lowering.py does."""
+as tests/test_decode_attention_sass.py does."""
 
 from __future__ import annotations
 

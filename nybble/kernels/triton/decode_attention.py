@@ -30,6 +30,10 @@ projection's input in its dtype.
 Every row a program reads it owns: no split reads another's rows, and no program reads the new row from
 memory (the loop stops before it), so the in-place write races with nothing.
 
+jax 0.11.2 and 0.12 warn that Pallas' Triton backend is deprecated (to be removed in a later jax): this
+kernel, like the portable int4 ones beside it, needs a port (Mosaic GPU on Hopper and Blackwell) before
+nybble's jax range reaches that release.
+
 SASS (ptxas 12.9, Llama-3-8B's shape, 2026-12-06): 325 instructions a 64-position block on sm_90 (32 HMMA,
 28 LDSM), 123 registers on sm_80, no spills; with the new row swapped into each loaded block in registers,
 the loop took 872 (128 selects, 133 shared-memory stores) and 255 registers.
@@ -136,8 +140,8 @@ def _round(x: jax.Array, dtype: Any) -> jax.Array:
 
 
 def _new_token(qkv_ref, rope_ref, scale_ref, qw_ref, kw_ref, i, h, *, token: NewToken, rows: int):
-    """(q (rows, d), k (1, d), v (1, d)) of program (i, h), in the cache's dtype: the model's steps (see the
-    module), each rounded to qkv's dtype where the model rounds."""
+    """(q (rows, d), k (1, d), v (1, d)) of program (i, h) in qkv's dtype: the model's steps (see the
+    module), each rounded to that dtype where the model rounds."""
     d, dtype = qkv_ref.shape[2], qkv_ref.dtype
     col = jax.lax.broadcasted_iota(jnp.int32, (d,), 0)
     rotated = (col + d // 2) % d  # rotate-half: column j reads j + d/2 (first half) or j - d/2 (second)

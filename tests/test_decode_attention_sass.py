@@ -1,0 +1,83 @@
+"""The Triton decode attention kernel compiled without a GPU for sm_80, sm_89, sm_90, sm_100 and sm_120
+(tests/deviceless/decode_attention_targets.py, in the X-ray toolchain's environment: `make test`; the
+lowering alone, on every jax of the range: tests/test_decode_attention_lowering.py), the optimized program
+read back: three launches (the rotary factors, the kernel, the splits' merge), the qkv projection's output
+read as it is, the caches read once and updated in place, the merge writing the output projection's bf16
+input and nothing else."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).resolve().parent / "deviceless" / "decode_attention_targets.py"
+TARGETS = ("a100", "l40s", "h200", "b200", "rtx5090")
+BATCH, KV_HEADS, GROUPS, HEAD_DIM, CONTEXT = 1, 8, 4, 128, 4096  # the script's shape
+
+
+@pytest.fixture(scope="module")
+def programs():
+    from bench.kernel_xray import ToolchainMissing
+    from bench.kernel_xray.toolchain import child_environment, find_toolchain
+
+    try:
+        toolchain = find_toolchain()
+    except ToolchainMissing as e:
+        pytest.fail(f"the X-ray toolchain is missing: {e}")
+    from bench.xray.gpus import wrapped_cuda_root
+
+    env = child_environment(toolchain)
+    env["CUDA_ROOT"] = str(wrapped_cuda_root(toolchain))  # ptxas keeps its cubins: the SASS is read
+    path = env.get("PYTHONPATH", "").split(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, path)])
+    cmd = [sys.executable, str(SCRIPT), *TARGETS]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("gpu", TARGETS)
+def test_three_launches_and_the_cache_read_once(programs, gpu):
+    program = programs[gpu]
+    assert [la["kind"] for la in program["launches"]] == ["fusion", "custom-call", "custom-call"]
+    rope, kernel, merge = program["launches"]
+    assert rope["result_bytes"] == 2 * HEAD_DIM * 4  # [cos, cos] and [-sin, sin], f32
+    block_s, splits = program["config"]
+    assert (block_s, splits) == (64, 16)  # 8 KV heads x 16 splits: 128 programs, one wave on 108..170 SMs
+    cache = BATCH * KV_HEADS * CONTEXT * HEAD_DIM * 2
+    # the kernel reads the qkv projection's output as it is (no fusion between: the scale, the rotation and
+    # the padding of the query heads are the kernel's), both caches once, the rope factors, the input
+    # norm's sum of squares
+    assert kernel["operands"] == {
+        "position": 4,
+        "qkv": BATCH * KV_HEADS * (GROUPS + 2) * HEAD_DIM * 2,
+        "intermediate": rope["result_bytes"],
+        "row_sum_of_squares": 4 * BATCH,
+        "k_cache": cache,
+        "v_cache": cache,
+    }
+    # results: the caches (aliased: the same buffers, written one row each) and each split's f32 (out, max,
+    # sum) of its 4 query heads (not the 16 rows of its MMAs)
+    states = BATCH * KV_HEADS * splits * GROUPS * (HEAD_DIM + 2) * 4
+    assert kernel["result_bytes"] == 2 * cache + states
+    assert merge["operands"] == {"intermediate": states}
+    assert merge["result_bytes"] == BATCH * KV_HEADS * GROUPS * HEAD_DIM * 2  # the o projection's bf16 input
+
+
+@pytest.mark.parametrize("gpu", TARGETS)
+def test_the_kernels_loop_is_two_mmas_on_pipelined_loads(programs, gpu):
+    # The SASS of the attention kernel's main loop (a 64-position block): the scores' and the values' MMAs
+    # (16 x 64 x 128 each: 32 mma.sync m16n8k16) on keys and values that Triton's pipeliner staged in shared
+    # memory (LDSM), no per-element work on them (the new token's row is folded in after the loop; swapped
+    # into each block in registers, the loop took 872 instructions with 128 selects), no spills.
+    sass = programs[gpu]["sass"]
+    assert sass["spills"] == 0
+    ops = sass["loop_opcodes"]
+    assert ops.get("HMMA") == 32 and ops.get("LDSM", 0) > 0 and "SEL" not in ops, ops
+    assert sass["loop_instructions"] <= 400, ops
