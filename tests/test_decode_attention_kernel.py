@@ -166,8 +166,6 @@ def test_decode_steps_on_the_kernel_equal_the_xla_path(changes):
     results = {}
     for implementation in ("xla", "triton"):
         model = set_decode_attention(_tiny(jnp.bfloat16, **changes), implementation)
-        # jitted: jax 0.11.2's XLA:CPU refuses the eager bf16 x bf16 = f32 einsum of a bf16 prefill
-        # ("Unsupported element type for DotThunk"); compiled whole, its fusions take another dot
         _, cache = nnx.jit(lambda m, i: m.prefill(i, max_len=32))(model, ids[:, :5])
         step = nnx.jit(lambda m, t, c, p: m.decode_step(t, c, p))
         steps = []

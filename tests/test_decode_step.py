@@ -75,6 +75,18 @@ def test_decode_steps_equal_the_full_forward(changes):
         np.testing.assert_allclose(np.asarray(out)[:, 0], full[:, pos], rtol=2e-5, atol=2e-5)
 
 
+def test_a_bf16_model_prefills_eagerly_as_its_forward():
+    # jax 0.11.2's XLA:CPU ran no bf16 x bf16 = f32 dot whose result puts the query positions before the
+    # batch dims: an eager bf16 prefill failed ("Unsupported element type for DotThunk::Execute").
+    model = Llama(TINY_CONFIG, rngs=nnx.Rngs(3), dtype=jnp.bfloat16)
+    ids = np.random.RandomState(6).randint(0, TINY_CONFIG.vocab_size, (2, 7)).astype(np.int32)
+    logits, cache = model.prefill(ids, max_len=16)
+    full = np.asarray(model(ids), np.float64)
+    got = np.asarray(logits, np.float64)
+    np.testing.assert_allclose(got, full, rtol=0, atol=0.03 * np.abs(full).max())
+    assert np.abs(full).max() > 0.1 and np.isfinite(np.asarray(cache.k[0], np.float32)).all()
+
+
 def test_quantize_fuses_on_request_and_the_parts_still_read():
     model = Llama(TINY_CONFIG, rngs=nnx.Rngs(1), dtype=jnp.float32)
     kernel = np.asarray(model.layers[0].attn.k_proj.kernel[...])

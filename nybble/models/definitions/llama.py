@@ -415,16 +415,18 @@ class Attention(FusedParts, nnx.Module):
         top = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in scores]), axis=0)[..., None]
         exps = [jnp.exp(s - top) for s in scores]
         total = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
+        # (b, h, g, q, d), transposed after: jax 0.11.2's XLA:CPU runs no bf16 x bf16 = f32 dot whose result
+        # puts q before the batch dims ("Unsupported element type for DotThunk"), eager bf16 prefills failed
         out = sum(
             jnp.einsum(
-                "bhgqk,bhkd->bqhgd",
+                "bhgqk,bhkd->bhgqd",
                 (e / total).astype(q.dtype),
                 v.astype(q.dtype),
                 preferred_element_type=jnp.float32,
             )
             for e, v in zip(exps, values, strict=True)
         )
-        return out.reshape(b, t, self.num_heads * self.head_dim).astype(dtype)
+        return out.transpose(0, 3, 1, 2, 4).reshape(b, t, self.num_heads * self.head_dim).astype(dtype)
 
 
 class MLP(FusedParts, nnx.Module):
