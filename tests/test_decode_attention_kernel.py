@@ -145,6 +145,15 @@ def test_model_refuses_the_kernel_for_an_f32_cache_by_name():
         model.decode_step(np.zeros((1, 1), np.int32), cache, 3)
 
 
+def test_a_cpu_outside_interpret_mode_is_refused_by_name():
+    # Pallas would say "Only interpret mode is supported on CPU backend" at lowering; the model says which
+    # GPU it needs and the two ways out
+    model = set_decode_attention(_tiny(jnp.bfloat16), "triton")
+    _, cache = nnx.jit(lambda m, i: m.prefill(i, max_len=16))(model, np.zeros((1, 3), np.int32))
+    with pytest.raises(NotImplementedError, match=r"needs an NVIDIA GPU.*backend\.interpret\(\).*'xla'"):
+        model.decode_step(np.zeros((1, 1), np.int32), cache, 3)
+
+
 def test_set_decode_attention_refuses_unknown_names_and_models():
     with pytest.raises(ValueError, match="unknown implementation 'flash'"):
         set_decode_attention(_tiny(jnp.bfloat16), "flash")

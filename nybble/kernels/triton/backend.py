@@ -119,7 +119,8 @@ def not_here() -> str | None:
     if dev is None:
         return (
             f"it needs an NVIDIA GPU (compute capability >= 8.0) and the default backend is "
-            f"{jax.default_backend()!r}; on a CPU run it inside `with nybble.kernels.triton.interpret():`"
+            f"{jax.default_backend()!r}; on a CPU run it inside "
+            f"`with nybble.kernels.triton.backend.interpret():`"
         )
     cc = _compute_capability(dev)
     if cc is None or cc < MIN_COMPUTE_CAPABILITY:
