@@ -194,9 +194,9 @@ def test_decode_step_launch_count(records):
 def test_triton_attention_takes_two_launches_and_reads_the_cache_once(records):
     # set_decode_attention(model, "triton"): the kernel (from the qkv kernel's output as it is: the input
     # norm's scale, the rotary embedding, the cache write and the attention) and the splits' merge (which
-    # writes the o kernel's input): 2 launches a layer where XLA's path takes 6 (the rotary embedding, two
-    # cache writes, scores, softmax, values) and a convert before the o kernel; the rotary factors once a
-    # step. 8 launches a layer here (Llama-3-8B: 9, and 15 before).
+    # writes the o kernel's input): 2 launches a layer for XLA's cache writes, scores, softmax, values and
+    # the sum before the o kernel; the rotary factors once a step. 8 launches a layer here, 4 fewer
+    # (Llama-3-8B: 9, and 15 before).
     fused = [la for la in extrapolate(records["int4"]["launches"], 1, 1) if la["layer"]]
     step = extrapolate(records["int4-serving"]["launches"], 1, 1)
     serving = [la for la in step if la["layer"]]
