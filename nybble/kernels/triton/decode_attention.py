@@ -92,7 +92,7 @@ def state_rows(groups: int) -> int:
 
 def padded_groups(groups: int) -> int:
     """The query block's rows: ``groups`` padded to a power of two of at least 16."""
-    return max(MIN_ROWS, 1 << (groups - 1).bit_length())
+    return max(MIN_ROWS, state_rows(groups))
 
 
 def unsupported(qkv: Any, k_cache: Any, v_cache: Any, token: NewToken) -> str | None:

@@ -179,10 +179,8 @@ class RMSNorm(nnx.Module):
         commutes with the matmul; the weight multiplies K and would not, folded into int4 weights). The
         product is computed with the sum of squares in one pass, so no launch applies the norm.
         ``scale`` is float32 (..., 1)."""
-        with jax.named_scope("norm"):
-            xf = x.astype(jnp.float32)
-            scale = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-            return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype), scale
+        h, norm = self.deferred_sum(x)
+        return h, norm.scale()
 
 
 def norm_heads_together(
@@ -341,7 +339,7 @@ class Attention(FusedParts, nnx.Module):
         """
         b, t, _ = x.shape
         position = jnp.asarray(position, jnp.int32)
-        if t == 1 and getattr(self, "decode_attention", "xla") == "triton":
+        if t == 1 and self.decode_attention == "triton":
             return self._decode_on_kernel(x, position, k_cache, v_cache, row_scale)
         positions = jnp.broadcast_to(position + jnp.arange(t, dtype=jnp.int32), (b, t))
         q, k, v = self._qkv(x, positions, None if row_scale is None else row_scale.scale())
