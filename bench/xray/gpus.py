@@ -246,7 +246,8 @@ def big_float_buffers(hlo_text: str, weight_elements: int) -> list[str]:
 
 
 # ptxas, wrapped: XLA runs ptxas as a program (on a temporary PTX file, ``-o`` a temporary cubin) and keeps
-# neither; the wrapper keeps both in $NYBBLE_PTX_DUMP when that is set.
+# neither; the wrapper keeps the cubin in $NYBBLE_PTX_DUMP when that is set, named by a count and its own
+# process id (XLA runs several ptxas at once: two of them counting the same files wrote one name).
 _PTXAS_WRAPPER = """#!/bin/sh
 "{real}" "$@"
 rc=$?
@@ -254,7 +255,7 @@ if [ -n "$NYBBLE_PTX_DUMP" ] && [ -d "$NYBBLE_PTX_DUMP" ]; then
   n=$(ls "$NYBBLE_PTX_DUMP" | wc -l)
   prev=""
   for a in "$@"; do
-    if [ "$prev" = "-o" ]; then cp "$a" "$NYBBLE_PTX_DUMP/$n.cubin" 2>/dev/null; fi
+    if [ "$prev" = "-o" ]; then cp "$a" "$NYBBLE_PTX_DUMP/$n-$$.cubin" 2>/dev/null; fi
     prev="$a"
   done
 fi
