@@ -27,6 +27,7 @@ CASES = {
         "tiny-llama", "int4", BATCH, CONTEXT, 3, fused=True, donate=True, attention="triton"
     ),
     "moe": StepCase("tiny-moe", "int4", BATCH, CONTEXT, 1, fused=True, donate=True),
+    "moe-b1": StepCase("tiny-moe", "int4", 1, CONTEXT, 1, fused=True, donate=True),
     # batch 64: XLA fuses the embedding gather into layer 0's residual add and launches the residual adds
     # apart from the norms
     "one-b64": StepCase("tiny-llama", "bf16", 64, CONTEXT, 1, fused=True, donate=True),
@@ -45,12 +46,22 @@ def records():
 
 
 def test_launches_equal_xlas_thunk_sequence(records):
-    # The HLO's launches (bench.kernel_xray.hlo) against the thunks XLA's runtime executes, read apart. The
-    # tiny MoE step is left out: XLA runs its top-k over 16 experts as a copy and a sort (two thunks of one
-    # fusion), where over Qwen3-30B-A3B's 128 it runs the sort alone (one, as counted).
+    # The HLO's launches (bench.kernel_xray.hlo) against the thunks XLA's runtime executes, read apart; a
+    # fusion XLA runs as several thunks counted as that many launches (next test).
     for name, record in records.items():
-        if name != "moe":
-            assert len(record["launches"]) == record["thunk_launches"] > 0, name
+        assert len(record["launches"]) == record["thunk_launches"] > 0, name
+
+
+def test_a_fusion_run_as_two_thunks_is_two_launches(records):
+    # XLA runs the MoE top-k as a copy and a sort, two thunks of one fusion (the tiny model's 16 experts;
+    # Qwen3-30B-A3B's 128 at batch 1 and 64): the second is a launch of its own, moving no bytes.
+    for name in ("moe", "moe-b1"):
+        step = records[name]["launches"]
+        second = [la for la in step if la["name"].endswith("(thunk 2)")]
+        assert [la["op_name"].rsplit("/", 1)[-1] for la in second] == ["top_k"], name
+        first = step[step.index(second[0]) - 1]
+        assert second[0]["name"] == f"{first['name']} (thunk 2)" and first["bytes"] > 0 == second[0]["bytes"]
+        assert second[0]["layer"] and second[0]["in_command_buffer"] == first["in_command_buffer"]
 
 
 def test_bytes_read_of_weights_and_cache(records):
@@ -439,3 +450,21 @@ def test_compare_puts_two_runs_side_by_side():
     overheads = "2 us a launch before, 2 us a launch the host submits, 0.875 us one replayed in a graph after"
     assert overheads in text
     assert "| m | 1 | 2.00x -> 2.00x | 4.00x | 50% |" in text
+
+
+def test_the_moe_router_is_one_launch_reading_its_weight_once(records):
+    # Batch 1: the router's weight is (experts, hidden) (moe.Router), so XLA's one-token product over it
+    # is a row reduction, one launch; over nnx.Linear's (hidden, experts) it wrote and reread the products
+    # (two). The post-attention norm's scale multiplies the logits after the top k (MoE.deferred), so no
+    # launch applies it first.
+    cfg = config_for("tiny-moe")
+    layer = [la for la in extrapolate(records["moe-b1"]["launches"], 1, 1) if la["layer"]]
+    router = [la for la in layer if any("['router']" in s for s in la["operand_bytes"])]
+    assert len(router) == 1, [la["op_name"] for la in router]
+    (weight,) = [v for s, v in router[0]["operand_bytes"].items() if "['router']" in s]
+    assert weight == cfg.moe.num_experts * cfg.hidden_size * 2  # bf16, read once
+    assert router[0]["result_bytes"] == cfg.moe.num_experts * 4  # the float32 logits only
+    # from the o projection's kernel to the experts' gate/up kernel: the norm's sum of squares, the router,
+    # the top k (two thunks), the pairs' sort and the rows' gather (7 with the (hidden, experts) router)
+    kernels = [i for i, la in enumerate(layer) if la["kind"] == "mosaic_gpu"]
+    assert kernels[2] - kernels[1] - 1 == 6, [la["name"] for la in layer[kernels[1] : kernels[2]]]

@@ -8,7 +8,7 @@ from flax import nnx
 
 import nybble
 from nybble import models
-from nybble.models.definitions.moe import Experts, MoE, MoEConfig, QExperts, route, sort_by_expert
+from nybble.models.definitions.moe import Experts, MoE, MoEConfig, QExperts, Router, route, sort_by_expert
 from nybble.ops import available_ragged_implementations
 from nybble.quant.stacked import num_experts, unstack_weight
 
@@ -91,7 +91,7 @@ def _np_moe(moe, x, quantized=False):
     cfg = moe.config
     x = np.asarray(x, np.float64).reshape(-1, cfg.hidden_size)
     g, u, d, dense = _weights(moe, quantized)
-    logits = x @ dense(moe.router)
+    logits = x @ np.asarray(moe.router.weight[...], np.float64).T
     w, idx = _np_route(logits, cfg.top_k, cfg.norm_topk_prob)
     out = np.zeros_like(x)
     for t in range(x.shape[0]):
@@ -168,7 +168,7 @@ def test_quantized_block():
         isinstance(moe.experts.gate_proj, QExperts)
         and num_experts(moe.experts.down_proj.weight) == moe.config.num_experts
     )
-    assert isinstance(moe.router, nnx.Linear)  # DEFAULT_RULES keep the router in float
+    assert isinstance(moe.router, Router)  # a router is never quantized
     assert any(r.path == "router" and not r.quantized for r in report.layers)
     assert {r.path for r in report.quantized} >= {"experts.gate_proj", "experts.up_proj", "experts.down_proj"}
     y = moe(x)
@@ -225,8 +225,8 @@ def test_gptq_quantizes_each_expert_on_its_routed_tokens():
     cfg = MoEConfig(hidden_size=64, intermediate_size=64, num_experts=5, top_k=1)
     moe = MoE(cfg, rngs=nnx.Rngs(9))
     x = jnp.abs(jax.random.normal(jax.random.key(10), (24, 64), jnp.float32)) + 0.1  # positive rows
-    # A router that never picks expert 4 (x > 0 and its column -100): unrouted, round to nearest.
-    moe.router.kernel[...] = moe.router.kernel[...].at[:, 4].set(-100.0)
+    # A router that never picks expert 4 (x > 0 and its row -100): unrouted, round to nearest.
+    moe.router.weight[...] = moe.router.weight[...].at[4].set(-100.0)
     w_gate = np.asarray(moe.experts.gate_proj.kernel[...])
     _, experts = moe.routing(x)
     models.quantize(
@@ -265,3 +265,35 @@ def test_save_and_load_a_quantized_block(tmp_path):
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_array_equal(np.asarray(back(x)), np.asarray(moe(x)))
+
+
+def test_a_file_of_the_old_router_layout_loads(tmp_path):
+    # Files written before the Router module hold an nnx.Linear kernel (hidden, experts) at mlp.router.
+    moe = MoE(CONFIGS["mixtral"], rngs=nnx.Rngs(21))
+    models.quantize(moe, group_size=32, progress=False)
+    state = nnx.to_pure_dict(nnx.state(moe))
+    weight = np.asarray(state["router"].pop("weight"))
+    state["router"]["kernel"] = weight.T  # (hidden, experts)
+    path = nybble.save(tmp_path / "old.safetensors", state)
+    back = models.load_model(path, MoE(CONFIGS["mixtral"], rngs=nnx.Rngs(22)))
+    np.testing.assert_array_equal(np.asarray(back.router.weight[...]), weight)
+    x = jax.random.normal(jax.random.key(23), (5, 64), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(back(x)), np.asarray(moe(x)))
+
+
+def test_the_deferred_norm_block_matches_numpy_on_the_normalized_rows():
+    # A decode step's MoE (Block.cached): the post-attention norm's scale applied after the router's product.
+    from nybble.models.definitions.llama import RMSNorm
+
+    moe = MoE(CONFIGS["mixtral"], rngs=nnx.Rngs(31))
+    norm = RMSNorm(64)
+    norm.weight[...] = jax.random.uniform(jax.random.key(32), (64,), minval=0.5, maxval=1.5)
+    x = 3.0 * jax.random.normal(jax.random.key(33), (6, 1, 64), jnp.float32)
+    h, scale = norm.deferred(x)
+    y = nnx.jit(lambda m, h, s: m.deferred(h, s))(moe, h, scale)
+    ref = _np_moe(moe, np.asarray(norm(x)).reshape(-1, 64)).reshape(x.shape)
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=2e-4, atol=2e-5)
+    for name in ("qwen3_moe", "shared_gated"):  # softmax before the top k, a shared expert: not deferred
+        assert not MoE(CONFIGS[name], rngs=nnx.Rngs(0)).defers_norm
+    with pytest.raises(ValueError, match="defers_norm"):
+        MoE(CONFIGS["shared_gated"], rngs=nnx.Rngs(0)).deferred(h, scale)

@@ -13,7 +13,7 @@ import pytest
 
 import nybble
 from nybble import models
-from nybble.models.definitions.moe import MoE, QExperts
+from nybble.models.definitions.moe import MoE, QExperts, Router
 from nybble.models.io.hf.config import ConfigError, decoder_config_from_hf, hf_config_for, read_config
 from nybble.models.io.hf.files import CheckpointError
 from nybble.models.io.hf.pretrained import from_pretrained
@@ -51,7 +51,7 @@ def test_int4_generate_same_tokens_on_xla_and_kernels(name):
     for moe in moe_layers:
         for stack in (moe.experts.gate_proj, moe.experts.up_proj, moe.experts.down_proj):
             assert isinstance(stack, QExperts) and num_experts(stack.weight) == 4
-        assert isinstance(moe.router, type(model.lm_head))  # float (DEFAULT_RULES), like the LM head
+        assert isinstance(moe.router, Router)  # float, never quantized
     assert any(r.path.endswith("mlp.router") and not r.quantized for r in report.layers)
     ids = np.load(d / "prompt_ids.npy")[:8]
     xla = models.generate(model, ids, max_new_tokens=4, eos_id=None, bucket=16)
@@ -107,7 +107,7 @@ def test_compressed_tensors_experts_load_as_stacked_int4():
         assert isinstance(stack, QExperts) and num_experts(stack.weight) == 4
         assert stack.weight.symmetric and stack.weight.dtype == np.dtype(jnp.bfloat16)
     assert moe.experts.gate_proj.weight.group_size == 32  # down_proj's K = 32 is one group: per column
-    assert isinstance(moe.router, type(model.lm_head)) and type(model.layers[0].mlp).__name__ == "MLP"
+    assert isinstance(moe.router, Router) and type(model.layers[0].mlp).__name__ == "MLP"
     ids = np.load(d / "prompt_ids.npy")
     assert _rel(model(ids[None]), np.load(d / "transformers_logits.npy")) < 1e-4
 
@@ -133,7 +133,7 @@ def test_save_pretrained_round_trip(tmp_path, fmt):
     if fmt is None:
         assert isinstance(moe.experts.gate_proj, type(model.layers[1].mlp.experts.gate_proj))
     else:  # written expert by expert under the Hub names, read back into the same stacks
-        assert isinstance(moe.experts.gate_proj, QExperts) and isinstance(moe.router, type(model.lm_head))
+        assert isinstance(moe.experts.gate_proj, QExperts) and isinstance(moe.router, Router)
         qc = json.loads((out / "config.json").read_text())["quantization_config"]
         assert "model.layers.1.mlp.gate" in qc["ignore"]
     del names

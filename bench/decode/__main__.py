@@ -155,7 +155,8 @@ NOTES: list[str] = [
     "attention kernel's caches too, which it returns aliased); a grouped MoE "
     "kernel reads the experts its tokens reach (expected distinct experts of `batch` tokens routed "
     "uniformly to their top k). Launch counts equal the thunks XLA's runtime executes (its dumped thunk "
-    "sequence; tested).",
+    "sequence; tested): a fusion XLA runs as two thunks (the MoE top-k: a copy and a sort) counts two "
+    "launches, the second moving no bytes.",
     "- **Prediction per launch**: max(bytes / HBM rate, flops / bf16 tensor rate, issue-bound time of "
     "nybble's kernels from the X-ray model: `bench.xray.model` for Hopper's dense one, "
     "`bench.xray.blackwell` for the Blackwell kernel on b200; the grouped kernels' for the balanced "

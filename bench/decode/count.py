@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections import Counter
 from typing import Any
 
 LINEAR, ATTENTION, ELEMENTWISE, EMBED = "linear", "attention", "norm/rope/elementwise", "embedding/lm_head"
@@ -113,21 +114,25 @@ def command_buffers(thunks: str, metadata: str = "") -> dict[str, Any]:
     sequence's own."""
     names = thunk_names(metadata)
     captured: list[str] = []
+    launched: list[str] = []  # every launch thunk's name, in or outside a command buffer
     top: dict[str, int] = {}
     for line in thunks.splitlines():
         m = _THUNK.match(line)
         if not m:
             continue
+        name = names.get(int(m["id"]), m["name"])
         if m["indent"]:
-            captured.append(names.get(int(m["id"]), m["name"]))
+            captured.append(name)
         else:
             top[m["kind"]] = top.get(m["kind"], 0) + 1
-    launches = len(captured) + sum(n for kind, n in top.items() if kind != "kCommandBuffer")
+        if m["indent"] or m["kind"] != "kCommandBuffer":
+            launched.append(name)
     return {
         "command_buffers": top.get("kCommandBuffer", 0),
         "captured": captured,
+        "launched": launched,
         "top_level": top,
-        "thunk_launches": launches,
+        "thunk_launches": len(launched),
     }
 
 
@@ -237,6 +242,7 @@ def step_record(
             elif source.startswith("cache."):
                 flops += 2.0 * groups * size / 2
         launches.append(_record(launch, op_name, sources, bytes_, flops, issue_s, captured, cache_bytes))
+    launches = _with_further_thunks(launches, graphs["launched"])
     return {
         "launches": launches,
         "command_buffers": graphs["command_buffers"],
@@ -270,6 +276,24 @@ def _record(
         "operand_bytes": launch.operand_bytes,
         "result_bytes": launch.result_bytes,
     }
+
+
+def _with_further_thunks(launches: list[dict[str, Any]], launched: list[str]) -> list[dict[str, Any]]:
+    """``launches`` with a launch more after each HLO launch XLA runs as several thunks (``launched``: the
+    thunk sequence's names): a top-k over Qwen3-30B-A3B's 128 experts at batch 1 or 64 is a copy and a sort,
+    two thunks of one fusion. Each further thunk costs a launch and is charged no bytes (its operands listed
+    at size 0)."""
+    times = Counter(launched)
+    out = []
+    for la in launches:
+        out.append(la)
+        for i in range(2, times.get(la["name"].replace(".", "_"), 1) + 1):
+            zero = {source: 0 for source in la["operand_bytes"]}
+            out.append(
+                {**la, "name": f"{la['name']} (thunk {i})", "bytes": 0.0, "flops": 0.0, "issue_s": None,
+                 "operand_bytes": zero, "result_bytes": 0}
+            )  # fmt: skip
+    return out
 
 
 def _shared(op_name: str, sources: list[str]) -> bool:

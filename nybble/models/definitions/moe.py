@@ -4,10 +4,11 @@
     y = moe(x)                                     # x (..., hidden) -> (..., hidden)
     nybble.models.quantize(moe)                    # expert stacks -> stacked int4 (QExperts), in place
 
-Module paths (what ``QuantRule`` and ``ShardRule`` patterns see): ``router`` (an ``nnx.Linear`` (hidden,
-experts), kept in float by ``DEFAULT_RULES``), ``experts.{gate,up,down}_proj`` (:class:`Experts` stacks,
-(experts, in, out) float kernels; :class:`QExperts` once quantized), and when configured
-``shared_expert.{gate,up,down}_proj`` (plain ``nnx.Linear`` s) and ``shared_expert_gate`` (hidden, 1).
+Module paths (what ``QuantRule`` and ``ShardRule`` patterns see): ``router`` (a float :class:`Router`,
+``weight`` (experts, hidden) as Hugging Face stores it; never quantized), ``experts.{gate,up,down}_proj``
+(:class:`Experts` stacks, (experts, in, out) float kernels; :class:`QExperts` once quantized), and when
+configured ``shared_expert.{gate,up,down}_proj`` (plain ``nnx.Linear`` s) and ``shared_expert_gate`` (hidden,
+1).
 
 The forward pass, dropless and with static shapes under ``jit``: the router's logits in float32, softmax over
 the experts, the top k per token (renormalized to sum 1 when ``norm_topk_prob``: Mixtral always, Qwen3-MoE per
@@ -102,6 +103,30 @@ def route_scores(
         return scores, totals, experts.astype(jnp.int32)
     weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
     return weights, jnp.ones_like(weights[..., :1]), experts.astype(jnp.int32)
+
+
+class Router(nnx.Module):
+    """The MoE router: ``router(x)`` = x @ weight^T, the logits (..., experts) in x's dtype (accumulated in
+    float32, as ``nnx.Linear`` computes them); ``weight`` (experts, hidden), float, never quantized.
+
+    The weight is (experts, hidden), Hugging Face's layout, not ``nnx.Linear``'s (hidden, experts): a decode
+    step's one-token product this small is a multiply and a reduction over hidden in XLA:GPU, one launch
+    where hidden is the minor axis (a row reduction), two over (hidden, experts), the products written and
+    read back (3x the weight's bytes; Qwen3-30B-A3B on an H200, jax 0.11.2 and 0.12).
+    """
+
+    def __init__(self, hidden: int, num_experts: int, *, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> None:
+        init = nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2)
+        self.weight = nnx.Param(init(rngs.params(), (num_experts, hidden), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.logits(x).astype(x.dtype)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The logits in float32, unrounded."""
+        return jnp.einsum(
+            "...h,eh->...e", x, self.weight[...].astype(x.dtype), preferred_element_type=jnp.float32
+        )
 
 
 # Up to this many (token, expert) pairs (decode), sort_by_expert ranks them by comparing every pair with
@@ -252,9 +277,7 @@ class MoE(nnx.Module):
 
     def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> None:
         self.config = cfg
-        self.router = nnx.Linear(
-            cfg.hidden_size, cfg.num_experts, use_bias=False, param_dtype=dtype, dtype=dtype, rngs=rngs
-        )
+        self.router = Router(cfg.hidden_size, cfg.num_experts, rngs=rngs, dtype=dtype)
         self.experts = ExpertMLP(cfg, rngs=rngs, dtype=dtype)
         self.shared_expert = (
             None
@@ -282,20 +305,51 @@ class MoE(nnx.Module):
         cfg = self.config
         shape = x.shape
         xt = x.reshape(-1, cfg.hidden_size)
-        tokens = xt.shape[0]
         scores, totals, experts = self.routing_scores(xt)
-        order, inverse, group_sizes = sort_by_expert(experts, cfg.num_experts)
-        rows = xt[order // cfg.top_k]  # (T*k, hidden), sorted by expert
-        y = self.experts(rows, group_sizes)[inverse].reshape(tokens, cfg.top_k, cfg.hidden_size)
-        # Each expert's output is rounded to x's dtype, then weighted and summed in float32 (the weights'
-        # normalization after the sum: one fusion with it).
-        out = jnp.einsum("tkh,tk->th", y.astype(jnp.float32), scores) / totals
+        out = self._routed(xt, scores, totals, experts)
         if self.shared_expert is not None:
             shared = self.shared_expert(xt).astype(jnp.float32)
             if self.shared_expert_gate is not None:
                 shared = shared * jax.nn.sigmoid(self.shared_expert_gate(xt).astype(jnp.float32))
             out = out + shared
         return out.astype(x.dtype).reshape(shape)
+
+    @property
+    def defers_norm(self) -> bool:
+        """Whether :meth:`deferred` applies: renormalized top-k weights and no shared expert."""
+        return self.config.norm_topk_prob and self.shared_expert is None
+
+    def deferred(self, h: jax.Array, row_scale: jax.Array) -> jax.Array:
+        """``self(h * row_scale)`` for rows whose norm's scale is not yet applied (``RMSNorm.deferred``: h
+        (..., hidden), row_scale (..., 1) float32), when :attr:`defers_norm`. For a one-token decode step:
+        the router multiplies h, and the scale (> 0, one number a token) multiplies its float32 logits after
+        the top k, which it does not reorder; so the norm's sum of squares and the router's product, both
+        reductions over hidden in XLA, need not wait for each other, and no launch applies the scale before
+        the router (one launch fewer a layer). The logits are not rounded to x's dtype as ``router(x)``
+        rounds them: the same experts up to logits that rounding would tie."""
+        cfg = self.config
+        if not self.defers_norm:
+            raise ValueError("MoE.deferred needs norm_topk_prob=True and no shared expert (see defers_norm)")
+        shape = h.shape
+        ht = h.reshape(-1, cfg.hidden_size)
+        scale = row_scale.reshape(-1, 1).astype(jnp.float32)
+        top, experts = jax.lax.top_k(self.router.logits(ht), cfg.top_k)
+        scores = jnp.exp((top - top[..., :1]) * scale)  # route_scores' renormalized weights, scaled logits
+        totals = functools.reduce(operator.add, [scores[..., i : i + 1] for i in range(cfg.top_k)])
+        xt = (ht.astype(jnp.float32) * scale).astype(h.dtype)
+        out = self._routed(xt, scores, totals, experts.astype(jnp.int32))
+        return out.astype(h.dtype).reshape(shape)
+
+    def _routed(self, xt: jax.Array, scores: jax.Array, totals: jax.Array, experts: jax.Array) -> jax.Array:
+        """The routed experts' weighted sum (T, hidden) float32 of tokens xt (T, hidden), for
+        :func:`route_scores`' scores, totals and experts."""
+        cfg = self.config
+        order, inverse, group_sizes = sort_by_expert(experts, cfg.num_experts)
+        rows = xt[order // cfg.top_k]  # (T*k, hidden), sorted by expert
+        y = self.experts(rows, group_sizes)[inverse].reshape(xt.shape[0], cfg.top_k, cfg.hidden_size)
+        # Each expert's output is rounded to x's dtype, then weighted and summed in float32 (the weights'
+        # normalization after the sum: one fusion with it).
+        return jnp.einsum("tkh,tk->th", y.astype(jnp.float32), scores) / totals
 
 
 def expert_stacks(model: nnx.Module) -> list[tuple[str, Any, str, Experts | QExperts]]:
@@ -319,6 +373,7 @@ __all__ = [
     "MoE",
     "MoEConfig",
     "QExperts",
+    "Router",
     "SharedMLP",
     "expert_stacks",
     "num_weights",

@@ -12,7 +12,7 @@ from flax import nnx
 from nybble.checkpoint import Header, load, read_header_of, save
 from nybble.models.definitions.fuse import unfused_copy
 from nybble.models.definitions.layers import QLinear
-from nybble.models.definitions.moe import Experts, QExperts
+from nybble.models.definitions.moe import Experts, QExperts, Router
 from nybble.models.placement.shard import checkpoint_placement
 from nybble.models.quantization.methods import (
     ATTRIBUTE,
@@ -63,7 +63,7 @@ def check_checkpoint_fits(path: str | os.PathLike[str] | Header, model: nnx.Modu
     Raises ValueError naming how many entries differ and the first few; returns the checked header."""
     header = path if isinstance(path, Header) else read_header_of(path)
     norm = lambda d: {k.removesuffix(".qweight").removesuffix(".kernel"): v for k, v in d.items()}
-    saved, want = norm(header.shapes()), norm(_shapes(model))
+    saved, want = norm(_routers_as_now(header.shapes(), model)), norm(_shapes(model))
     missing = sorted(set(want) - set(saved))
     extra = sorted(set(saved) - set(want))
     differ = sorted(k for k in set(want) & set(saved) if tuple(want[k]) != tuple(saved[k]))
@@ -77,6 +77,33 @@ def check_checkpoint_fits(path: str | os.PathLike[str] | Header, model: nnx.Modu
             f"it was written for (the same --model as `nybble quantize`)"
         )
     return header
+
+
+def _router_paths(model: nnx.Module) -> list[tuple[Any, ...]]:
+    return [tuple(p) for p, m in nnx.iter_modules(model) if p and isinstance(m, Router)]
+
+
+def _routers_as_now(shapes: dict[str, tuple[int, ...]], model: nnx.Module) -> dict[str, tuple[int, ...]]:
+    """Saved shapes with each MoE router as ``model`` holds it: files written before nybble's routers
+    became a :class:`Router` (2026-12-07) hold an ``nnx.Linear`` kernel (hidden, experts) there."""
+    shapes = dict(shapes)
+    for p in _router_paths(model):
+        name = ".".join(str(k) for k in p)
+        old = shapes.pop(f"{name}.kernel", None)
+        if old is not None and f"{name}.weight" not in shapes:
+            shapes[f"{name}.weight"] = tuple(reversed(old))
+    return shapes
+
+
+def _load_routers(state_dict: Any, model: nnx.Module) -> None:
+    """An older file's router kernels (hidden, experts) as :class:`Router` weights (experts, hidden)."""
+    for p in _router_paths(model):
+        try:
+            entry = _get(state_dict, p)
+        except (KeyError, TypeError):
+            continue
+        if isinstance(entry, dict) and "kernel" in entry and "weight" not in entry:
+            entry["weight"] = entry.pop("kernel").T
 
 
 def _get(tree: Any, path: tuple[Any, ...]) -> Any:
@@ -119,6 +146,7 @@ def load_model(
         state_dict = load(path, placement=checkpoint_placement(model, mesh, axis=axis, rules=rules))
     if not isinstance(state_dict, dict):
         raise ValueError(f"load_model: {path} does not hold a model state dict")
+    _load_routers(state_dict, model)
     modules = {tuple(p): m for p, m in nnx.iter_modules(model)}
     for p, m in modules.items():
         if p and isinstance(m, Experts):  # an MoE expert stack saved int4: a QExperts

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from nybble.models.definitions.layers import QLinear
+from nybble.models.definitions.moe import Router
 from nybble.models.quantization.rules import Decision, QuantRule, check_rules, decide, warn_unmatched
 from nybble.packing import check_group_size
 from nybble.quant.autoround import key_path_str as path_str
@@ -203,19 +204,20 @@ def plan_quantization(
 
 # Dense layers nybble does not swap, with the reason the report gives. Their kernels are not one (K, N)
 # matrix applied as x @ W (LinearGeneral: several in/out axes; Einsum: any contraction), and QLinear computes
-# exactly that product.
+# exactly that product; an MoE router is tiny and decides which experts run.
 GENERAL_LAYERS: tuple[tuple[type, str], ...] = (
     (nnx.LinearGeneral, "nnx.LinearGeneral is not swapped: QLinear computes x @ W with a (K, N) kernel"),
     (nnx.Einsum, "nnx.Einsum is not swapped: QLinear computes x @ W, not a general contraction"),
+    (Router, "an MoE router stays float: it decides which experts run"),
 )
 
 
 def report_skipped_general(model: nnx.Module, report: QuantizationReport) -> None:
-    """Names every ``nnx.LinearGeneral`` / ``nnx.Einsum`` of ``model`` in ``report`` as kept in float."""
+    """Names every layer of ``GENERAL_LAYERS`` in ``model`` in ``report`` as kept in float."""
     for p, m in nnx.iter_modules(model):
         for cls, reason in GENERAL_LAYERS:
             if isinstance(m, cls) and p:
-                kernel = m.kernel
+                kernel = m.weight if isinstance(m, Router) else m.kernel
                 report.skip(path_str(p), tuple(kernel.shape), reason, array_nbytes(kernel))
 
 

@@ -62,8 +62,8 @@ class QuantRule:
 DEFAULT_RULES: tuple[QuantRule, ...] = (
     # An untied LM head / classifier stays in float by default (it is the most sensitive layer).
     QuantRule(pattern=r"(^|\.)(lm_head|head|output|classifier)$", skip=True),
-    # A MoE router ((hidden, experts), nybble.models.definitions.moe) is tiny and decides which experts
-    # run: float.
+    # An MoE router (an nnx.Linear (hidden, experts) of a user's model; nybble's own is a Router, never
+    # quantized) is tiny and decides which experts run: float.
     QuantRule(pattern=r"(^|\.)router$", skip=True),
 )
 """Checked after the caller's rules: put a rule matching ``lm_head`` first to quantize the LM head."""

@@ -2,7 +2,7 @@
 
 HF (torch) ``nn.Linear`` weights are (out_features, in_features); nybble's ``nnx.Linear`` kernels and
 ``QuantizedWeight`` are (in, out). The transposes happen here, in :func:`to_nybble` / :func:`to_hf`, and
-nowhere else.
+nowhere else. An MoE router's ``weight`` keeps HF's (experts, hidden) (``models.definitions.moe.Router``).
 
 =======================================================  ==========================================
 Hugging Face                                             nybble (module path, parameter)
@@ -22,7 +22,7 @@ Mixtures of experts (the MoE layers of ``mixtral`` / ``qwen3_moe``; :data:`MOE_N
 (out, in) weight transposed into its slice of a stacked (experts, in, out) kernel:
 
 =========================================================  =============================================
-``model.layers.{i}.block_sparse_moe.gate.weight`` (mixtral)  ``layers.{i}.mlp.router``, ``kernel``
+``model.layers.{i}.block_sparse_moe.gate.weight`` (mixtral)  ``layers.{i}.mlp.router``, ``weight``
 ``model.layers.{i}.mlp.gate.weight`` (qwen3_moe)
 ``...block_sparse_moe.experts.{e}.w1/w3/w2.weight``          ``layers.{i}.mlp.experts.{gate,up,down}_proj``
 (mixtral), ``...mlp.experts.{e}.{gate,up,down}_proj.weight``  ``kernel[e]`` (a stack (E, in, out))
@@ -74,7 +74,8 @@ LINEAR_MODULE_SUFFIXES = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
-_LINEARS = frozenset(_LAYER_MODULES[s] for s in LINEAR_MODULE_SUFFIXES) | {"lm_head", "mlp.router"}
+# (A router's ``weight`` is not one of them: it keeps HF's name and layout.)
+_LINEARS = frozenset(_LAYER_MODULES[s] for s in LINEAR_MODULE_SUFFIXES) | {"lm_head"}
 
 # Tensors some checkpoints carry that hold no weights of the model (old transformers saved the rotary
 # inverse frequencies as a buffer): readers skip these.
@@ -181,13 +182,13 @@ def float_hf_tensors(model: Any, *, skip_modules: Collection[str] = ()) -> Itera
             )
         param = str(key_path[-1])
         moe = moe_path(module_path)
-        if moe is not None and param == "kernel":  # MoE: the router, or a float stack expert by expert
+        if moe is not None and moe[1] == "router" and param == "weight":  # HF's layout, its model_type's name
+            yield moe_router_names(moe[0], moe_model_type(model.config))[0], np.asarray(var.get_value())
+            continue
+        if moe is not None and param == "kernel":  # MoE: a float stack, expert by expert
             layer, what = moe
             model_type = moe_model_type(model.config)
             value = np.asarray(var.get_value())
-            if what == "router":
-                yield moe_router_names(layer, model_type)[0], np.ascontiguousarray(value.T)
-                continue
             for e, module in enumerate(hf_expert_modules(layer, what, value.shape[0], model_type)):
                 yield f"{module}.weight", np.ascontiguousarray(value[e].T)
             continue

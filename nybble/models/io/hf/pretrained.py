@@ -213,16 +213,17 @@ def _moe_names(ckpt: CheckpointDir, cfg: LlamaConfig, expected: dict[str, Any]) 
 
 
 def _moe_value(ckpt: CheckpointDir, cfg: LlamaConfig, module_path: str, param: str) -> Any:
-    """The nybble value of an MoE parameter (router kernel (hidden, E), expert stack (E, in, out)) from
-    the checkpoint's tensors, transposed from torch's (out, in); None for any other parameter."""
+    """The nybble value of an MoE parameter from the checkpoint's tensors: a router's weight (E, hidden) as
+    stored, an expert stack (E, in, out) transposed from torch's (out, in); None for any other parameter."""
     where = moe_path(module_path)
+    if where is not None and where[1] == "router" and param == "weight":
+        names = moe_router_names(where[0], moe_model_type(cfg))
+        name = next((n for n in names if n in ckpt), None)
+        return None if name is None else ckpt.get(name)
     if where is None or param != "kernel":
         return None
     layer, what = where
     model_type = moe_model_type(cfg)
-    if what == "router":
-        name = next((n for n in moe_router_names(layer, model_type) if n in ckpt), None)
-        return None if name is None else ckpt.get(name).T
     gate_up, down = fused_expert_names(layer)
     if gate_up in ckpt or down in ckpt:  # transformers 5's fused (E, out, in) tensors
         i = cfg.moe.intermediate_size

@@ -23,7 +23,7 @@ from flax import nnx
 from nybble.models.definitions.fuse import unfused_copy
 from nybble.models.definitions.layers import QLinear
 from nybble.models.definitions.llama import Llama
-from nybble.models.definitions.moe import Experts, QExperts
+from nybble.models.definitions.moe import Experts, QExperts, Router
 from nybble.models.io.hf.config import decoder_config_from_hf, hf_config_for
 from nybble.models.io.hf.files import CONFIG_NAME, ShardedWriter
 from nybble.models.io.hf.names import float_hf_tensors, hf_modules_of
@@ -137,7 +137,7 @@ def save_pretrained(
     float_linears = [
         name
         for p, m in modules.items()
-        if isinstance(m, nnx.Linear | Experts)
+        if isinstance(m, nnx.Linear | Experts | Router)
         for name in hf_modules_of(model.config, p)
     ]
     with ShardedWriter(path, max_shard_bytes=max_shard_size, overwrite=overwrite) as out:
