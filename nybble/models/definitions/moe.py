@@ -84,7 +84,7 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool) -> tuple[jax.A
 
 
 def route_scores(
-    logits: jax.Array, top_k: int, *, norm_topk_prob: bool
+    logits: jax.Array, top_k: int, *, norm_topk_prob: bool, logit_scale: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`route`'s weights unnormalized: scores (T, k) and totals (T, 1) float32 (weights = scores /
     totals), experts (T, k) int32. Renormalized, the weights are the softmax of the k largest logits (the
@@ -92,15 +92,19 @@ def route_scores(
     the largest), totals their sum; the full softmax would be a launch of its own in a decode step, and so
     would the k scores' softmax, where the MoE block divides its weighted sum by the totals instead (one
     fusion). Otherwise the top k of the softmax, totals 1. The same experts (up to ties the float32
-    softmax rounds together) and weights up to float32 rounding.
+    softmax rounds together) and weights up to float32 rounding. ``logit_scale`` (T, 1) > 0, renormalized
+    only: the logits times it, applied after the top k, which it does not reorder (``MoE.deferred``).
     """
     logits = logits.astype(jnp.float32)
     if norm_topk_prob:
         top, experts = jax.lax.top_k(logits, top_k)
-        scores = jnp.exp(top - top[..., :1])
+        diff = top - top[..., :1]
+        scores = jnp.exp(diff if logit_scale is None else diff * logit_scale)
         # k terms summed as adds: XLA fuses them into the consumer, where a reduction is a launch of its own
         totals = functools.reduce(operator.add, [scores[..., i : i + 1] for i in range(top_k)])
         return scores, totals, experts.astype(jnp.int32)
+    if logit_scale is not None:
+        raise ValueError("route_scores: logit_scale needs norm_topk_prob=True (a softmax over all logits)")
     weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
     return weights, jnp.ones_like(weights[..., :1]), experts.astype(jnp.int32)
 
@@ -334,11 +338,10 @@ class MoE(nnx.Module):
         shape = h.shape
         ht = h.reshape(-1, cfg.hidden_size)
         scale = row_scale.reshape(-1, 1).astype(jnp.float32)
-        top, experts = jax.lax.top_k(self.router.logits(ht), cfg.top_k)
-        scores = jnp.exp((top - top[..., :1]) * scale)  # route_scores' renormalized weights, scaled logits
-        totals = functools.reduce(operator.add, [scores[..., i : i + 1] for i in range(cfg.top_k)])
+        logits = self.router.logits(ht)
+        scores, totals, experts = route_scores(logits, cfg.top_k, norm_topk_prob=True, logit_scale=scale)
         xt = (ht.astype(jnp.float32) * scale).astype(h.dtype)
-        out = self._routed(xt, scores, totals, experts.astype(jnp.int32))
+        out = self._routed(xt, scores, totals, experts)
         return out.astype(h.dtype).reshape(shape)
 
     def _routed(self, xt: jax.Array, scores: jax.Array, totals: jax.Array, experts: jax.Array) -> jax.Array:
