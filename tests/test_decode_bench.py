@@ -26,6 +26,10 @@ CASES = {
     "int4-serving-whole": StepCase(
         "tiny-llama", "int4", BATCH, CONTEXT, 3, fused=True, donate=True, attention="triton"
     ),
+    # batch 8: tiny-llama's gate/up (K = 256) takes the SwiGLU epilogue (no config of it fits batch 2)
+    "int4-serving-b8": StepCase(
+        "tiny-llama", "int4", 8, CONTEXT, 1, fused=True, donate=True, attention="triton"
+    ),
     "moe": StepCase("tiny-moe", "int4", BATCH, CONTEXT, 1, fused=True, donate=True),
     "moe-b1": StepCase("tiny-moe", "int4", 1, CONTEXT, 1, fused=True, donate=True),
     # batch 64: XLA fuses the embedding gather into layer 0's residual add and launches the residual adds
@@ -230,6 +234,27 @@ def test_triton_attention_takes_two_launches_and_reads_the_cache_once(records):
     assert merge["bytes"] == states + BATCH * cfg.num_heads * cfg.head_dim * 2
 
 
+def test_swiglu_epilogue_takes_the_mlps_product_into_the_gate_up_kernel(records):
+    # Batch 8: the gate/up kernel (its weight's columns gate and up interleaved, FusedGateUp) stores
+    # silu(r gate) * (r up), r the post-attention norm's scale from its sum of squares, and the down kernel
+    # reads it: nothing between the two, one launch a layer fewer than at batch 2 (no epilogue config
+    # there: the product is an XLA fusion of its own).
+    def mlp(record: dict) -> tuple[list[dict], list[dict]]:
+        layer = [la for la in extrapolate(record["launches"], 1, 1) if la["layer"]]
+        kernels = [i for i, la in enumerate(layer) if la["kind"] == "mosaic_gpu"]
+        return layer, layer[kernels[2] : kernels[3] + 1]
+
+    b2, b2_mlp = mlp(records["int4-serving"])
+    b8, b8_mlp = mlp(records["int4-serving-b8"])
+    assert [la["kind"] for la in b8_mlp] == ["mosaic_gpu", "mosaic_gpu"], [la["op_name"] for la in b8_mlp]
+    gate_up = b8_mlp[0]
+    assert "_swiglu/" in gate_up["op_name"] and "_swiglu/" not in b2_mlp[0]["op_name"]
+    cfg = config_for("tiny-llama")
+    assert gate_up["result_bytes"] == 8 * cfg.intermediate_size * 2  # one bf16 column per gate/up pair
+    assert "intermediate" in gate_up["operand_bytes"] and len(b2_mlp) == 3
+    assert len(b8) == len(b2) - 1, ([la["op_name"] for la in b2], [la["op_name"] for la in b8])
+
+
 def test_qk_norms_take_one_launch(records):
     # Qwen3's q/k norms (tiny-moe): one reduction for every head's sum of squares; each normalized head is
     # computed where it is read (the query's rotary fusion, the key's cache write), so between the qkv and
@@ -244,7 +269,6 @@ def test_qk_norms_take_one_launch(records):
     assert len([la for la in qwen3 if "/norm/" in la["op_name"]]) == 1
 
 
-
 def test_moe_routing_sums_take_one_launch_with_the_group_sizes(records):
     # tiny-moe at batch 2 (8 token-expert pairs, 16 experts): between the attention's o kernel and the
     # first grouped kernel, two sums past the norm: the pairs' places and the group sizes as sibling sums of
@@ -256,6 +280,7 @@ def test_moe_routing_sums_take_one_launch_with_the_group_sizes(records):
     sums = [la for la in routing if la["op_name"].endswith("/reduce_sum") and "/norm/" not in la["op_name"]]
     assert len(sums) == 2, [la["op_name"] for la in routing]
     assert not any(la["op_name"].endswith(("/div", "/exp")) for la in layer), [la["op_name"] for la in layer]
+
 
 def test_prediction_adds_the_same_overhead_per_launch():
     launches = [

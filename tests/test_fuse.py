@@ -21,7 +21,7 @@ from nybble.models import (
     save_model,
     unfuse_projections,
 )
-from nybble.models.definitions.fuse import FusedLinear, concat_columns, split_columns
+from nybble.models.definitions.fuse import FusedGateUp, FusedLinear, concat_columns, split_columns
 from nybble.models.definitions.llama import Llama
 from nybble.models.evaluate.zoo import TINY_CONFIG
 from nybble.quant.rtn import quantize as quantize_weight
@@ -57,6 +57,36 @@ def test_concat_then_split_is_exact(symmetric):
             np.testing.assert_array_equal(np.asarray(a.offsets), np.asarray(b.offsets))
     with pytest.raises(ValueError, match="differ in K or format"):
         concat_columns([parts[0], quantize_weight(np.ones((96, 8), np.float32), group_size=64)])
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_gate_up_interleaved_and_split_back_exactly(symmetric):
+    # An int4 MLP's gate/up fuse into a FusedGateUp: columns interleaved 8 by 8 (nybble.packing.gate_up),
+    # each part split back bit for bit (codes, scales, offsets), and its output is (gate, up).
+    model = tiny("int4-sym" if symmetric else "int4-asym")
+    mlp = model.layers[1].mlp
+    gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 128)), jnp.float32)
+    want = (np.asarray(mlp.gate_proj(x)), np.asarray(mlp.up_proj(x)))
+    fuse_projections(model)
+    fused = mlp.gate_up_proj
+    assert isinstance(fused, FusedGateUp) and fused.inner.weight.shape == (128, 512)
+    codes = np.asarray(fused.inner.weight.logical_codes())[:128]
+    np.testing.assert_array_equal(codes[:, 8:16], np.asarray(up.logical_codes())[:128, :8])
+    np.testing.assert_array_equal(codes[:, 16:24], np.asarray(gate.logical_codes())[:128, 8:16])
+    for got, part in zip(fused(x), want, strict=True):
+        np.testing.assert_allclose(np.asarray(got), part, rtol=1e-5, atol=1e-5)
+    for name, original in (("gate_proj", gate), ("up_proj", up)):
+        split = getattr(mlp, name).weight  # FusedParts: the part split off
+        for field in ("codes", "scales") + (() if symmetric else ("offsets",)):
+            np.testing.assert_array_equal(
+                np.asarray(getattr(split, field)), np.asarray(getattr(original, field))
+            )
+    # The MLP's output through the SwiGLU op (the XLA path here) is the unfused MLP's, to f32 rounding.
+    ref = np.asarray(model.layers[1].mlp(x))
+    unfuse_projections(model)
+    np.testing.assert_allclose(np.asarray(model.layers[1].mlp(x)), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(model.layers[1].mlp.up_proj.weight.codes), np.asarray(up.codes))
 
 
 @pytest.mark.parametrize("kind", ["int4-sym", "float"])

@@ -74,8 +74,8 @@ def test_the_xray_gate_compiles_every_moe_kernel():
 
 
 # DeepSeek-V3 decode over 256 experts (not an X-ray gate case); and where the gate does not run (`make
-# test-jax-latest`, NYBBLE_LOWER_GATE_KERNELS=1: the newest jax in the range, whose X-ray toolchain the
-# gate's baseline was not made with) every kernel of KERNELS too.
+# test-jax-cuda12`, NYBBLE_LOWER_GATE_KERNELS=1: jax 0.12, whose X-ray toolchain the gate's baseline was
+# not made with) every kernel of KERNELS too.
 _LOWERED = [
     (8, 256, 7168, 2048, 128, False),
     *(KERNELS.values() if os.environ.get("NYBBLE_LOWER_GATE_KERNELS") == "1" else ()),

@@ -76,8 +76,8 @@ _ALL_CASES = heuristic_cases(WEIGHT_SHAPES, BATCHES, GROUPS, NUM_SMS)
 # lowered a second time here.
 _GATE = gate_cases(NUM_SMS)
 _GATE_KEYS = {kernel_key(case, NUM_SMS) for case in _GATE}
-# Except where the gate does not run: `make test-jax-latest` (the newest jax in the range; the gate's
-# baseline is the pinned end's toolchain) sets NYBBLE_LOWER_GATE_KERNELS=1 and lowers them here.
+# Except where the gate does not run: `make test-jax-cuda12` (jax 0.12; the gate's baseline is the pinned
+# end's toolchain) sets NYBBLE_LOWER_GATE_KERNELS=1 and lowers them here.
 _GATE_LOWERED_HERE = {
     kernel_key(c, NUM_SMS): (c.m, c.k, c.n, c.group_size, c.symmetric)
     for c in (_GATE if os.environ.get("NYBBLE_LOWER_GATE_KERNELS") == "1" else ())

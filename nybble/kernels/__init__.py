@@ -11,6 +11,7 @@ from nybble.kernels.ops.matmul.xla import xla_matmul
 from nybble.kernels.ops.ragged_matmul.api import available_ragged_implementations, ragged_matmul
 from nybble.kernels.ops.ragged_matmul.reference import reference_ragged_matmul
 from nybble.kernels.ops.ragged_matmul.xla import xla_ragged_matmul
+from nybble.kernels.ops.swiglu_matmul import swiglu_matmul
 
 
 def __getattr__(name: str) -> Any:
@@ -36,6 +37,7 @@ __all__ = [
     "reference_matmul",
     "reference_ragged_matmul",
     "relative_error",
+    "swiglu_matmul",
     "xla_matmul",
     "xla_ragged_matmul",
 ]

@@ -11,7 +11,10 @@ A backend is one module, imported on first use, that exposes six plain functions
 
 and, optionally, ``unverified(x, qw)`` / ``ragged_unverified(x, qw, group_sizes)`` -> str | None: why
 ``implementation=None`` passes it over although it could run (on a real GPU, no config of it has passed a
-hardware check for these arguments); a forced implementation ignores it.
+hardware check for these arguments); a forced implementation ignores it. Also optional, a SwiGLU op of its
+own (``nybble.kernels.swiglu_matmul``): ``swiglu_unsupported(x2d, qw, forced=...)`` -> str | None and
+``swiglu_matmul(x2d, qw, sum_of_squares, norm)``; without one, the op runs the backend's ``matmul`` and
+its SiLU product after it.
 
 :data:`BACKENDS` maps each ``implementation=`` name to its module, in the order ``implementation=None``
 tries them; adding a backend is one line there. An op (``ops/matmul/api.py``, ``ops/ragged_matmul/api.py``)

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from nybble import device
-from nybble.kernels.mosaic_gpu import dense, grouped, hardware
+from nybble.kernels.mosaic_gpu import dense, grouped, hardware, swiglu
 from nybble.kernels.mosaic_gpu.config import TuningConfig
 from nybble.kernels.mosaic_gpu.dense import is_interpret_active
 from nybble.kernels.mosaic_gpu.grouped_config import grouped_heuristic_config
@@ -48,7 +48,7 @@ def family() -> str | None:
     return None
 
 
-def _no_kernel_here() -> str | None:
+def no_kernel_here() -> str | None:
     """On a GPU with no nybble kernel: the sentence naming it and the GPUs that have one; else None."""
     gpu = device.gpu_device()
     if gpu is None or family() is not None:
@@ -66,7 +66,7 @@ def _num_sms(default: int) -> int:
     return int(sms) if sms else default
 
 
-def _on_hopper_hardware() -> bool:
+def on_hopper_hardware() -> bool:
     """Whether the Hopper kernels run on a real GPU here (not interpreted, not lowered on a CPU)."""
     return not is_interpret_active() and family() == "hopper"
 
@@ -75,7 +75,7 @@ def _dense_config(m: int, qw: QuantizedWeight) -> tuple[TuningConfig, bool]:
     """The Hopper kernel's config for M rows on this GPU, and whether it is hardware-verified: on a real
     GPU the heuristics' pick among verified configs where one fits, else their own pick."""
     sms = device.num_sms()
-    if _on_hopper_hardware():
+    if on_hopper_hardware():
         try:
             return dense.plan(m, qw, num_sms=sms, allow=hardware.verified).config, True
         except ValueError:
@@ -89,7 +89,7 @@ def _grouped_config(rows: int, qw: QuantizedWeight) -> tuple[TuningConfig, bool]
     k_pad, n_pad = qw.padded_shape
     args = (rows, int(qw.codes.shape[0]), n_pad, k_pad, qw.group_size, device.num_sms())
     options = dense.weight_options(qw)
-    if _on_hopper_hardware():
+    if on_hopper_hardware():
         try:
             return grouped_heuristic_config(*args, allow=hardware.verified, **options), True
         except ValueError:
@@ -101,7 +101,7 @@ def _grouped_config(rows: int, qw: QuantizedWeight) -> tuple[TuningConfig, bool]
 def unverified(x: Any, qw: QuantizedWeight) -> str | None:
     """Why ``implementation=None`` passes the dense kernel over although it could run: on a real Hopper GPU,
     no config that passed the hardware check fits these arguments. None elsewhere."""
-    if not _on_hopper_hardware():
+    if not on_hopper_hardware():
         return None
     config, ok = _dense_config(int(np.prod(x.shape[:-1])), qw)
     return None if ok else hardware.unverified_reason(config)
@@ -110,7 +110,7 @@ def unverified(x: Any, qw: QuantizedWeight) -> str | None:
 def ragged_unverified(x: Any, qw: QuantizedWeight, group_sizes: Any) -> str | None:
     """:func:`unverified` for the grouped kernel."""
     del group_sizes
-    if not _on_hopper_hardware():
+    if not on_hopper_hardware():
         return None
     config, ok = _grouped_config(int(x.shape[0]), qw)
     return None if ok else hardware.unverified_reason(config)
@@ -126,7 +126,7 @@ def not_here() -> str | None:
     interpreting), or None."""
     if family() is not None:
         return None
-    if (why := _no_kernel_here()) is not None:
+    if (why := no_kernel_here()) is not None:
         return why
     return (
         f"it needs a Hopper GPU (compute capability 9.x) or a Blackwell one (10.x) and the default "
@@ -137,13 +137,13 @@ def not_here() -> str | None:
 def matmul(x2d: jax.Array, qw: QuantizedWeight) -> jax.Array:
     """The dense kernel of this machine's family with its heuristic config, for arguments
     :func:`unsupported` accepted. Forced on a GPU with no nybble kernel: NotImplementedError naming it."""
-    if (why := _no_kernel_here()) is not None:
+    if (why := no_kernel_here()) is not None:
         raise NotImplementedError(f"nybble.matmul(implementation='mosaic_gpu') cannot run: {why}")
     if family() == "blackwell":
         from nybble.kernels.mosaic_gpu.blackwell import api as blackwell
 
         return blackwell.matmul_supported(x2d, qw, num_sms=_num_sms(blackwell.DEFAULT_NUM_SMS))
-    config = _dense_config(x2d.shape[0], qw)[0] if _on_hopper_hardware() else None
+    config = _dense_config(x2d.shape[0], qw)[0] if on_hopper_hardware() else None
     return dense.matmul_supported(x2d, qw, num_sms=device.num_sms(), config=config)
 
 
@@ -157,9 +157,34 @@ def describe(m: int, qw: QuantizedWeight) -> str:
         return f"Blackwell (tcgen05) kernel config for M={m} on {sms} SMs: {config}"
     config, ok = _dense_config(m, qw)
     checked = ""
-    if _on_hopper_hardware():
+    if on_hopper_hardware():
         checked = " (a structure that passed the hardware check)" if ok else " (NOT hardware-checked)"
     return f"kernel config for M={m} on {device.num_sms()} SMs: {config}{checked}"
+
+
+def swiglu_unsupported(x: Any, qw: QuantizedWeight, *, forced: bool) -> str | None:
+    """Why the Hopper kernel's SwiGLU epilogue (swiglu.py) cannot compute ``nybble.kernels.swiglu_matmul``'s
+    call here, or None: the Hopper family only (on a Hopper GPU, interpreted as one, or lowered for one on
+    a machine with no GPU), arguments it reads, a config that fits; on a real GPU, unless ``forced``, only
+    once a hardware check has run it (``hardware.SWIGLU_VERIFIED``)."""
+    if family() == "blackwell":
+        return "the Blackwell kernel has no SwiGLU epilogue"
+    if (why := no_kernel_here()) is not None:
+        return why
+    if (why := swiglu.unsupported(x, qw)) is not None:
+        return why
+    if not forced and on_hopper_hardware() and not hardware.SWIGLU_VERIFIED:
+        return "the SwiGLU epilogue has not run on a GPU yet (hardware.SWIGLU_VERIFIED)"
+    if not swiglu.fits(x.shape[0], qw, device.num_sms()):
+        return f"no config with the SwiGLU epilogue fits M={x.shape[0]} (K-sliced decode configs: M <= 8)"
+    return None
+
+
+def swiglu_matmul(
+    x: jax.Array, qw: QuantizedWeight, sum_of_squares: Any, norm: tuple[float, float]
+) -> jax.Array:
+    """The Hopper kernel with the SwiGLU epilogue, for a call :func:`swiglu_unsupported` accepted."""
+    return swiglu.mosaic_gpu_swiglu(x, qw, sum_of_squares, norm=norm, num_sms=device.num_sms())
 
 
 def ragged_unsupported(x: Any, qw: Any, group_sizes: Any) -> str | None:
@@ -172,14 +197,14 @@ def ragged_matmul(x: jax.Array, qw: QuantizedWeight, group_sizes: jax.Array) -> 
     """The grouped kernel. Traced group sizes (unchecked) are clamped by the kernel's own scan of them, as
     the XLA path clamps them (``group_bounds``): a negative size counts as zero, rows past x's are dropped;
     clamping them here too would cost a decode step two launches a MoE layer (a cumsum and its shift)."""
-    if (why := _no_kernel_here()) is not None:
+    if (why := no_kernel_here()) is not None:
         raise NotImplementedError(f"nybble.ragged_matmul(implementation='mosaic_gpu') cannot run: {why}")
     if family() == "blackwell":
         from nybble.kernels.mosaic_gpu.blackwell import grouped as blackwell_grouped
 
         sms = _num_sms(blackwell_grouped.DEFAULT_NUM_SMS)
         return blackwell_grouped.blackwell_grouped_matmul(x, qw, group_sizes, num_sms=sms)
-    config = _grouped_config(int(x.shape[0]), qw)[0] if _on_hopper_hardware() else None
+    config = _grouped_config(int(x.shape[0]), qw)[0] if on_hopper_hardware() else None
     return grouped.grouped_matmul(x, qw, group_sizes, config=config, num_sms=device.num_sms())
 
 
@@ -188,10 +213,14 @@ __all__ = [
     "describe",
     "family",
     "matmul",
+    "no_kernel_here",
     "not_here",
+    "on_hopper_hardware",
     "ragged_matmul",
     "ragged_unsupported",
     "ragged_unverified",
+    "swiglu_matmul",
+    "swiglu_unsupported",
     "unsupported",
     "unverified",
 ]

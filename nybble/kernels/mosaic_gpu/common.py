@@ -55,6 +55,12 @@ class Problem:
     config: TuningConfig
     # Rows of x as handed over: m, or more zero rows (config.x_rows); y keeps m (TMA stores clip the rest).
     x_rows: int
+    # The SwiGLU epilogue (config.swiglu_reason): W's columns are gate and up interleaved
+    # (nybble.packing.gate_up), y (M, n) holds silu(r gate) * (r up), n = half of W's columns, and r =
+    # rsqrt(s / dim + eps) per row from a (M,) f32 operand s after the others (an RMSNorm's sum of
+    # squares), ``norm`` = (dim, eps).
+    swiglu: bool = False
+    norm: tuple[float, float] = (1.0, 1.0)
 
     @property
     def out_dtype(self) -> Any:
@@ -192,9 +198,11 @@ def store_rows(src: Any, out_gmem: Any, cols: Any, rows: RowWindow) -> None:
 
 
 def kernel_name(p: Problem, base: str = "nybble_w4a16") -> str:
-    """``<base>_<config tag>``, ``_o`` with offsets: what a profiler and the X-ray show (``base``: the
-    kernel family, ``nybble_w4a16`` dense, ``nybble_grouped_w4a16`` grouped)."""
-    return f"{base}_{p.config.tag}{'_o' if p.has_offsets else ''}"
+    """``<base>_<config tag>``, ``_o`` with offsets, ``_swiglu`` with the SwiGLU epilogue: what a profiler
+    and the X-ray show (``base``: the kernel family, ``nybble_w4a16`` dense, ``nybble_grouped_w4a16``
+    grouped)."""
+    swiglu = "_swiglu" if getattr(p, "swiglu", False) else ""  # (Blackwell's problems have no epilogue)
+    return f"{base}_{p.config.tag}{'_o' if p.has_offsets else ''}{swiglu}"
 
 
 def operand_views(p: Problem, x: jax.Array, codes: jax.Array, scales: Any, offsets: Any) -> list[Any]:
@@ -520,12 +528,18 @@ def store_tiles(
             red, y_tile = smem["slices"], smem["out"]
             for t, acc in enumerate(accs):
                 store_unoptimized(red.at[t], acc)
-            sum_slices(red, y_tile, slices=c.slices, tiles=c.tiles, rows=c.tile_m)
+            row_norm = smem["row_norm"] if p.swiglu else None
+            sum_slices(
+                red, y_tile, slices=c.slices, tiles=c.tiles, rows=c.tile_m, row_norm_ref=row_norm, norm=p.norm
+            )
             plgpu.commit_smem()
+            # The SwiGLU epilogue stores one column per gate/up pair: half the tile, from half the offset.
+            width = c.rows_per_wg // 2 if p.swiglu else c.rows_per_wg
+            cols = pl.ds(n_start // 2 if p.swiglu else n_start, width)
             if rows is None:
-                plgpu.copy_smem_to_gmem(y_tile.at[: p.m], out_gmem.at[:, pl.ds(n_start, c.rows_per_wg)])
+                plgpu.copy_smem_to_gmem(y_tile.at[: p.m], out_gmem.at[:, cols])
             else:
-                store_rows(y_tile, out_gmem, pl.ds(n_start, c.rows_per_wg), rows)
+                store_rows(y_tile, out_gmem, cols, rows)
             plgpu.wait_smem_to_gmem(0)
             return
         if c.split_k > 1:

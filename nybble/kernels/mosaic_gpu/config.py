@@ -24,6 +24,7 @@ import dataclasses
 import math
 from typing import Literal
 
+from nybble.packing.gate_up import GATE_UP_BLOCK
 from nybble.packing.groups import MIN_GROUP_SIZE
 
 # Hopper's opt-in SMEM per CTA (cudaDevAttrMaxSharedMemoryPerBlockOptin), what Mosaic checks against.
@@ -239,6 +240,21 @@ class TuningConfig:
             raise ValueError(f"K slices of {slice_k} must hold whole groups of {group}")
         if self.scales_on == "accumulators" and group % CHUNK_K:
             raise ValueError(f"scales_on='accumulators' needs groups of a multiple of 64, got {group}")
+
+
+def swiglu_reason(config: TuningConfig) -> str | None:
+    """Why ``config`` cannot run the SwiGLU epilogue (gate/up interleaved, ``nybble.packing.gate_up``), or
+    None. It runs in the K slices' epilogue (``dequant_registers.sum_slices``: decode, M <= 8), whose
+    warpgroup holds whole 16-column gate/up blocks when its 64 * tiles / S output columns are a multiple
+    of 16."""
+    if config.slices == 1:
+        return f"the SwiGLU epilogue runs with K slices (decode configs), not slices=1 ({config.tag})"
+    if config.rows_per_wg % (2 * GATE_UP_BLOCK):
+        return (
+            f"a CTA of {config.rows_per_wg} output columns (64 * tiles / slices) holds no whole "
+            f"{2 * GATE_UP_BLOCK}-column gate/up blocks ({config.tag})"
+        )
+    return None
 
 
 def split_k_shares(tile_m: int, split_k: int, tiles: int) -> list[tuple[int, int, int, int]]:

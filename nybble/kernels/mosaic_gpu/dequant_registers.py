@@ -38,7 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from nybble.kernels.epilogue import norm_scale, silu_product
 from nybble.kernels.mosaic_gpu.interpret import active_params
+from nybble.packing.gate_up import GATE_UP_BLOCK, split_gate_up
 
 L = plgpu.Layout
 # Words of one 64 x 64 chunk: SMEM (8 slots, 64 words). Lane l of warp w loads words (2l, 2l + 1) of slots
@@ -277,20 +279,70 @@ def _gpu_tmem_rows(g: int, ref_slices: int, slices: int) -> Any:
     return gather
 
 
-def sum_slices(acc_ref: Any, out_ref: Any, *, slices: int, tiles: int, rows: int) -> None:
+def sum_slices(
+    acc_ref: Any,
+    out_ref: Any,
+    *,
+    slices: int,
+    tiles: int,
+    rows: int,
+    row_norm_ref: Any = None,
+    norm: tuple[float, float] = (1.0, 1.0),
+) -> None:
     """y tile (rows, tiles * 64 / S) in ``out_ref`` (bf16/f16 SMEM) from ``acc_ref`` (tiles, 64, S rows) f32.
 
     acc[t, r, m * S + j(r)] summed over the S slices of output row t * 64 / S + n(r); the rest of acc (other
     slices' columns) is not read.
+
+    With ``row_norm_ref`` ((rows,) f32 SMEM: the SwiGLU epilogue) the tile's columns are gate and up
+    interleaved in blocks of ``GATE_UP_BLOCK`` (``nybble.packing.gate_up``), and ``out_ref`` (rows,
+    tiles * 32 / S) receives ``silu(r g) * (r u)`` of each pair in f32, rounded once, where the row's
+    scale r = rsqrt(s / dim + eps) comes from its entry s of ``row_norm_ref`` and ``norm`` = (dim, eps):
+    an RMSNorm's sum of squares, its scale computed here (XLA would spend a launch on the rsqrt of a
+    reduction's result); s = 0 with (1, 1) is r = 1.
     """
     width = 64 // slices
     if active_params() is not None:
         # acc rows r = 8 * (band * S + j) + r8, columns m * S + j': keep j == j', sum over j.
         acc = acc_ref[...].reshape(tiles, width // 8, slices, 8, rows, slices)
         y = jnp.einsum("tbjrmk,jk->mtbr", acc, jnp.eye(slices, dtype=jnp.float32))
-        out_ref[...] = y.reshape(rows, tiles * width).astype(out_ref.dtype)
+        y = y.reshape(rows, tiles * width)
+        if row_norm_ref is not None:
+            gate, up = split_gate_up(y)
+            y = silu_product(gate, up, norm_scale(row_norm_ref[...][:, None], *norm))
+        out_ref[...] = y.astype(out_ref.dtype)
+        return
+    if row_norm_ref is not None:
+        _gpu_swiglu_slices(slices, tiles, rows, norm)(acc_ref, out_ref, row_norm_ref)
         return
     _gpu_sum_slices(slices, tiles, rows)(acc_ref, out_ref)
+
+
+def _slice_total(acc: Any, t: Any, n: Any, m: Any, slices: int) -> Any:
+    """acc[t, r(j), m * S + j] summed over the S slices j of output row n of A tile t (f32, MLIR values)."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, memref
+
+    index = ir.IndexType.get()
+    c = lambda v: arith.constant(index, v)
+    band, r8 = arith.divui(n, c(8)), arith.remui(n, c(8))
+    total = None
+    for j in range(slices):
+        # A row r = 8 * (band * S + j) + r8 holds slice j of output row n; its column m * S + j.
+        r = arith.addi(arith.muli(arith.addi(arith.muli(band, c(slices)), c(j)), c(8)), r8)
+        col_j = arith.addi(arith.muli(m, c(slices)), c(j))
+        v = memref.load(acc, [t, r, col_j])
+        total = v if total is None else arith.addf(total, v)
+    return total
+
+
+def _column_total(acc: Any, col: Any, m: Any, width: int, slices: int) -> Any:
+    """:func:`_slice_total` of tile column ``col`` (A tile col // width, its output row col % width)."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith
+
+    c = lambda v: arith.constant(ir.IndexType.get(), v)
+    return _slice_total(acc, arith.divui(col, c(width)), arith.remui(col, c(width)), m, slices)
 
 
 def _gpu_sum_slices(slices: int, tiles: int, rows: int) -> Any:
@@ -316,16 +368,51 @@ def _gpu_sum_slices(slices: int, tiles: int, rows: int) -> Any:
                 m = arith.divui(i, c(tiles * width))
                 col = arith.remui(i, c(tiles * width))
                 t, n = arith.divui(col, c(width)), arith.remui(col, c(width))
-                band, r8 = arith.divui(n, c(8)), arith.remui(n, c(8))
-                total = None
-                for j in range(slices):
-                    # A row r = 8 * (band * S + j) + r8 holds slice j of output row n; its column m * S + j.
-                    r = arith.addi(arith.muli(arith.addi(arith.muli(band, c(slices)), c(j)), c(8)), r8)
-                    col_j = arith.addi(arith.muli(m, c(slices)), c(j))
-                    v = memref.load(acc, [t, r, col_j])
-                    total = v if total is None else arith.addf(total, v)
+                total = _slice_total(acc, t, n, m, slices)
                 memref.store(arith.truncf(out_ty, total), out, [m, col])
                 scf.yield_([])
         utils.warpgroup_barrier()
 
     return reduce
+
+
+def _gpu_swiglu_slices(slices: int, tiles: int, rows: int, norm: tuple[float, float]) -> Any:
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
+    def swiglu(ctx: Any, acc: Any, out: Any, row_norm: Any) -> None:
+        from jax.experimental.mosaic.gpu import utils
+        from jaxlib.mlir import ir
+        from jaxlib.mlir.dialects import arith, gpu, math, memref, scf
+
+        del ctx
+        index = ir.IndexType.get()
+        f32 = ir.F32Type.get()
+        c = lambda v: arith.constant(index, v)
+        one = arith.constant(f32, 1.0)
+        dim, eps = (arith.constant(f32, float(v)) for v in norm)
+        width = 64 // slices
+        half = tiles * width // 2  # output columns: one per gate/up pair
+        outputs = rows * half
+        tid = arith.remui(gpu.thread_id(gpu.Dimension.x), c(128))
+        out_ty = ir.MemRefType(out.type).element_type
+        for base in range(0, outputs, 128):
+            i = arith.addi(tid, c(base))
+            in_range = arith.cmpi(arith.CmpIPredicate.ult, i, c(outputs))
+            branch = scf.IfOp(in_range)
+            with ir.InsertionPoint(branch.then_block):
+                # i -> (m, o): output row-major; o's gate is tile column 16 (o // 8) + o % 8, its up 8 on.
+                m, o = arith.divui(i, c(half)), arith.remui(i, c(half))
+                block, lane = arith.divui(o, c(GATE_UP_BLOCK)), arith.remui(o, c(GATE_UP_BLOCK))
+                gate_col = arith.addi(arith.muli(block, c(2 * GATE_UP_BLOCK)), lane)
+                up_col = arith.addi(gate_col, c(GATE_UP_BLOCK))
+                r = math.rsqrt(arith.addf(arith.divf(memref.load(row_norm, [m]), dim), eps))
+                z_gate, z_up = (
+                    arith.mulf(_column_total(acc, q, m, width, slices), r)
+                    for q in (gate_col, up_col)
+                )
+                sigmoid = arith.divf(one, arith.addf(one, math.exp(arith.negf(z_gate))))
+                y = arith.mulf(arith.mulf(z_gate, sigmoid), z_up)
+                memref.store(arith.truncf(out_ty, y), out, [m, o])
+                scf.yield_([])
+        utils.warpgroup_barrier()
+
+    return swiglu

@@ -100,6 +100,13 @@ HOPPER_VERIFIED: frozenset[tuple[Any, ...]] = frozenset({
 })
 
 
+# The SwiGLU epilogue (swiglu.py) has run in interpret mode, lowered and compiled (X-ray), never on a GPU:
+# on a real Hopper GPU implementation=None leaves it out (nybble.kernels.swiglu_matmul then runs the
+# product as nybble.matmul does and the SiLU product after it) until a hardware check passes
+# tests/test_swiglu.py (bench/gpu_check.sh runs it) and this says True.
+SWIGLU_VERIFIED = False
+
+
 def structure(config: TuningConfig) -> tuple[Any, ...]:
     """The fields of a config that decide its code path; pipeline depth, grid order and a persistent grid
     left out."""
@@ -124,4 +131,6 @@ def unverified_reason(config: TuningConfig | None) -> str:
     )
 
 
-__all__ = ["HARDWARE_CHECK", "HOPPER_VERIFIED", "structure", "unverified_reason", "verified"]
+__all__ = [
+    "HARDWARE_CHECK", "HOPPER_VERIFIED", "SWIGLU_VERIFIED", "structure", "unverified_reason", "verified",
+]  # fmt: skip

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from nybble.kernels.mosaic_gpu.common import Problem, operand_views
-from nybble.kernels.mosaic_gpu.config import TuningConfig
+from nybble.kernels.mosaic_gpu.config import TuningConfig, swiglu_reason
 from nybble.kernels.mosaic_gpu.w4a16 import w4a16_single_wg
 from nybble.kernels.mosaic_gpu.w4a16_ws import w4a16_warp_specialized
 from nybble.packing.groups import num_groups
@@ -24,8 +25,12 @@ def w4a16(
     group: int,
     config: TuningConfig,
     m: int | None = None,
+    sum_of_squares: jax.Array | None = None,
+    norm: tuple[float, float] = (1.0, 1.0),
 ) -> jax.Array:
-    """y = x @ dequant(W) with the Hopper W4A16 kernel ``config`` describes.
+    """y = x @ dequant(W) with the Hopper W4A16 kernel ``config`` describes; with ``sum_of_squares``, the
+    SwiGLU epilogue's y = silu(r (x @ W_gate)) * (r (x @ W_up)) of a gate/up weight
+    (``nybble.packing.gate_up``), r = rsqrt(sum_of_squares / dim + eps) per row, ``norm`` = (dim, eps).
 
     Args:
       x: (M', K_pad) bf16 or f16 activations (the wrapper pads K only when it must, and M only where
@@ -37,12 +42,21 @@ def w4a16(
       config: the tiling; ``config.compute_wgs`` picks the variant (1: w4a16.py, with a producer
         warpgroup when ``config.producer``; 2: w4a16_ws.py).
       m: rows of y (the first ``m`` of x); None: all of x's.
+      sum_of_squares: None, or (m,) float32 (the SwiGLU epilogue; ``n`` then counts gate/up pairs: half of
+        W's columns; ``config.swiglu_reason`` says which configs run it).
+      norm: (dim, eps) of the epilogue's row scale.
 
     Returns:
       (m, n) in x's dtype (under split-K the partials are summed in f32 inside the launch).
     """
-    p = check_operands(x, codes, scales, offsets, n=n, group=group, config=config, m=m)
+    p = check_operands(
+        x, codes, scales, offsets, n=n, group=group, config=config, m=m, sum_of_squares=sum_of_squares
+    )
+    if sum_of_squares is not None:
+        p = dataclasses.replace(p, norm=(float(norm[0]), float(norm[1])))
     views = operand_views(p, x, codes, scales, offsets)
+    if sum_of_squares is not None:
+        views.append(sum_of_squares)
     run = w4a16_single_wg if config.compute_wgs == 1 else w4a16_warp_specialized
     return run(p, views)
 
@@ -57,6 +71,7 @@ def check_operands(
     group: int,
     config: TuningConfig,
     m: int | None = None,
+    sum_of_squares: Any = None,
 ) -> Problem:
     """Validates operands against each other and the config; returns the problem's static facts."""
     x_rows, k_pad = x.shape
@@ -78,7 +93,16 @@ def check_operands(
         )
     if offsets is not None and offsets.shape != scales.shape:
         raise ValueError(f"w4a16: offsets shape {offsets.shape} != scales shape {scales.shape}")
-    if not 0 < n <= n_pad:
-        raise ValueError(f"w4a16: n={n} must be in (0, N_pad={n_pad}]")
+    swiglu = sum_of_squares is not None
+    if swiglu:
+        if (why := swiglu_reason(config)) is not None:
+            raise ValueError(f"w4a16: {why}")
+        if sum_of_squares.dtype != jnp.float32 or tuple(sum_of_squares.shape) != (m,):
+            raise ValueError(
+                f"w4a16: sum_of_squares must be float32 (m,) = ({m},), got {sum_of_squares.dtype} "
+                f"{tuple(sum_of_squares.shape)}"
+            )
+    if not 0 < n * (2 if swiglu else 1) <= n_pad:
+        raise ValueError(f"w4a16: n={n} {'pairs ' if swiglu else ''}must fit N_pad={n_pad}")
     config.check_problem(x_rows, n_pad, k_pad, group)
-    return Problem(m, n, n_pad, k_pad, group, x.dtype, offsets is not None, config, x_rows)
+    return Problem(m, n, n_pad, k_pad, group, x.dtype, offsets is not None, config, x_rows, swiglu)

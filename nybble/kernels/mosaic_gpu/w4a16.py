@@ -82,6 +82,8 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array], work: Any = None) -> 
         ins, out_gmem = refs[:n_in], refs[n_in]
         # The scratch refs come nested as _scratch lists their types (the split-K slabs: a list of refs).
         scratch = dict(zip((name for name, _ in scratch_types), refs[n_in + 1 :], strict=True))
+        if p.swiglu:  # the rows' sums of squares come last; the K loop reads the others
+            ins, scratch["row_norm_gmem"] = ins[:-1], ins[-1]
 
         def body(tile: CtaTile) -> None:
             run_tile(
@@ -135,6 +137,11 @@ def _compute(p: Problem, tile: CtaTile, scratch: dict[str, Any], out_gmem: Any) 
     const = scratch.get("const")
     if c.scales_on == "accumulators" and not c.producer:  # with a producer: warpgroup 0, in _k_loop
         _fill_const(p, const)
+    if p.swiglu:
+        if c.producer:  # warpgroup 0 runs the epilogue that reads them
+            pl.when(lax.axis_index("wg") == 0)(lambda: _stage_row_norm(p, scratch))
+        else:
+            _stage_row_norm(p, scratch)
     # One K partition: this CTA's own (split_k.py: all of them, in turn, when interpreting).
     for part in split_k.partitions(c.split_k):
         k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
@@ -208,6 +215,15 @@ def _k_loop(p: Problem, gmem: list[Any], specs: list[Any], const: Any, epilogue:
     compute(run_pipeline)
 
 
+def _stage_row_norm(p: Problem, scratch: dict[str, Any]) -> None:
+    """The SwiGLU epilogue's sums of squares into SMEM at the CTA's start (scalar loads, their latency under
+    the pipeline's first copies): one per row of the tile, rows past M repeating row M - 1's (K slices: one
+    M tile, rows 0..tile_m - 1)."""
+    src, dst = scratch["row_norm_gmem"], scratch["row_norm"]
+    for i in range(p.config.tile_m):
+        dst[i] = src[min(i, p.m - 1)]
+
+
 def _fill_const(p: Problem, const: Any) -> None:
     """The accumulator route's constant A tile (-136 or ones, ``common.constant_value``), committed for
     WGMMA: once per CTA, by the warpgroup that runs the steps."""
@@ -225,8 +241,11 @@ def _scratch(p: Problem) -> list[tuple[str, Any]]:
     c = p.config
     scratch: list[tuple[str, Any]] = []
     if c.split_k == 1:
-        y = y_staging((c.tile_m, c.rows_per_wg), p.out_dtype, any_rows=stores_any_rows(c))
+        width = c.rows_per_wg // 2 if p.swiglu else c.rows_per_wg  # SwiGLU: one column per gate/up pair
+        y = y_staging((c.tile_m, width), p.out_dtype, any_rows=stores_any_rows(c))
         scratch.append(("out", y))
+    if p.swiglu:
+        scratch.append(("row_norm", plgpu.SMEM((c.tile_m,), jnp.float32)))
     if c.slices > 1:  # the K slices' partial sums, added in the epilogue (dequant_registers.sum_slices)
         scratch.append(("slices", plgpu.SMEM((c.tiles, 64, c.wgmma_n), jnp.float32)))
     if c.scales_on == "accumulators":

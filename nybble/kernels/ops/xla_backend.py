@@ -10,6 +10,7 @@ from typing import Any
 
 from nybble.kernels.ops.matmul.xla import xla_matmul as matmul
 from nybble.kernels.ops.ragged_matmul.xla import xla_ragged_matmul as ragged_matmul
+from nybble.kernels.ops.swiglu_matmul import xla_swiglu_matmul as swiglu_matmul
 
 
 def unsupported(x: Any, qw: Any) -> None:
@@ -27,9 +28,17 @@ def describe(m: int, qw: Any) -> str:
     return "XLA: each weight dequantized to x's dtype in the program, then one dot, f32 accumulation"
 
 
+def swiglu_unsupported(x: Any, qw: Any, *, forced: bool) -> None:
+    """The SwiGLU op's XLA path takes every call the op accepts."""
+    return None
+
+
 def ragged_unsupported(x: Any, qw: Any, group_sizes: Any) -> None:
     """Nothing the op accepts is beyond XLA."""
     return None
 
 
-__all__ = ["describe", "matmul", "not_here", "ragged_matmul", "ragged_unsupported", "unsupported"]
+__all__ = [
+    "describe", "matmul", "not_here", "ragged_matmul", "ragged_unsupported", "swiglu_matmul",
+    "swiglu_unsupported", "unsupported",
+]  # fmt: skip

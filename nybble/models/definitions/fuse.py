@@ -11,6 +11,10 @@ The fused layer's output is split back, so the numbers are those of the separate
 nybble's kernels and XLA alike where every output column is computed alone (a GEMM's columns do not
 interact). Checkpoints stay per projection: ``save_model`` and ``save_pretrained`` write the parts.
 
+An int4 MLP's gate and up (one width, no bias) fuse into a :class:`FusedGateUp`: their columns interleaved
+in blocks of 8 (``nybble.packing.gate_up``), so that the Hopper kernel computes ``silu(gate) * up`` in its
+epilogue at decode (``FusedGateUp.swiglu``): the MLP's elementwise launch goes too.
+
 Fused: every ``Attention`` whose q/k/v (and ``MLP`` whose gate/up) are all ``QLinear`` of one format, or
 all float ``nnx.Linear`` of one dtype; others (sharded weights, activation-order layers, mixed kinds) are
 left as they are. Module paths then read ``layers.{i}.attn.qkv_proj.inner`` and
@@ -30,7 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nybble.kernels.ops.swiglu_matmul import swiglu_matmul
 from nybble.models.definitions.layers import QLinear
+from nybble.packing.gate_up import concatenated_order, gate_up_order, interleavable, split_gate_up
 from nybble.quant.qweight import QuantizedWeight
 
 FUSIONS: dict[str, tuple[str, ...]] = {
@@ -54,7 +60,38 @@ class FusedLinear(nnx.Module):
 
     def part(self, name: str) -> QLinear | nnx.Linear:
         """The projection ``name`` split off (a new layer holding copies of its columns)."""
-        return _split(self.inner, self.sizes)[self.names.index(name)]
+        return self.parts()[self.names.index(name)]
+
+    def parts(self) -> list[Any]:
+        """Every projection split off, in the order of ``names`` (new layers holding copies)."""
+        return _split(self.inner, self.sizes)
+
+
+class FusedGateUp(FusedLinear):
+    """An int4 SwiGLU MLP's gate and up as one ``QLinear`` whose columns interleave them in blocks of 8
+    (``nybble.packing.gate_up``), so that :meth:`swiglu` runs ``silu(gate) * up`` in the Hopper kernel's
+    epilogue (one launch, ``nybble.kernels.swiglu_matmul``). ``fused(x)`` still returns ``(gate, up)``."""
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
+        return split_gate_up(self.inner(x))
+
+    def swiglu(self, x: jax.Array, norm: Any = None) -> jax.Array:
+        """``silu(r gate(x)) * (r up(x))``; ``norm`` None (r = 1) or a deferred RMSNorm scale, an object with
+        ``sum_of_squares`` (..., 1) float32, ``dim`` and ``eps`` (r = rsqrt(sum_of_squares / dim + eps))."""
+        inner = self.inner
+        if norm is None:
+            return swiglu_matmul(x, inner.weight, implementation=inner.implementation)
+        return swiglu_matmul(
+            x,
+            inner.weight,
+            sum_of_squares=norm.sum_of_squares,
+            norm=(norm.dim, norm.eps),
+            implementation=inner.implementation,
+        )
+
+    def parts(self) -> list[Any]:
+        concatenated = permute_columns(self.inner.weight, concatenated_order(self.sizes[0]))
+        return _split(QLinear(concatenated, implementation=self.inner.implementation), self.sizes)
 
 
 class FusedExperts(FusedLinear):
@@ -94,6 +131,27 @@ def concat_columns(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
     n = sum(w.shape[1] for w in weights)
     return QuantizedWeight.from_codes(
         codes, scales, offsets, shape=(first.shape[0], n), group_size=first.group_size, layout=first.layout
+    )
+
+
+def permute_columns(qw: QuantizedWeight, order: Any) -> QuantizedWeight:
+    """``qw`` with column j taken from column ``order[j]`` (codes, scales and offsets alike): exact."""
+    order = jnp.asarray(order)
+    n = qw.shape[1]
+    codes = qw.logical_codes()[:, :n][:, order]
+    scales = qw.scales[:, :n][:, order]
+    offsets = None if qw.symmetric else qw.offsets[:, :n][:, order]
+    return QuantizedWeight.from_codes(
+        codes, scales, offsets, shape=qw.shape, group_size=qw.group_size, layout=qw.layout
+    )
+
+
+def _gate_up_interleavable(parts: list[Any]) -> bool:
+    """Int4 gate and up of one width in whole blocks, with no bias (the epilogue adds none)."""
+    return (
+        all(type(p) is QLinear and p.bias is None for p in parts)
+        and parts[0].out_features == parts[1].out_features
+        and interleavable(parts[0].out_features)
     )
 
 
@@ -234,7 +292,12 @@ def fuse_projections(model: nnx.Module) -> int:
                 continue
             sizes = [p.out_features for p in parts]
             kind = FusedExperts if type(parts[0]).__name__ in ("Experts", "QExperts") else FusedLinear
-            setattr(module, fused_name, kind(_fuse(parts), names, sizes))
+            inner = _fuse(parts)
+            if fused_name == "gate_up_proj" and _gate_up_interleavable(parts):
+                kind = FusedGateUp
+                order = gate_up_order(sizes[0])
+                inner = QLinear(permute_columns(inner.weight, order), implementation=inner.implementation)
+            setattr(module, fused_name, kind(inner, names, sizes))
             for n in names:
                 delattr(module, n)
             count += 1
@@ -250,7 +313,7 @@ def unfuse_projections(model: nnx.Module) -> int:
             fused = getattr(module, fused_name, None)
             if not isinstance(fused, FusedLinear):
                 continue
-            for name, part in zip(fused.names, _split(fused.inner, fused.sizes), strict=True):
+            for name, part in zip(fused.names, fused.parts(), strict=True):
                 setattr(module, name, part)
             delattr(module, fused_name)
             count += 1
@@ -275,11 +338,13 @@ def unfused_copy(model: nnx.Module) -> nnx.Module:
 
 __all__ = [
     "FusedExperts",
+    "FusedGateUp",
     "FusedLinear",
     "FusedParts",
     "concat_columns",
     "fuse_projections",
     "has_fused",
+    "permute_columns",
     "split_columns",
     "unfuse_projections",
     "unfused_copy",

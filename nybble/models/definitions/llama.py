@@ -34,7 +34,7 @@ from nybble.models.definitions.decode_attention import (
     write_and_attend,
     write_and_attend_on_kernel,
 )
-from nybble.models.definitions.fuse import FusedParts
+from nybble.models.definitions.fuse import FusedGateUp, FusedParts
 from nybble.models.definitions.layers import projections
 from nybble.models.definitions.moe import MoE
 
@@ -438,8 +438,18 @@ class MLP(FusedParts, nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.scaled(x, None)
 
-    def scaled(self, x: jax.Array, row_scale: jax.Array | None) -> jax.Array:
-        """The MLP of ``x`` whose rows still need ``row_scale`` (``RMSNorm.deferred``), or None."""
+    def scaled(self, x: jax.Array, row_scale: jax.Array | DeferredNorm | None) -> jax.Array:
+        """The MLP of ``x`` whose rows still need ``row_scale``: a scale (``RMSNorm.deferred``), a
+        :class:`DeferredNorm` (``RMSNorm.deferred_sum``), or None.
+
+        Gate and up fused with their columns interleaved (int4: ``FusedGateUp``) take the norm and the SiLU
+        product into their own op, ``nybble.kernels.swiglu_matmul``: one launch of the Hopper kernel at
+        decode sizes, where the product was a launch of XLA's of its own."""
+        fused = vars(self).get("gate_up_proj")
+        if isinstance(fused, FusedGateUp) and not isinstance(row_scale, jax.Array):
+            return self.down_proj(fused.swiglu(x, row_scale))
+        if isinstance(row_scale, DeferredNorm):
+            row_scale = row_scale.scale()
         gate, up = projections(self, "gate_up_proj", ("gate_proj", "up_proj"), x)
         if row_scale is not None:
             gate, up = scaled(gate, row_scale), scaled(up, row_scale)
@@ -493,8 +503,8 @@ class Block(nnx.Module):
             and isinstance(self.mlp, MLP)
             and _bias_free(self.mlp, "gate_up_proj", ("gate_proj", "up_proj"))
         ):
-            h, r = self.post_norm.deferred(x)
-            return x + self.mlp.scaled(h, r), k_cache, v_cache
+            h, norm = self.post_norm.deferred_sum(x)
+            return x + self.mlp.scaled(h, norm), k_cache, v_cache
         # MoE: one token only (batch 1), where the router's product is a reduction XLA runs beside the norm's;
         # from 2 tokens it is a GEMM that wants the normalized rows, and deferring adds launches
         if x.shape[0] * x.shape[1] == 1 and isinstance(self.mlp, MoE) and self.mlp.defers_norm:
