@@ -637,3 +637,46 @@ def test_dequantizing_loops_store_without_warpgroup_barriers():
         assert loop["dequant_warpgroups"] == 2 and len(loop["warpgroup_barriers"]) == 2, loop
         assert loop["instructions"].endswith("(alternate steps)"), loop["instructions"]
         assert max(loop["warpgroup_barriers"]) <= 4, (case.key, loop["warpgroup_barriers"])
+
+
+# ------------------------------------------------------------------------ the SwiGLU epilogue's kernel
+
+_XRAY_SCRIPT = """
+import json, sys
+import jax, jax.numpy as jnp
+from bench.kernel_xray import xray_compile
+from nybble.kernels.mosaic_gpu import swiglu
+from nybble.quant import quantize
+qw = jax.eval_shape(lambda w: quantize(w, group_size=128), jax.ShapeDtypeStruct((4096, 28672), jnp.float32))
+fn = lambda x, qw, s: swiglu.mosaic_gpu_swiglu(x, qw, s, norm=(4096.0, 1e-5), num_sms=132)
+x, s = jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.float32)
+config = swiglu.swiglu_plan(1, qw, num_sms=132).config.tag
+print(json.dumps({"config": config, "report": xray_compile(fn, x, qw, s, gpu="h200").to_dict()}))
+"""
+
+
+def test_xray_the_epilogue_leaves_the_main_loop_as_it_was():
+    """The SASS X-ray of the epilogue's kernel at Llama-3-8B's gate/up, M = 1 (sm_90a, compiled on this CPU):
+    one launch, no spills, and the main loop within 1% of the plain kernel's committed baseline at the same
+    shape and config (bench/xray_baseline.json): the epilogue runs once, after the loop."""
+    import os
+
+    from bench.kernel_xray import child_environment
+
+    env = child_environment(find_toolchain())
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", _XRAY_SCRIPT], env=env, capture_output=True, text=True, timeout=600, check=True
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    base = json.loads((REPO / "bench" / "xray_baseline.json").read_text())["cases"]
+    plain = base["llama3-8b-gate-up/M1/g128-sym/nybble:mosaic_gpu"]
+    assert result["config"] == plain["config"]  # the same pick, with the epilogue or without
+    (kernel,) = result["report"]["kernels"]
+    assert kernel["name"].startswith(f"nybble_w4a16_{plain['config']}_swiglu")
+    assert kernel["spill_bytes"] == 0 and kernel["registers"] <= 255
+    ipw = kernel["loop"]["instructions_per_weight"]
+    assert plain["instructions_per_weight"] * 0.99 <= ipw <= plain["instructions_per_weight"] * 1.01
+    assert len(result["report"]["launches"]) == 1

@@ -317,6 +317,7 @@ def _issue_seconds(
     from bench.xray.model import ceilings_for, model_case
     from bench.xray.moe_cases import MoeCase, kernel_plan
     from nybble.kernels import mosaic_gpu
+    from nybble.kernels.mosaic_gpu import swiglu
 
     name = next((s for s in op_name.split("/") if s.startswith("nybble_")), None)
     experts = qw.codes.shape[0] if len(qw.codes.shape) == 3 else 0
@@ -345,7 +346,9 @@ def _issue_seconds(
     if experts:
         plan = kernel_plan(MoeCase("decode", k, n, m, experts, m, group, symmetric), gpu.sms)
     else:
-        plan = dense_launch(mosaic_gpu.plan(m, qw, num_sms=gpu.sms))  # as the X-ray reads a launch
+        # As the X-ray reads a launch; the SwiGLU epilogue's kernel from its own heuristics' pick.
+        planner = swiglu.swiglu_plan if name and name.endswith("_swiglu") else mosaic_gpu.plan
+        plan = dense_launch(planner(m, qw, num_sms=gpu.sms))
         k, n = qw.padded_shape
     report = {"launches": launched, "kernels": [dataclasses.asdict(kernel)]}
     t = model_case({"case": {"m": m, "k": k, "n": n}, "report": report, "plan": plan}, gpu, ceilings_for(gpu))
