@@ -345,32 +345,40 @@ def _column_total(acc: Any, col: Any, m: Any, width: int, slices: int) -> Any:
     return _slice_total(acc, arith.divui(col, c(width)), arith.remui(col, c(width)), m, slices)
 
 
+def _for_each_output(outputs: int, body: Any) -> None:
+    """``body(i)`` for every i in [0, outputs): thread t of the warpgroup takes i = t, t + 128, ... (MLIR, in
+    an ``inline_mgpu`` body)."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, gpu, scf
+
+    c = lambda v: arith.constant(ir.IndexType.get(), v)
+    tid = arith.remui(gpu.thread_id(gpu.Dimension.x), c(128))
+    for base in range(0, outputs, 128):
+        i = arith.addi(tid, c(base))
+        branch = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, i, c(outputs)))
+        with ir.InsertionPoint(branch.then_block):
+            body(i)
+            scf.yield_([])
+
+
 def _gpu_sum_slices(slices: int, tiles: int, rows: int) -> Any:
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
     def reduce(ctx: Any, acc: Any, out: Any) -> None:
         from jax.experimental.mosaic.gpu import utils
         from jaxlib.mlir import ir
-        from jaxlib.mlir.dialects import arith, gpu, memref, scf
+        from jaxlib.mlir.dialects import arith, memref
 
         del ctx
-        index = ir.IndexType.get()
-        c = lambda v: arith.constant(index, v)
+        c = lambda v: arith.constant(ir.IndexType.get(), v)
         width = 64 // slices
-        outputs = rows * tiles * width
-        tid = arith.remui(gpu.thread_id(gpu.Dimension.x), c(128))
         out_ty = ir.MemRefType(out.type).element_type
-        for base in range(0, outputs, 128):
-            i = arith.addi(tid, c(base))
-            in_range = arith.cmpi(arith.CmpIPredicate.ult, i, c(outputs))
-            branch = scf.IfOp(in_range)
-            with ir.InsertionPoint(branch.then_block):
-                # i -> (m, t, n): output row-major over (m, t * width + n).
-                m = arith.divui(i, c(tiles * width))
-                col = arith.remui(i, c(tiles * width))
-                t, n = arith.divui(col, c(width)), arith.remui(col, c(width))
-                total = _slice_total(acc, t, n, m, slices)
-                memref.store(arith.truncf(out_ty, total), out, [m, col])
-                scf.yield_([])
+
+        def output(i: Any) -> None:
+            # i -> (m, col): output row-major over (m, t * width + n), A tile t's output row n.
+            m, col = arith.divui(i, c(tiles * width)), arith.remui(i, c(tiles * width))
+            memref.store(arith.truncf(out_ty, _column_total(acc, col, m, width, slices)), out, [m, col])
+
+        _for_each_output(rows * tiles * width, output)
         utils.warpgroup_barrier()
 
     return reduce
@@ -381,38 +389,30 @@ def _gpu_swiglu_slices(slices: int, tiles: int, rows: int, norm: tuple[float, fl
     def swiglu(ctx: Any, acc: Any, out: Any, row_norm: Any) -> None:
         from jax.experimental.mosaic.gpu import utils
         from jaxlib.mlir import ir
-        from jaxlib.mlir.dialects import arith, gpu, math, memref, scf
+        from jaxlib.mlir.dialects import arith, math, memref
 
         del ctx
-        index = ir.IndexType.get()
         f32 = ir.F32Type.get()
-        c = lambda v: arith.constant(index, v)
+        c = lambda v: arith.constant(ir.IndexType.get(), v)
         one = arith.constant(f32, 1.0)
         dim, eps = (arith.constant(f32, float(v)) for v in norm)
         width = 64 // slices
         half = tiles * width // 2  # output columns: one per gate/up pair
-        outputs = rows * half
-        tid = arith.remui(gpu.thread_id(gpu.Dimension.x), c(128))
         out_ty = ir.MemRefType(out.type).element_type
-        for base in range(0, outputs, 128):
-            i = arith.addi(tid, c(base))
-            in_range = arith.cmpi(arith.CmpIPredicate.ult, i, c(outputs))
-            branch = scf.IfOp(in_range)
-            with ir.InsertionPoint(branch.then_block):
-                # i -> (m, o): output row-major; o's gate is tile column 16 (o // 8) + o % 8, its up 8 on.
-                m, o = arith.divui(i, c(half)), arith.remui(i, c(half))
-                block, lane = arith.divui(o, c(GATE_UP_BLOCK)), arith.remui(o, c(GATE_UP_BLOCK))
-                gate_col = arith.addi(arith.muli(block, c(2 * GATE_UP_BLOCK)), lane)
-                up_col = arith.addi(gate_col, c(GATE_UP_BLOCK))
-                r = math.rsqrt(arith.addf(arith.divf(memref.load(row_norm, [m]), dim), eps))
-                z_gate, z_up = (
-                    arith.mulf(_column_total(acc, q, m, width, slices), r)
-                    for q in (gate_col, up_col)
-                )
-                sigmoid = arith.divf(one, arith.addf(one, math.exp(arith.negf(z_gate))))
-                y = arith.mulf(arith.mulf(z_gate, sigmoid), z_up)
-                memref.store(arith.truncf(out_ty, y), out, [m, o])
-                scf.yield_([])
+
+        def output(i: Any) -> None:
+            # i -> (m, o): output row-major; o's gate is tile column 16 (o // 8) + o % 8, its up 8 on.
+            m, o = arith.divui(i, c(half)), arith.remui(i, c(half))
+            block, lane = arith.divui(o, c(GATE_UP_BLOCK)), arith.remui(o, c(GATE_UP_BLOCK))
+            gate_col = arith.addi(arith.muli(block, c(2 * GATE_UP_BLOCK)), lane)
+            up_col = arith.addi(gate_col, c(GATE_UP_BLOCK))
+            r = math.rsqrt(arith.addf(arith.divf(memref.load(row_norm, [m]), dim), eps))
+            total = lambda col: _column_total(acc, col, m, width, slices)
+            z_gate, z_up = arith.mulf(total(gate_col), r), arith.mulf(total(up_col), r)
+            sigmoid = arith.divf(one, arith.addf(one, math.exp(arith.negf(z_gate))))
+            memref.store(arith.truncf(out_ty, arith.mulf(arith.mulf(z_gate, sigmoid), z_up)), out, [m, o])
+
+        _for_each_output(rows * half, output)
         utils.warpgroup_barrier()
 
     return swiglu
