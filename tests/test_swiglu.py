@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import nybble
+import nybble.kernels.mosaic_gpu as mg
 from nybble.kernels import swiglu_matmul
 from nybble.kernels.mosaic_gpu import swiglu
 from nybble.kernels.mosaic_gpu.config import TuningConfig, swiglu_reason
@@ -113,8 +114,10 @@ def test_kernel_epilogue_within_rounding_of_float64(config, m, symmetric, dtype,
     s = jnp.asarray(rng.uniform(1e5, 1e7, m) * k, jnp.float32) if with_norm else None
     run = lambda: swiglu.mosaic_gpu_swiglu(x, qw, s, norm=norm, config=config, num_sms=NUM_SMS)
     if MODE == "interpret":
-        with nybble.kernels.interpret():
+        mg.reset_state()
+        with nybble.kernels.interpret(detect_races=True):
             y = jax.block_until_ready(run())
+        assert not mg.races_found(), "the race detector flagged a data race"
     else:
         y = jax.block_until_ready(jax.jit(run)())
     assert y.shape == (m, n // 2) and y.dtype == dtype
