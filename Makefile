@@ -139,7 +139,7 @@ INTERPRET_TESTS := tests/test_grouped_interpret.py tests/test_kernel_interpret.p
 	tests/test_blackwell_interpret.py tests/test_blackwell_grouped.py tests/test_decode_attention_kernel.py \
 	tests/test_swiglu.py
 LATEST_TESTS := $(FAST_TESTS) $(INTERPRET_TESTS)
-LATEST_DESELECT := not test_every_heuristic_config_in_interpret_mode and not lowers_for_cuda
+LATEST_DESELECT := not test_every_heuristic_config_in_interpret_mode and not test_every_pick_lowers_for_cuda and not test_blackwell_picks_lower_for_sm100a
 test-jax-latest: $(LATEST_STAMP)
 	$(LATEST_PY) -m pytest -q -n 2 --dist load -m "not slow" -k "$(LATEST_DESELECT)" $(LATEST_TESTS)
 
@@ -150,7 +150,7 @@ test-jax-latest: $(LATEST_STAMP)
 CUDA12_TESTS := tests/test_jax_range.py tests/test_dispatch.py tests/test_kernel_lowering.py \
 	tests/test_grouped_lowering.py tests/test_triton_dispatch.py tests/test_blackwell_lowering.py \
 	tests/test_blackwell_dispatch.py tests/test_decode_attention_lowering.py tests/test_swiglu.py
-CUDA12_DESELECT := not test_kernel_epilogue_within_rounding and not test_gradient_through_the_kernel
+CUDA12_DESELECT := not epilogue_within_rounding and not test_gradient_through_the_kernel
 test-jax-cuda12: $(CUDA12_STAMP)
 	NYBBLE_LOWER_GATE_KERNELS=1 $(CUDA12_PY) -m pytest -q -n 2 --dist load -m "not slow" \
 		-k "$(CUDA12_DESELECT)" $(CUDA12_TESTS)

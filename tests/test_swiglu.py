@@ -228,6 +228,65 @@ def test_on_a_real_hopper_gpu_the_epilogue_waits_for_a_hardware_check(monkeypatc
     monkeypatch.setattr(hardware, "SWIGLU_VERIFIED", True)
     assert backend.swiglu_unsupported(x, qw, forced=False) is None
     big = jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16)
-    assert "M <= 8" in backend.swiglu_unsupported(big, qw, forced=True)
+    assert "fits M=64" in backend.swiglu_unsupported(big, qw, forced=True)
+    # A real B200: the Blackwell kernel's epilogue, gated the same way.
     monkeypatch.setattr(backend, "family", lambda: "blackwell")
-    assert "Blackwell" in backend.swiglu_unsupported(x, qw, forced=True)
+    monkeypatch.setattr(backend, "on_hopper_hardware", lambda: False)
+    assert backend.swiglu_unsupported(x, qw, forced=False) is None  # SWIGLU_VERIFIED is set above
+    monkeypatch.setattr(hardware, "SWIGLU_VERIFIED", False)
+    assert "SWIGLU_VERIFIED" in backend.swiglu_unsupported(x, qw, forced=False)
+    assert backend.swiglu_unsupported(x, qw, forced=True) is None
+
+
+# ------------------------------------------------------------------------------- the Blackwell kernel's
+
+# Both places the warpgroup that stores y stages the sums of squares: warpgroup 0 on the accumulator route
+# (symmetric g128, bf16), the last step's warpgroup on the weights route with alternating warpgroups
+# (asymmetric: two K steps, so warpgroup 1); M = 5 pads x to 6 rows (config.x_rows).
+BLACKWELL_CASES = [
+    pytest.param(2048, 512, 1, True, id="fold-wg0-m1"),
+    pytest.param(1024, 256, 5, False, id="weights-wg1-m5"),
+]
+
+
+@pytest.mark.parametrize("k, n, m, symmetric", BLACKWELL_CASES)
+def test_blackwell_epilogue_within_rounding_of_float64(k, n, m, symmetric):
+    from nybble.kernels.mosaic_gpu.blackwell import swiglu as blackwell
+
+    rng = np.random.default_rng(11)
+    qw = exact_weight(rng, k, n, 128, symmetric)
+    x = activations(rng, m, k, jnp.bfloat16, exact=True)
+    s = jnp.asarray(rng.uniform(1e5, 1e7, m) * k, jnp.float32)
+    norm = (float(k), 1e-5)
+    p = blackwell.swiglu_plan(m, qw, num_sms=148)
+    assert p.config.slices > 1 and p.swiglu
+    mg.reset_state()
+    with nybble.kernels.interpret(detect_races=True, gpu="b200"):
+        y = jax.block_until_ready(swiglu_matmul(x, qw, sum_of_squares=s, norm=norm))
+    assert not mg.races_found(), "the race detector flagged a data race"
+    assert y.shape == (m, n // 2)
+    ref = _float64_swiglu(x, qw, s, norm)
+    assert np.abs(ref).max() > 1.0 and np.isfinite(ref).all()
+    _assert_within_half_ulp(y, ref, jnp.bfloat16)
+
+
+def test_blackwell_picks_lower_for_sm100a():
+    """The B200 heuristics' picks for the epilogue at Llama-3-8B and 70B gate/up, M = 1, 8, 16, 32 (each
+    tiling once), lowered for sm_100a with the epilogue in the kernel's name."""
+    from nybble.kernels.mosaic_gpu.blackwell import swiglu as blackwell
+    from nybble.kernels.mosaic_gpu.blackwell.target import target_arch
+
+    seen = set()
+    for k, n in [(4096, 28672), (8192, 57344)]:
+        qw = _abstract_gate_up(k, n, 128, symmetric=False)
+        for m in (1, 8, 16, 32):
+            config = blackwell.swiglu_plan(m, qw).config
+            if config.tag in seen:
+                continue
+            seen.add(config.tag)
+            fn = lambda x, qw, s, k=k: swiglu.mosaic_gpu_swiglu(x, qw, s, norm=(k, 1e-5), family="blackwell")
+            args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), qw, jax.ShapeDtypeStruct((m,), jnp.float32))
+            with target_arch(10, 0):
+                text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert "tcgen05" in text and f"{config.tag}_o_swiglu" in text, config.tag
+    assert len(seen) >= 2

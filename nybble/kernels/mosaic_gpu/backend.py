@@ -163,28 +163,43 @@ def describe(m: int, qw: QuantizedWeight) -> str:
 
 
 def swiglu_unsupported(x: Any, qw: QuantizedWeight, *, forced: bool) -> str | None:
-    """Why the Hopper kernel's SwiGLU epilogue (swiglu.py) cannot compute ``nybble.kernels.swiglu_matmul``'s
-    call here, or None: the Hopper family only (on a Hopper GPU, interpreted as one, or lowered for one on
-    a machine with no GPU), arguments it reads, a config that fits; on a real GPU, unless ``forced``, only
-    once a hardware check has run it (``hardware.SWIGLU_VERIFIED``)."""
-    if family() == "blackwell":
-        return "the Blackwell kernel has no SwiGLU epilogue"
+    """Why the kernel's SwiGLU epilogue (swiglu.py; Blackwell's: blackwell/swiglu.py) cannot compute
+    ``nybble.kernels.swiglu_matmul``'s call here, or None: a family with a kernel here (a Hopper or Blackwell
+    GPU, interpreted as one, or Hopper's lowered on a machine with no GPU), arguments it reads, a config that
+    fits; on a real GPU, unless ``forced``, only once a hardware check has run it
+    (``hardware.SWIGLU_VERIFIED``)."""
     if (why := no_kernel_here()) is not None:
         return why
     if (why := swiglu.unsupported(x, qw)) is not None:
         return why
-    if not forced and on_hopper_hardware() and not hardware.SWIGLU_VERIFIED:
+    on_hardware = on_hopper_hardware() or (not is_interpret_active() and family() == "blackwell")
+    if not forced and on_hardware and not hardware.SWIGLU_VERIFIED:
         return "the SwiGLU epilogue has not run on a GPU yet (hardware.SWIGLU_VERIFIED)"
-    if not swiglu.fits(x.shape[0], qw, device.num_sms()):
-        return f"no config with the SwiGLU epilogue fits M={x.shape[0]} (K-sliced decode configs: M <= 8)"
+    if not swiglu.fits(x.shape[0], qw, *_swiglu_sms(), family=_swiglu_family()):
+        return f"no config with the SwiGLU epilogue fits M={x.shape[0]} (K-sliced decode configs)"
     return None
+
+
+def _swiglu_family() -> str:
+    """The kernel family whose epilogue runs here: Blackwell's on 10.x (or interpreted as a B200), else
+    Hopper's (also lowered for CUDA on a machine with no GPU)."""
+    return "blackwell" if family() == "blackwell" else "hopper"
+
+
+def _swiglu_sms() -> tuple[int]:
+    if family() == "blackwell":
+        from nybble.kernels.mosaic_gpu.blackwell import api as blackwell
+
+        return (_num_sms(blackwell.DEFAULT_NUM_SMS),)
+    return (device.num_sms(),)
 
 
 def swiglu_matmul(
     x: jax.Array, qw: QuantizedWeight, sum_of_squares: Any, norm: tuple[float, float]
 ) -> jax.Array:
-    """The Hopper kernel with the SwiGLU epilogue, for a call :func:`swiglu_unsupported` accepted."""
-    return swiglu.mosaic_gpu_swiglu(x, qw, sum_of_squares, norm=norm, num_sms=device.num_sms())
+    """The kernel of this family with the SwiGLU epilogue, for a call :func:`swiglu_unsupported` accepted."""
+    (sms,) = _swiglu_sms()
+    return swiglu.mosaic_gpu_swiglu(x, qw, sum_of_squares, norm=norm, num_sms=sms, family=_swiglu_family())
 
 
 def ragged_unsupported(x: Any, qw: Any, group_sizes: Any) -> str | None:

@@ -1,4 +1,5 @@
-"""The Hopper kernel with the SwiGLU epilogue: ``silu(r (x @ W_gate)) * (r (x @ W_up))`` in one launch.
+"""The Hopper kernel with the SwiGLU epilogue: ``silu(r (x @ W_gate)) * (r (x @ W_up))`` in one launch (and
+the op's custom gradient for the Blackwell kernel's, ``blackwell/swiglu.py``: ``family="blackwell"``).
 
 A SwiGLU MLP's gate and up projections read one x; fused into one weight with their columns interleaved
 (``nybble.packing.gate_up``: 8 gate columns, then the 8 up columns they multiply), every CTA of a decode
@@ -67,8 +68,12 @@ def swiglu_plan(
     return dataclasses.replace(p, n=qw.shape[1] // 2, swiglu=True)
 
 
-def fits(m: int, qw: QuantizedWeight, num_sms: int = DEFAULT_NUM_SMS) -> bool:
-    """Whether a config with the SwiGLU epilogue fits M rows against ``qw``."""
+def fits(m: int, qw: QuantizedWeight, num_sms: int = DEFAULT_NUM_SMS, family: str = "hopper") -> bool:
+    """Whether a config with the SwiGLU epilogue fits M rows against ``qw`` (on ``family``'s kernel)."""
+    if family == "blackwell":
+        from nybble.kernels.mosaic_gpu.blackwell import swiglu as blackwell
+
+        return blackwell.fits(m, qw, num_sms)
     try:
         swiglu_plan(m, qw, num_sms=num_sms)
     except ValueError:
@@ -93,7 +98,12 @@ def _forward(
     norm: tuple[float, float],
     config: Any,
     num_sms: int,
+    family: str,
 ) -> jax.Array:
+    if family == "blackwell":
+        from nybble.kernels.mosaic_gpu.blackwell import swiglu as blackwell
+
+        return blackwell.forward(x2d, qw, sum_of_squares, norm, config, num_sms)
     m = x2d.shape[0]
     p = swiglu_plan(m, qw, num_sms=num_sms, config=config, dtype=x2d.dtype)
     x2d = kernel_x(x2d, p)
@@ -108,7 +118,7 @@ def _forward(
     return y if p.x_rows == m else y[:m]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _swiglu(
     x2d: jax.Array,
     qw: QuantizedWeight,
@@ -116,15 +126,16 @@ def _swiglu(
     norm: tuple[float, float],
     config: Any,
     num_sms: int,
+    family: str,
 ) -> jax.Array:
-    return _forward(x2d, qw, sum_of_squares, norm, config, num_sms)
+    return _forward(x2d, qw, sum_of_squares, norm, config, num_sms, family)
 
 
-def _swiglu_fwd(x2d, qw, sum_of_squares, norm, config, num_sms):
-    return _forward(x2d, qw, sum_of_squares, norm, config, num_sms), (x2d, qw, sum_of_squares)
+def _swiglu_fwd(x2d, qw, sum_of_squares, norm, config, num_sms, family):
+    return _forward(x2d, qw, sum_of_squares, norm, config, num_sms, family), (x2d, qw, sum_of_squares)
 
 
-def _swiglu_bwd(norm, config, num_sms, saved, g):
+def _swiglu_bwd(norm, config, num_sms, family, saved, g):
     x2d, qw, sum_of_squares = saved
     _, vjp = jax.vjp(lambda x, s: reference(x, qw, s, norm), x2d, sum_of_squares)
     dx, ds = vjp(g)
@@ -140,8 +151,9 @@ def mosaic_gpu_swiglu(
     sum_of_squares: jax.Array | None = None,
     *,
     norm: tuple[float, float] = (1.0, 1.0),
-    config: TuningConfig | None = None,
+    config: Any = None,
     num_sms: int = DEFAULT_NUM_SMS,
+    family: str = "hopper",
 ) -> jax.Array:
     """``silu(r (x2d @ W_gate)) * (r (x2d @ W_up))`` with the Hopper kernel's SwiGLU epilogue: (M, K) bf16/f16
     -> (M, N / 2) in x's dtype, for ``qw`` holding gate and up interleaved (``nybble.packing.gate_up``).
@@ -152,8 +164,10 @@ def mosaic_gpu_swiglu(
       sum_of_squares: (M,) float32 s, each row's scale r = rsqrt(s / dim + eps) (an RMSNorm's, deferred
         past the projection: ``nybble.models``' ``RMSNorm.deferred_sum``); None: r = 1.
       norm: (dim, eps) of that scale.
-      config: a TuningConfig that runs the epilogue (``config.swiglu_reason``); None: the heuristics'.
+      config: a TuningConfig that runs the epilogue (``config.swiglu_reason``; a BlackwellConfig for
+        ``family="blackwell"``: ``blackwell.swiglu.swiglu_reason``); None: the heuristics'.
       num_sms: SMs of the target GPU.
+      family: "hopper" (the WGMMA kernel) or "blackwell" (the tcgen05 kernel, the same epilogue).
 
     Differentiable with respect to x2d and sum_of_squares (through XLA). Raises ValueError naming the rule
     when no config runs these shapes, NotImplementedError when the kernel cannot read the arguments at all
@@ -172,7 +186,9 @@ def mosaic_gpu_swiglu(
             f"mosaic_gpu_swiglu: sum_of_squares has shape {sum_of_squares.shape}, expected (M,) = ({m},)"
         )
     norm = (float(norm[0]), float(norm[1]))
-    return _swiglu(x2d, qw, sum_of_squares, norm, config, int(num_sms))
+    if family not in ("hopper", "blackwell"):
+        raise ValueError(f"mosaic_gpu_swiglu: family={family!r} must be 'hopper' or 'blackwell'")
+    return _swiglu(x2d, qw, sum_of_squares, norm, config, int(num_sms), family)
 
 
 __all__ = ["OUT_COLUMNS", "fits", "mosaic_gpu_swiglu", "reference", "swiglu_plan", "unsupported"]

@@ -147,6 +147,11 @@ class BlackwellProblem:
     has_offsets: bool
     config: BlackwellConfig
     x_rows: int
+    # The SwiGLU epilogue (nybble/kernels/mosaic_gpu/swiglu.py, as on Hopper): W's columns gate and up
+    # interleaved, y (rows, n) their silu(r gate) * (r up), r from a (rows,) f32 sum of squares after the
+    # other operands, ``norm`` = (dim, eps).
+    swiglu: bool = False
+    norm: tuple[float, float] = (1.0, 1.0)
 
     @property
     def per_column(self) -> bool:
@@ -454,6 +459,7 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
     # layout inference picks the one the transposed y store takes.
     native = plgpu.Layout.TCGEN05_TMEM_NATIVE if s > 1 or fold else None
     codes_block = (c.tiles * 8, c.tile_k)  # 8-row slots
+    out_cols = c.cta_cols // 2 if p.swiglu else c.cta_cols  # the SwiGLU epilogue: a column per gate/up pair
     x_block = (c.tile_m, c.tile_k)
     scale_block = (1 if p.per_column else s, p.scale_rows, c.cta_cols)
 
@@ -464,11 +470,22 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
         acc_tmem, *rest = rest
         bias_tmem, rest = (rest[0], rest[1:]) if bias else (None, rest)
         loaded, a_ready, mma_done, x_free, codes_free, y_smem, *rest = rest
+        row_norm = None
+        if p.swiglu:  # the rows' sums of squares: the last operand, the last scratch
+            *rest, row_norm = rest
+            ins, row_norm_gmem = ins[:-1], ins[-1]
         handoff, sliced = (rest[0], rest[1:]) if handing_off else (None, rest)
         wg = lax.axis_index("wg")
         tile = work.tile(p, ins)
         mi, ni = tile.mi, tile.ni
-        cols = pl.ds(ni * c.cta_cols, c.cta_cols)
+        cols = pl.ds(ni * out_cols, out_cols)
+
+        def stage_row_norm() -> None:
+            """The SwiGLU epilogue's sums of squares into SMEM, by the warpgroup that stores y, at its start
+            (scalar loads, their latency under the K loop; read after the epilogue's commit_smem): one a
+            row of the tile, rows past M repeating row M - 1's (K slices: one M tile)."""
+            for i in range(c.x_rows_per_tile):
+                row_norm[i] = row_norm_gmem[min(i, p.m - 1)]
 
         def group_acc(slot: Any, gi: int) -> Any:
             return acc_tmem.at[:, pl.ds((slot * gps + gi) * tm, tm)]
@@ -620,7 +637,10 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                     # twin of the sum reshapes the values itself.
                     if active_params() is None:
                         partials = partials.reshape(c.tiles, 64, c.tile_m)
-                    sum_slices(partials, y_smem, slices=s, tiles=c.tiles, rows=c.x_rows_per_tile)
+                    sum_slices(
+                        partials, y_smem, slices=s, tiles=c.tiles, rows=c.x_rows_per_tile,
+                        row_norm_ref=row_norm, norm=p.norm,
+                    )  # fmt: skip
                     plgpu.commit_smem()
                     if tile.rows is None:  # the one M tile: x's rows
                         plgpu.copy_smem_to_gmem(y_smem.at[: p.out_rows], y_gmem.at[:, cols])
@@ -653,6 +673,8 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             steps = (p.k_steps - w + 1) // 2
             if steps == 0:
                 return
+            if p.swiglu and w == (0 if fold else (p.k_steps - 1) % 2):  # the warpgroup that stores y
+                stage_row_norm()
             step = lambda i, carry: dequant_step(2 * i + w, w, carry)
             last_scales = lax.fori_loop(0, steps, step, fold_init(w))
             plgpu.barrier_wait(mma_done.at[w])  # the last step's MMAs: every phase observed
@@ -679,6 +701,8 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
         def single_warpgroup() -> None:
             """The one dequantizing warpgroup (weights route): every step, waiting for the MMAs of two steps
             back, then the last two steps' MMAs (every phase observed)."""
+            if p.swiglu:
+                stage_row_norm()
             lax.fori_loop(0, p.k_steps, lambda ki, _: dequant_step(ki, lax.rem(ki, 2), None), None)
             for ki in range(max(p.k_steps - 2, 0), p.k_steps):
                 plgpu.barrier_wait(mma_done.at[ki % 2])
@@ -711,7 +735,8 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
 
         run_tile(tile, compute, zeros)
 
-    codes_dtype, scale_dtype = operands[-n_weight_ops - 2].dtype, operands[-n_weight_ops].dtype
+    weight_ops = operands[:-1] if p.swiglu else operands
+    codes_dtype, scale_dtype = weight_ops[-n_weight_ops - 2].dtype, weight_ops[-n_weight_ops].dtype
     if active_params() is not None:  # each warpgroup holds a host thread while it waits at a barrier
         check_warpgroup_threads(dequant_wgs + 1, kernel_name(p, work.name))
     call = plgpu.kernel(
@@ -736,10 +761,11 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             plgpu.Barrier(num_arrivals=issuers, num_barriers=2, orders_tensor_core=True),  # mma_done
             plgpu.Barrier(num_arrivals=issuers, num_barriers=depth, orders_tensor_core=True),  # x_free
             plgpu.Barrier(num_arrivals=1, num_barriers=depth),  # codes_free
-            y_staging((c.x_rows_per_tile, c.cta_cols), p.dtype, any_rows=s == 1),
+            y_staging((c.x_rows_per_tile, out_cols), p.dtype, any_rows=s == 1),
             # handoff: warpgroup 1's total, in TMEM for warpgroup 0
             *([plgpu.Barrier(num_arrivals=1, orders_tensor_core=True)] if handing_off else []),
             *([plgpu.SMEM((c.tile_n, c.tile_m), jnp.float32)] if s > 1 else []),
+            *([plgpu.SMEM((c.x_rows_per_tile,), jnp.float32)] if p.swiglu else []),  # the sums of squares
         ],
         # No automatic barriers (see the module docstring): Mosaic would fence each SMEM store with two.
         compiler_params=plgpu.CompilerParams(
