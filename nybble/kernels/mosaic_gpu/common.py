@@ -201,8 +201,7 @@ def kernel_name(p: Problem, base: str = "nybble_w4a16") -> str:
     """``<base>_<config tag>``, ``_o`` with offsets, ``_swiglu`` with the SwiGLU epilogue: what a profiler
     and the X-ray show (``base``: the kernel family, ``nybble_w4a16`` dense, ``nybble_grouped_w4a16``
     grouped)."""
-    swiglu = "_swiglu" if getattr(p, "swiglu", False) else ""  # (Blackwell's problems have no epilogue)
-    return f"{base}_{p.config.tag}{'_o' if p.has_offsets else ''}{swiglu}"
+    return f"{base}_{p.config.tag}{'_o' if p.has_offsets else ''}{'_swiglu' if p.swiglu else ''}"
 
 
 def operand_views(p: Problem, x: jax.Array, codes: jax.Array, scales: Any, offsets: Any) -> list[Any]:

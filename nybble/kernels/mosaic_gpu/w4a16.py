@@ -22,8 +22,9 @@ SM's register file, one CTA per SM. Without, the compute warpgroup refills each 
                 call with a constant A tile: -136 (symmetric, one A tile: the bias folded into acc,
                 per group y += s acc) or ones (the group's sum of x: y += s (acc - 136 sum x) + o sum x)
             scales_on="weights": q exact (one more bf16x2 subtract), w = q * s (+ o) in bf16
-    epilogue: accumulators -> SMEM -> (S > 1: sum of the slices; split-K: sum of the cluster's
-        partials, split_k.py) -> TMA to y
+    epilogue: accumulators -> SMEM -> (S > 1: sum of the slices, or with the SwiGLU epilogue silu(r g) *
+        (r u) of each gate/up pair, swiglu.py; split-K: sum of the cluster's partials, split_k.py) -> TMA
+        to y
 
 w4a16_ws.py is the warp-specialized variant for prefill.
 """

@@ -5,9 +5,10 @@
 for a weight holding gate and up interleaved (``nybble.packing.gate_up``; ``nybble.models``' fused MLPs
 hold theirs so), r a per-row scale rsqrt(s / dim + eps) from an RMSNorm's sum of squares s, deferred past
 the projection (or 1). On a Hopper GPU at decode sizes (M <= 8; a Blackwell one: the K-sliced tiles) it is
-one launch of the Mosaic GPU kernel with the SwiGLU epilogue (``mosaic_gpu/swiglu.py``); everywhere else ``nybble.kernels.matmul`` (whatever it
-runs there) and the same arithmetic in f32 after it, which XLA fuses into one elementwise launch. The XLA
-path keeps the dot's f32 result, as the kernel does, so the two differ by summation order and one rounding.
+one launch of the Mosaic GPU kernel with the SwiGLU epilogue (``mosaic_gpu/swiglu.py``); everywhere else
+``nybble.kernels.matmul`` (whatever it runs there) and the same arithmetic in f32 after it, which XLA fuses
+into one elementwise launch. The XLA path keeps the dot's f32 result, as the kernel does, so the two differ
+by summation order and one rounding.
 """
 
 from __future__ import annotations
