@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from nybble.packing.gate_up import split_gate_up
+
 
 def norm_scale(sum_of_squares: Any, dim: float, eps: float) -> Any:
     """rsqrt(s / dim + eps) in f32: an RMSNorm's row scale from its sum of squares."""
@@ -20,4 +22,13 @@ def silu_product(gate: Any, up: Any, row_scale: Any) -> Any:
     return z / (1.0 + jnp.exp(-z)) * (up * row_scale)
 
 
-__all__ = ["norm_scale", "silu_product"]
+def swiglu(y: Any, sum_of_squares: Any, norm: tuple[float, float]) -> Any:
+    """The SwiGLU epilogue of y (rows, 2 n) f32, gate and up interleaved (``nybble.packing.gate_up``):
+    (rows, n) ``silu(r g) * (r u)``, r = :func:`norm_scale` of each row's ``sum_of_squares`` ((rows,) f32)
+    with ``norm`` = (dim, eps), or 1 where it is None."""
+    gate, up = split_gate_up(y)
+    r = 1.0 if sum_of_squares is None else norm_scale(sum_of_squares[:, None], *norm)
+    return silu_product(gate, up, r)
+
+
+__all__ = ["norm_scale", "silu_product", "swiglu"]

@@ -175,7 +175,7 @@ def swiglu_unsupported(x: Any, qw: QuantizedWeight, *, forced: bool) -> str | No
     on_hardware = on_hopper_hardware() or (not is_interpret_active() and family() == "blackwell")
     if not forced and on_hardware and not hardware.SWIGLU_VERIFIED:
         return "the SwiGLU epilogue has not run on a GPU yet (hardware.SWIGLU_VERIFIED)"
-    if not swiglu.fits(x.shape[0], qw, *_swiglu_sms(), family=_swiglu_family()):
+    if not swiglu.fits(x.shape[0], qw, _swiglu_sms(), family=_swiglu_family()):
         return f"no config with the SwiGLU epilogue fits M={x.shape[0]} (K-sliced decode configs)"
     return None
 
@@ -186,20 +186,21 @@ def _swiglu_family() -> str:
     return "blackwell" if family() == "blackwell" else "hopper"
 
 
-def _swiglu_sms() -> tuple[int]:
+def _swiglu_sms() -> int:
+    """SMs the epilogue's heuristics plan for, as the family's plain kernel asks them."""
     if family() == "blackwell":
         from nybble.kernels.mosaic_gpu.blackwell import api as blackwell
 
-        return (_num_sms(blackwell.DEFAULT_NUM_SMS),)
-    return (device.num_sms(),)
+        return _num_sms(blackwell.DEFAULT_NUM_SMS)
+    return device.num_sms()
 
 
 def swiglu_matmul(
     x: jax.Array, qw: QuantizedWeight, sum_of_squares: Any, norm: tuple[float, float]
 ) -> jax.Array:
     """The kernel of this family with the SwiGLU epilogue, for a call :func:`swiglu_unsupported` accepted."""
-    (sms,) = _swiglu_sms()
-    return swiglu.mosaic_gpu_swiglu(x, qw, sum_of_squares, norm=norm, num_sms=sms, family=_swiglu_family())
+    sms, family_name = _swiglu_sms(), _swiglu_family()
+    return swiglu.mosaic_gpu_swiglu(x, qw, sum_of_squares, norm=norm, num_sms=sms, family=family_name)
 
 
 def ragged_unsupported(x: Any, qw: Any, group_sizes: Any) -> str | None:

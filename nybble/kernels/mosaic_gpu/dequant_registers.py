@@ -38,9 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from nybble.kernels.epilogue import norm_scale, silu_product
+from nybble.kernels.epilogue import swiglu
 from nybble.kernels.mosaic_gpu.interpret import active_params
-from nybble.packing.gate_up import GATE_UP_BLOCK, split_gate_up
+from nybble.packing.gate_up import GATE_UP_BLOCK
 
 L = plgpu.Layout
 # Words of one 64 x 64 chunk: SMEM (8 slots, 64 words). Lane l of warp w loads words (2l, 2l + 1) of slots
@@ -308,8 +308,7 @@ def sum_slices(
         y = jnp.einsum("tbjrmk,jk->mtbr", acc, jnp.eye(slices, dtype=jnp.float32))
         y = y.reshape(rows, tiles * width)
         if row_norm_ref is not None:
-            gate, up = split_gate_up(y)
-            y = silu_product(gate, up, norm_scale(row_norm_ref[...][:, None], *norm))
+            y = swiglu(y, row_norm_ref[...], norm)
         out_ref[...] = y.astype(out_ref.dtype)
         return
     if row_norm_ref is not None:

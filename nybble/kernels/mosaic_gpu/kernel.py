@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -50,10 +49,9 @@ def w4a16(
       (m, n) in x's dtype (under split-K the partials are summed in f32 inside the launch).
     """
     p = check_operands(
-        x, codes, scales, offsets, n=n, group=group, config=config, m=m, sum_of_squares=sum_of_squares
-    )
-    if sum_of_squares is not None:
-        p = dataclasses.replace(p, norm=(float(norm[0]), float(norm[1])))
+        x, codes, scales, offsets, n=n, group=group, config=config, m=m, sum_of_squares=sum_of_squares,
+        norm=norm,
+    )  # fmt: skip
     views = operand_views(p, x, codes, scales, offsets)
     if sum_of_squares is not None:
         views.append(sum_of_squares)
@@ -72,6 +70,7 @@ def check_operands(
     config: TuningConfig,
     m: int | None = None,
     sum_of_squares: Any = None,
+    norm: tuple[float, float] = (1.0, 1.0),
 ) -> Problem:
     """Validates operands against each other and the config; returns the problem's static facts."""
     x_rows, k_pad = x.shape
@@ -105,4 +104,5 @@ def check_operands(
     if not 0 < n * (2 if swiglu else 1) <= n_pad:
         raise ValueError(f"w4a16: n={n} {'pairs ' if swiglu else ''}must fit N_pad={n_pad}")
     config.check_problem(x_rows, n_pad, k_pad, group)
-    return Problem(m, n, n_pad, k_pad, group, x.dtype, offsets is not None, config, x_rows, swiglu)
+    norm = (float(norm[0]), float(norm[1]))
+    return Problem(m, n, n_pad, k_pad, group, x.dtype, offsets is not None, config, x_rows, swiglu, norm)

@@ -25,12 +25,11 @@ import jax
 import jax.numpy as jnp
 
 from nybble.device import DEFAULT_NUM_SMS
-from nybble.kernels.epilogue import norm_scale, silu_product
+from nybble.kernels.epilogue import swiglu
 from nybble.kernels.mosaic_gpu.common import Problem
 from nybble.kernels.mosaic_gpu.config import TuningConfig, swiglu_reason
 from nybble.kernels.mosaic_gpu.dense import _zero_cotangent, is_supported, kernel_x, plan
 from nybble.kernels.mosaic_gpu.kernel import w4a16
-from nybble.packing.gate_up import split_gate_up
 from nybble.quant.qweight import QuantizedWeight, dequantize
 
 # Columns of y per gate/up pair block the kernel stores straight into (M, N / 2): its TMA tiles y's GMEM
@@ -85,10 +84,9 @@ def reference(
     x2d: jax.Array, qw: QuantizedWeight, sum_of_squares: jax.Array, norm: tuple[float, float] = (1.0, 1.0)
 ) -> jax.Array:
     """The same function through XLA: the dequantized weight in x's dtype, one f32 dot, the epilogue's
-    arithmetic (``norm_scale``, ``silu_product``), rounded once to x's dtype."""
+    arithmetic (``nybble.kernels.epilogue.swiglu``), rounded once to x's dtype."""
     y = jnp.dot(x2d, dequantize(qw, x2d.dtype), preferred_element_type=jnp.float32)
-    gate, up = split_gate_up(y)
-    return silu_product(gate, up, norm_scale(sum_of_squares[:, None], *norm)).astype(x2d.dtype)
+    return swiglu(y, sum_of_squares, norm).astype(x2d.dtype)
 
 
 def _forward(

@@ -21,11 +21,11 @@ import numpy as np
 
 from nybble.kernels import backends
 from nybble.kernels.backends import Implementation
-from nybble.kernels.epilogue import norm_scale, silu_product
+from nybble.kernels.epilogue import swiglu
 from nybble.kernels.ops.matmul import api as matmul_api
 from nybble.kernels.ops.matmul.xla import dequantized_dot
 from nybble.packing import pad_to
-from nybble.packing.gate_up import GATE_UP_BLOCK, split_gate_up
+from nybble.packing.gate_up import GATE_UP_BLOCK
 from nybble.quant.qweight import QuantizedWeight
 
 WHAT = "nybble.kernels.swiglu_matmul"
@@ -61,18 +61,7 @@ def xla_swiglu_matmul(
     before the epilogue), then the epilogue's arithmetic; (M, N / 2) in x's dtype."""
     rows = x2d.shape[0]
     y = dequantized_dot(pad_to(x2d, (rows, qw.padded_shape[0])), qw)[:, : qw.shape[1]]
-    return _epilogue(y, sum_of_squares, norm).astype(x2d.dtype)
-
-
-def _epilogue(y: jax.Array, sum_of_squares: jax.Array | None, norm: tuple[float, float]) -> jax.Array:
-    gate, up = split_gate_up(y)
-    rows = y.shape[0]
-    r = (
-        jnp.ones((rows, 1), jnp.float32)
-        if sum_of_squares is None
-        else norm_scale(sum_of_squares[:, None], *norm)
-    )
-    return silu_product(gate, up, r)
+    return swiglu(y, sum_of_squares, norm).astype(x2d.dtype)
 
 
 def swiglu_matmul(
@@ -115,7 +104,7 @@ def swiglu_matmul(
     if fused is not None and backend.swiglu_unsupported(x2d, qw, forced=implementation is not None) is None:
         return fused(x2d, qw, s, norm).reshape(*lead, n // 2)
     y = matmul_api.matmul(x2d, qw, implementation=implementation).astype(jnp.float32)
-    return _epilogue(y, s, norm).astype(x.dtype).reshape(*lead, n // 2)
+    return swiglu(y, s, norm).astype(x.dtype).reshape(*lead, n // 2)
 
 
 __all__ = ["swiglu_matmul", "xla_swiglu_matmul"]
