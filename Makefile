@@ -140,7 +140,7 @@ test-fast: $(STAMP)
 # took 1340 s for the stop of 2026-12-06; with the other sweeps, 1272 s on this machine on 2026-12-07.
 INTERPRET_TESTS := tests/test_grouped_interpret.py tests/test_kernel_interpret.py tests/test_triton_interpret.py \
 	tests/test_blackwell_interpret.py tests/test_blackwell_grouped.py tests/test_decode_attention_kernel.py \
-	tests/test_swiglu.py
+	tests/test_swiglu.py tests/test_grouped_swiglu.py
 LATEST_TESTS := $(FAST_TESTS) $(INTERPRET_TESTS)
 LATEST_SWEEPS := test_every_heuristic_config_in_interpret_mode or test_every_config_exact \
 	or test_every_config_random_within_rounding or test_heuristic_configs or test_groups_exact \
@@ -156,7 +156,8 @@ test-jax-latest: $(LATEST_STAMP)
 # tier's XLA paths too. CI's third step: 207 -> 85 s on two cores (2026-12-06), which CI's 20 minutes needed.
 CUDA12_TESTS := tests/test_jax_range.py tests/test_dispatch.py tests/test_kernel_lowering.py \
 	tests/test_grouped_lowering.py tests/test_triton_dispatch.py tests/test_blackwell_lowering.py \
-	tests/test_blackwell_dispatch.py tests/test_decode_attention_lowering.py tests/test_swiglu.py
+	tests/test_blackwell_dispatch.py tests/test_decode_attention_lowering.py tests/test_swiglu.py \
+	tests/test_grouped_swiglu.py
 CUDA12_DESELECT := not epilogue_within_rounding and not test_gradient_through_the_kernel
 test-jax-cuda12: $(CUDA12_STAMP)
 	NYBBLE_LOWER_GATE_KERNELS=1 $(CUDA12_PY) -m pytest -q -n 2 --dist load -m "not slow" \

@@ -57,9 +57,10 @@ def test_launches_equal_xlas_thunk_sequence(records):
 
 
 def test_a_fusion_run_as_two_thunks_is_two_launches(records):
-    # XLA runs the MoE top-k as a copy and a sort, two thunks of one fusion (the tiny model's 16 experts;
-    # Qwen3-30B-A3B's 128 at batch 1 and 64): the second is a launch of its own, moving no bytes.
-    for name in ("moe", "moe-b1"):
+    # XLA runs the MoE top-k as a copy and a sort, two thunks of one fusion (the tiny model's 16 experts at
+    # batch 1, not at 2; Qwen3-30B-A3B's 128 at batch 1 and 64): the second is a launch of its own, moving
+    # no bytes.
+    for name in ("moe-b1",):
         step = records[name]["launches"]
         second = [la for la in step if la["name"].endswith("(thunk 2)")]
         assert [la["op_name"].rsplit("/", 1)[-1] for la in second] == ["top_k"], name
@@ -480,16 +481,32 @@ def test_compare_puts_two_runs_side_by_side():
 def test_the_moe_router_is_one_launch_reading_its_weight_once(records):
     # Batch 1: the router's weight is (experts, hidden) (moe.Router), so XLA's one-token product over it
     # is a row reduction, one launch; over nnx.Linear's (hidden, experts) it wrote and reread the products
-    # (two). The post-attention norm's scale multiplies the logits after the top k (MoE.deferred), so no
-    # launch applies it first.
+    # (two). The post-attention norm's sum of squares is a sibling reduction of the same shape in that
+    # launch (MoE.normed: one launch fewer), its scale multiplying the logits after the top k.
     cfg = config_for("tiny-moe")
     layer = [la for la in extrapolate(records["moe-b1"]["launches"], 1, 1) if la["layer"]]
     router = [la for la in layer if any("['router']" in s for s in la["operand_bytes"])]
     assert len(router) == 1, [la["op_name"] for la in router]
     (weight,) = [v for s, v in router[0]["operand_bytes"].items() if "['router']" in s]
     assert weight == cfg.moe.num_experts * cfg.hidden_size * 2  # bf16, read once
-    assert router[0]["result_bytes"] == cfg.moe.num_experts * 4  # the float32 logits only
-    # from the o projection's kernel to the experts' gate/up kernel: the norm's sum of squares, the router,
-    # the top k (two thunks), the pairs' sort and the rows' gather (7 with the (hidden, experts) router)
+    # the float32 logits and the norm's sums of squares (one a logit: the sibling reductions' one shape)
+    assert router[0]["result_bytes"] == 2 * cfg.moe.num_experts * 4
+    # from the o projection's kernel to the experts' gate/up kernel: the router with the norm's sum of
+    # squares, the top k (two thunks), the pairs' sort and the rows' gather (7 with the (hidden, experts)
+    # router, 6 with the norm's sum of squares a launch of its own)
     kernels = [i for i, la in enumerate(layer) if la["kind"] == "mosaic_gpu"]
-    assert kernels[2] - kernels[1] - 1 == 6, [la["name"] for la in layer[kernels[1] : kernels[2]]]
+    assert kernels[2] - kernels[1] - 1 == 5, [la["name"] for la in layer[kernels[1] : kernels[2]]]
+
+
+def test_the_experts_swiglu_product_is_in_the_gate_up_kernel(records):
+    # The experts' gate/up stack, its columns interleaved (FusedExpertsGateUp): the grouped kernel stores
+    # silu(gate) * up, (rows, intermediate), and the down kernel reads it, nothing between them (an
+    # elementwise launch before, at batch 1 and 2 alike).
+    cfg = config_for("tiny-moe")
+    for name, tokens in (("moe-b1", 1), ("moe", BATCH)):
+        layer = [la for la in extrapolate(records[name]["launches"], 1, 1) if la["layer"]]
+        kernels = [i for i, la in enumerate(layer) if la["kind"] == "mosaic_gpu"]
+        assert len(kernels) == 4 and kernels[3] == kernels[2] + 1, [la["op_name"] for la in layer]
+        gate_up = layer[kernels[2]]
+        assert "nybble_grouped_w4a16_" in gate_up["op_name"] and "_swiglu/" in gate_up["op_name"]
+        assert gate_up["result_bytes"] == tokens * cfg.moe.top_k * cfg.moe.intermediate_size * 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -105,21 +106,40 @@ def test_quantize_fuses_on_request_and_the_parts_still_read():
 
 
 def test_moe_gate_up_fused_gives_the_unfused_numbers():
+    # int4 expert stacks fuse into a FusedExpertsGateUp: each expert's columns interleaved 8 by 8
+    # (nybble.packing.gate_up), the parts split back bit for bit, the SiLU product taken by the grouped
+    # SwiGLU op (its XLA path here: in f32, where the unfused MLP takes it in x's dtype; f32 here).
     from nybble.models import fuse_projections, unfuse_projections
-    from nybble.models.definitions.fuse import FusedExperts
+    from nybble.models.definitions.fuse import FusedExpertsGateUp
     from nybble.models.definitions.moe import MoE, MoEConfig, QExperts
 
     moe = MoE(MoEConfig(hidden_size=64, intermediate_size=64, num_experts=4, top_k=2), rngs=nnx.Rngs(0))
     x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 64)), jnp.float32)
     quantize(moe, group_size=32, progress=False, fuse_projections=False)
+    gate, up = moe.experts.gate_proj.weight, moe.experts.up_proj.weight
     ref = np.asarray(moe(x))
     assert fuse_projections(moe) == 1
     fused = moe.experts.gate_up_proj
-    assert isinstance(fused, FusedExperts) and isinstance(fused.inner, QExperts)
+    assert isinstance(fused, FusedExpertsGateUp) and isinstance(fused.inner, QExperts)
     assert fused.inner.weight.shape == (64, 128) and fused.inner.num_experts == 4
-    np.testing.assert_array_equal(np.asarray(moe(x)), ref)  # each expert's columns computed alone
+    codes = np.asarray(jax.vmap(lambda w: w.logical_codes())(fused.inner.weight))[:, :64]
+    np.testing.assert_array_equal(
+        codes[:, :, 8:16], np.asarray(jax.vmap(lambda w: w.logical_codes())(up))[:, :64, :8]
+    )
+    np.testing.assert_array_equal(
+        codes[:, :, 16:24], np.asarray(jax.vmap(lambda w: w.logical_codes())(gate))[:, :64, 8:16]
+    )
+    np.testing.assert_allclose(np.asarray(moe(x)), ref, rtol=1e-5, atol=1e-6)
+    assert np.abs(ref).max() > 0.1
+    for name, original in (("gate_proj", gate), ("up_proj", up)):
+        split = getattr(moe.experts, name).weight  # FusedParts: the part split off
+        for field in ("codes", "scales"):
+            np.testing.assert_array_equal(
+                np.asarray(getattr(split, field)), np.asarray(getattr(original, field))
+            )
     assert unfuse_projections(moe) == 1 and isinstance(moe.experts.up_proj, QExperts)
     np.testing.assert_array_equal(np.asarray(moe(x)), ref)
+    np.testing.assert_array_equal(np.asarray(moe.experts.gate_proj.weight.codes), np.asarray(gate.codes))
 
 
 @pytest.mark.parametrize("k_eps", [1e-6, 1e-5])

@@ -293,7 +293,13 @@ def test_the_deferred_norm_block_matches_numpy_on_the_normalized_rows():
     y = nnx.jit(lambda m, h, s: m.deferred(h, s))(moe, h, scale)
     ref = _np_moe(moe, np.asarray(norm(x)).reshape(-1, 64)).reshape(x.shape)
     np.testing.assert_allclose(np.asarray(y), ref, rtol=2e-4, atol=2e-5)
+    # normed: the norm's sum of squares taken in the router's reduction; the same numbers (float32 sums).
+    z = nnx.jit(lambda m, n, x: m.normed(x, n))(moe, norm, x)
+    np.testing.assert_allclose(np.asarray(z), np.asarray(y), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(z), ref, rtol=2e-4, atol=2e-5)
     for name in ("qwen3_moe", "shared_gated"):  # softmax before the top k, a shared expert: not deferred
         assert not MoE(CONFIGS[name], rngs=nnx.Rngs(0)).defers_norm
     with pytest.raises(ValueError, match="defers_norm"):
         MoE(CONFIGS["shared_gated"], rngs=nnx.Rngs(0)).deferred(h, scale)
+    with pytest.raises(ValueError, match="defers_norm"):
+        MoE(CONFIGS["shared_gated"], rngs=nnx.Rngs(0)).normed(x, norm)

@@ -160,7 +160,10 @@ def _reads_non_layer(source: str, sources: list[str]) -> bool:
 
 
 def _is_projection(source: str) -> bool:
-    return source.startswith("state[") and ("['kernel']" in source or "['qweight']" in source)
+    """A projection's weight: a linear's kernel, an int4 weight, or the MoE router's (experts, hidden) weight
+    (its product a reduction XLA names after its sum, with the norm's sum of squares: MoE.normed)."""
+    weights = ("['kernel']", "['qweight']", "['router']['weight']")
+    return source.startswith("state[") and any(w in source for w in weights)
 
 
 def step_record(
@@ -344,7 +347,10 @@ def _issue_seconds(
     if kernel is None:
         return None
     if experts:
-        plan = kernel_plan(MoeCase("decode", k, n, m, experts, m, group, symmetric), gpu.sms)
+        swiglu_epilogue = bool(name and name.endswith("_swiglu"))
+        plan = kernel_plan(
+            MoeCase("decode", k, n, m, experts, m, group, symmetric), gpu.sms, swiglu=swiglu_epilogue
+        )
     else:
         # As the X-ray reads a launch; the SwiGLU epilogue's kernel from its own heuristics' pick.
         planner = swiglu.swiglu_plan if name and name.endswith("_swiglu") else mosaic_gpu.plan

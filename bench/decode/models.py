@@ -85,7 +85,7 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
     },
     "tiny-moe": {  # Qwen3-30B-A3B's structure (q/k norms, top 4 of 16 experts) at a test's size
         **_QWEN3_MOE,
-        "hidden_size": 256,
+        "hidden_size": 1024,  # K slices of whole 128-row groups: the grouped SwiGLU epilogue runs
         "intermediate_size": 512,
         "moe_intermediate_size": 128,
         "num_hidden_layers": 2,

@@ -153,16 +153,19 @@ def distinct_kernels(cases: list[MoeCase], num_sms: int) -> list[MoeCase]:
     return [c for key, c in seen.items() if not is_twin(key, asymmetric)]
 
 
-def kernel_plan(case: MoeCase, num_sms: int) -> dict[str, Any]:
+def kernel_plan(case: MoeCase, num_sms: int, *, swiglu: bool = False) -> dict[str, Any]:
     """The launch as the X-ray's model reads it, for the balanced grouping the config was chosen for
     (``grouped_config.planned_rows`` rows on each of ``active_experts``): the CTAs that work, the weights
     they dequantize, M as the tensor cores see it, the experts whose weights it reads; ``grid`` is the
-    launch's CTAs (the bound on tiles)."""
+    launch's CTAs (the bound on tiles). ``swiglu``: the kernel with the SwiGLU epilogue, its heuristics'
+    pick (``grouped_swiglu.py``)."""
     from nybble.kernels.mosaic_gpu.grouped import grouped_plan
     from nybble.kernels.mosaic_gpu.grouped_config import active_experts, planned_rows
+    from nybble.kernels.mosaic_gpu.grouped_swiglu import grouped_swiglu_plan
 
     qw = abstract_weight(case.experts, case.k, case.n, case.group_size, case.symmetric)
-    p, work = grouped_plan(case.m, qw, num_sms=num_sms)
+    planner = grouped_swiglu_plan if swiglu else grouped_plan
+    p, work = planner(case.m, qw, num_sms=num_sms)
     c = p.config
     active = active_experts(case.m, case.experts)
     rows = planned_rows(case.m, case.experts)

@@ -11,6 +11,7 @@ from nybble.kernels.ops.matmul.xla import xla_matmul
 from nybble.kernels.ops.ragged_matmul.api import available_ragged_implementations, ragged_matmul
 from nybble.kernels.ops.ragged_matmul.reference import reference_ragged_matmul
 from nybble.kernels.ops.ragged_matmul.xla import xla_ragged_matmul
+from nybble.kernels.ops.ragged_swiglu_matmul import ragged_swiglu_matmul
 from nybble.kernels.ops.swiglu_matmul import swiglu_matmul
 
 
@@ -33,6 +34,7 @@ __all__ = [
     "matmul",
     "num_sms",
     "ragged_matmul",
+    "ragged_swiglu_matmul",
     "reference_dequantize",
     "reference_matmul",
     "reference_ragged_matmul",

@@ -14,7 +14,9 @@ and, optionally, ``unverified(x, qw)`` / ``ragged_unverified(x, qw, group_sizes)
 hardware check for these arguments); a forced implementation ignores it. Also optional, a SwiGLU op of its
 own (``nybble.kernels.swiglu_matmul``): ``swiglu_unsupported(x2d, qw, forced=...)`` -> str | None and
 ``swiglu_matmul(x2d, qw, sum_of_squares, norm)``; without one, the op runs the backend's ``matmul`` and
-its SiLU product after it.
+its SiLU product after it. The grouped one likewise (``nybble.kernels.ragged_swiglu_matmul``):
+``ragged_swiglu_unsupported(x, qw, group_sizes, forced=...)`` and ``ragged_swiglu_matmul(x, qw,
+group_sizes)``.
 
 :data:`BACKENDS` maps each ``implementation=`` name to its module, in the order ``implementation=None``
 tries them; adding a backend is one line there. An op (``ops/matmul/api.py``, ``ops/ragged_matmul/api.py``)

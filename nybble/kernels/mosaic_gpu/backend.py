@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from nybble import device
-from nybble.kernels.mosaic_gpu import dense, grouped, hardware, swiglu
+from nybble.kernels.mosaic_gpu import dense, grouped, grouped_swiglu, hardware, swiglu
 from nybble.kernels.mosaic_gpu.config import TuningConfig
 from nybble.kernels.mosaic_gpu.dense import is_interpret_active
 from nybble.kernels.mosaic_gpu.grouped_config import grouped_heuristic_config
@@ -203,6 +203,38 @@ def swiglu_matmul(
     return swiglu.mosaic_gpu_swiglu(x, qw, sum_of_squares, norm=norm, num_sms=sms, family=family_name)
 
 
+def ragged_swiglu_unsupported(x: Any, qw: QuantizedWeight, group_sizes: Any, *, forced: bool) -> str | None:
+    """:func:`swiglu_unsupported` for the grouped kernels' epilogue (grouped_swiglu.py), gated by the same
+    hardware check."""
+    if (why := no_kernel_here()) is not None:
+        return why
+    if (why := grouped_swiglu.unsupported(x, qw, group_sizes)) is not None:
+        return why
+    on_hardware = on_hopper_hardware() or (not is_interpret_active() and family() == "blackwell")
+    if not forced and on_hardware and not hardware.SWIGLU_VERIFIED:
+        return "the SwiGLU epilogue has not run on a GPU yet (hardware.SWIGLU_VERIFIED)"
+    if not grouped_swiglu.fits(x.shape[0], qw, _grouped_sms(), family=_swiglu_family()):
+        return f"no grouped config with the SwiGLU epilogue fits {x.shape[0]} rows (K-sliced decode configs)"
+    return None
+
+
+def ragged_swiglu_matmul(x: jax.Array, qw: QuantizedWeight, group_sizes: jax.Array) -> jax.Array:
+    """The grouped kernel of this family with the SwiGLU epilogue, for a call
+    :func:`ragged_swiglu_unsupported` accepted."""
+    return grouped_swiglu.mosaic_gpu_grouped_swiglu(
+        x, qw, group_sizes, num_sms=_grouped_sms(), family=_swiglu_family()
+    )
+
+
+def _grouped_sms() -> int:
+    """SMs the grouped kernels' heuristics plan for, as :func:`ragged_matmul` asks them."""
+    if family() == "blackwell":
+        from nybble.kernels.mosaic_gpu.blackwell import grouped as blackwell_grouped
+
+        return _num_sms(blackwell_grouped.DEFAULT_NUM_SMS)
+    return device.num_sms()
+
+
 def ragged_unsupported(x: Any, qw: Any, group_sizes: Any) -> str | None:
     """Why the grouped kernel cannot compute these arguments (shapes, dtypes, layout), or None: the
     Hopper and Blackwell grouped kernels accept the same ones."""
@@ -233,6 +265,8 @@ __all__ = [
     "not_here",
     "on_hopper_hardware",
     "ragged_matmul",
+    "ragged_swiglu_matmul",
+    "ragged_swiglu_unsupported",
     "ragged_unsupported",
     "ragged_unverified",
     "swiglu_matmul",

@@ -58,9 +58,14 @@ class Problem:
     # The SwiGLU epilogue (config.swiglu_reason): W's columns are gate and up interleaved
     # (nybble.packing.gate_up), y (M, n) holds silu(r gate) * (r up), n = half of W's columns, and r =
     # rsqrt(s / dim + eps) per row from a (M,) f32 operand s after the others (an RMSNorm's sum of
-    # squares), ``norm`` = (dim, eps).
+    # squares), ``norm`` = (dim, eps); ``norm`` None: r = 1 and no such operand (the grouped kernels').
     swiglu: bool = False
-    norm: tuple[float, float] = (1.0, 1.0)
+    norm: tuple[float, float] | None = (1.0, 1.0)
+
+    @property
+    def row_scaled(self) -> bool:
+        """Whether the SwiGLU epilogue reads each row's sum of squares (the operand after the others)."""
+        return self.swiglu and self.norm is not None
 
     @property
     def out_dtype(self) -> Any:
@@ -527,10 +532,10 @@ def store_tiles(
             red, y_tile = smem["slices"], smem["out"]
             for t, acc in enumerate(accs):
                 store_unoptimized(red.at[t], acc)
-            row_norm = smem["row_norm"] if p.swiglu else None
             sum_slices(
-                red, y_tile, slices=c.slices, tiles=c.tiles, rows=c.tile_m, row_norm_ref=row_norm, norm=p.norm
-            )
+                red, y_tile, slices=c.slices, tiles=c.tiles, rows=c.tile_m, swiglu_pairs=p.swiglu,
+                row_norm_ref=smem.get("row_norm"), norm=p.norm or (1.0, 1.0),
+            )  # fmt: skip
             plgpu.commit_smem()
             # The SwiGLU epilogue stores one column per gate/up pair: half the tile, from half the offset.
             width = c.rows_per_wg // 2 if p.swiglu else c.rows_per_wg

@@ -286,6 +286,7 @@ def sum_slices(
     slices: int,
     tiles: int,
     rows: int,
+    swiglu_pairs: bool = False,
     row_norm_ref: Any = None,
     norm: tuple[float, float] = (1.0, 1.0),
 ) -> None:
@@ -294,12 +295,12 @@ def sum_slices(
     acc[t, r, m * S + j(r)] summed over the S slices of output row t * 64 / S + n(r); the rest of acc (other
     slices' columns) is not read.
 
-    With ``row_norm_ref`` ((rows,) f32 SMEM: the SwiGLU epilogue) the tile's columns are gate and up
-    interleaved in blocks of ``GATE_UP_BLOCK`` (``nybble.packing.gate_up``), and ``out_ref`` (rows,
-    tiles * 32 / S) receives ``silu(r g) * (r u)`` of each pair in f32, rounded once, where the row's
-    scale r = rsqrt(s / dim + eps) comes from its entry s of ``row_norm_ref`` and ``norm`` = (dim, eps):
-    an RMSNorm's sum of squares, its scale computed here (XLA would spend a launch on the rsqrt of a
-    reduction's result); s = 0 with (1, 1) is r = 1.
+    With ``swiglu_pairs`` (the SwiGLU epilogue) the tile's columns are gate and up interleaved in blocks of
+    ``GATE_UP_BLOCK`` (``nybble.packing.gate_up``), and ``out_ref`` (rows, tiles * 32 / S) receives
+    ``silu(r g) * (r u)`` of each pair in f32, rounded once, where the row's scale r = rsqrt(s / dim + eps)
+    comes from its entry s of ``row_norm_ref`` ((rows,) f32 SMEM) and ``norm`` = (dim, eps): an RMSNorm's
+    sum of squares, its scale computed here (XLA would spend a launch on the rsqrt of a reduction's
+    result); without ``row_norm_ref``, r = 1.
     """
     width = 64 // slices
     if active_params() is not None:
@@ -307,12 +308,14 @@ def sum_slices(
         acc = acc_ref[...].reshape(tiles, width // 8, slices, 8, rows, slices)
         y = jnp.einsum("tbjrmk,jk->mtbr", acc, jnp.eye(slices, dtype=jnp.float32))
         y = y.reshape(rows, tiles * width)
-        if row_norm_ref is not None:
-            y = swiglu(y, row_norm_ref[...], norm)
+        if swiglu_pairs:
+            y = swiglu(y, None if row_norm_ref is None else row_norm_ref[...], norm)
         out_ref[...] = y.astype(out_ref.dtype)
         return
-    if row_norm_ref is not None:
-        _gpu_swiglu_slices(slices, tiles, rows, norm)(acc_ref, out_ref, row_norm_ref)
+    if swiglu_pairs:
+        scaled = row_norm_ref is not None
+        refs = (acc_ref, out_ref, row_norm_ref) if scaled else (acc_ref, out_ref)
+        _gpu_swiglu_slices(slices, tiles, rows, norm if scaled else None)(*refs)
         return
     _gpu_sum_slices(slices, tiles, rows)(acc_ref, out_ref)
 
@@ -383,9 +386,12 @@ def _gpu_sum_slices(slices: int, tiles: int, rows: int) -> Any:
     return reduce
 
 
-def _gpu_swiglu_slices(slices: int, tiles: int, rows: int, norm: tuple[float, float]) -> Any:
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
-    def swiglu(ctx: Any, acc: Any, out: Any, row_norm: Any) -> None:
+def _gpu_swiglu_slices(slices: int, tiles: int, rows: int, norm: tuple[float, float] | None) -> Any:
+    """The SwiGLU pass over (acc, out[, row_norm]): with ``norm`` None there is no row_norm ref, r = 1."""
+    refs = 2 if norm is None else 3
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * refs)
+    def swiglu(ctx: Any, acc: Any, out: Any, *row_norm: Any) -> None:
         from jax.experimental.mosaic.gpu import utils
         from jaxlib.mlir import ir
         from jaxlib.mlir.dialects import arith, math, memref
@@ -394,7 +400,7 @@ def _gpu_swiglu_slices(slices: int, tiles: int, rows: int, norm: tuple[float, fl
         f32 = ir.F32Type.get()
         c = lambda v: arith.constant(ir.IndexType.get(), v)
         one = arith.constant(f32, 1.0)
-        dim, eps = (arith.constant(f32, float(v)) for v in norm)
+        dim, eps = (arith.constant(f32, float(v)) for v in norm or (1.0, 1.0))
         width = 64 // slices
         half = tiles * width // 2  # output columns: one per gate/up pair
         out_ty = ir.MemRefType(out.type).element_type
@@ -405,9 +411,11 @@ def _gpu_swiglu_slices(slices: int, tiles: int, rows: int, norm: tuple[float, fl
             block, lane = arith.divui(o, c(GATE_UP_BLOCK)), arith.remui(o, c(GATE_UP_BLOCK))
             gate_col = arith.addi(arith.muli(block, c(2 * GATE_UP_BLOCK)), lane)
             up_col = arith.addi(gate_col, c(GATE_UP_BLOCK))
-            r = math.rsqrt(arith.addf(arith.divf(memref.load(row_norm, [m]), dim), eps))
             total = lambda col: _column_total(acc, col, m, width, slices)
-            z_gate, z_up = arith.mulf(total(gate_col), r), arith.mulf(total(up_col), r)
+            z_gate, z_up = total(gate_col), total(up_col)
+            if row_norm:
+                r = math.rsqrt(arith.addf(arith.divf(memref.load(row_norm[0], [m]), dim), eps))
+                z_gate, z_up = arith.mulf(z_gate, r), arith.mulf(z_up, r)
             sigmoid = arith.divf(one, arith.addf(one, math.exp(arith.negf(z_gate))))
             memref.store(arith.truncf(out_ty, arith.mulf(arith.mulf(z_gate, sigmoid), z_up)), out, [m, o])
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -234,15 +235,21 @@ def _check_values(group_sizes: Any, rows: int) -> None:
 
 
 def grouped_plan(
-    rows: int, qw: QuantizedWeight, *, num_sms: int = DEFAULT_NUM_SMS, config: TuningConfig | None = None
+    rows: int,
+    qw: QuantizedWeight,
+    *,
+    num_sms: int = DEFAULT_NUM_SMS,
+    config: TuningConfig | None = None,
+    allow: Callable[[TuningConfig], bool] | None = None,
 ) -> tuple[Problem, GroupedWork]:
     """The launch one grouped matmul of ``rows`` rows against the stacked ``qw`` makes: the problem
-    (config, padding) and its CTAs. ``config`` None: ``grouped_config.grouped_heuristic_config``."""
+    (config, padding) and its CTAs. ``config`` None: ``grouped_config.grouped_heuristic_config``'s pick
+    among the configs ``allow`` accepts (None: every one the grouped kernel runs)."""
     experts = qw.codes.shape[0]
     k_pad, n_pad = qw.padded_shape
     if config is None:
         config = grouped_heuristic_config(
-            rows, experts, n_pad, k_pad, qw.group_size, num_sms, **weight_options(qw)
+            rows, experts, n_pad, k_pad, qw.group_size, num_sms, allow=allow, **weight_options(qw)
         )
     if (why := grouped_refusal(config)) is not None:
         raise ValueError(f"grouped_matmul: {why}: {config}")

@@ -83,7 +83,7 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array], work: Any = None) -> 
         ins, out_gmem = refs[:n_in], refs[n_in]
         # The scratch refs come nested as _scratch lists their types (the split-K slabs: a list of refs).
         scratch = dict(zip((name for name, _ in scratch_types), refs[n_in + 1 :], strict=True))
-        if p.swiglu:  # the rows' sums of squares come last; the K loop reads the others
+        if p.row_scaled:  # the rows' sums of squares come last; the K loop reads the others
             ins, scratch["row_norm_gmem"] = ins[:-1], ins[-1]
 
         def body(tile: CtaTile) -> None:
@@ -138,7 +138,7 @@ def _compute(p: Problem, tile: CtaTile, scratch: dict[str, Any], out_gmem: Any) 
     const = scratch.get("const")
     if c.scales_on == "accumulators" and not c.producer:  # with a producer: warpgroup 0, in _k_loop
         _fill_const(p, const)
-    if p.swiglu:
+    if p.row_scaled:
         if c.producer:  # warpgroup 0 runs the epilogue that reads them
             pl.when(lax.axis_index("wg") == 0)(lambda: _stage_row_norm(p, scratch))
         else:
@@ -245,7 +245,7 @@ def _scratch(p: Problem) -> list[tuple[str, Any]]:
         width = c.rows_per_wg // 2 if p.swiglu else c.rows_per_wg  # SwiGLU: one column per gate/up pair
         y = y_staging((c.tile_m, width), p.out_dtype, any_rows=stores_any_rows(c))
         scratch.append(("out", y))
-    if p.swiglu:
+    if p.row_scaled:
         scratch.append(("row_norm", plgpu.SMEM((c.tile_m,), jnp.float32)))
     if c.slices > 1:  # the K slices' partial sums, added in the epilogue (dequant_registers.sum_slices)
         scratch.append(("slices", plgpu.SMEM((c.tiles, 64, c.wgmma_n), jnp.float32)))

@@ -4,15 +4,16 @@
     nybble.models.unfuse_projections(model)    # back to q/k/v_proj, gate/up_proj (exact)
 
 MoE expert stacks fuse too (``experts.gate_up_proj``: a :class:`FusedExperts`, each expert's gate and up
-side by side, one grouped launch). Projections that read the same input are concatenated along N into one
-weight: a ``QuantizedWeight`` of
-N = N_q + N_k + N_v (its codes and scales the parts' own, column for column: exact), or one float kernel.
-The fused layer's output is split back, so the numbers are those of the separate layers: bit for bit on
-nybble's kernels and XLA alike where every output column is computed alone (a GEMM's columns do not
-interact). Checkpoints stay per projection: ``save_model`` and ``save_pretrained`` write the parts.
+side by side, one grouped launch; int4 ones a :class:`FusedExpertsGateUp`, interleaved as below, whose
+grouped kernel computes the SiLU product too). Projections that read the same input are concatenated along N
+into one weight: a ``QuantizedWeight`` of N = N_q + N_k + N_v (its codes and scales the parts' own, column
+for column: exact), or one float kernel. The fused layer's output is split back, so the numbers are those of
+the separate layers: bit for bit on nybble's kernels and XLA alike where every output column is computed
+alone (a GEMM's columns do not interact). Checkpoints stay per projection: ``save_model`` and
+``save_pretrained`` write the parts.
 
 An int4 MLP's gate and up (one width, no bias) fuse into a :class:`FusedGateUp`: their columns interleaved
-in blocks of 8 (``nybble.packing.gate_up``), so that the Hopper kernel computes ``silu(gate) * up`` in its
+in blocks of 8 (``nybble.packing.gate_up``), so that nybble's kernels compute ``silu(gate) * up`` in their
 epilogue at decode (``FusedGateUp.swiglu``): the MLP's elementwise launch goes too.
 
 Fused: every ``Attention`` whose q/k/v (and ``MLP`` whose gate/up) are all ``QLinear`` of one format, or
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nybble.kernels.ops.ragged_swiglu_matmul import ragged_swiglu_matmul
 from nybble.kernels.ops.swiglu_matmul import swiglu_matmul
 from nybble.models.definitions.layers import QLinear
 from nybble.packing.gate_up import concatenated_order, gate_up_order, interleavable, split_gate_up
@@ -103,6 +105,27 @@ class FusedExperts(FusedLinear):
         return tuple(jnp.split(y, np.cumsum(self.sizes[:-1]).tolist(), axis=-1))
 
 
+class FusedExpertsGateUp(FusedExperts):
+    """A MoE's int4 expert stacks gate and up as one ``QExperts`` whose columns, expert by expert,
+    interleave them in blocks of 8 (``nybble.packing.gate_up``), so that :meth:`swiglu` runs
+    ``silu(gate) * up`` in the grouped kernel's epilogue (one launch,
+    ``nybble.kernels.ragged_swiglu_matmul``).
+    ``fused(x, group_sizes)`` still returns ``(gate, up)``."""
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> tuple[jax.Array, ...]:  # type: ignore[override]
+        return split_gate_up(self.inner(x, group_sizes))
+
+    def swiglu(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """``silu(gate) * up`` of x's rows, sorted by expert (``group_sizes``)."""
+        inner = self.inner
+        return ragged_swiglu_matmul(x, inner.weight, group_sizes, implementation=inner.implementation)
+
+    def parts(self) -> list[Any]:
+        order = concatenated_order(self.sizes[0])
+        concatenated = jax.vmap(lambda qw: permute_columns(qw, order))(self.inner.weight)
+        return _split(type(self.inner)(concatenated, implementation=self.inner.implementation), self.sizes)
+
+
 class FusedParts:
     """For modules whose projections may be fused: ``attn.q_proj`` (any part's old name) still reads,
     giving the part split off the fused layer (a copy: to change a part, ``unfuse_projections`` first)."""
@@ -147,12 +170,12 @@ def permute_columns(qw: QuantizedWeight, order: Any) -> QuantizedWeight:
 
 
 def _gate_up_interleavable(parts: list[Any]) -> bool:
-    """Int4 gate and up of one width in whole blocks, with no bias (the epilogue adds none)."""
-    return (
-        all(type(p) is QLinear and p.bias is None for p in parts)
-        and parts[0].out_features == parts[1].out_features
-        and interleavable(parts[0].out_features)
+    """Int4 gate and up of one width in whole blocks: linears with no bias (the epilogue adds none), or
+    expert stacks."""
+    int4 = all(type(p) is QLinear and p.bias is None for p in parts) or all(
+        type(p).__name__ == "QExperts" for p in parts
     )
+    return int4 and parts[0].out_features == parts[1].out_features and interleavable(parts[0].out_features)
 
 
 def split_columns(qw: QuantizedWeight, sizes: Sequence[int]) -> list[QuantizedWeight]:
@@ -294,9 +317,14 @@ def fuse_projections(model: nnx.Module) -> int:
             kind = FusedExperts if type(parts[0]).__name__ in ("Experts", "QExperts") else FusedLinear
             inner = _fuse(parts)
             if fused_name == "gate_up_proj" and _gate_up_interleavable(parts):
-                kind = FusedGateUp
                 order = gate_up_order(sizes[0])
-                inner = QLinear(permute_columns(inner.weight, order), implementation=inner.implementation)
+                if kind is FusedExperts:  # each expert's columns, as concat_columns joined them
+                    kind = FusedExpertsGateUp
+                    weight = jax.vmap(lambda qw, order=order: permute_columns(qw, order))(inner.weight)
+                    inner = type(inner)(weight, implementation=inner.implementation)
+                else:
+                    kind = FusedGateUp
+                    inner = QLinear(permute_columns(inner.weight, order), implementation=inner.implementation)
             setattr(module, fused_name, kind(inner, names, sizes))
             for n in names:
                 delattr(module, n)
@@ -338,6 +366,7 @@ def unfused_copy(model: nnx.Module) -> nnx.Module:
 
 __all__ = [
     "FusedExperts",
+    "FusedExpertsGateUp",
     "FusedGateUp",
     "FusedLinear",
     "FusedParts",

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from nybble.kernels.backends import Implementation
-from nybble.models.definitions.fuse import FusedParts
+from nybble.models.definitions.fuse import FusedExpertsGateUp, FusedParts
 from nybble.models.definitions.layers import QuantizedParam, projections
 from nybble.ops import ragged_matmul
 from nybble.quant.qformat import QuantFormat
@@ -254,6 +254,8 @@ class ExpertMLP(FusedParts, nnx.Module):
 
     def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
         fused = vars(self).get("gate_up_proj")  # models.definitions.fuse: one grouped launch for both
+        if isinstance(fused, FusedExpertsGateUp):  # int4: the SiLU product in the grouped kernel too
+            return self.down_proj(fused.swiglu(x, group_sizes), group_sizes)
         if fused is not None:
             gate, up = fused(x, group_sizes)
         else:
@@ -332,17 +334,45 @@ class MoE(nnx.Module):
         reductions over hidden in XLA, need not wait for each other, and no launch applies the scale before
         the router (one launch fewer a layer). The logits are not rounded to x's dtype as ``router(x)``
         rounds them: the same experts up to logits that rounding would tie."""
-        cfg = self.config
         if not self.defers_norm:
             raise ValueError("MoE.deferred needs norm_topk_prob=True and no shared expert (see defers_norm)")
-        shape = h.shape
-        ht = h.reshape(-1, cfg.hidden_size)
+        ht = h.reshape(-1, self.config.hidden_size)
         scale = row_scale.reshape(-1, 1).astype(jnp.float32)
-        logits = self.router.logits(ht)
+        return self._scaled(ht, scale, self.router.logits(ht)).reshape(h.shape)
+
+    def normed(self, x: jax.Array, norm: Any) -> jax.Array:
+        """``self(norm(x))`` for an RMSNorm ``norm`` (``weight`` (hidden,), ``eps``), when
+        :attr:`defers_norm`: :meth:`deferred` with the norm's sum of squares in the router's launch. A
+        decode step's two reductions over hidden, the logits (T, experts) and the sum of squares (T,), are
+        two launches in XLA (sibling reductions fuse only where their outputs have one shape); here the sum
+        of squares is taken once per expert, (T, experts) like the logits, so XLA runs both in one launch,
+        reading x and the router's weight once (the weight only shapes the squares: XLA would turn a sum of
+        squares broadcast over the experts back into one sum, a launch of its own). The numbers of
+        ``deferred(*norm.deferred(x))``: the same products and sums, in float32."""
+        if not self.defers_norm:
+            raise ValueError("MoE.normed needs norm_topk_prob=True and no shared expert (see defers_norm)")
+        hidden = self.config.hidden_size
+        xt = x.reshape(-1, hidden)
+        xf = xt.astype(jnp.float32)
+        with jax.named_scope("norm"):
+            ht = (xf * norm.weight[...].astype(jnp.float32)).astype(x.dtype)
+        w = self.router.weight[...].astype(x.dtype).astype(jnp.float32)
+        logits = jnp.sum(ht.astype(jnp.float32)[:, None, :] * w, axis=-1)
+        # x * x where the weight is a number (every entry of a working router; a NaN one makes its logit
+        # NaN anyway): what keeps XLA from reducing the squares once and broadcasting the sum
+        squares = jnp.where(jnp.isnan(w), 0.0, xf[:, None, :] * xf[:, None, :])
+        total = jnp.sum(squares, axis=-1)[:, :1]  # (T, 1): every column holds the same sum
+        with jax.named_scope("norm"):
+            scale = jax.lax.rsqrt(total / hidden + norm.eps)
+        return self._scaled(ht, scale, logits).reshape(x.shape)
+
+    def _scaled(self, ht: jax.Array, scale: jax.Array, logits: jax.Array) -> jax.Array:
+        """The block's output (T, hidden) in ht's dtype for rows ``ht`` whose norm's ``scale`` (T, 1)
+        float32 is not yet applied, and the router's float32 ``logits`` of ht."""
+        cfg = self.config
         scores, totals, experts = route_scores(logits, cfg.top_k, norm_topk_prob=True, logit_scale=scale)
-        xt = (ht.astype(jnp.float32) * scale).astype(h.dtype)
-        out = self._routed(xt, scores, totals, experts)
-        return out.astype(h.dtype).reshape(shape)
+        xt = (ht.astype(jnp.float32) * scale).astype(ht.dtype)
+        return self._routed(xt, scores, totals, experts).astype(ht.dtype)
 
     def _routed(self, xt: jax.Array, scores: jax.Array, totals: jax.Array, experts: jax.Array) -> jax.Array:
         """The routed experts' weighted sum (T, hidden) float32 of tokens xt (T, hidden), for

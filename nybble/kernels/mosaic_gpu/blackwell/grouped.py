@@ -19,6 +19,7 @@ its expert's rows (``common.store_rows``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -40,7 +41,7 @@ from nybble.kernels.mosaic_gpu.grouped_config import active_experts, max_m_tiles
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.quant.qweight import QuantizedWeight
 
-__all__ = ["blackwell_grouped_matmul", "grouped_heuristic_config", "grouped_plan"]
+__all__ = ["blackwell_grouped_matmul", "grouped_heuristic_config", "grouped_plan", "launch_grouped"]
 
 
 # The widest M tile (x rows times K slices) the grouped picks slice: 4 rows an expert (decode). Wider, the
@@ -135,15 +136,26 @@ def blackwell_grouped_matmul(
         )
     if num_sms < 1:
         raise ValueError(f"blackwell_grouped_matmul: num_sms={num_sms} must be positive")
-    rows, k = x.shape
+    rows = x.shape[0]
     _check_values(group_sizes, rows)
     if rows == 0:
         return jnp.zeros((0, qw.shape[1]), x.dtype)
     p, work = grouped_plan(rows, qw, num_sms=int(num_sms), config=config, dtype=x.dtype)
+    return launch_grouped(x, qw, group_sizes, p, work)
+
+
+def launch_grouped(
+    x: jax.Array, qw: QuantizedWeight, group_sizes: jax.Array, p: BlackwellProblem, work: GroupedWork
+) -> jax.Array:
+    """The grouped launch of a plan (arguments checked by the caller): (rows, N) in x's dtype, or (rows,
+    N / 2) with ``p.swiglu`` (``grouped_swiglu.py``: no row scale, ``p.norm`` None)."""
+    rows, k = x.shape
+    p = dataclasses.replace(p, dtype=x.dtype)
     if active_params() is None:
         x = hopper_api._requires_gpu_p.bind(x)
     if k != p.k_pad or p.x_rows != rows:  # the dense kernel's padding (K to 64, rows to whole 8-row tiles)
         x = jnp.pad(x, ((0, p.x_rows - rows), (0, p.k_pad - k)))
     operands = [group_sizes, *operand_views(p, qw.codes, x, qw.scales, qw.offsets)]
     y = launch(p, operands, work)  # (out_rows, n): under K slices x's padded rows, zeros past the groups
-    return y if y.shape == (rows, qw.shape[1]) else y[:rows, : qw.shape[1]]
+    n = p.n if p.swiglu else qw.shape[1]  # (p.n may be N_pad: whole 64-column TMA stores)
+    return y if y.shape == (rows, n) else y[:rows, :n]

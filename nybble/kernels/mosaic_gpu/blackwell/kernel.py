@@ -149,9 +149,14 @@ class BlackwellProblem:
     x_rows: int
     # The SwiGLU epilogue (nybble/kernels/mosaic_gpu/swiglu.py, as on Hopper): W's columns gate and up
     # interleaved, y (rows, n) their silu(r gate) * (r up), r from a (rows,) f32 sum of squares after the
-    # other operands, ``norm`` = (dim, eps).
+    # other operands, ``norm`` = (dim, eps); ``norm`` None: r = 1 and no such operand (grouped_swiglu.py).
     swiglu: bool = False
-    norm: tuple[float, float] = (1.0, 1.0)
+    norm: tuple[float, float] | None = (1.0, 1.0)
+
+    @property
+    def row_scaled(self) -> bool:
+        """Whether the SwiGLU epilogue reads each row's sum of squares (the operand after the others)."""
+        return self.swiglu and self.norm is not None
 
     @property
     def per_column(self) -> bool:
@@ -471,7 +476,7 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
         bias_tmem, rest = (rest[0], rest[1:]) if bias else (None, rest)
         loaded, a_ready, mma_done, x_free, codes_free, y_smem, *rest = rest
         row_norm = None
-        if p.swiglu:  # the rows' sums of squares: the last operand, the last scratch
+        if p.row_scaled:  # the rows' sums of squares: the last operand, the last scratch
             *rest, row_norm = rest
             ins, row_norm_gmem = ins[:-1], ins[-1]
         handoff, sliced = (rest[0], rest[1:]) if handing_off else (None, rest)
@@ -639,7 +644,7 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                         partials = partials.reshape(c.tiles, 64, c.tile_m)
                     sum_slices(
                         partials, y_smem, slices=s, tiles=c.tiles, rows=c.x_rows_per_tile,
-                        row_norm_ref=row_norm, norm=p.norm,
+                        swiglu_pairs=p.swiglu, row_norm_ref=row_norm, norm=p.norm or (1.0, 1.0),
                     )  # fmt: skip
                     plgpu.commit_smem()
                     if tile.rows is None:  # the one M tile: x's rows
@@ -673,7 +678,7 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             steps = (p.k_steps - w + 1) // 2
             if steps == 0:
                 return
-            if p.swiglu and w == (0 if fold else (p.k_steps - 1) % 2):  # the warpgroup that stores y
+            if p.row_scaled and w == (0 if fold else (p.k_steps - 1) % 2):  # the warpgroup storing y
                 stage_row_norm()
             step = lambda i, carry: dequant_step(2 * i + w, w, carry)
             last_scales = lax.fori_loop(0, steps, step, fold_init(w))
@@ -701,7 +706,7 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
         def single_warpgroup() -> None:
             """The one dequantizing warpgroup (weights route): every step, waiting for the MMAs of two steps
             back, then the last two steps' MMAs (every phase observed)."""
-            if p.swiglu:
+            if p.row_scaled:
                 stage_row_norm()
             lax.fori_loop(0, p.k_steps, lambda ki, _: dequant_step(ki, lax.rem(ki, 2), None), None)
             for ki in range(max(p.k_steps - 2, 0), p.k_steps):
@@ -725,6 +730,12 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                 # leaves Mosaic GPU's layout inference no solution at 16- and 32-row M tiles (out of fuel).
                 # Under K slices y_smem is untiled, as the slices' sum writes it: stored as it is (the
                 # transposed view's minor dimension is strided there, which a vector store refuses).
+                if s > 1 and p.swiglu:
+                    # Its y_smem's half-width rows (one column per gate/up pair) may not make the 128
+                    # elements a splat store needs (4 x 16): the epilogue of a zero accumulator
+                    # stores them, silu(0) * 0.
+                    epilogue(jnp.zeros((c.tile_n, c.tile_m), jnp.float32))
+                    return
                 if s == 1:
                     y_smem.T[...] = jnp.zeros(y_smem.T.shape, p.dtype)
                 else:
@@ -735,7 +746,7 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
 
         run_tile(tile, compute, zeros)
 
-    weight_ops = operands[:-1] if p.swiglu else operands
+    weight_ops = operands[:-1] if p.row_scaled else operands
     codes_dtype, scale_dtype = weight_ops[-n_weight_ops - 2].dtype, weight_ops[-n_weight_ops].dtype
     if active_params() is not None:  # each warpgroup holds a host thread while it waits at a barrier
         check_warpgroup_threads(dequant_wgs + 1, kernel_name(p, work.name))
@@ -765,7 +776,7 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
             # handoff: warpgroup 1's total, in TMEM for warpgroup 0
             *([plgpu.Barrier(num_arrivals=1, orders_tensor_core=True)] if handing_off else []),
             *([plgpu.SMEM((c.tile_n, c.tile_m), jnp.float32)] if s > 1 else []),
-            *([plgpu.SMEM((c.x_rows_per_tile,), jnp.float32)] if p.swiglu else []),  # the sums of squares
+            *([plgpu.SMEM((c.x_rows_per_tile,), jnp.float32)] if p.row_scaled else []),  # sums of squares
         ],
         # No automatic barriers (see the module docstring): Mosaic would fence each SMEM store with two.
         compiler_params=plgpu.CompilerParams(
