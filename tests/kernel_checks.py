@@ -250,6 +250,21 @@ def gpu_tests_mode() -> tuple[str, str]:
     return mode
 
 
+def run_where_gpu_tests_run(run, mode: str):
+    """``run()`` (a Hopper kernel call) where :func:`gpu_tests_mode` says: under ``jit`` on the GPU, or in
+    GPU interpret mode with the race detector, asserting it flagged no race."""
+    import nybble.kernels
+    import nybble.kernels.mosaic_gpu as mg
+
+    if mode != "interpret":
+        return jax.block_until_ready(jax.jit(run)())
+    mg.reset_state()
+    with nybble.kernels.interpret(detect_races=True):
+        y = jax.block_until_ready(run())
+    assert not mg.races_found(), "the race detector flagged a data race"
+    return y
+
+
 def k_wrapping_the_pipeline(config, group: int | None, *, past_k: bool = False) -> int:
     """K_pad of a test problem for ``config`` whose every split-K partition runs one K step more than
     its pipeline slots (``max_concurrent_steps + 1``), so that every slot is released and refilled once,

@@ -25,7 +25,13 @@ from nybble.kernels import ragged_swiglu_matmul, reference_ragged_matmul
 from nybble.kernels.mosaic_gpu import grouped_swiglu
 from nybble.kernels.mosaic_gpu.config import TuningConfig
 from nybble.packing.gate_up import concatenated_order
-from tests.kernel_checks import activations, exact_weight, gpu_tests_mode, k_wrapping_the_pipeline
+from tests.kernel_checks import (
+    activations,
+    exact_weight,
+    gpu_tests_mode,
+    k_wrapping_the_pipeline,
+    run_where_gpu_tests_run,
+)
 from tests.test_swiglu import _assert_within_half_ulp
 
 MODE, WHY = gpu_tests_mode()
@@ -88,13 +94,7 @@ def test_hopper_grouped_epilogue_within_rounding_of_float64(config, sizes, rows,
     x = _x(rng, rows, k, dtype)
     g = jnp.asarray(sizes, jnp.int32)
     run = lambda: grouped_swiglu.mosaic_gpu_grouped_swiglu(x, qw, g, config=config, num_sms=NUM_SMS)
-    if MODE == "interpret":
-        mg.reset_state()
-        with nybble.kernels.interpret(detect_races=True):
-            y = jax.block_until_ready(run())
-        assert not mg.races_found(), "the race detector flagged a data race"
-    else:
-        y = jax.block_until_ready(jax.jit(run)())
+    y = run_where_gpu_tests_run(run, MODE)
     assert y.shape == (rows, n // 2)
     _check(y, x, qw, sizes, dtype)
 

@@ -23,7 +23,13 @@ from nybble.kernels.mosaic_gpu.config import TuningConfig, swiglu_reason
 from nybble.kernels.mosaic_gpu.hardware import structure
 from nybble.packing.gate_up import concatenated_order, gate_up_order, interleavable, split_gate_up
 from nybble.quant.qweight import dequantize
-from tests.kernel_checks import activations, exact_weight, gpu_tests_mode, k_wrapping_the_pipeline
+from tests.kernel_checks import (
+    activations,
+    exact_weight,
+    gpu_tests_mode,
+    k_wrapping_the_pipeline,
+    run_where_gpu_tests_run,
+)
 
 MODE, WHY = gpu_tests_mode()
 NUM_SMS = 132
@@ -112,14 +118,9 @@ def test_kernel_epilogue_within_rounding_of_float64(config, m, symmetric, dtype,
     norm = (float(k), 1e-5)
     # r = rsqrt(s / K + eps) in 3e-4..3e-3: r times the exact products (thousands) spans silu's range.
     s = jnp.asarray(rng.uniform(1e5, 1e7, m) * k, jnp.float32) if with_norm else None
-    run = lambda: swiglu.mosaic_gpu_swiglu(x, qw, s, norm=norm, config=config, num_sms=NUM_SMS)
-    if MODE == "interpret":
-        mg.reset_state()
-        with nybble.kernels.interpret(detect_races=True):
-            y = jax.block_until_ready(run())
-        assert not mg.races_found(), "the race detector flagged a data race"
-    else:
-        y = jax.block_until_ready(jax.jit(run)())
+    y = run_where_gpu_tests_run(
+        lambda: swiglu.mosaic_gpu_swiglu(x, qw, s, norm=norm, config=config, num_sms=NUM_SMS), MODE
+    )
     assert y.shape == (m, n // 2) and y.dtype == dtype
     ref = _float64_swiglu(x, qw, s, norm)
     assert np.abs(ref).max() > 1.0 and np.isfinite(ref).all()  # the check below has something to check

@@ -170,13 +170,19 @@ def swiglu_unsupported(x: Any, qw: QuantizedWeight, *, forced: bool) -> str | No
     (``hardware.SWIGLU_VERIFIED``)."""
     if (why := no_kernel_here()) is not None:
         return why
-    if (why := swiglu.unsupported(x, qw)) is not None:
+    if (why := swiglu.unsupported(x, qw) or _swiglu_unverified(forced)) is not None:
         return why
+    if not swiglu.fits(x.shape[0], qw, _swiglu_sms(), family=_swiglu_family()):
+        return f"no config with the SwiGLU epilogue fits M={x.shape[0]} (K-sliced decode configs)"
+    return None
+
+
+def _swiglu_unverified(forced: bool) -> str | None:
+    """On a real Hopper or Blackwell GPU, unless ``forced``: the SwiGLU epilogues (dense and grouped) wait for
+    a hardware check (``hardware.SWIGLU_VERIFIED``)."""
     on_hardware = on_hopper_hardware() or (not is_interpret_active() and family() == "blackwell")
     if not forced and on_hardware and not hardware.SWIGLU_VERIFIED:
         return "the SwiGLU epilogue has not run on a GPU yet (hardware.SWIGLU_VERIFIED)"
-    if not swiglu.fits(x.shape[0], qw, _swiglu_sms(), family=_swiglu_family()):
-        return f"no config with the SwiGLU epilogue fits M={x.shape[0]} (K-sliced decode configs)"
     return None
 
 
@@ -208,11 +214,8 @@ def ragged_swiglu_unsupported(x: Any, qw: QuantizedWeight, group_sizes: Any, *, 
     hardware check."""
     if (why := no_kernel_here()) is not None:
         return why
-    if (why := grouped_swiglu.unsupported(x, qw, group_sizes)) is not None:
+    if (why := grouped_swiglu.unsupported(x, qw, group_sizes) or _swiglu_unverified(forced)) is not None:
         return why
-    on_hardware = on_hopper_hardware() or (not is_interpret_active() and family() == "blackwell")
-    if not forced and on_hardware and not hardware.SWIGLU_VERIFIED:
-        return "the SwiGLU epilogue has not run on a GPU yet (hardware.SWIGLU_VERIFIED)"
     if not grouped_swiglu.fits(x.shape[0], qw, _grouped_sms(), family=_swiglu_family()):
         return f"no grouped config with the SwiGLU epilogue fits {x.shape[0]} rows (K-sliced decode configs)"
     return None

@@ -35,7 +35,7 @@ from nybble.kernels.mosaic_gpu.grouped import (
     grouped_is_supported,
     grouped_plan,
 )
-from nybble.kernels.mosaic_gpu.swiglu import OUT_COLUMNS
+from nybble.kernels.mosaic_gpu.swiglu import width_reason
 from nybble.kernels.mosaic_gpu.w4a16 import w4a16_single_wg
 from nybble.kernels.ops.ragged_matmul.reference import reference_ragged_matmul
 from nybble.packing.gate_up import concatenated_order
@@ -48,15 +48,7 @@ def unsupported(x: Any, qw: Any, group_sizes: Any) -> str | None:
     """Why the grouped kernels cannot run the SwiGLU epilogue on these arguments, or None: what the plain
     grouped kernel refuses, or a per-expert N that is not 2 x a multiple of 64 (gate and up, each stored
     straight into y: ``swiglu.OUT_COLUMNS``)."""
-    if (why := grouped_is_supported(x, qw, group_sizes)) is not None:
-        return why
-    n = qw.shape[1]
-    if n % (2 * OUT_COLUMNS):
-        return (
-            f"the weight's N={n} is not 2 x a multiple of {OUT_COLUMNS} (gate and up, each stored straight "
-            "into y)"
-        )
-    return None
+    return grouped_is_supported(x, qw, group_sizes) or width_reason(qw.shape[1])
 
 
 def _allows(config: TuningConfig) -> bool:

@@ -40,9 +40,12 @@ OUT_COLUMNS = 64
 def unsupported(x2d: Any, qw: QuantizedWeight) -> str | None:
     """Why the kernel cannot run the SwiGLU epilogue on these arguments, or None: what the plain kernel
     refuses, an odd number of columns, or a half N it cannot store straight."""
-    if (why := is_supported(x2d, qw)) is not None:
-        return why
-    n = qw.shape[1]
+    return is_supported(x2d, qw) or width_reason(qw.shape[1])
+
+
+def width_reason(n: int) -> str | None:
+    """Why a gate/up weight of N columns (each expert's, for the grouped kernels) cannot be stored straight
+    into y by the epilogue, or None: N / 2 must be whole ``OUT_COLUMNS`` TMA tiles."""
     if n % (2 * OUT_COLUMNS):
         return (
             f"the weight's N={n} is not 2 x a multiple of {OUT_COLUMNS} (gate and up, each stored straight "
@@ -189,4 +192,6 @@ def mosaic_gpu_swiglu(
     return _swiglu(x2d, qw, sum_of_squares, norm, config, int(num_sms), family)
 
 
-__all__ = ["OUT_COLUMNS", "fits", "mosaic_gpu_swiglu", "reference", "swiglu_plan", "unsupported"]
+__all__ = [
+    "OUT_COLUMNS", "fits", "mosaic_gpu_swiglu", "reference", "swiglu_plan", "unsupported", "width_reason",
+]  # fmt: skip

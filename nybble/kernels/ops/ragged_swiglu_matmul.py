@@ -22,7 +22,7 @@ from nybble.kernels import backends
 from nybble.kernels.backends import Implementation
 from nybble.kernels.epilogue import swiglu
 from nybble.kernels.ops.ragged_matmul import api as ragged_api
-from nybble.packing.gate_up import GATE_UP_BLOCK
+from nybble.kernels.ops.swiglu_matmul import check_gate_up_columns
 from nybble.quant.qweight import QuantizedWeight
 
 WHAT = "nybble.kernels.ragged_swiglu_matmul"
@@ -35,13 +35,7 @@ def _check(x: Any, qw: Any, group_sizes: Any) -> None:
             f"up interleaved (nybble.packing.gate_up), got {type(qw).__name__}"
         )
     ragged_api.check_args(x, qw, group_sizes)
-    n = qw.shape[1]
-    if n % (2 * GATE_UP_BLOCK):
-        raise ValueError(
-            f"{WHAT}: each expert's weight has N={n} columns; a gate/up weight holds whole blocks of "
-            f"{GATE_UP_BLOCK} gate and {GATE_UP_BLOCK} up columns (N a multiple of {2 * GATE_UP_BLOCK}: "
-            "nybble.packing.gate_up)"
-        )
+    check_gate_up_columns(WHAT, qw.shape[1])
 
 
 def ragged_swiglu_matmul(

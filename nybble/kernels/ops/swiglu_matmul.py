@@ -38,13 +38,7 @@ def _check(x: Any, qw: Any, sum_of_squares: Any) -> None:
             f"(nybble.packing.gate_up), got {type(qw).__name__}"
         )
     matmul_api.check_args(x, qw)
-    n = qw.shape[1]
-    if n % (2 * GATE_UP_BLOCK):
-        raise ValueError(
-            f"{WHAT}: the weight has N={n} columns; a gate/up weight holds whole blocks of {GATE_UP_BLOCK} "
-            f"gate and {GATE_UP_BLOCK} up columns (N a multiple of {2 * GATE_UP_BLOCK}: "
-            "nybble.packing.gate_up)"
-        )
+    check_gate_up_columns(WHAT, qw.shape[1])
     if sum_of_squares is not None:
         shape = tuple(np.shape(sum_of_squares))
         if shape not in (tuple(x.shape[:-1]), (*x.shape[:-1], 1)):
@@ -52,6 +46,17 @@ def _check(x: Any, qw: Any, sum_of_squares: Any) -> None:
                 f"{WHAT}: sum_of_squares has shape {shape}; expected x's rows {tuple(x.shape[:-1])} "
                 f"(or {(*x.shape[:-1], 1)})"
             )
+
+
+def check_gate_up_columns(what: str, n: int) -> None:
+    """Refuses a gate/up weight (each expert's, for the grouped op) of N columns that are not whole blocks
+    of gate and up (``nybble.packing.gate_up``)."""
+    if n % (2 * GATE_UP_BLOCK):
+        raise ValueError(
+            f"{what}: the weight has N={n} columns; a gate/up weight holds whole blocks of {GATE_UP_BLOCK} "
+            f"gate and {GATE_UP_BLOCK} up columns (N a multiple of {2 * GATE_UP_BLOCK}: "
+            "nybble.packing.gate_up)"
+        )
 
 
 def xla_swiglu_matmul(
@@ -107,4 +112,4 @@ def swiglu_matmul(
     return swiglu(y, s, norm).astype(x.dtype).reshape(*lead, n // 2)
 
 
-__all__ = ["swiglu_matmul", "xla_swiglu_matmul"]
+__all__ = ["check_gate_up_columns", "swiglu_matmul", "xla_swiglu_matmul"]
