@@ -93,6 +93,7 @@ def _assert_random_close(y, x, qw, ws, sizes, config=None):
     assert (np.asarray(y[row:], np.float64) == 0).all()
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("case,tiling", CASES, ids=[f"m{t[0]}_k{t[1]}_x{t[2]}" for _, t in CASES])
 def test_heuristic_configs(case, tiling):
     sizes, rows, k, n, group, symmetric, dtype, exact = case

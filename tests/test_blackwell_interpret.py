@@ -81,6 +81,7 @@ def _weight(rng, k, n, group, symmetric, scale_dtype, exact):
     return random_weight(rng, k, n, group, symmetric, scale_dtype=scale_dtype)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("case,tiling", CASES, ids=[f"m{t[0]}_k{t[1]}_s{t[2]}" for _, t in CASES])
 def test_heuristic_configs(case, tiling):
     m, k, n, group, symmetric, x_dtype, scale_dtype, exact = case

@@ -53,6 +53,7 @@ def _inputs(case, dtype):
 CASE_ID = "b{}h{}g{}d{}s{}p{}w{}-bs{}x{}-scale{}-norm{}"
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("case", CASES, ids=lambda c: CASE_ID.format(*c))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 def test_kernel_equals_float64_attention_and_writes_one_row(case, dtype):

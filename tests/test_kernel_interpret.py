@@ -210,6 +210,7 @@ def test_fast_io_callback_gives_the_callback_what_jax_does():
 
 
 # Heuristic configs of both families at odd shapes: SmolLM2's K = 576 (N 384 of its 1536: the suite's time).
+@pytest.mark.sweep
 @pytest.mark.parametrize(
     "m, k, n, group, symmetric",
     [
@@ -473,6 +474,7 @@ def test_256_wide_m_tile_exact(symmetric):
     _check(activations(rng, 300, 256, exact=True), qw, config, exact=True)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize(
     "name, group, symmetric",
     _GROUP_CASES,
@@ -665,6 +667,7 @@ def test_partial_last_k_step_rules():
 
 # Explicit configs: tiles 1..4, tile_k 64..256, pipelines of 2..5 slots, split-K 1..8, several M tiles
 # walked in planar-snake order (21 rows; bands of 2 leave a partial last band).
+@pytest.mark.sweep
 @pytest.mark.parametrize(
     "config",
     [
@@ -910,6 +913,7 @@ def _distinct_heuristic_configs() -> list[tuple[TuningConfig, int | None, bool, 
 # WGMMA's N (two M tiles, the last one partial, without K slices); a persistent
 # grid runs 4 output tiles on 3 CTAs. (Production shapes would take minutes each in interpret mode; their
 # lowering is checked in test_kernel_lowering.py and their SASS in test_xray.py.)
+@pytest.mark.sweep
 @pytest.mark.parametrize(
     "config, group, symmetric, past_k",
     _distinct_heuristic_configs(),

@@ -90,6 +90,7 @@ def _shape_for(cfg: TuningConfig) -> tuple[int, int, int]:
     return m, k, 2 * cfg.block_n
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("cfg", CODE_PATHS, ids=str)
 def test_every_config_exact(cfg):
     rng = np.random.default_rng(hash(str(cfg)) % 2**32)
@@ -102,6 +103,7 @@ def test_every_config_exact(cfg):
     assert_exact(y, x, qw)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize(
     "cfg",
     [

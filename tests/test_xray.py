@@ -408,6 +408,7 @@ def baseline() -> dict:
     return report.load_baseline()
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("case", _CASES, ids=lambda c: c.key.removesuffix("/" + MOSAIC))
 def test_kernel_xray_gate(case, compiled, baseline):
     record = compiled[case.key]
@@ -447,6 +448,7 @@ def test_gate_compiles_every_config_once():
     assert all(not sym for (*key, sym) in keys if tuple(key) in asym)
 
 
+@pytest.mark.sweep
 def test_folded_symmetric_loop_is_shorter_than_its_asymmetric_twin(compiled):
     """Why the gate compiles the asymmetric twin of a kernel that folds the bias when symmetric: the
     symmetric kernel (one FMA a group fewer, one accumulator) has the shorter main loop and no more
@@ -568,6 +570,7 @@ def instructions_per_weight_of_w(case, record) -> float:
     return record["report"]["kernels"][0]["loop"]["instructions_per_weight"] * covered / k_pad
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("case", _MOE_CASES, ids=lambda c: c.key.removesuffix("/" + MOSAIC))
 def test_moe_kernel_xray_gate(case, moe_compiled, baseline):
     """Each grouped kernel the heuristics pick at the MoE shapes: one launch, 0 spills, registers in budget,
@@ -590,6 +593,7 @@ def test_moe_kernel_xray_gate(case, moe_compiled, baseline):
         assert instructions_per_weight_of_w(case, record) <= 2.0
 
 
+@pytest.mark.sweep
 def test_moe_xla_peers_compile_to_launches_and_bytes(moe_compiled):
     """The XLA programs bench/moe.py times beside the grouped kernel (ragged_dot on the bf16 stack, on the
     dequantized int4 stack, nybble's XLA path) have X-ray rows: their launches and bytes, no main loop; the
