@@ -116,12 +116,13 @@ test: $(XRAY_STAMP)  # tests/test_xray.py compiles kernels with the toolchain
 
 # The exhaustive kernel sweeps (`@pytest.mark.sweep`), CI's second step (.ci/run): every config the
 # heuristics can pick in GPU interpret mode with the race detector (the Hopper kernel's configs one by one,
-# explicit configs of every structure, group sizes and random shapes, every Triton config, the B200 picks,
-# dense and grouped, the decode attention kernel's float64 grid) and the SASS X-ray gate over every pick at
+# explicit configs of every structure, group sizes and random shapes, every MoE kernel, every Triton config,
+# the B200 picks, dense and grouped, the decode attention kernel's float64 grid), every pick lowered for
+# CUDA (sm_90a and sm_100a; on jax 0.12 in the cuda12 step too), and the SASS X-ray gate over every pick at
 # the production shapes. Out of `make test` since 2026-12-07, when it took 742 s of its 600 on this
-# machine's two cores (the sweeps 113 s of it, the X-ray gate's compiles ~105 s).
+# machine's two cores. By file (--dist loadfile): the X-ray gate's module-wide compiles run once.
 test-sweeps: $(XRAY_STAMP)
-	$(PY) -m pytest -q -n 2 --dist load -m sweep
+	$(PY) -m pytest -q -n 2 --dist loadfile -m sweep
 
 # The quick tier for local iteration (under 2 minutes, on both cores): packing, quantization, the XLA path,
 # checkpoints, the API's refusals, the layering, the heuristics' golden picks and rules; no kernel runs, no

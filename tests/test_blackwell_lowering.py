@@ -77,6 +77,7 @@ def _distinct_cases():
     return cases
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("m,k,n,group,symmetric", _distinct_cases())
 def test_lower_every_heuristic_config(m, k, n, group, symmetric):
     text = _lower(m, _abstract_weight(k, n, group, symmetric)).as_text()
@@ -321,6 +322,7 @@ def _grouped_cases():
     return cases
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("rows,experts,k,n", _grouped_cases())
 def test_grouped_lowers_every_heuristic_tiling(rows, experts, k, n):
     text = _lower_grouped(rows, experts, k, n, 128, False).as_text()

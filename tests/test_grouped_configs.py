@@ -44,6 +44,7 @@ def _label(key) -> str:
     )
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("key", list(MOE_KERNELS), ids=_label)
 def test_every_moe_kernel_reduced(key):
     """Each kernel picked at the MoE shapes (issue 36's five models x 1..4096 tokens x gate/up and down,

@@ -205,6 +205,7 @@ def _picks(family: str) -> list:
     return [pytest.param(rows, qw, id=f"{tag}-{case}") for (tag, _), (rows, qw, case) in seen.items()]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("rows, qw", _picks("hopper"))
 def test_every_pick_lowers_for_cuda(rows, qw):
     experts, (k, _) = qw.codes.shape[0], qw.shape
@@ -214,6 +215,7 @@ def test_every_pick_lowers_for_cuda(rows, qw):
     assert "_swiglu" in text and text.count("custom_call @mosaic_gpu") == 1
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("rows, qw", _picks("blackwell"))
 def test_blackwell_picks_lower_for_sm100a(rows, qw):
     from nybble.kernels.mosaic_gpu.blackwell.target import target_arch

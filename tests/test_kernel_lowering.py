@@ -147,6 +147,7 @@ def test_heuristics_cover_every_code_path():
 _LOWERED = [*_CASES.values(), *_GATE_LOWERED_HERE.values()]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize(
     "m, k, n, group, symmetric",
     _LOWERED,

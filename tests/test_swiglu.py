@@ -204,6 +204,7 @@ def _picks():
     return [pytest.param(m, qw, id=tag) for tag, m, qw in seen.values()]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("m, qw", _picks())
 def test_every_pick_lowers_for_cuda(m, qw):
     fn = lambda x, qw, s: swiglu.mosaic_gpu_swiglu(x, qw, s, norm=(4096.0, 1e-5), num_sms=NUM_SMS)
@@ -271,6 +272,7 @@ def test_blackwell_epilogue_within_rounding_of_float64(k, n, m, symmetric):
     _assert_within_half_ulp(y, ref, jnp.bfloat16)
 
 
+@pytest.mark.sweep
 def test_blackwell_picks_lower_for_sm100a():
     """The B200 heuristics' picks for the epilogue at Llama-3-8B and 70B gate/up, M = 1, 8, 16, 32 (each
     tiling once), lowered for sm_100a with the epilogue in the kernel's name."""
