@@ -534,7 +534,7 @@ def store_tiles(
                 store_unoptimized(red.at[t], acc)
             sum_slices(
                 red, y_tile, slices=c.slices, tiles=c.tiles, rows=c.tile_m, swiglu_pairs=p.swiglu,
-                row_norm_ref=smem.get("row_norm"), norm=p.norm or (1.0, 1.0),
+                row_norm_ref=smem.get("row_norm"), norm=p.norm if p.swiglu else None,
             )  # fmt: skip
             plgpu.commit_smem()
             # The SwiGLU epilogue stores one column per gate/up pair: half the tile, from half the offset.

@@ -288,7 +288,7 @@ def sum_slices(
     rows: int,
     swiglu_pairs: bool = False,
     row_norm_ref: Any = None,
-    norm: tuple[float, float] = (1.0, 1.0),
+    norm: tuple[float, float] | None = None,
 ) -> None:
     """y tile (rows, tiles * 64 / S) in ``out_ref`` (bf16/f16 SMEM) from ``acc_ref`` (tiles, 64, S rows) f32.
 
@@ -300,7 +300,7 @@ def sum_slices(
     ``silu(r g) * (r u)`` of each pair in f32, rounded once, where the row's scale r = rsqrt(s / dim + eps)
     comes from its entry s of ``row_norm_ref`` ((rows,) f32 SMEM) and ``norm`` = (dim, eps): an RMSNorm's
     sum of squares, its scale computed here (XLA would spend a launch on the rsqrt of a reduction's
-    result); without ``row_norm_ref``, r = 1.
+    result); ``norm`` None (``Problem.norm``'s no row scale: no ``row_norm_ref``), r = 1.
     """
     width = 64 // slices
     if active_params() is not None:
@@ -309,13 +309,12 @@ def sum_slices(
         y = jnp.einsum("tbjrmk,jk->mtbr", acc, jnp.eye(slices, dtype=jnp.float32))
         y = y.reshape(rows, tiles * width)
         if swiglu_pairs:
-            y = swiglu(y, None if row_norm_ref is None else row_norm_ref[...], norm)
+            y = swiglu(y, None if norm is None else row_norm_ref[...], norm)
         out_ref[...] = y.astype(out_ref.dtype)
         return
     if swiglu_pairs:
-        scaled = row_norm_ref is not None
-        refs = (acc_ref, out_ref, row_norm_ref) if scaled else (acc_ref, out_ref)
-        _gpu_swiglu_slices(slices, tiles, rows, norm if scaled else None)(*refs)
+        refs = (acc_ref, out_ref) if norm is None else (acc_ref, out_ref, row_norm_ref)
+        _gpu_swiglu_slices(slices, tiles, rows, norm)(*refs)
         return
     _gpu_sum_slices(slices, tiles, rows)(acc_ref, out_ref)
 
@@ -391,7 +390,7 @@ def _gpu_swiglu_slices(slices: int, tiles: int, rows: int, norm: tuple[float, fl
     refs = 2 if norm is None else 3
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * refs)
-    def swiglu(ctx: Any, acc: Any, out: Any, *row_norm: Any) -> None:
+    def swiglu(ctx: Any, acc: Any, out: Any, *row_norm: Any) -> None:  # row_norm: () or (ref,)
         from jax.experimental.mosaic.gpu import utils
         from jaxlib.mlir import ir
         from jaxlib.mlir.dialects import arith, math, memref
@@ -400,9 +399,10 @@ def _gpu_swiglu_slices(slices: int, tiles: int, rows: int, norm: tuple[float, fl
         f32 = ir.F32Type.get()
         c = lambda v: arith.constant(ir.IndexType.get(), v)
         one = arith.constant(f32, 1.0)
-        dim, eps = (arith.constant(f32, float(v)) for v in norm or (1.0, 1.0))
         width = 64 // slices
         half = tiles * width // 2  # output columns: one per gate/up pair
+        if norm is not None:
+            dim, eps = (arith.constant(f32, float(v)) for v in norm)
         out_ty = ir.MemRefType(out.type).element_type
 
         def output(i: Any) -> None:
@@ -413,7 +413,7 @@ def _gpu_swiglu_slices(slices: int, tiles: int, rows: int, norm: tuple[float, fl
             up_col = arith.addi(gate_col, c(GATE_UP_BLOCK))
             total = lambda col: _column_total(acc, col, m, width, slices)
             z_gate, z_up = total(gate_col), total(up_col)
-            if row_norm:
+            if norm is not None:
                 r = math.rsqrt(arith.addf(arith.divf(memref.load(row_norm[0], [m]), dim), eps))
                 z_gate, z_up = arith.mulf(z_gate, r), arith.mulf(z_up, r)
             sigmoid = arith.divf(one, arith.addf(one, math.exp(arith.negf(z_gate))))

@@ -505,8 +505,9 @@ class Block(nnx.Module):
         ):
             h, norm = self.post_norm.deferred_sum(x)
             return x + self.mlp.scaled(h, norm), k_cache, v_cache
-        # MoE: one token only (batch 1), where the router's product is a reduction XLA runs beside the norm's;
-        # from 2 tokens it is a GEMM that wants the normalized rows, and deferring adds launches
+        # MoE: one token only (batch 1), where the router's product is a reduction that takes the norm's sum
+        # of squares in its launch (MoE.normed); from 2 tokens it is a GEMM that wants the normalized rows,
+        # and deferring adds launches
         if x.shape[0] * x.shape[1] == 1 and isinstance(self.mlp, MoE) and self.mlp.defers_norm:
             return x + self.mlp.normed(x, self.post_norm), k_cache, v_cache
         return x + self.mlp(self.post_norm(x)), k_cache, v_cache

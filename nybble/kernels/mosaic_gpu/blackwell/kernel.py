@@ -644,7 +644,7 @@ def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
                         partials = partials.reshape(c.tiles, 64, c.tile_m)
                     sum_slices(
                         partials, y_smem, slices=s, tiles=c.tiles, rows=c.x_rows_per_tile,
-                        swiglu_pairs=p.swiglu, row_norm_ref=row_norm, norm=p.norm or (1.0, 1.0),
+                        swiglu_pairs=p.swiglu, row_norm_ref=row_norm, norm=p.norm if p.swiglu else None,
                     )  # fmt: skip
                     plgpu.commit_smem()
                     if tile.rows is None:  # the one M tile: x's rows
