@@ -32,6 +32,8 @@ CASES = {
     ),
     "moe": StepCase("tiny-moe", "int4", BATCH, CONTEXT, 1, fused=True, donate=True),
     "moe-b1": StepCase("tiny-moe", "int4", 1, CONTEXT, 1, fused=True, donate=True),
+    # the softmax's top k (not renormalized): one token's routing sorts (tiny-moe's is by ranks)
+    "moe-softmax-b1": StepCase("tiny-moe-softmax", "int4", 1, CONTEXT, 1, fused=True, donate=True),
     # batch 64: XLA fuses the embedding gather into layer 0's residual add and launches the residual adds
     # apart from the norms
     "one-b64": StepCase("tiny-llama", "bf16", 64, CONTEXT, 1, fused=True, donate=True),
@@ -58,9 +60,9 @@ def test_launches_equal_xlas_thunk_sequence(records):
 
 def test_a_fusion_run_as_two_thunks_is_two_launches(records):
     # XLA runs the MoE top-k as a copy and a sort, two thunks of one fusion (the tiny model's 16 experts at
-    # batch 1, not at 2; Qwen3-30B-A3B's 128 at batch 1 and 64): the second is a launch of its own, moving
-    # no bytes.
-    for name in ("moe-b1",):
+    # batch 1, not at 2; Qwen3-30B-A3B's 128 at batch 64): the second is a launch of its own, moving no
+    # bytes.
+    for name in ("moe-softmax-b1",):
         step = records[name]["launches"]
         second = [la for la in step if la["name"].endswith("(thunk 2)")]
         assert [la["op_name"].rsplit("/", 1)[-1] for la in second] == ["top_k"], name
@@ -492,10 +494,31 @@ def test_the_moe_router_is_one_launch_reading_its_weight_once(records):
     # the float32 logits and the norm's sums of squares (one a logit: the sibling reductions' one shape)
     assert router[0]["result_bytes"] == 2 * cfg.moe.num_experts * 4
     # from the o projection's kernel to the experts' gate/up kernel: the router with the norm's sum of
-    # squares, the top k (two thunks), the pairs' sort and the rows' gather (7 with the (hidden, experts)
-    # router, 6 with the norm's sum of squares a launch of its own)
+    # squares, then the routing by ranks (next test)
     kernels = [i for i, la in enumerate(layer) if la["kind"] == "mosaic_gpu"]
-    assert kernels[2] - kernels[1] - 1 == 5, [la["name"] for la in layer[kernels[1] : kernels[2]]]
+    assert layer[kernels[1] + 1] is router[0], [la["name"] for la in layer[kernels[1] : kernels[2]]]
+
+
+def test_one_token_is_routed_by_ranks_without_a_sort(records):
+    # Batch 1 (moe.route_ranked): between the router's launch and the gate/up kernel, two launches of
+    # reductions over the experts and the k rows of x (jax 0.12's XLA writes the rows in the second; 0.11.2's
+    # in a launch of their own at the tiny model's size); after the down kernel, the weighted sum over the
+    # experts and the next norm's sum of squares. No top k, no sort: those of the softmax's top k
+    # (tiny-moe-softmax, not routed by ranks) are three launches, its top k two thunks.
+    cfg = config_for("tiny-moe")
+    ranked = [la for la in extrapolate(records["moe-b1"]["launches"], 1, 1) if la["layer"]]
+    names = [la["op_name"] for la in ranked]
+    assert not any(n.endswith(("/top_k", "/sort")) for n in names), names
+    kernels = [i for i, la in enumerate(ranked) if la["kind"] == "mosaic_gpu"]
+    routing = ranked[kernels[1] + 2 : kernels[2]]
+    assert all(la["op_name"].rsplit("/", 1)[-1].startswith("reduce") for la in routing[:2]), names
+    rows = cfg.moe.top_k * cfg.hidden_size * 2
+    assert len(routing) in (2, 3), names
+    assert routing[-1]["result_bytes"] >= rows and routing[0]["result_bytes"] < rows
+    after = names[kernels[3] + 1 :]
+    assert len(after) == 2 and after[1].endswith("/norm/reduce_sum"), names
+    softmax = [la["op_name"] for la in records["moe-softmax-b1"]["launches"]]
+    assert sum(n.endswith("/top_k") for n in softmax) == 2, softmax
 
 
 def test_the_experts_swiglu_product_is_in_the_gate_up_kernel(records):

@@ -8,7 +8,17 @@ from flax import nnx
 
 import nybble
 from nybble import models
-from nybble.models.definitions.moe import Experts, MoE, MoEConfig, QExperts, Router, route, sort_by_expert
+from nybble.models.definitions.moe import (
+    Experts,
+    MoE,
+    MoEConfig,
+    QExperts,
+    Router,
+    route,
+    route_ranked,
+    route_scores,
+    sort_by_expert,
+)
 from nybble.ops import available_ragged_implementations
 from nybble.quant.stacked import num_experts, unstack_weight
 
@@ -40,6 +50,49 @@ def test_route_matches_numpy(norm):
     np.testing.assert_array_equal(np.asarray(e), [[1, 2], [0, 1]])
     np.testing.assert_array_equal(np.asarray(e), re_)
     np.testing.assert_allclose(np.asarray(w), rw, rtol=1e-6)
+
+
+@pytest.mark.parametrize("experts,k", [(4, 2), (16, 3), (128, 8)])
+def test_route_ranked_chooses_and_weighs_as_the_top_k(experts, k):
+    # One token's routing without a sort: the top k's experts and weights, the rows in expert order.
+    rng = np.random.default_rng(experts)
+    logits = rng.normal(size=(40, experts)) * 3
+    logits[:10] = np.round(logits[:10])  # ties: the lower index first, as top_k takes them
+    logits[10] = 1.0  # all tied
+    logits[11, :2] = 0.0, -0.0  # top_k: +0 above -0
+    logits = np.asarray(jnp.asarray(logits, jnp.bfloat16).astype(jnp.float32))
+    ranked = jax.jit(lambda logit, s: route_ranked(logit, k, s))
+    for t, row in enumerate(logits):
+        scale = np.float32(0.5 + t / 40)
+        r = ranked(jnp.asarray(row), scale)
+        scores, totals, chosen = route_scores(
+            jnp.asarray(row[None]), k, norm_topk_prob=True, logit_scale=scale
+        )
+        chosen = np.asarray(chosen[0])
+        sizes = np.zeros(experts, np.int32)
+        sizes[chosen] = 1
+        np.testing.assert_array_equal(np.asarray(r.group_sizes), sizes)
+        in_order = np.sort(chosen)
+        np.testing.assert_array_equal(np.asarray(r.slots)[in_order], np.arange(k))
+        weights = np.asarray(scores[0] / totals[0])
+        got = np.asarray(r.scores) / np.asarray(r.totals)
+        np.testing.assert_allclose(got[chosen], weights, rtol=2e-6)
+        assert (np.asarray(r.scores)[sizes == 0] == 0).all()
+        np.testing.assert_allclose(np.asarray(r.totals), np.asarray(r.totals)[0], rtol=0)
+        ref_w = np.exp((row[chosen].astype(np.float64) - row.max()) * scale)
+        np.testing.assert_allclose(got[chosen], ref_w / ref_w.sum(), rtol=1e-5)
+
+
+def test_route_ranked_chooses_the_top_ks_experts_past_nan_signed_zeros_and_infinities():
+    # top_k's order is IEEE total order (+0 above -0, NaN above +inf): the same experts, and always k rows
+    row = jnp.asarray([0.5, np.nan, np.inf, -np.inf, 0.0, -0.0, -np.inf, 0.5, -0.0, 0.0], jnp.float32)
+    for k in range(1, 11):
+        r = route_ranked(row, k)
+        _, top = jax.lax.top_k(row, k)
+        sizes = np.zeros(10, np.int32)
+        sizes[np.asarray(top)] = 1
+        np.testing.assert_array_equal(np.asarray(r.group_sizes), sizes)
+        np.testing.assert_array_equal(np.asarray(r.slots)[np.sort(np.asarray(top))], np.arange(k))
 
 
 def test_sort_by_expert():
@@ -297,6 +350,14 @@ def test_the_deferred_norm_block_matches_numpy_on_the_normalized_rows():
     z = nnx.jit(lambda m, n, x: m.normed(x, n))(moe, norm, x)
     np.testing.assert_allclose(np.asarray(z), np.asarray(y), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(z), ref, rtol=2e-4, atol=2e-5)
+    # one token at a time (a batch-1 decode step): routed by ranks (route_ranked), the same numbers
+    for t in range(x.shape[0]):
+        one = nnx.jit(lambda m, n, x: m.normed(x, n))(moe, norm, x[t : t + 1])
+        np.testing.assert_allclose(np.asarray(one[0]), np.asarray(y[t]), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(one[0]), ref[t], rtol=2e-4, atol=2e-5)
+        h1, s1 = norm.deferred(x[t : t + 1])
+        one = nnx.jit(lambda m, h, s: m.deferred(h, s))(moe, h1, s1)
+        np.testing.assert_allclose(np.asarray(one[0]), np.asarray(y[t]), rtol=1e-5, atol=1e-6)
     for name in ("qwen3_moe", "shared_gated"):  # softmax before the top k, a shared expert: not deferred
         assert not MoE(CONFIGS[name], rngs=nnx.Rngs(0)).defers_norm
     with pytest.raises(ValueError, match="defers_norm"):

@@ -3,7 +3,7 @@
 The fields are those of the published config.json of each checkpoint (meta-llama/Meta-Llama-3-8B,
 meta-llama/Meta-Llama-3-70B, Qwen/Qwen3-30B-A3B), reduced to what the decoder reads;
 ``nybble.models.io.hf.config.decoder_config_from_hf`` turns them into a ``LlamaConfig`` as ``from_pretrained``
-would. ``tiny-llama`` and ``tiny-moe`` are small stand-ins for tests.
+would. ``tiny-llama``, ``tiny-moe`` and ``tiny-moe-softmax`` are small stand-ins for tests.
 """
 
 from __future__ import annotations
@@ -97,6 +97,9 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
         "vocab_size": 512,
     },
 }
+# OLMoE's and Qwen1.5-MoE's routing (the softmax's top k, not renormalized) at tiny-moe's size: a batch-1 step
+# that sorts for its top k (tiny-moe's routes one token by ranks, moe.route_ranked)
+HF_CONFIGS["tiny-moe-softmax"] = {**HF_CONFIGS["tiny-moe"], "norm_topk_prob": False}
 
 
 def config_for(name: str, num_layers: int | None = None) -> LlamaConfig:

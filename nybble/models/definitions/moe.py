@@ -14,8 +14,9 @@ The forward pass, dropless and with static shapes under ``jit``: the router's lo
 the experts, the top k per token (renormalized to sum 1 when ``norm_topk_prob``: Mixtral always, Qwen3-MoE per
 its config), the T * k (token, expert) pairs sorted by expert (a stable sort, so each expert's rows keep token
 order), ``ragged_matmul`` (int4) or ``lax.ragged_dot`` (float) for gate/up and for down, then the rows put
-back in token order and summed with their router weights. Shared experts are added to every token, scaled by
-``sigmoid(shared_expert_gate(x))`` when that gate exists (Qwen2-MoE).
+back in token order and summed with their router weights (a decode step's one token, ``MoE.normed`` and
+``MoE.deferred``: routed without a sort, :func:`route_ranked`). Shared experts are added to every token,
+scaled by ``sigmoid(shared_expert_gate(x))`` when that gate exists (Qwen2-MoE).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +108,52 @@ def route_scores(
         raise ValueError("route_scores: logit_scale needs norm_topk_prob=True (a softmax over all logits)")
     weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
     return weights, jnp.ones_like(weights[..., :1]), experts.astype(jnp.int32)
+
+
+class RankedRoutes(NamedTuple):
+    """One token's routing by ranks (:func:`route_ranked`), each field (E,): ``group_sizes`` int32 (1 for
+    the k chosen experts, else 0), ``slots`` int32 (a chosen expert's row among the k, the rows in expert
+    order), ``scores`` float32 (a chosen expert's weight times ``totals``, 0 for the others) and ``totals``
+    float32 (the chosen scores' sum, in every entry)."""
+
+    group_sizes: jax.Array
+    slots: jax.Array
+    scores: jax.Array
+    totals: jax.Array
+
+
+def route_ranked(logits: jax.Array, top_k: int, logit_scale: jax.Array | float = 1.0) -> RankedRoutes:
+    """:func:`route_scores` (renormalized) of one token's float32 logits (E,) without a sort: expert e is
+    chosen when fewer than k experts rank above it, in the order ``lax.top_k`` sorts by (IEEE total order:
+    +0 above -0, NaN above +inf; equal bits: the lower index first), so the same k experts, always k. Its
+    score exp((l_e - max l) x scale) is :func:`route_scores`' for the same expert. In XLA this is two
+    launches of reductions over the experts, each output (E,): the ranks and the largest logit, then the
+    group sizes, slots, scores and total (where top_k's sort is two launches, and sorting its k experts by
+    expert a third). ``logit_scale`` > 0 multiplies the logits after the choice (``MoE.deferred``)."""
+    e = logits.shape[0]
+    logits = logits.astype(jnp.float32)
+    # the float's bits as an int32 in the floats' total order (XLA's top_k comparator): negative floats'
+    # magnitude bits flipped, so more negative is lower and -0 (all ones) sits just below +0
+    bits = jax.lax.bitcast_convert_type(logits, jnp.int32)
+    key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+    ids = jnp.arange(e, dtype=jnp.int32)
+    lower_id = ids[None, :] < ids[:, None]  # (e, j): j < e
+    above = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & lower_id)
+    ranks = jnp.sum(above, axis=1, dtype=jnp.int32)
+    # The largest logit once per expert, (E,) like the ranks, so one launch with them: max(l_j, l_e) over
+    # j. (A max over j broadcast to (E,) is a reduction of another shape: a launch of its own.)
+    top = jnp.max(jnp.maximum(logits[None, :], logits[:, None]), axis=1)
+    chosen = ranks < top_k
+    exp = jnp.exp((logits - top) * logit_scale)
+    # Every sum below is over j for each e, so all four are one launch. The total and the chosen scores
+    # take e where its value is the same for every e (ranks >= 0, the diagonal): a sum XLA could see as one
+    # number would be a reduction of another shape, a launch of its own.
+    slots = jnp.sum(lower_id & chosen[None, :], axis=1, dtype=jnp.int32)
+    diagonal = ids[None, :] == ids[:, None]
+    group_sizes = jnp.sum(diagonal & chosen[None, :], axis=1, dtype=jnp.int32)
+    totals = jnp.sum(jnp.where(chosen[None, :] & (ranks[:, None] >= 0), exp[None, :], 0.0), axis=1)
+    scores = jnp.sum(jnp.where(diagonal & chosen[None, :], exp[None, :], 0.0), axis=1)
+    return RankedRoutes(group_sizes, slots, scores, totals)
 
 
 class Router(nnx.Module):
@@ -368,11 +415,28 @@ class MoE(nnx.Module):
 
     def _scaled(self, ht: jax.Array, scale: jax.Array, logits: jax.Array) -> jax.Array:
         """The block's output (T, hidden) in ht's dtype for rows ``ht`` whose norm's ``scale`` (T, 1)
-        float32 is not yet applied, and the router's float32 ``logits`` of ht."""
+        float32 is not yet applied, and the router's float32 ``logits`` of ht. One token (a batch-1 decode
+        step) is routed by ranks (:func:`route_ranked`, :meth:`_routed_one`): 5 launches from the logits
+        to the next norm's sum of squares, where the top k, the sort and the weighted sum take 7."""
         cfg = self.config
-        scores, totals, experts = route_scores(logits, cfg.top_k, norm_topk_prob=True, logit_scale=scale)
         xt = (ht.astype(jnp.float32) * scale).astype(ht.dtype)
+        if xt.shape[0] == 1:
+            return self._routed_one(xt, route_ranked(logits[0], cfg.top_k, scale[0, 0])).astype(ht.dtype)
+        scores, totals, experts = route_scores(logits, cfg.top_k, norm_topk_prob=True, logit_scale=scale)
         return self._routed(xt, scores, totals, experts).astype(ht.dtype)
+
+    def _routed_one(self, xt: jax.Array, routes: RankedRoutes) -> jax.Array:
+        """:meth:`_routed` of one token xt (1, hidden) routed by :func:`route_ranked`: its k rows (x k
+        times, the experts' rows in expert order) through the experts; each expert's row, its slot's,
+        weighted by its score and summed over the experts (float32), over the total.
+        One launch: a reduction over the experts, where the k weights in slot order would be a reduction
+        of their own (over the experts, of the slots)."""
+        k = self.config.top_k
+        y = self.experts(jnp.broadcast_to(xt, (k, xt.shape[1])), routes.group_sizes)  # (k, hidden)
+        # (E, hidden): each expert's row, its slot's; an unchosen expert's slot is a chosen one's, times 0
+        # (a select instead would keep XLA from fusing the gather into the sum: a launch more)
+        rows = y[jnp.minimum(routes.slots, k - 1)].astype(jnp.float32)
+        return (jnp.sum(rows * routes.scores[:, None], axis=0) / routes.totals[0])[None]
 
     def _routed(self, xt: jax.Array, scores: jax.Array, totals: jax.Array, experts: jax.Array) -> jax.Array:
         """The routed experts' weighted sum (T, hidden) float32 of tokens xt (T, hidden), for
@@ -407,11 +471,13 @@ __all__ = [
     "MoE",
     "MoEConfig",
     "QExperts",
+    "RankedRoutes",
     "Router",
     "SharedMLP",
     "expert_stacks",
     "num_weights",
     "route",
+    "route_ranked",
     "route_scores",
     "sort_by_expert",
 ]
