@@ -274,13 +274,20 @@ def test_qk_norms_take_one_launch(records):
 
 def test_moe_routing_sums_take_one_launch_with_the_group_sizes(records):
     # tiny-moe at batch 2 (8 token-expert pairs, 16 experts): between the attention's o kernel and the
-    # first grouped kernel, two sums past the norm: the pairs' places and the group sizes as sibling sums of
-    # one shape (one launch; sort_by_expert), and the sorted order. Three on the parent commit. The top-k
-    # weights' normalization is no launch of its own: the combine divides by their total (route_scores).
+    # first grouped kernel, two sums past the router's (which takes the norm's sum of squares, MoE.normed):
+    # the pairs' places and the group sizes as sibling sums of one shape (one launch; sort_by_expert), and
+    # the sorted order. The top-k weights' normalization is no launch of its own: the combine divides by
+    # their total (route_scores).
     layer = [la for la in extrapolate(records["moe"]["launches"], 1, 1) if la["layer"]]
     kernels = [i for i, la in enumerate(layer) if la["kind"] == "mosaic_gpu"]
     routing = layer[kernels[1] + 1 : kernels[2]]
-    sums = [la for la in routing if la["op_name"].endswith("/reduce_sum") and "/norm/" not in la["op_name"]]
+    sums = [
+        la
+        for la in routing
+        if la["op_name"].endswith("/reduce_sum")
+        and "/norm/" not in la["op_name"]
+        and not any("['router']" in s for s in la["operand_bytes"])  # the router's (MoE.normed)
+    ]
     assert len(sums) == 2, [la["op_name"] for la in routing]
     assert not any(la["op_name"].endswith(("/div", "/exp")) for la in layer), [la["op_name"] for la in layer]
 

@@ -36,7 +36,7 @@ from nybble.models.definitions.decode_attention import (
 )
 from nybble.models.definitions.fuse import FusedGateUp, FusedParts
 from nybble.models.definitions.layers import projections
-from nybble.models.definitions.moe import MoE
+from nybble.models.definitions.moe import NORMED_MAX_TOKENS, MoE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -505,10 +505,14 @@ class Block(nnx.Module):
         ):
             h, norm = self.post_norm.deferred_sum(x)
             return x + self.mlp.scaled(h, norm), k_cache, v_cache
-        # MoE: one token only (batch 1), where the router's product is a reduction that takes the norm's sum
-        # of squares in its launch (MoE.normed); from 2 tokens it is a GEMM that wants the normalized rows,
-        # and deferring adds launches
-        if x.shape[0] * x.shape[1] == 1 and isinstance(self.mlp, MoE) and self.mlp.defers_norm:
+        # MoE: up to NORMED_MAX_TOKENS tokens the router's product is a reduction that takes the norm's sum
+        # of squares in its launch (MoE.normed); past them XLA's GEMM, which wants the normalized rows
+        if (
+            x.shape[1] == 1
+            and x.shape[0] <= NORMED_MAX_TOKENS
+            and isinstance(self.mlp, MoE)
+            and self.mlp.defers_norm
+        ):
             return x + self.mlp.normed(x, self.post_norm), k_cache, v_cache
         return x + self.mlp(self.post_norm(x)), k_cache, v_cache
 

@@ -214,6 +214,13 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
     return order, inverse, group_sizes
 
 
+# Up to this many tokens a decode step's MoE block runs MoE.normed: the router's product a reduction over
+# hidden (reading its weight once a token, from L2 past the first), the norm's sum of squares beside it in
+# one launch. Past it XLA's GEMM after the norm launches less. Qwen3-30B-A3B's step on an H200 (jax 0.12,
+# 2026-12-07): 1 launch a layer fewer at 2, 8 and 16 tokens, 2 at 32, 1 more at 64.
+NORMED_MAX_TOKENS = 32
+
+
 class Experts(nnx.Module):
     """A stack of float linears, one per expert: ``kernel`` (experts, in, out); multiplies sorted rows."""
 
@@ -466,6 +473,7 @@ def num_weights(experts: Experts | QExperts) -> int:
 
 
 __all__ = [
+    "NORMED_MAX_TOKENS",
     "ExpertMLP",
     "Experts",
     "MoE",
