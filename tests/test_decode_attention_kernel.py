@@ -89,6 +89,43 @@ def test_kernel_equals_float64_attention_and_writes_one_row(case, dtype):
     assert np.abs(ref).max() > 0.1  # the reference is not trivially small
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: CASE_ID.format(*c))
+def test_the_last_split_merges_as_the_combine_launch_does(case):
+    # With arrival counters the last program of each (sequence, KV head) merges the splits' states in the
+    # attention's launch: the same output, bit for bit, as the second launch's merge, and every counter
+    # counts its splits.
+    b, h, _, d, _, position, window, block_s, splits, _, _ = case
+    qkv, k_cache, v_cache, row_ssq, norms, token = _inputs(case, jnp.bfloat16)
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
+    cfg = kernel.AttentionConfig(block_s=block_s, splits=splits)
+    args = (
+        *(jnp.asarray(a, jnp.bfloat16) for a in (qkv, k_cache, v_cache)),
+        jnp.int32(position), window, cfg, token, kernel.rope_factors(jnp.int32(position), inv_freq),
+    )  # fmt: skip
+    kw = dict(
+        row_sum_of_squares=None if row_ssq is None else jnp.asarray(row_ssq),
+        norm_weights=None if norms is None else tuple(jnp.asarray(w) for w in norms),
+        out_dtype=jnp.bfloat16,
+        interpret=True,
+    )
+    two, k_two, v_two = kernel.write_and_attend(*args, **kw)
+    arrivals = jnp.zeros((b, h + 3), jnp.int32)  # wider than the KV heads, as the model's (its x's width)
+    one, k_one, v_one = kernel.write_and_attend(*args, arrivals=arrivals, **kw)
+    assert one.shape == two.shape and one.dtype == two.dtype
+    np.testing.assert_array_equal(np.asarray(one), np.asarray(two))
+    np.testing.assert_array_equal(np.asarray(k_one), np.asarray(k_two))
+    np.testing.assert_array_equal(np.asarray(v_one), np.asarray(v_two))
+    ref, _, _ = kernel.reference(qkv, k_cache, v_cache, position, window, token, inv_freq, row_ssq, norms)
+    np.testing.assert_allclose(np.asarray(one, np.float64), ref, rtol=0, atol=3e-2)
+    for bad in (
+        jnp.zeros((b + 1, h), jnp.int32),
+        jnp.zeros((b, h), jnp.float32),
+        jnp.zeros((b * h,), jnp.int32),
+    ):
+        with pytest.raises(ValueError, match="arrivals must be int32"):
+            kernel.write_and_attend(*args, arrivals=bad, **kw)
+
+
 def test_output_in_the_projection_dtype_is_the_f32_output_rounded():
     case = CASES[0]
     qkv, k_cache, v_cache, _, _, token = _inputs(case, jnp.bfloat16)

@@ -23,9 +23,16 @@ first position to the one before ``position``: a short sequence reads only what 
   rounded to the cache's dtype, weight the values in a second MMA.
 The program whose split holds ``position`` then folds in the new token from registers (its score a dot
 product of d terms, its probability rounded as the MMA's are) and writes the new key and value rows; every
-program writes its split's (maximum, sum, output) for its ``groups`` query heads. A second launch
-(:func:`combine`, one program per sequence and KV head) merges the splits and writes the output
-projection's input in its dtype.
+program writes its split's (maximum, sum, output) for its ``groups`` query heads. Given ``arrivals``
+(int32 zeros, one counter per sequence and KV head), each program then counts itself in, and the last of
+(i, h) merges the splits and writes the output projection's input in its dtype, in this launch:
+- its state stores, every thread's, before a CTA barrier; then one thread's ``atom.add.acq_rel.gpu`` on
+  the counter (Triton's scalar atomic, its old value shared through SMEM behind a second barrier): the
+  release makes the stores visible at GPU scope to the program that acquires them with the last arrival;
+- the last program reads the states with ``ld.volatile`` (no stale L1 line), after its acquire.
+PTX of Llama-3-8B's step (sm_90a, ptxas 12.9, 2026-12-07) holds exactly this: ``bar.sync``,
+``@p atom.global.gpu.acq_rel.add.u32``, ``bar.sync``, then the ``ld.volatile.global`` loads. Without
+``arrivals`` a second launch (:func:`combine`, one program per sequence and KV head) merges them.
 
 Every row a program reads it owns: no split reads another's rows, and no program reads the new row from
 memory (the loop stops before it), so the in-place write races with nothing.
@@ -173,11 +180,22 @@ def _new_token(qkv_ref, rope_ref, scale_ref, qw_ref, kw_ref, i, h, *, token: New
     return q, k, v
 
 
-def _kernel(*refs, cfg: AttentionConfig, token: NewToken, window: int | None, scale: float):
+def _kernel(
+    *refs,
+    cfg: AttentionConfig,
+    token: NewToken,
+    window: int | None,
+    scale: float,
+    merge: bool,
+    interpret: bool,
+):
     pos_ref, qkv_ref, rope_ref, *rest = refs
     scale_ref = rest.pop(0) if token.row_norm else None
     qw_ref, kw_ref = (rest.pop(0), rest.pop(0)) if token.norm_eps else (None, None)
-    kc_ref, vc_ref, m_ref, l_ref, o_ref, kc_out, vc_out = rest
+    if merge:  # the arrivals' input ref (aliased to the output ref, which the kernel uses)
+        kc_ref, vc_ref, _, m_ref, l_ref, o_ref, kc_out, vc_out, y_ref, arrivals = rest
+    else:
+        kc_ref, vc_ref, m_ref, l_ref, o_ref, kc_out, vc_out = rest
     i, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bs = cfg.block_s
     per_split = kc_ref.shape[2] // bs // cfg.splits
@@ -185,9 +203,7 @@ def _kernel(*refs, cfg: AttentionConfig, token: NewToken, window: int | None, sc
     pos = pos_ref[()]
     lowest = pos - window + 1 if window is not None else 0  # the first position the query sees
     rows = padded_groups(token.groups)
-    q, k_new, v_new = _new_token(
-        qkv_ref, rope_ref, scale_ref, qw_ref, kw_ref, i, h, token=token, rows=rows
-    )
+    q, k_new, v_new = _new_token(qkv_ref, rope_ref, scale_ref, qw_ref, kw_ref, i, h, token=token, rows=rows)
     cache_dtype = kc_ref.dtype
     q, k_new, v_new = q.astype(cache_dtype), k_new.astype(cache_dtype), v_new.astype(cache_dtype)
 
@@ -237,15 +253,36 @@ def _kernel(*refs, cfg: AttentionConfig, token: NewToken, window: int | None, sc
         kc_out[i, h, pl.ds(pos, 1), :] = k_new  # kc_out aliases kc_ref's buffer
         vc_out[i, h, pl.ds(pos, 1), :] = v_new
 
+    if merge:
+        # The last split of (i, h) to arrive merges them all. Every thread's state stores come before the
+        # arrival (a CTA barrier: Triton issues a scalar atomic from one thread); the arrival releases them
+        # at GPU scope, and the last program's acquires the others' (an acq_rel atomic, Triton's default).
+        if not interpret:  # interpret mode runs the programs one after another
+            plgpu.debug_barrier()
+        arrived = plgpu.atomic_add(arrivals, (i, h), jnp.ones((), jnp.int32))
+
+        @pl.when(arrived == cfg.splits - 1)
+        def _merge():
+            # the other programs' states: volatile loads (ld.volatile, relaxed at system scope in PTX's
+            # memory model: never a stale L1 line; jax's ".cg" cache modifier does not lower)
+            top = plgpu.load(m_ref.at[i, h], volatile=True)
+            total = plgpu.load(l_ref.at[i, h], volatile=True)
+            out = plgpu.load(o_ref.at[i, h], volatile=True)
+            y_ref[i, h] = _merged(top, total, out).astype(y_ref.dtype)
+
+
+def _merged(top: jax.Array, total: jax.Array, out: jax.Array) -> jax.Array:
+    """The splits' online-softmax states, top and total (splits, rows) and out (splits, rows, d), merged:
+    (rows, d) float32."""
+    best = top.max(axis=0)
+    weight = jnp.exp(top - best[None, :])  # 0 for a split that saw no position (its maximum: f32's lowest)
+    norm = (total * weight).sum(axis=0)
+    return (out * weight[:, :, None]).sum(axis=0) / norm[:, None]
+
 
 def _combine_kernel(m_ref, l_ref, o_ref, y_ref):
     i, h = pl.program_id(0), pl.program_id(1)
-    top = m_ref[i, h]  # (splits, rows)
-    best = top.max(axis=0)
-    weight = jnp.exp(top - best[None, :])  # 0 for a split that saw no position (its maximum: f32's lowest)
-    norm = (l_ref[i, h] * weight).sum(axis=0)
-    out = (o_ref[i, h] * weight[:, :, None]).sum(axis=0)
-    y_ref[i, h] = (out / norm[:, None]).astype(y_ref.dtype)
+    y_ref[i, h] = _merged(m_ref[i, h], l_ref[i, h], o_ref[i, h]).astype(y_ref.dtype)
 
 
 def combine(top: jax.Array, total: jax.Array, out: jax.Array, groups: int, dtype: Any, *, interpret: bool):
@@ -284,12 +321,15 @@ def write_and_attend(
     *,
     row_sum_of_squares: jax.Array | None = None,
     norm_weights: tuple[jax.Array, jax.Array] | None = None,
+    arrivals: jax.Array | None = None,
     out_dtype: Any = jnp.float32,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The kernel (see module): (out (b, kv_heads, groups, d) of ``out_dtype``, k_cache, v_cache).
     ``rope``: :func:`rope_factors`; ``row_sum_of_squares`` (b,) f32 where ``token.row_norm``;
-    ``norm_weights`` (the q and k norms', (d,) each) where ``token.norm_eps``. Arguments are checked by
+    ``norm_weights`` (the q and k norms', (d,) each) where ``token.norm_eps``. ``arrivals``: (b, n >=
+    kv_heads) int32 zeros, the splits' arrival counters (column h: KV head h's): the last split of each
+    merges them in this launch (else :func:`combine`, a second launch). Arguments are checked by
     :func:`unsupported`."""
     b, kv_heads, max_len, d = k_cache.shape
     if max_len % (cfg.block_s * cfg.splits):
@@ -304,22 +344,50 @@ def write_and_attend(
     if norm_weights is not None:
         operands.extend(norm_weights)
     caches = len(operands)
-    state = (b, kv_heads, cfg.splits, state_rows(token.groups))
-    top, total, out, k_cache, v_cache = pl.pallas_call(
-        functools.partial(_kernel, cfg=cfg, token=token, window=window, scale=d**-0.5),
-        out_shape=(
-            jax.ShapeDtypeStruct(state, jnp.float32),
-            jax.ShapeDtypeStruct(state, jnp.float32),
-            jax.ShapeDtypeStruct((*state, d), jnp.float32),
-            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+    rows = state_rows(token.groups)
+    state = (b, kv_heads, cfg.splits, rows)
+    out_shape = [
+        jax.ShapeDtypeStruct(state, jnp.float32),
+        jax.ShapeDtypeStruct(state, jnp.float32),
+        jax.ShapeDtypeStruct((*state, d), jnp.float32),
+        jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+        jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+    ]
+    aliases = {caches: 3, caches + 1: 4}
+    merge = arrivals is not None
+    extra = []
+    if merge:
+        if (
+            arrivals.ndim != 2
+            or arrivals.shape[0] != b
+            or arrivals.shape[1] < kv_heads
+            or arrivals.dtype != jnp.int32
+        ):
+            raise ValueError(
+                f"arrivals must be int32 zeros of shape ({b}, n >= {kv_heads}), got {arrivals.dtype} "
+                f"{arrivals.shape}"
+            )
+        out_shape += [
+            jax.ShapeDtypeStruct((b, kv_heads, rows, d), out_dtype),
+            jax.ShapeDtypeStruct(arrivals.shape, jnp.int32),
+        ]
+        aliases[caches + 2] = 6
+        extra = [arrivals]
+    results = pl.pallas_call(
+        functools.partial(
+            _kernel, cfg=cfg, token=token, window=window, scale=d**-0.5, merge=merge, interpret=interpret
         ),
+        out_shape=tuple(out_shape),
         grid=(b, kv_heads, cfg.splits),
-        input_output_aliases={caches: 3, caches + 1: 4},
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="nybble_decode_attention",
-    )(*operands, k_cache, v_cache)
+    )(*operands, k_cache, v_cache, *extra)
+    top, total, out, k_cache, v_cache = results[:5]
+    if merge:
+        y = results[5]
+        return (y if rows == token.groups else y[:, :, : token.groups]), k_cache, v_cache
     return combine(top, total, out, token.groups, out_dtype, interpret=interpret), k_cache, v_cache
 
 

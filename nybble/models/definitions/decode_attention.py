@@ -4,8 +4,8 @@
 
 Two implementations (``DECODE_ATTENTION``), chosen per model with :func:`set_decode_attention`:
 ``"xla"`` (the default, below) and ``"triton"``, nybble's Pallas-on-Triton kernel
-(``nybble.kernels.triton.decode_attention``: the cache write and the attention in one launch, the splits
-merged in a second), on NVIDIA GPUs of compute capability 8.0 or newer, or on a CPU inside
+(``nybble.kernels.triton.decode_attention``: the cache write, the attention and the merge of its splits
+in one launch), on NVIDIA GPUs of compute capability 8.0 or newer, or on a CPU inside
 ``nybble.kernels.triton.backend.interpret()``. The kernel is not the default because it has not yet run
 on a GPU (none was lent since it was written): ``make gpu-check`` tests it against this XLA path.
 
@@ -120,13 +120,16 @@ def write_and_attend_on_kernel(
     inv_freq: np.ndarray,
     row_norm: tuple[jax.Array, int, float] | None,
     norms: tuple[jax.Array, jax.Array, float, float] | None,
+    counters_from: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The decode step's attention on the Triton kernel, from the q/k/v projections' output qkv (b, 1,
     (heads + 2 kv_heads) d): the input norm's deferred row scale as (sum of squares (b, 1, 1) f32, dim,
     eps) or None, the q/k norms (weights and eps) or None, the rotary embedding, the cache write and the
-    attention in one launch, the splits merged in a second; returns (out (b, 1, heads * d) in qkv's dtype,
-    k_cache, v_cache). Arguments are checked here (a clear error, never one from inside Pallas); the
-    machine at lowering, as for a forced ``nybble.matmul`` backend."""
+    attention in one launch; returns (out (b, 1, heads * d) in qkv's dtype, k_cache, v_cache). The splits
+    are merged by the last of them, in the launch, where ``counters_from`` (the projection's input x: the
+    launch that writes it writes their arrival counters, zeros of its shape) is given; else by a second
+    launch. Arguments are checked here (a clear error, never one from inside Pallas); the machine at
+    lowering, as for a forced ``nybble.matmul`` backend."""
     b, kv_heads, max_len, d = k_cache.shape
     rows = qkv.reshape(b, heads + 2 * kv_heads, d)
     eps = None if norms is None else (float(norms[2]), float(norms[3]))
@@ -136,10 +139,16 @@ def write_and_attend_on_kernel(
     cfg = kernel.choose_config(b, kv_heads, max_len, triton_backend.target_gpu().sms)
     with jax.named_scope("rope_factors"):  # the same for every layer: XLA computes them once a step
         rope = kernel.rope_factors(position, inv_freq)
+    arrivals = None
+    if counters_from is not None and cfg.splits > 1:
+        # The splits' arrival counters, zeros written by the launch that writes the projection's input (no
+        # launch of their own; an array of its shape, of which the kernel uses (b, kv_heads)): x * 0 is 0
+        # for a number, NaN for inf or NaN, and converts to 0 either way
+        arrivals = (counters_from.reshape(b, -1).astype(jnp.float32) * 0).astype(jnp.int32)
     out, k_cache, v_cache = kernel.write_and_attend(
         rows, k_cache, v_cache, position, window, cfg, token, rope,
         row_sum_of_squares=None if row_norm is None else row_norm[0].reshape(b),
-        norm_weights=None if norms is None else norms[:2],
+        norm_weights=None if norms is None else norms[:2], arrivals=arrivals,
         out_dtype=qkv.dtype, interpret=triton_backend.is_interpret_active(),
     )  # fmt: skip
     return out.reshape(b, 1, heads * d), k_cache, v_cache

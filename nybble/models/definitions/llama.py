@@ -383,7 +383,7 @@ class Attention(FusedParts, nnx.Module):
                 qkv, k_cache, v_cache, position,
                 heads=self.num_heads, window=self.sliding_window,
                 inv_freq=rope_frequencies(self.head_dim, float(self.rope_theta), self.rope_scaling),
-                row_norm=None if row_scale is None else tuple(row_scale), norms=norms,
+                row_norm=None if row_scale is None else tuple(row_scale), norms=norms, counters_from=x,
             )  # fmt: skip
         return self.o_proj(out), k_cache, v_cache
 
