@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from nybble.kernels.triton import decode_attention as kernel
-from nybble.kernels.triton.backend import interpret
+from nybble.kernels.triton.backend import interpret, target_gpu
 from nybble.models import Llama, quantize, set_decode_attention
 from nybble.models.evaluate.zoo import TINY_CONFIG
 
@@ -92,8 +92,8 @@ def test_kernel_equals_float64_attention_and_writes_one_row(case, dtype):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: CASE_ID.format(*c))
 def test_the_last_split_merges_as_the_combine_launch_does(case):
     # With arrival counters the last program of each (sequence, KV head) merges the splits' states in the
-    # attention's launch: the same output, bit for bit, as the second launch's merge, and every counter
-    # counts its splits.
+    # attention's launch: the same output, bit for bit, as the second launch's merge. With one split both
+    # calls write the output from the program (no state, no merge, counters or not); float64 checks it.
     b, h, _, d, _, position, window, block_s, splits, _, _ = case
     qkv, k_cache, v_cache, row_ssq, norms, token = _inputs(case, jnp.bfloat16)
     inv_freq = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
@@ -200,20 +200,27 @@ def test_set_decode_attention_refuses_unknown_names_and_models():
 
 
 @pytest.mark.parametrize(
-    "changes", [{}, {"sliding_window": 5}, {"qk_norm": True}], ids=["llama", "window", "qk_norm"]
+    "changes, max_len",
+    [({}, 32), ({"sliding_window": 5}, 32), ({"qk_norm": True}, 32), ({"qk_norm": True}, 512)],
+    ids=["llama", "window", "qk_norm", "qk_norm-splits"],
 )
-def test_decode_steps_on_the_kernel_equal_the_xla_path(changes):
+def test_decode_steps_on_the_kernel_equal_the_xla_path(changes, max_len):
     # The same bf16 model, prefilled, then 6 decode steps of the same tokens (teacher-forced: an untrained
     # model's near ties would let the two paths' greedy tokens part at the first rounding difference): the
     # kernel (interpret mode) against XLA's fused reductions. Layer 0's cache bit for bit (the same new
     # rows), logits within bf16's rounding of the probabilities, the same greedy token wherever the XLA
-    # path's top two logits are further apart than that.
+    # path's top two logits are further apart than that. A cache of 512 positions is read in splits, which
+    # the last of them merges in the kernel's launch (arrival counters from the model).
+    cfg = _tiny(jnp.bfloat16, **changes).config
+    with interpret():  # the SMs of the GPU interpret mode plans for
+        splits = kernel.choose_config(2, cfg.num_kv_heads, max_len, target_gpu().sms).splits
+    assert (splits > 1) == (max_len == 512)
     rng = np.random.RandomState(4)
     ids = rng.randint(0, TINY_CONFIG.vocab_size, (2, 11)).astype(np.int32)
     results = {}
     for implementation in ("xla", "triton"):
         model = set_decode_attention(_tiny(jnp.bfloat16, **changes), implementation)
-        _, cache = nnx.jit(lambda m, i: m.prefill(i, max_len=32))(model, ids[:, :5])
+        _, cache = nnx.jit(lambda m, i: m.prefill(i, max_len=max_len))(model, ids[:, :5])
         step = nnx.jit(lambda m, t, c, p: m.decode_step(t, c, p))
         steps = []
         with interpret():

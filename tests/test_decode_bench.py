@@ -26,6 +26,10 @@ CASES = {
     "int4-serving-whole": StepCase(
         "tiny-llama", "int4", BATCH, CONTEXT, 3, fused=True, donate=True, attention="triton"
     ),
+    # 1024 positions: the attention kernel reads them in 4 splits, which its last program merges
+    "int4-serving-long": StepCase(
+        "tiny-llama", "int4", BATCH, 1024, 1, fused=True, donate=True, attention="triton"
+    ),
     # batch 8: tiny-llama's gate/up (K = 256) takes the SwiGLU epilogue (no config of it fits batch 2)
     "int4-serving-b8": StepCase(
         "tiny-llama", "int4", 8, CONTEXT, 1, fused=True, donate=True, attention="triton"
@@ -209,32 +213,52 @@ def test_decode_step_launch_count(records):
     assert totals(extrapolate(records["int4"]["launches"], 1, 3))["launches"] == 3 * len(layer) + 2 + 2 + 3
 
 
-def test_triton_attention_takes_two_launches_and_reads_the_cache_once(records):
-    # set_decode_attention(model, "triton"): the kernel (from the qkv kernel's output as it is: the input
-    # norm's scale, the rotary embedding, the cache write and the attention) and the splits' merge (which
-    # writes the o kernel's input): 2 launches a layer for XLA's cache writes, scores, softmax, values and
-    # the sum before the o kernel; the rotary factors once a step. 8 launches a layer here, 4 fewer
-    # (Llama-3-8B: 9, and 15 before).
+def test_triton_attention_takes_one_launch_and_reads_the_cache_once(records):
+    # set_decode_attention(model, "triton"): the kernel, from the qkv kernel's output as it is (the input
+    # norm's scale, the rotary embedding, the cache write and the attention) to the o kernel's input: one
+    # launch a layer for XLA's cache writes, scores, softmax, values and the sum before the o kernel; the
+    # rotary factors once a step. The tiny model's 128 positions are one split (programs of several merge
+    # in the launch too: tests/test_decode_attention_kernel.py): 7 launches a layer here, 5 fewer.
     fused = [la for la in extrapolate(records["int4"]["launches"], 1, 1) if la["layer"]]
     step = extrapolate(records["int4-serving"]["launches"], 1, 1)
     serving = [la for la in step if la["layer"]]
     attention = [la for la in serving if la["family"] == "attention"]
     names = [la["op_name"] for la in attention]
-    assert [la["kind"] for la in attention] == ["custom-call", "custom-call"], names
-    assert len(serving) == len(fused) - 4 == 8, [la["op_name"] for la in serving]
+    assert [la["kind"] for la in attention] == ["custom-call"], names
+    assert len(serving) == len(fused) - 5 == 7, [la["op_name"] for la in serving]
     assert len([la for la in step if "/rope_factors/" in la["op_name"] and not la["layer"]]) == 1
-    kernel, merge = attention
+    (kernel,) = attention
     assert "/nybble_decode_attention/" in kernel["op_name"]
     cfg = config_for("tiny-llama")
     cache = BATCH * CONTEXT * cfg.num_kv_heads * cfg.head_dim * 2
-    groups = cfg.num_heads // cfg.num_kv_heads  # one split's (out, max, sum) of each query head
-    states = BATCH * cfg.num_kv_heads * groups * (cfg.head_dim + 2) * 4
+    out = BATCH * cfg.num_heads * cfg.head_dim * 2  # the o kernel's bf16 input
     qkv = BATCH * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * 2
     rope = 2 * cfg.head_dim * 4
-    # both caches read once, a row of each written (aliased: not the whole cache), the states written; the
-    # qkv output, the rotary factors, the input norm's sums of squares (f32) and the position read
-    assert kernel["bytes"] == 2 * cache + 2 * cache / CONTEXT + states + qkv + rope + 4 * BATCH + 4
-    assert merge["bytes"] == states + BATCH * cfg.num_heads * cfg.head_dim * 2
+    # both caches read once, a row of each written (aliased: not the whole cache), the o kernel's input
+    # written; the qkv output, the rotary factors, the input norm's sums of squares (f32) and the position
+    # read
+    assert kernel["bytes"] == 2 * cache + 2 * cache / CONTEXT + out + qkv + rope + 4 * BATCH + 4
+
+
+def test_split_attention_merges_in_its_launch_with_counters_from_the_norms_launch(records):
+    # 1024 cached positions: 4 splits a sequence and KV head, merged by the last in the kernel's launch
+    # (arrival counters, zeros of the q/k/v projection input's shape written by the launch that writes
+    # that input): the same launches a layer as one split, the kernel's results now the splits' states
+    # and the counters besides the o kernel's input.
+    from nybble.kernels.triton.decode_attention import choose_config
+
+    cfg = config_for("tiny-llama")
+    assert choose_config(BATCH, cfg.num_kv_heads, 1024, H200.sms).splits == 4
+    short = [la for la in extrapolate(records["int4-serving"]["launches"], 1, 1) if la["layer"]]
+    long = [la for la in extrapolate(records["int4-serving-long"]["launches"], 1, 1) if la["layer"]]
+    assert [la["kind"] for la in long] == [la["kind"] for la in short], [la["op_name"] for la in long]
+    (kernel,) = [la for la in long if la["family"] == "attention"]
+    (one_split,) = [la for la in short if la["family"] == "attention"]
+    groups = cfg.num_heads // cfg.num_kv_heads
+    states = BATCH * cfg.num_kv_heads * 4 * groups * (cfg.head_dim + 2) * 4
+    counters = BATCH * cfg.hidden_size * 4
+    caches = 2 * BATCH * cfg.num_kv_heads * cfg.head_dim * 2 * (1024 - CONTEXT)  # read, not written
+    assert kernel["bytes"] == one_split["bytes"] + caches + states + 2 * counters  # counters read, written
 
 
 def test_swiglu_epilogue_takes_the_mlps_product_into_the_gate_up_kernel(records):

@@ -1,8 +1,9 @@
 """Compiles the Triton decode attention kernel for deviceless GPUs of each compute capability named on the
 command line, at Llama-3-8B's shape: the qkv projection's output of one token (32 query heads, 8 KV heads
-of 128), the deferred input norm's sum of squares, a 4096-position bf16 cache, batch 1, the caches donated.
-Prints one JSON line: per GPU, the config, the optimized program's launches (kind, name, bytes of each
-operand by source, result bytes) and the attention kernel's SASS (its main loop's instructions and opcodes,
+of 128), the deferred input norm's sum of squares, a 4096-position bf16 cache, batch 1, the caches donated,
+the splits' arrival counters given (the model's setup: the last split merges them in the launch). Prints one
+JSON line: per GPU, the config, the optimized program's launches (kind, name, bytes of each operand by
+source, result bytes) and the attention kernel's SASS (its main loop's instructions and opcodes, its atomics,
 local-memory spills). Run it in the X-ray toolchain's environment with ptxas wrapped to keep its cubins
 (``bench.kernel_xray.toolchain.child_environment``, ``CUDA_ROOT`` from ``bench.xray.gpus.wrapped_cuda_root``),
 as tests/test_decode_attention_sass.py does."""
@@ -48,6 +49,7 @@ def kernel_sass(cubins: list[Path]) -> dict:
         return {
             "loop_instructions": len(loop),
             "loop_opcodes": dict(collections.Counter(ins.base_opcode for ins in loop)),
+            "atomics": sum(n for op, n in opcodes.items() if op.startswith(("ATOM", "RED"))),
             "spills": opcodes["STL"] + opcodes["LDL"],
         }
     return {}
@@ -65,9 +67,12 @@ def compile_for(gpu: str) -> dict:
 
     def step(qkv, row_sum_of_squares, k_cache, v_cache, position):
         rope = kernel.rope_factors(position, inv_freq)
+        # the splits' arrival counters: zeros, a launch of their own here (the model writes them in the
+        # launch that writes the q/k/v projection's input: tests/test_decode_bench.py)
+        arrivals = (row_sum_of_squares[:, None] * jnp.zeros((1, KV_HEADS))).astype(jnp.int32)
         return kernel.write_and_attend(
             qkv, k_cache, v_cache, position, None, cfg, token, rope, row_sum_of_squares=row_sum_of_squares,
-            out_dtype=jnp.bfloat16,
+            arrivals=arrivals, out_dtype=jnp.bfloat16,
         )  # fmt: skip
 
     cache = arg((BATCH, KV_HEADS, CONTEXT, HEAD_DIM))

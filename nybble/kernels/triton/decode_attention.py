@@ -32,7 +32,8 @@ program writes its split's (maximum, sum, output) for its ``groups`` query heads
 - the last program reads the states with ``ld.volatile`` (no stale L1 line), after its acquire.
 PTX of Llama-3-8B's step (sm_90a, ptxas 12.9, 2026-12-07) holds exactly this: ``bar.sync``,
 ``@p atom.global.gpu.acq_rel.add.u32``, ``bar.sync``, then the ``ld.volatile.global`` loads. Without
-``arrivals`` a second launch (:func:`combine`, one program per sequence and KV head) merges them.
+``arrivals`` a second launch (:func:`combine`, one program per sequence and KV head) merges them. With one
+split (the grid already covers the SMs: batch 64) each program writes its output, no state, no merge.
 
 Every row a program reads it owns: no split reads another's rows, and no program reads the new row from
 memory (the loop stops before it), so the in-place write races with nothing.
@@ -186,14 +187,16 @@ def _kernel(
     token: NewToken,
     window: int | None,
     scale: float,
-    merge: bool,
+    merge: str,
     interpret: bool,
 ):
     pos_ref, qkv_ref, rope_ref, *rest = refs
     scale_ref = rest.pop(0) if token.row_norm else None
     qw_ref, kw_ref = (rest.pop(0), rest.pop(0)) if token.norm_eps else (None, None)
-    if merge:  # the arrivals' input ref (aliased to the output ref, which the kernel uses)
+    if merge == "arrivals":  # the arrivals' input ref (aliased to the output ref, which the kernel uses)
         kc_ref, vc_ref, _, m_ref, l_ref, o_ref, kc_out, vc_out, y_ref, arrivals = rest
+    elif merge == "single":
+        kc_ref, vc_ref, kc_out, vc_out, y_ref = rest
     else:
         kc_ref, vc_ref, m_ref, l_ref, o_ref, kc_out, vc_out = rest
     i, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -243,17 +246,20 @@ def _kernel(
     out, top, total = out * rescale[:, None] + weighted, new_top, total * rescale + prob
     # The state's first state_rows(groups) rows only (4 of 16 for Llama-3's 4 query heads a KV head): rows
     # past them store into the last, with the same values (every padded row is the last head again)
-    kept = jnp.minimum(jax.lax.broadcasted_iota(jnp.int32, (rows,), 0), m_ref.shape[3] - 1)
-    o_ref[i, h, s, kept, :] = out
-    m_ref[i, h, s, kept] = top
-    l_ref[i, h, s, kept] = total
+    kept = jnp.minimum(jax.lax.broadcasted_iota(jnp.int32, (rows,), 0), state_rows(token.groups) - 1)
+    if merge == "single":  # one split: its state is the whole softmax (_merged's weight is exp(0) = 1)
+        y_ref[i, h, kept, :] = (out / total[:, None]).astype(y_ref.dtype)
+    else:
+        o_ref[i, h, s, kept, :] = out
+        m_ref[i, h, s, kept] = top
+        l_ref[i, h, s, kept] = total
 
     @pl.when(owner)
     def _write_new_row():
         kc_out[i, h, pl.ds(pos, 1), :] = k_new  # kc_out aliases kc_ref's buffer
         vc_out[i, h, pl.ds(pos, 1), :] = v_new
 
-    if merge:
+    if merge == "arrivals":
         # The last split of (i, h) to arrive merges them all. Every thread's state stores come before the
         # arrival (a CTA barrier: Triton issues a scalar atomic from one thread); the arrival releases them
         # at GPU scope, and the last program's acquires the others' (an acq_rel atomic, Triton's default).
@@ -329,8 +335,8 @@ def write_and_attend(
     ``rope``: :func:`rope_factors`; ``row_sum_of_squares`` (b,) f32 where ``token.row_norm``;
     ``norm_weights`` (the q and k norms', (d,) each) where ``token.norm_eps``. ``arrivals``: (b, n >=
     kv_heads) int32 zeros, the splits' arrival counters (column h: KV head h's): the last split of each
-    merges them in this launch (else :func:`combine`, a second launch). Arguments are checked by
-    :func:`unsupported`."""
+    merges them in this launch (else :func:`combine`, a second launch). With one split (``cfg.splits``)
+    each program writes its output itself, counters or not. Arguments are checked by :func:`unsupported`."""
     b, kv_heads, max_len, d = k_cache.shape
     if max_len % (cfg.block_s * cfg.splits):
         raise ValueError(f"{cfg}: block_s x splits must divide the cache's {max_len} positions")
@@ -346,17 +352,24 @@ def write_and_attend(
     caches = len(operands)
     rows = state_rows(token.groups)
     state = (b, kv_heads, cfg.splits, rows)
-    out_shape = [
-        jax.ShapeDtypeStruct(state, jnp.float32),
-        jax.ShapeDtypeStruct(state, jnp.float32),
-        jax.ShapeDtypeStruct((*state, d), jnp.float32),
+    cache_shapes = [
         jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
     ]
-    aliases = {caches: 3, caches + 1: 4}
-    merge = arrivals is not None
-    extra = []
-    if merge:
+    y_shape = jax.ShapeDtypeStruct((b, kv_heads, rows, d), out_dtype)
+    merge = "single" if cfg.splits == 1 else "combine" if arrivals is None else "arrivals"
+    if merge == "single":  # no state: the program writes its output (arrivals, if given, are not needed)
+        out_shape, aliases, extra = [*cache_shapes, y_shape], {caches: 0, caches + 1: 1}, []
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct(state, jnp.float32),
+            jax.ShapeDtypeStruct(state, jnp.float32),
+            jax.ShapeDtypeStruct((*state, d), jnp.float32),
+            *cache_shapes,
+        ]
+        aliases = {caches: 3, caches + 1: 4}
+        extra = []
+    if arrivals is not None:
         if (
             arrivals.ndim != 2
             or arrivals.shape[0] != b
@@ -367,10 +380,8 @@ def write_and_attend(
                 f"arrivals must be int32 zeros of shape ({b}, n >= {kv_heads}), got {arrivals.dtype} "
                 f"{arrivals.shape}"
             )
-        out_shape += [
-            jax.ShapeDtypeStruct((b, kv_heads, rows, d), out_dtype),
-            jax.ShapeDtypeStruct(arrivals.shape, jnp.int32),
-        ]
+    if merge == "arrivals":
+        out_shape += [y_shape, jax.ShapeDtypeStruct(arrivals.shape, jnp.int32)]
         aliases[caches + 2] = 6
         extra = [arrivals]
     results = pl.pallas_call(
@@ -384,11 +395,11 @@ def write_and_attend(
         interpret=interpret,
         name="nybble_decode_attention",
     )(*operands, k_cache, v_cache, *extra)
-    top, total, out, k_cache, v_cache = results[:5]
-    if merge:
-        y = results[5]
-        return (y if rows == token.groups else y[:, :, : token.groups]), k_cache, v_cache
-    return combine(top, total, out, token.groups, out_dtype, interpret=interpret), k_cache, v_cache
+    if merge == "combine":
+        top, total, out, k_cache, v_cache = results
+        return combine(top, total, out, token.groups, out_dtype, interpret=interpret), k_cache, v_cache
+    k_cache, v_cache, y = results[:3] if merge == "single" else results[3:6]
+    return (y if rows == token.groups else y[:, :, : token.groups]), k_cache, v_cache
 
 
 def reference(

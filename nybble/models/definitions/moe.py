@@ -423,8 +423,9 @@ class MoE(nnx.Module):
     def _scaled(self, ht: jax.Array, scale: jax.Array, logits: jax.Array) -> jax.Array:
         """The block's output (T, hidden) in ht's dtype for rows ``ht`` whose norm's ``scale`` (T, 1)
         float32 is not yet applied, and the router's float32 ``logits`` of ht. One token (a batch-1 decode
-        step) is routed by ranks (:func:`route_ranked`, :meth:`_routed_one`): 5 launches from the logits
-        to the next norm's sum of squares, where the top k, the sort and the weighted sum take 7."""
+        step) is routed by ranks (:func:`route_ranked`, :meth:`_routed_one`): besides the experts' kernels, 4
+        launches from the logits to the next norm's sum of squares, where the top k (two), the sort, the
+        rows' gather, the weighted sum and the sum of squares took 6."""
         cfg = self.config
         xt = (ht.astype(jnp.float32) * scale).astype(ht.dtype)
         if xt.shape[0] == 1:
