@@ -48,11 +48,14 @@ CASES = [
     (([6, 1], 8, 256, 64, 64, False, bf16, True), (16, 64, 4)),  # an expert across two 4-row M tiles, 1 past
     (([2, 0], 2, 512, 64, 128, True, f16, True), (16, 128, 4)),  # group accumulators, f16 (exact q)
     (([0, 1], 2, 1024, 64, 128, True, bf16, True), (16, 256, 4)),  # 2 accumulators a step, the bias fold
+    # K = 1536 (Qwen3-235B-A22B's down): 4 slices of 384 take 128-deep steps, 2 of 768 256-deep ones
+    # (config.with_deeper_steps; one SM, so that the 4 slices' CTAs take two waves)
+    (([1, 1], 2, 1536, 64, 128, True, bf16, True), (16, 256, 2)),
 ]
 # SMs the heuristics plan for, where not a B200's 148: every tiny case fits one wave there, where 128-row M
 # tiles beat wider ones. On two SMs 250 rows an expert tie in waves x tile_m (256 x 1 = 128 x 2; 192 x 2),
 # and ties go to the wider tile; 175 rows an expert take one 192-row tile each (one wave) over two of 128.
-FEW_SMS = {(500, 64): 2, (350, 64): 2}
+FEW_SMS = {(500, 64): 2, (350, 64): 2, (2, 1536): 1}
 # Wider sliced tiles, which the picks leave (grouped.MAX_SLICED_TILE_M) but a config may name: (sizes, rows,
 # K, N, group, symmetric, exact, config).
 EXPLICIT_SLICED = [

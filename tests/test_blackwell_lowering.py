@@ -304,14 +304,14 @@ def _lower_grouped(rows, experts, k, n, group, symmetric, x_dtype=jnp.bfloat16):
 
 
 def _grouped_cases():
-    """MoE layers (gate and down of Qwen3-30B-A3B, DeepSeek-V3, Mixtral) at 1..2048 tokens until every
-    (tile_m, tile_k, slices) the grouped heuristics pick is lowered once, asymmetric (the kernel with
-    offsets)."""
+    """MoE layers (gate and down of Qwen3-30B-A3B, DeepSeek-V3, Mixtral, Qwen3-235B-A22B) at 1..2048 tokens
+    until every (tile_m, tile_k, slices) the grouped heuristics pick is lowered once, asymmetric (the kernel
+    with offsets)."""
     from bench.xray.moe_cases import MOE_SHAPES
     from nybble.kernels.mosaic_gpu.blackwell.grouped import grouped_heuristic_config
 
     seen, cases = set(), []
-    for name in ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"):
+    for name in ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "qwen3-235b-a22b"):
         hidden, inter, experts, top_k = MOE_SHAPES[name]
         for k, n in ((hidden, inter), (inter, hidden)):
             for tokens in (1, 4, 8, 16, 32, 64, 512, 2048):

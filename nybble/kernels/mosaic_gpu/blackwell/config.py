@@ -178,7 +178,8 @@ def _decode_config(
     m: int, n_pad: int, k_pad: int, group: int, num_sms: int, sliced: bool
 ) -> BlackwellConfig | None:
     """The tiling of M <= 128 rows in one M tile: of the K slice counts weighed, the one whose slowest SM
-    walks least K (:func:`_sm_time`; ties to fewer slices), or None where none fits."""
+    walks least K (:func:`_sm_time`; ties to fewer slices), or None where none fits; then
+    :func:`with_deeper_steps`."""
     best = None
     # Slices 4 or none at M <= 32, 2 or none up to 64 (slice_choices): other counts gain little over them
     # in the model (waves x K / S at the Llama and MoE shapes) and each is more code for the suite to
@@ -190,7 +191,37 @@ def _decode_config(
         t = _sm_time(m, n_pad, k_pad, config, num_sms)
         if best is None or t < best[0]:
             best = (t, config)
-    return None if best is None else best[1]
+    if best is None:
+        return None
+    return with_deeper_steps(best[1], m, n_pad, k_pad, group, lambda c: _sm_time(m, n_pad, k_pad, c, num_sms))
+
+
+# A decode K step's instructions per weight relative to a 256-deep step's (B200 X-ray, 2026-12-07,
+# Qwen3-235B-A22B's expert down projection, K = 1536, at one token: 4 K slices of 128-deep steps 1.70, 2
+# slices of 256-deep steps 1.48); a 64-deep step is charged at least as much as a 128-deep one.
+STEP_COST = {256: 1.0, 128: 1.15, 64: 1.15}
+
+
+def with_deeper_steps(
+    config: BlackwellConfig,
+    m: int,
+    n_pad: int,
+    k_pad: int,
+    group: int,
+    sm_time: Callable[[BlackwellConfig], float],
+) -> BlackwellConfig:
+    """``config``, or, where it takes 4 K slices too short for 256-deep steps (K_pad not a multiple of 4 x
+    256), the 2-slice tiling of 256-deep steps in the same M tile (the case measured) when its slowest SM's
+    K (``sm_time``) times the step's cost (:data:`STEP_COST`) is no more than the 4 slices': half the
+    CTAs, each walking twice the K in steps of fewer instructions a weight."""
+    if config.slices != 4 or config.tile_k >= 256:
+        return config
+    two = sliced_config(m, n_pad, k_pad, group, 2)
+    if two is None or two.tile_k < 256 or two.tile_m != config.tile_m:
+        return config
+    if sm_time(two) * STEP_COST[two.tile_k] <= sm_time(config) * STEP_COST[config.tile_k]:
+        return two
+    return config
 
 
 # Past this many rows the M tile is one of PREFILL_TILE_MS (:func:`prefill_config`), widest first.

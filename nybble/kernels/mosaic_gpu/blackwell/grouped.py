@@ -34,6 +34,7 @@ from nybble.kernels.mosaic_gpu.blackwell.config import (
     prefill_config,
     slice_choices,
     sliced_config,
+    with_deeper_steps,
 )
 from nybble.kernels.mosaic_gpu.blackwell.kernel import BlackwellProblem, launch, operand_views, plan
 from nybble.kernels.mosaic_gpu.grouped import GroupedWork, _check_values, grouped_is_supported, x_alignment
@@ -59,8 +60,9 @@ def grouped_heuristic_config(
     ``ceil(rows / active)``): the dense heuristic's tiling of each K slice count it weighs
     (``config.sliced_config``; slices only in M tiles of at most ``MAX_SLICED_TILE_M``), the one whose
     slowest SM walks least K (waves of the launch's CTAs, every active expert's M and N tiles, times K / S;
-    ties to fewer slices); past 128 rows an expert, the dense heuristic's M tiles of 256, 192 or 128 rows over
-    all the active experts' CTAs (``config.prefill_config``)."""
+    ties to fewer slices; then ``config.with_deeper_steps``); past 128 rows an expert, the dense
+    heuristic's M tiles of 256, 192 or 128 rows over all the active experts' CTAs
+    (``config.prefill_config``)."""
     if rows < 1 or experts < 1:
         raise ValueError(f"grouped_heuristic_config: bad problem rows={rows}, experts={experts}")
     planned, active = planned_rows(rows, experts), active_experts(rows, experts)
@@ -79,7 +81,14 @@ def grouped_heuristic_config(
             best = (t, config)
     if best is None:
         return heuristic_config(planned, n_pad, k_pad, group, num_sms, sliced=False)  # raises, by name
-    return best[1]
+    return with_deeper_steps(
+        best[1],
+        planned,
+        n_pad,
+        k_pad,
+        group,
+        lambda c: -(-active * c.ctas(planned, n_pad) // num_sms) * (k_pad // c.slices),
+    )
 
 
 def grouped_plan(
