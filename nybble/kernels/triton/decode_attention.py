@@ -352,37 +352,36 @@ def write_and_attend(
     caches = len(operands)
     rows = state_rows(token.groups)
     state = (b, kv_heads, cfg.splits, rows)
-    cache_shapes = [
+    if arrivals is not None and (
+        arrivals.ndim != 2
+        or arrivals.shape[0] != b
+        or arrivals.shape[1] < kv_heads
+        or arrivals.dtype != jnp.int32
+    ):
+        raise ValueError(
+            f"arrivals must be int32 zeros of shape ({b}, n >= {kv_heads}), got {arrivals.dtype} "
+            f"{arrivals.shape}"
+        )
+    merge = "single" if cfg.splits == 1 else "combine" if arrivals is None else "arrivals"
+    # Results: the splits' states (not with one split: the program writes its output), the caches (aliased),
+    # the output (merged in the launch), the counters (aliased); the kernel unpacks them in this order.
+    states = [] if merge == "single" else [
+        jax.ShapeDtypeStruct(state, jnp.float32),
+        jax.ShapeDtypeStruct(state, jnp.float32),
+        jax.ShapeDtypeStruct((*state, d), jnp.float32),
+    ]  # fmt: skip
+    out_shape = [
+        *states,
         jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
     ]
-    y_shape = jax.ShapeDtypeStruct((b, kv_heads, rows, d), out_dtype)
-    merge = "single" if cfg.splits == 1 else "combine" if arrivals is None else "arrivals"
-    if merge == "single":  # no state: the program writes its output (arrivals, if given, are not needed)
-        out_shape, aliases, extra = [*cache_shapes, y_shape], {caches: 0, caches + 1: 1}, []
-    else:
-        out_shape = [
-            jax.ShapeDtypeStruct(state, jnp.float32),
-            jax.ShapeDtypeStruct(state, jnp.float32),
-            jax.ShapeDtypeStruct((*state, d), jnp.float32),
-            *cache_shapes,
-        ]
-        aliases = {caches: 3, caches + 1: 4}
-        extra = []
-    if arrivals is not None:
-        if (
-            arrivals.ndim != 2
-            or arrivals.shape[0] != b
-            or arrivals.shape[1] < kv_heads
-            or arrivals.dtype != jnp.int32
-        ):
-            raise ValueError(
-                f"arrivals must be int32 zeros of shape ({b}, n >= {kv_heads}), got {arrivals.dtype} "
-                f"{arrivals.shape}"
-            )
+    aliases = {caches: len(states), caches + 1: len(states) + 1}
+    extra = []
+    if merge != "combine":
+        out_shape.append(jax.ShapeDtypeStruct((b, kv_heads, rows, d), out_dtype))
     if merge == "arrivals":
-        out_shape += [y_shape, jax.ShapeDtypeStruct(arrivals.shape, jnp.int32)]
-        aliases[caches + 2] = 6
+        aliases[caches + 2] = len(out_shape)
+        out_shape.append(jax.ShapeDtypeStruct(arrivals.shape, jnp.int32))
         extra = [arrivals]
     results = pl.pallas_call(
         functools.partial(
@@ -395,10 +394,10 @@ def write_and_attend(
         interpret=interpret,
         name="nybble_decode_attention",
     )(*operands, k_cache, v_cache, *extra)
+    k_cache, v_cache = results[len(states) : len(states) + 2]
     if merge == "combine":
-        top, total, out, k_cache, v_cache = results
-        return combine(top, total, out, token.groups, out_dtype, interpret=interpret), k_cache, v_cache
-    k_cache, v_cache, y = results[:3] if merge == "single" else results[3:6]
+        return combine(*results[:3], token.groups, out_dtype, interpret=interpret), k_cache, v_cache
+    y = results[len(states) + 2]
     return (y if rows == token.groups else y[:, :, : token.groups]), k_cache, v_cache
 
 

@@ -70,25 +70,21 @@ def grouped_heuristic_config(
         ctas = lambda c: active * c.ctas(planned, n_pad)
         config = prefill_config(planned, n_pad, k_pad, group, ctas, num_sms)
         return config or heuristic_config(planned, n_pad, k_pad, group, num_sms, sliced=False)  # raises
+
+    def sm_time(c: BlackwellConfig) -> int:  # waves of the launch's CTAs x the K each walks
+        return -(-active * c.ctas(planned, n_pad) // num_sms) * (k_pad // c.slices)
+
     best = None
     for slices in slice_choices(planned):
         config = sliced_config(planned, n_pad, k_pad, group, slices)
         if config is None or (slices > 1 and config.tile_m > MAX_SLICED_TILE_M):
             continue
-        ctas = active * config.ctas(planned, n_pad)
-        t = -(-ctas // num_sms) * (k_pad // slices)
+        t = sm_time(config)
         if best is None or t < best[0]:
             best = (t, config)
     if best is None:
         return heuristic_config(planned, n_pad, k_pad, group, num_sms, sliced=False)  # raises, by name
-    return with_deeper_steps(
-        best[1],
-        planned,
-        n_pad,
-        k_pad,
-        group,
-        lambda c: -(-active * c.ctas(planned, n_pad) // num_sms) * (k_pad // c.slices),
-    )
+    return with_deeper_steps(best[1], planned, n_pad, k_pad, group, sm_time)
 
 
 def grouped_plan(
