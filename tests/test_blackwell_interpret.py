@@ -9,6 +9,9 @@ Tiny shapes: interpret mode is slow. Lowering for sm_100a is tests/test_blackwel
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -145,6 +148,61 @@ def test_group_accumulators_beside_an_a_operand_in_smem():
     with interpret(detect_races=True, gpu="b200"):
         y = blackwell_matmul(x, qw, config=config)
     assert_exact(y, x, qw)
+
+
+def test_a_tmem_operand_pipelines_in_a_power_of_two_slots_refilled():
+    """Where A goes through TMEM the SMEM holds no A buffer, and the pick's pipeline takes a power of two
+    slots (config.power_of_two_depth): Llama-3-8B's down projection's tiling at M = 1, 4 slots where the
+    heuristics' SMEM rule (which counts an A buffer) gives 3. Each K slice here walks 5 steps, so every
+    slot is released and refilled. Exact on small integers, races checked."""
+    rng = np.random.default_rng(11)
+    m, k, n = 1, 4 * 5 * 256, 128
+    qw = _weight(rng, k, n, 128, True, bf16, True)
+    p = plan(m, qw)
+    assert a_in_tmem(p) and p.config.tag == "bw_n128_m16_k256_s4_x4" and p.k_steps == 5
+    x = activations(rng, m, k, bf16, exact=True)
+    with interpret(detect_races=True, gpu="b200"):
+        y = blackwell_matmul(x, qw)
+    assert_exact(y, x, qw)
+
+
+@pytest.mark.no_kernel
+def test_pipeline_depth_follows_where_the_a_operand_lives():
+    """The picks' pipelines: a power of two slots wherever A goes through TMEM (at the Llama-3 and MoE
+    expert shapes, every symmetric pick of M tiles up to 64 rows: M <= 16 under 4 K slices), the next one
+    up where it fits SMEM without an A buffer, else the one below; the heuristics' own depth where A is in
+    SMEM (zero points go on the weights; 128-row tiles fold no scales), whose buffer would not leave room
+    for 4 slots of 256-deep steps. An explicit config runs as given. The SMEM rule counts the A buffer
+    only where the kernel allocates it."""
+    from bench.xray.blackwell import SHAPES
+    from nybble.kernels.mosaic_gpu.blackwell.config import power_of_two_depth, smem_bytes
+
+    for k, n in SHAPES.values():
+        for symmetric in (True, False):
+            qw = jax.eval_shape(
+                lambda w, s=symmetric: nybble.quantize(w, group_size=128, symmetric=s),
+                jax.ShapeDtypeStruct((k, n), jnp.float32),
+            )
+            for m in (1, 4, 8, 16, 32, 64):
+                p = plan(m, qw)
+                depth, picked = p.config.max_concurrent_steps, heuristic_config(m, qw.padded_shape[1], k, 128)
+                assert p.config == dataclasses.replace(picked, max_concurrent_steps=depth)
+                if a_in_tmem(p):
+                    assert depth & (depth - 1) == 0 and p.config == power_of_two_depth(picked, 128), p.config
+                else:
+                    assert depth == picked.max_concurrent_steps, p.config
+                assert a_in_tmem(p) == (symmetric and p.config.tile_m <= 64), p.config
+    down = jax.eval_shape(
+        lambda w: nybble.quantize(w, group_size=128), jax.ShapeDtypeStruct((14336, 4096), jnp.float32)
+    )
+    four = plan(1, down).config
+    assert four.tag == "bw_n128_m16_k256_s4_x4"
+    three = dataclasses.replace(four, max_concurrent_steps=3)
+    assert plan(1, down, config=three).config == three
+    kw = dict(group=128, has_offsets=True, scale_bytes=4)
+    assert smem_bytes(four, **kw) - smem_bytes(four, **kw, a_in_smem=False) == 2 * 128 * 256 * 2
+    with pytest.raises(ValueError, match="bytes of SMEM"):  # A in SMEM: 4 slots do not fit
+        four.check_problem(1, 4096, 14336, 128)
 
 
 @pytest.mark.no_kernel

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from nybble.kernels.mosaic_gpu import dense as hopper_api
 from nybble.kernels.mosaic_gpu.blackwell.config import DEFAULT_NUM_SMS, BlackwellConfig
-from nybble.kernels.mosaic_gpu.blackwell.kernel import BlackwellProblem, plan, w4a16_blackwell
+from nybble.kernels.mosaic_gpu.blackwell.kernel import BlackwellProblem, a_in_tmem, plan, w4a16_blackwell
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.kernels.mosaic_gpu.kernel import check_operands
 from nybble.quant.qweight import QuantizedWeight
@@ -43,7 +43,7 @@ class _CheckOnly:
         self._p = p
 
     def check_problem(self, m: int, n_pad: int, k_pad: int, group: int) -> None:
-        self._p.config.check_problem(m, n_pad, k_pad, group)
+        self._p.config.check_problem(m, n_pad, k_pad, group, a_in_smem=not a_in_tmem(self._p))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

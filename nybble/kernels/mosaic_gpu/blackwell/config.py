@@ -84,8 +84,9 @@ class BlackwellConfig:
     def ctas(self, m: int, n_pad: int) -> int:
         return self.m_tiles(m) * -(-n_pad // self.cta_cols)
 
-    def check_problem(self, m: int, n_pad: int, k_pad: int, group: int) -> None:
-        """Raises ValueError naming the rule when this config cannot run (M, K_pad) x (K_pad, N_pad)."""
+    def check_problem(self, m: int, n_pad: int, k_pad: int, group: int, *, a_in_smem: bool = True) -> None:
+        """Raises ValueError naming the rule when this config cannot run (M, K_pad) x (K_pad, N_pad);
+        ``a_in_smem`` False: the kernel's A operand goes through TMEM (``kernel.a_in_tmem``), not SMEM."""
         if n_pad % 64:
             raise ValueError(f"N_pad={n_pad} must be a multiple of 64 (QuantizedWeight pads N so)")
         s = self.slices
@@ -100,10 +101,11 @@ class BlackwellConfig:
                 f"M={m} rows need {self.m_tiles(m)} M tiles; K slices (slices={s}) take one: at most "
                 f"tile_m / slices = {self.x_rows_per_tile} rows"
             )
-        if not fits_smem(self, group=group, has_offsets=True, scale_bytes=4):
+        kw = dict(group=group, has_offsets=True, scale_bytes=4, a_in_smem=a_in_smem)
+        if not fits_smem(self, **kw):
             raise ValueError(
-                f"config {self.tag} needs {smem_bytes(self, group=group, has_offsets=True, scale_bytes=4)} "
-                f"bytes of SMEM, more than a B200 CTA's {SMEM_BUDGET_BYTES - _SMEM_SLACK_BYTES}"
+                f"config {self.tag} needs {smem_bytes(self, **kw)} bytes of SMEM, more than a B200 CTA's "
+                f"{SMEM_BUDGET_BYTES - _SMEM_SLACK_BYTES}"
             )
 
 
@@ -112,14 +114,16 @@ def scale_rows_per_step(config: BlackwellConfig, group: int) -> int:
     return config.tile_k // group if group < config.tile_k else 1
 
 
-def smem_bytes(config: BlackwellConfig, *, group: int, has_offsets: bool, scale_bytes: int = 2) -> int:
-    """SMEM the kernel allocates: pipeline slots (codes, x, scale rows), two dequantized B-operand buffers
-    of bf16 weights, the y staging tile."""
+def smem_bytes(
+    config: BlackwellConfig, *, group: int, has_offsets: bool, scale_bytes: int = 2, a_in_smem: bool = True
+) -> int:
+    """SMEM the kernel allocates: pipeline slots (codes, x, scale rows), two dequantized A-operand buffers
+    of bf16 weights (not where A goes through TMEM: ``a_in_smem`` False), the y staging tile."""
     c = config
     codes = c.tile_n * c.tile_k // 2
     x = c.tile_m * c.tile_k * 2
     scales = scale_rows_per_step(c, group) * c.tile_n * scale_bytes * (2 if has_offsets else 1)
-    weights = 2 * c.tile_n * c.tile_k * 2
+    weights = 2 * c.tile_n * c.tile_k * 2 if a_in_smem else 0
     y = c.x_rows_per_tile * c.cta_cols * 2
     sliced = c.tile_n * c.tile_m * 4 if c.slices > 1 else 0  # the f32 partials the slices are summed from
     return c.max_concurrent_steps * (codes + x + scales) + weights + y + sliced
@@ -127,6 +131,23 @@ def smem_bytes(config: BlackwellConfig, *, group: int, has_offsets: bool, scale_
 
 def fits_smem(config: BlackwellConfig, **kw) -> bool:
     return smem_bytes(config, **kw) + _SMEM_SLACK_BYTES <= SMEM_BUDGET_BYTES
+
+
+def power_of_two_depth(config: BlackwellConfig, group: int) -> BlackwellConfig:
+    """``config`` with a pipeline of a power of two slots, for a kernel whose A operand goes through TMEM
+    (its SMEM holds no A buffer, so deeper pipelines fit than the heuristics, which count one, allow): the
+    next power of two up from the heuristics' depth where it fits SMEM, else the one below. Every warp of
+    the kernel indexes its slot and barrier phase by the K step modulo the depth: a power of two is a mask
+    and a shift, where 3 or 5 slots cost a multiply-high sequence a step (X-ray, sm_100a, Llama-3-8B down
+    at M = 1: 1.51 -> 1.45 instructions a weight with 4 slots instead of 3; at M = 16, 2.04 -> 1.94 with 4
+    instead of 5)."""
+    depth = config.max_concurrent_steps
+    up = 1 << (depth - 1).bit_length()
+    for candidate in (up, up // 2):
+        piped = dataclasses.replace(config, max_concurrent_steps=candidate)
+        if candidate >= 2 and fits_smem(piped, group=group, has_offsets=True, scale_bytes=4, a_in_smem=False):
+            return piped
+    return config
 
 
 def x_rows(m: int, config: BlackwellConfig) -> int:

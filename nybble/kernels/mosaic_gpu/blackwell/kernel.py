@@ -116,6 +116,7 @@ from nybble.kernels.mosaic_gpu.blackwell.config import (
     TMEM_COLUMNS,
     BlackwellConfig,
     heuristic_config,
+    power_of_two_depth,
     scale_rows_per_step,
     x_rows,
 )
@@ -226,14 +227,23 @@ def plan(
     k_pad, n_pad = qw.padded_shape
     m = max(m, 1)
     has_offsets = qw.offsets is not None
-    if config is None:
-        config = heuristic_config(m, n_pad, k_pad, qw.group, num_sms, has_offsets=has_offsets)
-    config.check_problem(min(m, config.x_rows_per_tile) if grouped else m, n_pad, k_pad, qw.group)
     n = qw.shape[1]
     n_out = n if n % 64 == 0 else n_pad  # as the Hopper kernel: a TMA store needs whole 64-column tiles
-    return BlackwellProblem(
-        m, n_out, n_pad, k_pad, qw.group, jnp.dtype(dtype), has_offsets, config, x_rows(m, config)
+
+    def problem(config: BlackwellConfig) -> BlackwellProblem:
+        return BlackwellProblem(
+            m, n_out, n_pad, k_pad, qw.group, jnp.dtype(dtype), has_offsets, config, x_rows(m, config)
+        )
+
+    if config is None:
+        config = heuristic_config(m, n_pad, k_pad, qw.group, num_sms, has_offsets=has_offsets)
+        if a_in_tmem(problem(config)):  # the heuristics' tiling, its pipeline sized for A in TMEM
+            config = power_of_two_depth(config, qw.group)
+    p = problem(config)
+    config.check_problem(
+        min(m, config.x_rows_per_tile) if grouped else m, n_pad, k_pad, qw.group, a_in_smem=not a_in_tmem(p)
     )
+    return p
 
 
 @dataclasses.dataclass(frozen=True)
