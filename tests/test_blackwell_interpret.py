@@ -150,16 +150,22 @@ def test_group_accumulators_beside_an_a_operand_in_smem():
     assert_exact(y, x, qw)
 
 
-def test_a_tmem_operand_pipelines_in_a_power_of_two_slots_refilled():
+@pytest.mark.parametrize(
+    "m, k, tag",
+    [(1, 4 * 5 * 256, "bw_n128_m16_k256_s4_x4"), (8, 4 * 9 * 128, "bw_n128_m32_k128_s8_x4")],
+    ids=["4-slots", "8-slots"],
+)
+def test_a_tmem_operand_pipelines_in_a_power_of_two_slots_refilled(m, k, tag):
     """Where A goes through TMEM the SMEM holds no A buffer, and the pick's pipeline takes a power of two
-    slots (config.power_of_two_depth): Llama-3-8B's down projection's tiling at M = 1, 4 slots where the
-    heuristics' SMEM rule (which counts an A buffer) gives 3. Each K slice here walks 5 steps, so every
-    slot is released and refilled. Exact on small integers, races checked."""
-    rng = np.random.default_rng(11)
-    m, k, n = 1, 4 * 5 * 256, 128
+    slots (config.power_of_two_depth): the decode tilings of M = 1 (Llama-3-8B's down projection: 4 slots
+    where the heuristics' SMEM rule, which counts an A buffer, gives 3) and M = 8 (8 slots where it gives
+    6). Each K slice walks one step more than the slots, so every slot is released and refilled. Exact on
+    small integers, races checked."""
+    rng = np.random.default_rng(11 + m)
+    n = 128
     qw = _weight(rng, k, n, 128, True, bf16, True)
     p = plan(m, qw)
-    assert a_in_tmem(p) and p.config.tag == "bw_n128_m16_k256_s4_x4" and p.k_steps == 5
+    assert a_in_tmem(p) and p.config.tag == tag and p.k_steps == p.config.max_concurrent_steps + 1
     x = activations(rng, m, k, bf16, exact=True)
     with interpret(detect_races=True, gpu="b200"):
         y = blackwell_matmul(x, qw)
