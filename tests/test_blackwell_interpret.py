@@ -190,8 +190,8 @@ def test_pipeline_depth_follows_where_the_a_operand_lives():
                 jax.ShapeDtypeStruct((k, n), jnp.float32),
             )
             for m in (1, 4, 8, 16, 32, 64):
-                p = plan(m, qw)
-                depth, picked = p.config.max_concurrent_steps, heuristic_config(m, qw.padded_shape[1], k, 128)
+                p, (k_pad, n_pad) = plan(m, qw), qw.padded_shape
+                depth, picked = p.config.max_concurrent_steps, heuristic_config(m, n_pad, k_pad, 128)
                 assert p.config == dataclasses.replace(picked, max_concurrent_steps=depth)
                 if a_in_tmem(p):
                     assert depth & (depth - 1) == 0 and p.config == power_of_two_depth(picked, 128), p.config
