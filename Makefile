@@ -37,7 +37,7 @@ PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.14; do \
 	&& { echo $$p; break; }; done)
 
 .PHONY: install xray-install bench bench-full bench-checkpoints test test-sweeps test-fast test-jax-latest \
-	test-jax-cuda12 lint \
+	test-jax-cuda12 jax-range-venvs lint \
 	gpu-check quickstart \
 	xray xray-jax-latest xray-peers clean
 
@@ -77,6 +77,10 @@ $(XRAY_STAMP): $(STAMP)
 
 $(CUDA12_STAMP): pyproject.toml
 	$(call jax_venv,$(CUDA12_VENV),$(JAX_LATEST_CUDA12))
+
+# The venvs of the range's other end (CI's third and fourth steps), installed one after the other: .ci/run
+# installs them while the sweeps run (pip spends much of its time on files, the sweeps on both cores).
+jax-range-venvs: $(LATEST_STAMP) $(CUDA12_STAMP)
 
 $(CUDA12_XRAY_STAMP): $(CUDA12_STAMP)
 	$(CUDA12_PY) -m pip install -q --no-deps --upgrade --target $(CUDA12_XRAY_SITE) $(CUDA12_XRAY_PACKAGES)
