@@ -31,19 +31,12 @@ from nybble.kernels.mosaic_gpu.blackwell.config import (
     PREFILL_TILE_M,
     BlackwellConfig,
     heuristic_config,
-    power_of_two_depth,
     prefill_config,
     slice_choices,
     sliced_config,
     with_deeper_steps,
 )
-from nybble.kernels.mosaic_gpu.blackwell.kernel import (
-    BlackwellProblem,
-    a_in_tmem,
-    launch,
-    operand_views,
-    plan,
-)
+from nybble.kernels.mosaic_gpu.blackwell.kernel import BlackwellProblem, launch, operand_views, plan
 from nybble.kernels.mosaic_gpu.grouped import GroupedWork, _check_values, grouped_is_supported, x_alignment
 from nybble.kernels.mosaic_gpu.grouped_config import active_experts, max_m_tiles, planned_rows
 from nybble.kernels.mosaic_gpu.interpret import active_params
@@ -106,15 +99,12 @@ def grouped_plan(
     the problem (config, padding) and its CTAs (``GroupedWork``: the bound on M tiles times N tiles)."""
     experts = qw.codes.shape[0]
     k_pad, n_pad = qw.padded_shape
-    chosen = config is None
-    if chosen:
+    picked = config is None
+    if picked:
         config = grouped_heuristic_config(rows, experts, n_pad, k_pad, qw.group, num_sms)
-    # the dense kernel's padding; each M tile holds x_rows_per_tile rows of one expert
-    p = plan(rows, qw, num_sms=num_sms, config=config, dtype=dtype, grouped=True)
-    if chosen and a_in_tmem(p):  # the heuristics' tiling, its pipeline sized for A in TMEM (as plan's)
-        config = power_of_two_depth(config, qw.group)
-        p = plan(rows, qw, num_sms=num_sms, config=config, dtype=dtype, grouped=True)
-    tile_rows = config.x_rows_per_tile
+    # the dense kernel's padding and pipeline sizing; each M tile holds x_rows_per_tile rows of one expert
+    p = plan(rows, qw, num_sms=num_sms, config=config, dtype=dtype, grouped=True, picked=picked)
+    tile_rows = p.config.x_rows_per_tile
     bound = max_m_tiles(rows, experts, tile_rows, x_alignment(p, tile_rows))
     return p, GroupedWork(experts, rows, bound, tile_rows=tile_rows)
 

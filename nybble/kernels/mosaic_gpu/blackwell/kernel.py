@@ -218,10 +218,13 @@ def plan(
     config: BlackwellConfig | None = None,
     dtype: Any = jnp.bfloat16,
     grouped: bool = False,
+    picked: bool = False,
 ) -> BlackwellProblem:
     """The launch one matmul of M rows against ``qw`` makes on a Blackwell GPU: config, padding, grid.
     ``grouped``: M rows of several experts, an M tile of up to ``x_rows_per_tile`` rows each (under K
-    slices too, where a dense matmul's M must fit one tile)."""
+    slices too, where a dense matmul's M must fit one tile). ``picked``: ``config`` is a heuristic's pick
+    (the grouped one's), its pipeline sized here as the dense pick's is (``config.power_of_two_depth``
+    where A goes through TMEM); an explicit config runs as given."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"plan: activations must be bfloat16 or float16, got {jnp.dtype(dtype)}")
     k_pad, n_pad = qw.padded_shape
@@ -236,9 +239,9 @@ def plan(
         )
 
     if config is None:
-        config = heuristic_config(m, n_pad, k_pad, qw.group, num_sms, has_offsets=has_offsets)
-        if a_in_tmem(problem(config)):  # the heuristics' tiling, its pipeline sized for A in TMEM
-            config = power_of_two_depth(config, qw.group)
+        config, picked = heuristic_config(m, n_pad, k_pad, qw.group, num_sms, has_offsets=has_offsets), True
+    if picked and a_in_tmem(problem(config)):  # the heuristics' tiling, its pipeline sized for A in TMEM
+        config = power_of_two_depth(config, qw.group)
     p = problem(config)
     config.check_problem(
         min(m, config.x_rows_per_tile) if grouped else m, n_pad, k_pad, qw.group, a_in_smem=not a_in_tmem(p)
