@@ -36,6 +36,13 @@ CASES = {
     ),
     "moe": StepCase("tiny-moe", "int4", BATCH, CONTEXT, 1, fused=True, donate=True),
     "moe-b1": StepCase("tiny-moe", "int4", 1, CONTEXT, 1, fused=True, donate=True),
+    "moe-b1-serving": StepCase(
+        "tiny-moe", "int4", 1, CONTEXT, 1, fused=True, donate=True, attention="triton", routing="triton"
+    ),
+    # tiny-moe's own 2 layers (a third would be a dense one), the second past a layer boundary
+    "moe-b1-serving-whole": StepCase(
+        "tiny-moe", "int4", 1, CONTEXT, 2, fused=True, donate=True, attention="triton", routing="triton"
+    ),
     # the softmax's top k (not renormalized): one token's routing sorts (tiny-moe's is by ranks)
     "moe-softmax-b1": StepCase("tiny-moe-softmax", "int4", 1, CONTEXT, 1, fused=True, donate=True),
     # batch 64: XLA fuses the embedding gather into layer 0's residual add and launches the residual adds
@@ -112,11 +119,17 @@ def test_bytes_read_of_weights_and_cache(records):
 # a layer deeper (0.8% here, 8 KB a layer at Llama-3-8B's batch 1: 0.2% of its step).
 @pytest.mark.parametrize(
     "one_layer, more, rel",
-    [("one", "whole", 5e-3), ("one-b64", "whole-b64", 0.1), ("int4-serving", "int4-serving-whole", 0.01)],
+    [
+        ("one", "whole", 5e-3),
+        ("one-b64", "whole-b64", 0.1),
+        ("int4-serving", "int4-serving-whole", 0.01),
+        ("moe-b1-serving", "moe-b1-serving-whole", 0.01),
+    ],
 )
 def test_one_layer_extrapolates_to_the_whole_model(records, one_layer, more, rel):
-    one = totals(extrapolate(records[one_layer]["launches"], 1, 3))
-    whole = totals(extrapolate(records[more]["launches"], 3, 3))
+    layers = CASES[more].layers
+    one = totals(extrapolate(records[one_layer]["launches"], 1, layers))
+    whole = totals(extrapolate(records[more]["launches"], layers, layers))
     assert one["launches"] == whole["launches"]
     assert one["bytes"] == pytest.approx(whole["bytes"], rel=rel)
     for f in FAMILIES:
@@ -550,6 +563,28 @@ def test_one_token_is_routed_by_ranks_without_a_sort(records):
     assert len(after) == 2 and after[1].endswith("/norm/reduce_sum"), names
     softmax = [la["op_name"] for la in records["moe-softmax-b1"]["launches"]]
     assert sum(n.endswith("/top_k") for n in softmax) == 2, softmax
+
+
+def test_one_tokens_routing_kernel_is_the_one_launch_between_router_and_experts(records):
+    # set_decode_routing(model, "triton"): from the router's launch to the experts' gate/up kernel, the
+    # routing kernel alone (the ranks, the group sizes, the slots' scores and the k rows, where XLA's
+    # route_ranked takes two launches: previous test), reading the residual stream's two parts (x and the
+    # attention's output: XLA writes their sum nowhere). After the down kernel, the slots' weighted sum is
+    # k adds, no reduction over the experts: here fused into the final norm's launch (the one layer's only
+    # reader; between layers XLA writes the residual stream first, a launch of its own, bench.decode's
+    # extrapolation checked against a 3-layer compile: test_one_layer_extrapolates_to_the_whole_model).
+    cfg = config_for("tiny-moe")
+    layer = [la for la in extrapolate(records["moe-b1-serving"]["launches"], 1, 1) if la["layer"]]
+    names = [la["op_name"] for la in layer]
+    kernels = [i for i, la in enumerate(layer) if la["kind"] == "mosaic_gpu"]
+    assert len(kernels) == 4, names  # qkv, o, the experts' gate/up and down
+    router, routing = layer[kernels[1] + 1 : kernels[2]]
+    assert any("['router']" in s for s in router["operand_bytes"]), names
+    assert "nybble_moe_routing" in routing["op_name"], names
+    rows = cfg.moe.top_k * cfg.hidden_size * 2
+    assert routing["result_bytes"] == rows + cfg.moe.num_experts * 4 + cfg.moe.top_k * 4 + 4
+    after = names[kernels[3] + 1 :]
+    assert len(after) == 1 and after[0].endswith("/norm/reduce_sum"), names
 
 
 def test_the_experts_swiglu_product_is_in_the_gate_up_kernel(records):

@@ -186,3 +186,34 @@ def test_decode_attention_against_float64(case, merged):
             np.testing.assert_array_equal(got[:, :, others], want[:, :, others])
             np.testing.assert_allclose(got[:, :, position], want[:, :, position], rtol=0.024, atol=0.024)
         np.testing.assert_allclose(np.asarray(out, np.float64), ref, rtol=0, atol=2e-2)
+
+
+# (experts, top k, hidden): Qwen3-30B-A3B's routing, Mixtral's, the kernel's largest expert count
+ROUTING_CASES = [(128, 8, 2048), (8, 2, 4096), (256, 8, 7168)]
+
+
+@pytest.mark.parametrize("case", _cases(ROUTING_CASES), ids=lambda c: "e{}k{}h{}".format(*c))
+def test_moe_routing_against_float64(case):
+    # One decode token's routing (nybble.kernels.triton.moe_routing): the float64 top k, exactly (logits
+    # spread 1e-3 apart at least: no rounding reorders them), its scores in slot order, the k rows
+    from nybble.kernels.triton import moe_routing as kernel
+
+    experts, top_k, hidden = case
+    rng = np.random.default_rng(experts + hidden)
+    logits = (rng.permutation(experts) * 1e-3 + rng.standard_normal() * 0.1).astype(np.float32)
+    parts = [np.asarray(jnp.asarray(rng.standard_normal(hidden), jnp.bfloat16), np.float64) for _ in range(2)]
+    weight = np.asarray(jnp.asarray(rng.uniform(0.5, 1.5, hidden), jnp.bfloat16), np.float64)
+    x = np.asarray(jnp.asarray(parts[0] + parts[1], jnp.float32).astype(jnp.bfloat16), np.float64)
+    sums = np.full(experts, (x * x).sum(), np.float32)
+    cfg = kernel.choose_config(hidden, top_k, hidden, 1e-6)
+    sizes, slot_scores, total, rows = kernel.route_one(
+        jnp.asarray(logits), [jnp.asarray(p, jnp.bfloat16) for p in parts], jnp.asarray(weight, jnp.bfloat16),
+        jnp.asarray(sums), cfg, interpret=INTERPRET,
+    )  # fmt: skip
+    ref_sizes, ref_scores, ref_total, ref_rows = kernel.reference(
+        logits, x, weight, float(sums[0]), top_k, hidden, 1e-6
+    )
+    np.testing.assert_array_equal(np.asarray(sizes), ref_sizes)
+    np.testing.assert_allclose(np.asarray(slot_scores), ref_scores, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(total), ref_total, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(rows, np.float64), ref_rows, rtol=3 * 2**-8, atol=1e-6)

@@ -21,8 +21,9 @@ from bench.decode.predict import hbm_limit, needed_bytes, predict
 VARIANTS = {
     "baseline": {"fused": False, "donate": False},  # the step as the model first ran it
     "fused": {"fused": True, "donate": True},  # fuse_projections=True, donated cache
-    # the serving setup: fused, donated, and set_decode_attention(model, "triton") (one-launch attention)
-    "serving": {"fused": True, "donate": True, "attention": "triton"},
+    # the serving setup: fused, donated, set_decode_attention(model, "triton") (one-launch attention) and
+    # set_decode_routing(model, "triton") (an MoE token's routing in one launch)
+    "serving": {"fused": True, "donate": True, "attention": "triton", "routing": "triton"},
 }
 DEFAULT_VARIANT = "serving"
 
@@ -141,13 +142,16 @@ NOTES: list[str] = [
     "past its projections); `serving` (the default): `fused` with `set_decode_attention(model, 'triton')`, "
     "nybble's Pallas-on-Triton decode attention kernel (from the qkv kernel's output: the deferred norm "
     "scale, q/k norms, rotary embedding, cache write and attention in one launch, the splits merged in a "
-    "second; opt-in until a GPU has run it).",
+    "second; opt-in until a GPU has run it), and for an MoE model `set_decode_routing(model, 'triton')`, "
+    "nybble's Pallas-on-Triton routing kernel (a batch-1 token's top k, group sizes, scores in slot order "
+    "and the experts' k rows in one launch; opt-in likewise).",
     "- **One layer compiled, the rest multiplied**: the model is compiled with 1 layer; launches outside the "
     "layers (embedding gather, final norm, LM head, the rotary angles XLA computes once for all layers) "
     "count once, every other launch `layers` times. Checked against a whole compile of a 3-layer model in "
     "tests/test_decode_bench.py (fused variant: launches equal, per family too; bytes within 0.3%, XLA "
     "fusing a few elementwise ops across a layer boundary differently; serving variant: launches equal, "
-    "bytes within 0.8%, each norm summing the residual stream's parts itself).",
+    "bytes within 0.8%, each norm summing the residual stream's parts itself; and a small MoE model's "
+    "serving step at batch 1 against its whole 2-layer compile, launches equal).",
     "- **Launches and bytes** are read off XLA's optimized HLO (`bench.kernel_xray.hlo`: every fusion, "
     "custom call and copy of the entry computation; bytes = operands + result as typed), with three "
     "corrections where the type is not the traffic: the embedding gather (alone or fused into the first "

@@ -46,12 +46,14 @@ class StepCase:
     donate: bool = False  # the cache donated to the step
     int4_lm_head: bool = False  # int4 weights: the LM head int4 too (a QuantRule)
     attention: str = "xla"  # the decode step's attention (nybble.models.set_decode_attention)
+    routing: str = "xla"  # an MoE decode token's routing (nybble.models.set_decode_routing)
 
     @property
     def key(self) -> str:
         tag = ("-fused" if self.fused else "") + ("-donated" if self.donate else "")
         tag += "-int4head" if self.int4_lm_head else ""
         tag += f"-{self.attention}attn" if self.attention != "xla" else ""
+        tag += f"-{self.routing}route" if self.routing != "xla" and self.config().moe is not None else ""
         return f"{self.model}/{self.weights}/B{self.batch}/ctx{self.context}/L{self.layers}{tag}"
 
     # bench.xray.runner orders work by k * n * m (heaviest first)
@@ -86,6 +88,7 @@ class StepCase:
             donate=self.donate,
             int4_lm_head=self.int4_lm_head and self.weights == "int4",
             attention=self.attention,
+            routing=self.routing,
         )
 
 

@@ -26,16 +26,24 @@ class StepProgram:
 
 
 def abstract_model(
-    cfg: Any, weights: str, *, fused: bool = False, int4_lm_head: bool = False, attention: str = "xla"
+    cfg: Any,
+    weights: str,
+    *,
+    fused: bool = False,
+    int4_lm_head: bool = False,
+    attention: str = "xla",
+    routing: str = "xla",
 ) -> Any:
     """The model as ShapeDtypeStructs: bf16 weights, or int4 g128 (``nybble.models.quantize``, RTN; the LM
     head too with ``int4_lm_head``, the ``QuantRule`` a user gives for it); a decode step's attention by
-    ``attention`` (``nybble.models.set_decode_attention``)."""
+    ``attention`` (``nybble.models.set_decode_attention``), an MoE model's one-token routing by ``routing``
+    (``nybble.models.set_decode_routing``; a dense model has none to set)."""
     import jax.numpy as jnp
     from flax import nnx
 
     from nybble.models import QuantRule, quantize
     from nybble.models.definitions.llama import Llama, set_decode_attention
+    from nybble.models.definitions.moe import set_decode_routing
 
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
@@ -50,7 +58,8 @@ def abstract_model(
             from nybble.models.definitions.fuse import fuse_projections
 
             fuse_projections(model)
-        return set_decode_attention(model, attention)
+        set_decode_attention(model, attention)
+        return set_decode_routing(model, routing) if cfg.moe is not None else model
 
     model = nnx.eval_shape(build)
     for _, module in nnx.iter_modules(model):
@@ -69,6 +78,7 @@ def abstract_step(
     donate: bool = False,
     int4_lm_head: bool = False,
     attention: str = "xla",
+    routing: str = "xla",
 ) -> StepProgram:
     """One decode step of ``cfg`` at ``batch`` sequences over a ``context``-position cache (see module)."""
     import jax
@@ -80,7 +90,9 @@ def abstract_step(
 
     if batch < 1 or context < 1:
         raise ValueError(f"batch ({batch}) and context ({context}) must be positive")
-    model = abstract_model(cfg, weights, fused=fused, int4_lm_head=int4_lm_head, attention=attention)
+    model = abstract_model(
+        cfg, weights, fused=fused, int4_lm_head=int4_lm_head, attention=attention, routing=routing
+    )
     graphdef, state = nnx.split(model)
     kv = jax.ShapeDtypeStruct((batch, cfg.num_kv_heads, context, cfg.head_dim), jnp.bfloat16)
     cache = KVCache(k=(kv,) * cfg.num_layers, v=(kv,) * cfg.num_layers)

@@ -17,7 +17,7 @@ except ModuleNotFoundError:
 from nybble.models.definitions.fuse import fuse_projections, unfuse_projections
 from nybble.models.definitions.layers import QDense, QLinear, QuantizedParam, dense
 from nybble.models.definitions.llama import KVCache, Llama, LlamaConfig, set_decode_attention
-from nybble.models.definitions.moe import MoE, MoEConfig, QExperts
+from nybble.models.definitions.moe import MoE, MoEConfig, QExperts, set_decode_routing
 from nybble.models.evaluate.measure import generate, negative_log_likelihood, perplexity
 from nybble.models.evaluate.text import eval_text
 from nybble.models.io import smollm2  # `models.smollm2.load()` works after `from nybble import models`
@@ -66,6 +66,7 @@ __all__ = [
     "save_model",
     "save_pretrained",
     "set_decode_attention",
+    "set_decode_routing",
     "shard",
     "smollm2",
     "unfuse_projections",

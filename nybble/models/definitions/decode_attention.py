@@ -99,7 +99,7 @@ def write_and_attend(
     return out.reshape(b, 1, heads * d), k_cache, v_cache
 
 
-def _no_gpu_target() -> str | None:
+def no_gpu_target() -> str | None:
     """Why this trace cannot lower the Triton kernel: no NVIDIA GPU here and none named by the current mesh
     (a deviceless compile sets one: ``jax.set_mesh`` or ``jax.sharding.use_abstract_mesh``), and no
     interpret mode; None when it can."""
@@ -134,7 +134,7 @@ def write_and_attend_on_kernel(
     rows = qkv.reshape(b, heads + 2 * kv_heads, d)
     eps = None if norms is None else (float(norms[2]), float(norms[3]))
     token = kernel.NewToken(heads, kv_heads, None if row_norm is None else row_norm[1:], eps)
-    if (why := kernel.unsupported(rows, k_cache, v_cache, token) or _no_gpu_target()) is not None:
+    if (why := kernel.unsupported(rows, k_cache, v_cache, token) or no_gpu_target()) is not None:
         raise NotImplementedError(f"decode attention 'triton': {why}; or set_decode_attention(model, 'xla')")
     cfg = kernel.choose_config(b, kv_heads, max_len, triton_backend.target_gpu().sms)
     with jax.named_scope("rope_factors"):  # the same for every layer: XLA computes them once a step

@@ -497,6 +497,7 @@ class Block(nnx.Module):
             a, k_cache, v_cache = self.attn.cached(h, position, k_cache, v_cache, row_scale=r)
         else:
             a, k_cache, v_cache = self.attn.cached(self.input_norm(x), position, k_cache, v_cache)
+        parts = (x, a)  # MoE.normed's routing kernel adds them itself: XLA never writes their sum
         x = x + a
         if (
             x.shape[1] == 1
@@ -513,7 +514,7 @@ class Block(nnx.Module):
             and isinstance(self.mlp, MoE)
             and self.mlp.defers_norm
         ):
-            return x + self.mlp.normed(x, self.post_norm), k_cache, v_cache
+            return x + self.mlp.normed(x, self.post_norm, parts), k_cache, v_cache
         return x + self.mlp(self.post_norm(x)), k_cache, v_cache
 
 

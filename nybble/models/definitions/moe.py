@@ -32,6 +32,9 @@ import numpy as np
 from flax import nnx
 
 from nybble.kernels.backends import Implementation
+from nybble.kernels.triton import backend as triton_backend
+from nybble.kernels.triton import moe_routing as routing_kernel
+from nybble.models.definitions.decode_attention import no_gpu_target
 from nybble.models.definitions.fuse import FusedExpertsGateUp, FusedParts
 from nybble.models.definitions.layers import QuantizedParam, projections
 from nybble.ops import ragged_matmul
@@ -338,6 +341,7 @@ class MoE(nnx.Module):
 
     def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> None:
         self.config = cfg
+        self.decode_routing = "xla"  # one decode token's routing: "xla" | "triton" (set_decode_routing)
         self.router = Router(cfg.hidden_size, cfg.num_experts, rngs=rngs, dtype=dtype)
         self.experts = ExpertMLP(cfg, rngs=rngs, dtype=dtype)
         self.shared_expert = (
@@ -394,7 +398,7 @@ class MoE(nnx.Module):
         scale = row_scale.reshape(-1, 1).astype(jnp.float32)
         return self._scaled(ht, scale, self.router.logits(ht)).reshape(h.shape)
 
-    def normed(self, x: jax.Array, norm: Any) -> jax.Array:
+    def normed(self, x: jax.Array, norm: Any, parts: tuple[jax.Array, ...] | None = None) -> jax.Array:
         """``self(norm(x))`` for an RMSNorm ``norm`` (``weight`` (hidden,), ``eps``), when
         :attr:`defers_norm`: :meth:`deferred` with the norm's sum of squares in the router's launch. A
         decode step's two reductions over hidden, the logits (T, experts) and the sum of squares (T,), are
@@ -402,7 +406,9 @@ class MoE(nnx.Module):
         of squares is taken once per expert, (T, experts) like the logits, so XLA runs both in one launch,
         reading x and the router's weight once (the weight only shapes the squares: XLA would turn a sum of
         squares broadcast over the experts back into one sum, a launch of its own). The numbers of
-        ``deferred(*norm.deferred(x))``: the same products and sums, in float32."""
+        ``deferred(*norm.deferred(x))``: the same products and sums, in float32. ``parts`` (optional): the
+        arrays x is the sum of, each x's shape (the residual stream and the attention's output), which the
+        routing kernel (:func:`set_decode_routing`) adds itself (XLA does not write their sum)."""
         if not self.defers_norm:
             raise ValueError("MoE.normed needs norm_topk_prob=True and no shared expert (see defers_norm)")
         hidden = self.config.hidden_size
@@ -415,7 +421,22 @@ class MoE(nnx.Module):
         # x * x where the weight is a number (every entry of a working router; a NaN one makes its logit
         # NaN anyway): what keeps XLA from reducing the squares once and broadcasting the sum
         squares = jnp.where(jnp.isnan(w), 0.0, xf[:, None, :] * xf[:, None, :])
-        total = jnp.sum(squares, axis=-1)[:, :1]  # (T, 1): every column holds the same sum
+        sums = jnp.sum(squares, axis=-1)  # (T, experts): every column holds the same sum
+        total = sums[:, :1]
+        if xt.shape[0] == 1 and self.decode_routing == "triton":
+            sizes, slot_scores, total, rows = route_one_on_kernel(
+                logits[0],
+                [p.reshape(hidden) for p in (parts or (x,))],
+                norm.weight[...],
+                sums[0],
+                self.config.top_k,
+                norm.eps,
+            )
+            y = self.experts(rows, sizes).astype(jnp.float32)  # (k, hidden): slot s, the s-th chosen expert
+            # k adds, not a reduction over the experts: XLA fuses them into the launch that reads the sum
+            # (the next norm's), where a reduction is a launch of its own
+            out = functools.reduce(operator.add, [y[s : s + 1] * slot_scores[s] for s in range(y.shape[0])])
+            return (out / total[0]).astype(x.dtype).reshape(x.shape)
         with jax.named_scope("norm"):
             scale = jax.lax.rsqrt(total / hidden + norm.eps)
         return self._scaled(ht, scale, logits).reshape(x.shape)
@@ -458,6 +479,49 @@ class MoE(nnx.Module):
         return jnp.einsum("tkh,tk->th", y.astype(jnp.float32), scores) / totals
 
 
+DECODE_ROUTING = ("xla", "triton")
+
+
+def route_one_on_kernel(
+    logits: jax.Array,
+    parts: list[jax.Array],
+    norm_weight: jax.Array,
+    sums_of_squares: jax.Array,
+    top_k: int,
+    eps: float,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One token's routing on nybble's Triton kernel (``nybble.kernels.triton.moe_routing``, one launch):
+    from the router's f32 logits (E,) of the unscaled normed row, the residual row x (hidden,) as the parts
+    it sums, the norm's weight and x's f32 sum of squares (in entry 0 of ``sums_of_squares``): the group
+    sizes (E,), the chosen experts' scores in slot order (k,), their total (1,) and the k normalized rows
+    (k, hidden) in x's dtype. Arguments are checked here (a clear error, never one from inside Pallas)."""
+    if (why := routing_kernel.unsupported(logits, parts[0], top_k) or no_gpu_target()) is not None:
+        raise NotImplementedError(f"MoE decode routing 'triton': {why}; or set_decode_routing(model, 'xla')")
+    hidden = parts[0].shape[-1]
+    cfg = routing_kernel.choose_config(hidden, top_k, hidden, eps)
+    return routing_kernel.route_one(
+        logits, parts, norm_weight, sums_of_squares, cfg, interpret=triton_backend.is_interpret_active()
+    )
+
+
+def set_decode_routing(model: nnx.Module, implementation: str) -> nnx.Module:
+    """Every MoE block of ``model`` routes a decode step's one token (batch 1, ``MoE.normed``) with
+    ``implementation``: "xla" (the default: two launches of reductions over the experts) or "triton"
+    (nybble's one-launch Pallas-on-Triton kernel, ``nybble.kernels.triton.moe_routing``, on NVIDIA GPUs of
+    compute capability 8.0 or newer, or on a CPU inside ``nybble.kernels.triton.backend.interpret()``).
+    The same experts and weights. In place; returns the model."""
+    if implementation not in DECODE_ROUTING:
+        raise ValueError(
+            f"decode routing: unknown implementation {implementation!r}; choose one of {DECODE_ROUTING}"
+        )
+    blocks = [m for _, m in nnx.iter_modules(model) if isinstance(m, MoE)]
+    if not blocks:
+        raise ValueError(f"set_decode_routing: {type(model).__name__} has no nybble MoE block")
+    for block in blocks:
+        block.decode_routing = implementation
+    return model
+
+
 def expert_stacks(model: nnx.Module) -> list[tuple[str, Any, str, Experts | QExperts]]:
     """Every :class:`Experts` / :class:`QExperts` of ``model``: (dotted path, parent, attribute, module)."""
     modules = {tuple(p): m for p, m in nnx.iter_modules(model)}
@@ -474,6 +538,7 @@ def num_weights(experts: Experts | QExperts) -> int:
 
 
 __all__ = [
+    "DECODE_ROUTING",
     "NORMED_MAX_TOKENS",
     "ExpertMLP",
     "Experts",
@@ -486,7 +551,9 @@ __all__ = [
     "expert_stacks",
     "num_weights",
     "route",
+    "route_one_on_kernel",
     "route_ranked",
     "route_scores",
+    "set_decode_routing",
     "sort_by_expert",
 ]

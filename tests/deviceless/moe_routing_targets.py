@@ -1,0 +1,89 @@
+"""Compiles the Triton MoE routing kernel for deviceless GPUs of each compute capability named on the
+command line, at Qwen3-30B-A3B's shape (128 experts, top 8, hidden 2048) and at 256 experts (the kernel's
+largest, DeepSeek-V3's count): the router's logits, the residual stream's two parts, the norm's weight and
+the router launch's sums of squares in, one token. Prints one JSON line: per GPU and shape, the optimized
+program's launches (kind, name, operand bytes by source, result bytes) and the kernel's SASS (instructions,
+registers, local-memory spills). Run it in the X-ray toolchain's environment with ptxas wrapped to keep its
+cubins, as tests/test_moe_routing_sass.py does."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from bench.kernel_xray import hlo
+from bench.kernel_xray.target import deviceless_devices
+from nybble.kernels.triton import moe_routing as kernel
+
+SHAPES = {"qwen3": (128, 8, 2048), "e256": (256, 8, 7168)}  # experts, top k, hidden
+
+
+def kernel_sass(cubins: list[Path]) -> dict:
+    """The routing kernel's SASS: instructions, the registers it names, spills."""
+    from bench.kernel_xray import sass
+    from bench.kernel_xray.toolchain import find_toolchain
+    from bench.xray.marlin import control_code_sass
+
+    nvdisasm = find_toolchain().nvdisasm
+    for path in cubins:
+        text = subprocess.run([str(nvdisasm), "-c", "-hex", str(path)], capture_output=True, text=True).stdout
+        if not re.search(r"\.text\.nybble_moe_routing\b", text):
+            continue
+        code = sass.parse_sass(control_code_sass(text))
+        opcodes = collections.Counter(ins.base_opcode for ins in code.instructions)
+        registers = {int(r) for r in re.findall(r"\bR(\d+)\b", text)}
+        return {
+            "instructions": len(code.instructions),
+            "registers": max(registers) + 1,
+            "spills": opcodes["STL"] + opcodes["LDL"],
+        }
+    return {}
+
+
+def compile_for(gpu: str, experts: int, top_k: int, hidden: int) -> dict:
+    device = deviceless_devices(gpu, 1)[0]
+    sharding = SingleDeviceSharding(device)
+    cfg = kernel.choose_config(hidden, top_k, hidden, 1e-6)
+
+    def arg(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    def route(logits, x, a, weight, sums):
+        return kernel.route_one(logits, [x, a], weight, sums, cfg)
+
+    args = (
+        arg((experts,), jnp.float32),
+        arg((hidden,)),
+        arg((hidden,)),
+        arg((hidden,)),
+        arg((experts,), jnp.float32),
+    )
+    dump = Path(tempfile.mkdtemp(prefix="nybble-routing-cubins-"))
+    os.environ["NYBBLE_PTX_DUMP"] = str(dump)  # read by the ptxas wrapper XLA runs
+    with jax.set_mesh(Mesh(np.array([device]), ("x",))):  # the Triton lowering reads its target here
+        text = jax.jit(route).trace(*args).lower(lowering_platforms=("cuda",)).compile().as_text()
+    os.environ.pop("NYBBLE_PTX_DUMP")
+    launches = [
+        {"kind": la.kind, "name": la.name, "operands": la.operand_bytes, "result_bytes": la.result_bytes}
+        for la in hlo.launches(text)
+    ]
+    return {"launches": launches, "sass": kernel_sass(sorted(dump.glob("*.cubin")))}
+
+
+if __name__ == "__main__":
+    print(
+        json.dumps(
+            {gpu: {name: compile_for(gpu, *shape) for name, shape in SHAPES.items()} for gpu in sys.argv[1:]}
+        )
+    )

@@ -1,0 +1,71 @@
+"""The Triton MoE routing kernel compiled without a GPU for sm_80, sm_90 and sm_100
+(tests/deviceless/moe_routing_targets.py, in the X-ray toolchain's environment; the lowering alone, on
+every jax of the range: tests/test_moe_routing_kernel.py), the optimized program and the SASS read back:
+one launch reading its operands as given (no copy, no fusion before it), the routing and the k rows written
+and nothing else, no spills."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).resolve().parent / "deviceless" / "moe_routing_targets.py"
+TARGETS = ("a100", "h200", "b200")
+SHAPES = {"qwen3": (128, 8, 2048), "e256": (256, 8, 7168)}  # the script's: experts, top k, hidden
+
+
+@pytest.fixture(scope="module")
+def programs():
+    from bench.kernel_xray import ToolchainMissing
+    from bench.kernel_xray.toolchain import child_environment, find_toolchain
+
+    try:
+        toolchain = find_toolchain()
+    except ToolchainMissing as e:
+        pytest.fail(f"the X-ray toolchain is missing: {e}")
+    from bench.xray.gpus import wrapped_cuda_root
+
+    env = child_environment(toolchain)
+    env["CUDA_ROOT"] = str(wrapped_cuda_root(toolchain))  # ptxas keeps its cubins: the SASS is read
+    path = env.get("PYTHONPATH", "").split(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, path)])
+    cmd = [sys.executable, str(SCRIPT), *TARGETS]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("gpu", TARGETS)
+def test_one_launch_writing_the_routing_and_the_rows(programs, gpu, shape):
+    experts, top_k, hidden = SHAPES[shape]
+    (launch,) = programs[gpu][shape]["launches"]
+    assert launch["kind"] == "custom-call"
+    row = hidden * 2  # bf16
+    assert launch["operands"] == {
+        "logits": experts * 4,
+        "x": row,
+        "a": row,
+        "weight": row,
+        "sums": experts * 4,
+    }
+    # the group sizes (int32), the slots' scores and their total (f32), the k rows
+    assert launch["result_bytes"] == experts * 4 + top_k * 4 + 4 + top_k * row
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("gpu", TARGETS)
+def test_the_ranking_stays_in_registers(programs, gpu, shape):
+    # Program 0 ranks the E experts, 32 columns of the (E, E) comparison at a time: no spills, within a
+    # thread's 255 registers (2026-12-07, sm_90: 128 experts 1,016 instructions and 59 registers; 256
+    # experts 3,576 and 166; the whole (256, 256) comparison at once spilled 200+ times)
+    sass = programs[gpu][shape]["sass"]
+    assert sass, "the routing kernel's cubin was not found"
+    assert sass["spills"] == 0, sass
+    assert sass["registers"] <= 255 and sass["instructions"] <= 8000, sass
