@@ -159,7 +159,7 @@ test-fast: $(STAMP)
 # took 1340 s for the stop of 2026-12-06; with the other sweeps, 1272 s on this machine on 2026-12-07.
 INTERPRET_TESTS := tests/test_grouped_interpret.py tests/test_kernel_interpret.py tests/test_triton_interpret.py \
 	tests/test_blackwell_interpret.py tests/test_blackwell_grouped.py tests/test_decode_attention_kernel.py \
-	tests/test_swiglu.py tests/test_grouped_swiglu.py
+	tests/test_swiglu.py tests/test_grouped_swiglu.py tests/test_moe_routing_kernel.py
 LATEST_TESTS := $(FAST_TESTS) $(INTERPRET_TESTS)
 LATEST_DESELECT := not test_every_pick_lowers_for_cuda and not test_blackwell_picks_lower_for_sm100a
 test-jax-latest: $(LATEST_STAMP)
@@ -173,8 +173,9 @@ test-jax-latest: $(LATEST_STAMP)
 CUDA12_TESTS := tests/test_jax_range.py tests/test_dispatch.py tests/test_kernel_lowering.py \
 	tests/test_grouped_lowering.py tests/test_triton_dispatch.py tests/test_blackwell_lowering.py \
 	tests/test_blackwell_dispatch.py tests/test_decode_attention_lowering.py tests/test_swiglu.py \
-	tests/test_grouped_swiglu.py
-CUDA12_DESELECT := not epilogue_within_rounding and not test_gradient_through_the_kernel
+	tests/test_grouped_swiglu.py tests/test_moe_routing_lowering.py
+CUDA12_DESELECT := not epilogue_within_rounding and not test_gradient_through_the_kernel \
+	and not test_the_op_dispatches_and_its_xla_path_rounds_once_more
 test-jax-cuda12: $(CUDA12_STAMP)
 	NYBBLE_LOWER_GATE_KERNELS=1 $(CUDA12_PY) -m pytest -q -n 2 --dist load -m "not slow" \
 		-k "$(CUDA12_DESELECT)" $(CUDA12_TESTS)
