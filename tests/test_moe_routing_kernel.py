@@ -135,6 +135,12 @@ def test_set_decode_routing_refuses_unknown_names_and_models():
         set_decode_routing(_tiny_moe(jnp.bfloat16), "sort")
     with pytest.raises(ValueError, match="no nybble MoE block"):
         set_decode_routing(Llama(TINY_CONFIG, rngs=nnx.Rngs(0)), "triton")
+    # OLMoE's routing (the softmax's top k, not renormalized): nothing the kernel routes
+    moe = MoEConfig(hidden_size=128, intermediate_size=64, num_experts=8, top_k=2, norm_topk_prob=False)
+    olmoe = Llama(dataclasses.replace(TINY_CONFIG, moe=moe), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"renormalized top-k.*norm_topk_prob=False.*keep 'xla'"):
+        set_decode_routing(olmoe, "triton")
+    assert set_decode_routing(olmoe, "xla") is olmoe
 
 
 def test_model_refuses_the_kernel_by_name():
@@ -153,8 +159,7 @@ def test_model_refuses_the_kernel_by_name():
         step.trace(model, model.init_cache(1, 16))
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int4"])
-def test_decode_steps_on_the_kernel_equal_the_xla_routing(weights):
+def test_decode_steps_on_the_kernel_equal_the_xla_routing():
     # The same model, prefilled, then 6 decode steps of the same tokens (teacher-forced), one sequence
     # (the kernel routes a batch-1 step): routed by the kernel (interpret mode) and by XLA's route_ranked.
     # The experts' rows reach the same kernels; only the weighted sum's order differs (k adds of the
@@ -165,8 +170,7 @@ def test_decode_steps_on_the_kernel_equal_the_xla_routing(weights):
     results = {}
     for implementation in ("xla", "triton"):
         model = _tiny_moe(jnp.bfloat16)
-        if weights == "int4":
-            quantize(model, group_size=64, progress=False)
+        quantize(model, group_size=64, progress=False)  # the experts' kernels: XLA's path on a CPU
         set_decode_routing(model, implementation)
         _, cache = nnx.jit(lambda m, i: m.prefill(i, max_len=16))(model, ids[:, :5])
         step = nnx.jit(lambda m, t, c, p: m.decode_step(t, c, p))

@@ -1,6 +1,6 @@
-"""The Triton MoE routing kernel compiled without a GPU for sm_80, sm_90 and sm_100
+"""The Triton MoE routing kernel compiled without a GPU for sm_90 and sm_100
 (tests/deviceless/moe_routing_targets.py, in the X-ray toolchain's environment; the lowering alone, on
-every jax of the range: tests/test_moe_routing_kernel.py), the optimized program and the SASS read back:
+every jax of the range: tests/test_moe_routing_lowering.py), the optimized program and the SASS read back:
 one launch reading its operands as given (no copy, no fusion before it), the routing and the k rows written
 and nothing else, no spills."""
 
@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve().parent / "deviceless" / "moe_routing_targets.py"
-TARGETS = ("a100", "h200", "b200")
+TARGETS = ("h200", "b200")
 SHAPES = {"qwen3": (128, 8, 2048), "e256": (256, 8, 7168)}  # the script's: experts, top k, hidden
 
 

@@ -150,8 +150,7 @@ NOTES: list[str] = [
     "count once, every other launch `layers` times. Checked against a whole compile of a 3-layer model in "
     "tests/test_decode_bench.py (fused variant: launches equal, per family too; bytes within 0.3%, XLA "
     "fusing a few elementwise ops across a layer boundary differently; serving variant: launches equal, "
-    "bytes within 0.8%, each norm summing the residual stream's parts itself; and a small MoE model's "
-    "serving step at batch 1 against its whole 2-layer compile, launches equal).",
+    "bytes within 0.8%, each norm summing the residual stream's parts itself).",
     "- **Launches and bytes** are read off XLA's optimized HLO (`bench.kernel_xray.hlo`: every fusion, "
     "custom call and copy of the entry computation; bytes = operands + result as typed), with three "
     "corrections where the type is not the traffic: the embedding gather (alone or fused into the first "

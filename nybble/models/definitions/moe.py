@@ -508,8 +508,9 @@ def set_decode_routing(model: nnx.Module, implementation: str) -> nnx.Module:
     """Every MoE block of ``model`` routes a decode step's one token (batch 1, ``MoE.normed``) with
     ``implementation``: "xla" (the default: two launches of reductions over the experts) or "triton"
     (nybble's one-launch Pallas-on-Triton kernel, ``nybble.kernels.triton.moe_routing``, on NVIDIA GPUs of
-    compute capability 8.0 or newer, or on a CPU inside ``nybble.kernels.triton.backend.interpret()``).
-    The same experts and weights. In place; returns the model."""
+    compute capability 8.0 or newer, or on a CPU inside ``nybble.kernels.triton.backend.interpret()``) for
+    the blocks it can route (``MoE.defers_norm``: renormalized top k, no shared expert; a model with none is
+    refused). The same experts and weights. In place; returns the model."""
     if implementation not in DECODE_ROUTING:
         raise ValueError(
             f"decode routing: unknown implementation {implementation!r}; choose one of {DECODE_ROUTING}"
@@ -517,6 +518,13 @@ def set_decode_routing(model: nnx.Module, implementation: str) -> nnx.Module:
     blocks = [m for _, m in nnx.iter_modules(model) if isinstance(m, MoE)]
     if not blocks:
         raise ValueError(f"set_decode_routing: {type(model).__name__} has no nybble MoE block")
+    if implementation == "triton" and not any(block.defers_norm for block in blocks):
+        cfg = blocks[0].config
+        raise ValueError(
+            "set_decode_routing: the routing kernel routes renormalized top-k blocks with no shared expert "
+            f"(Qwen3-MoE, Mixtral: MoE.defers_norm), and none of this model's is (norm_topk_prob="
+            f"{cfg.norm_topk_prob}, shared expert: {cfg.shared_intermediate_size is not None}); keep 'xla'"
+        )
     for block in blocks:
         block.decode_routing = implementation
     return model
