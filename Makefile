@@ -127,8 +127,11 @@ test: $(XRAY_STAMP)  # tests/test_xray.py compiles kernels with the toolchain
 # explicit configs of every structure, group sizes and random shapes, every MoE kernel, every Triton config,
 # the B200 picks, dense and grouped, the decode attention kernel's float64 grid), every pick lowered for
 # CUDA (sm_90a and sm_100a; on jax 0.12 in the cuda12 step too), and the SASS X-ray gate over every pick at
-# the production shapes. Out of `make test` since 2026-12-07, when it took 742 s of its 600 on this
-# machine's two cores. By file (--dist loadfile): the X-ray gate's module-wide compiles run once.
+# the production shapes; and the compile-heavy reads of compiled programs: the Triton decode attention's and
+# MoE routing kernels' SASS, bench.decode's compiled decode steps (these since 2026-12-07's second move:
+# `make test` took 563 s of pytest and ~50 s of install, past its 600). The sweeps left `make test` on
+# 2026-12-07, when it took 742 s of its 600 on this machine's two cores. By file (--dist loadfile):
+# module-wide compiles run once.
 test-sweeps: $(XRAY_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m sweep
 

@@ -7,15 +7,14 @@ place, the output projection's bf16 input written and nothing else."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.deviceless.common import run_script
+
+pytestmark = pytest.mark.sweep  # compile-heavy: CI's sweeps step (make test-sweeps)
+
 SCRIPT = Path(__file__).resolve().parent / "deviceless" / "decode_attention_targets.py"
 TARGETS = ("a100", "l40s", "h200", "b200", "rtx5090")
 BATCH, KV_HEADS, GROUPS, HEAD_DIM, CONTEXT = 1, 8, 4, 128, 4096  # the script's shape
@@ -23,23 +22,7 @@ BATCH, KV_HEADS, GROUPS, HEAD_DIM, CONTEXT = 1, 8, 4, 128, 4096  # the script's 
 
 @pytest.fixture(scope="module")
 def programs():
-    from bench.kernel_xray import ToolchainMissing
-    from bench.kernel_xray.toolchain import child_environment, find_toolchain
-
-    try:
-        toolchain = find_toolchain()
-    except ToolchainMissing as e:
-        pytest.fail(f"the X-ray toolchain is missing: {e}")
-    from bench.xray.gpus import wrapped_cuda_root
-
-    env = child_environment(toolchain)
-    env["CUDA_ROOT"] = str(wrapped_cuda_root(toolchain))  # ptxas keeps its cubins: the SASS is read
-    path = env.get("PYTHONPATH", "").split(os.pathsep)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, path)])
-    cmd = [sys.executable, str(SCRIPT), *TARGETS]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_script(SCRIPT, *TARGETS)
 
 
 @pytest.mark.parametrize("gpu", TARGETS)

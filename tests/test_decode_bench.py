@@ -58,6 +58,7 @@ def records():
     return {name: out[case.key] for name, case in CASES.items()}
 
 
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
 def test_launches_equal_xlas_thunk_sequence(records):
     # The HLO's launches (bench.kernel_xray.hlo) against the thunks XLA's runtime executes, read apart; a
     # fusion XLA runs as several thunks counted as that many launches (next test).
@@ -65,6 +66,7 @@ def test_launches_equal_xlas_thunk_sequence(records):
         assert len(record["launches"]) == record["thunk_launches"] > 0, name
 
 
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
 def test_a_fusion_run_as_two_thunks_is_two_launches(records):
     # XLA runs the MoE top-k as a copy and a sort, two thunks of one fusion (the tiny model's 16 experts at
     # batch 1, not at 2; Qwen3-30B-A3B's 128 at batch 64): the second is a launch of its own, moving no
@@ -78,6 +80,7 @@ def test_a_fusion_run_as_two_thunks_is_two_launches(records):
         assert second[0]["layer"] and second[0]["in_command_buffer"] == first["in_command_buffer"]
 
 
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
 def test_bytes_read_of_weights_and_cache(records):
     import jax
 
@@ -121,6 +124,7 @@ def test_bytes_read_of_weights_and_cache(records):
         ("int4-serving", "int4-serving-whole", 0.01),
     ],
 )
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
 def test_one_layer_extrapolates_to_the_whole_model(records, one_layer, more, rel):
     one = totals(extrapolate(records[one_layer]["launches"], 1, 3))
     whole = totals(extrapolate(records[more]["launches"], 3, 3))
@@ -130,6 +134,7 @@ def test_one_layer_extrapolates_to_the_whole_model(records, one_layer, more, rel
         assert one[f]["launches"] == whole[f]["launches"], f
 
 
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
 def test_command_buffers_extrapolate(records):
     # the launches inside command buffers, and the command buffers, as the whole compile's thunks have them:
     # bf16 (one graph on either jax end) and int4 (on jax 0.11.2 nybble's kernels cut each layer's graph;
@@ -140,6 +145,7 @@ def test_command_buffers_extrapolate(records):
         assert graph_launches(ex) == records[more]["command_buffers"], one_layer
 
 
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
 def test_fused_donated_step_launches_less(records):
     base, fused = records["int4-base"]["launches"], records["int4"]["launches"]
     assert len(fused) < len(base)
@@ -164,6 +170,7 @@ def b200_records():
     return {"int4": out[CASES["int4"].key], "moe": out[CASES["moe"].key]}
 
 
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
 def test_b200_step_charges_the_blackwell_kernels_issue_bound(b200_records):
     # On a B200 the step's Blackwell kernels get the B200 X-ray model's issue-bound time, read from their
     # SASS in the step's compile; the same shape compiled alone by the X-ray gives the same time.
@@ -183,6 +190,7 @@ def test_b200_step_charges_the_blackwell_kernels_issue_bound(b200_records):
     assert o_proj["issue_s"] * 1e6 == pytest.approx(issue_us["times_us"]["issue"])
 
 
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
 def test_grouped_kernels_charged_the_xray_models_issue_time(records, b200_records):
     # A MoE step's grouped kernels get the X-ray MoE rows' issue-bound time (the balanced grouping their
     # config is chosen for): on an H200 equal to the same shape compiled alone by the X-ray's MoE worker;
@@ -206,6 +214,7 @@ def test_grouped_kernels_charged_the_xray_models_issue_time(records, b200_record
     assert down["issue_s"] * 1e6 == pytest.approx(issue_us)
 
 
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
 def test_decode_step_launch_count(records):
     # One layer of the fused int4 step: 4 nybble kernels; the attention (cache writes, scores, softmax,
     # values) and the norms in few XLA fusions: 15 launches a layer (21 before issue 46's second round:
@@ -220,6 +229,7 @@ def test_decode_step_launch_count(records):
     assert totals(extrapolate(records["int4"]["launches"], 1, 3))["launches"] == 3 * len(layer) + 2 + 2 + 3
 
 
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
 def test_triton_attention_takes_one_launch_and_reads_the_cache_once(records):
     # set_decode_attention(model, "triton"): the kernel, from the qkv kernel's output as it is (the input
     # norm's scale, the rotary embedding, the cache write and the attention) to the o kernel's input: one
@@ -247,6 +257,7 @@ def test_triton_attention_takes_one_launch_and_reads_the_cache_once(records):
     assert kernel["bytes"] == 2 * cache + 2 * cache / CONTEXT + out + qkv + rope + 4 * BATCH + 4
 
 
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
 def test_split_attention_merges_in_its_launch_with_counters_from_the_norms_launch(records):
     # 1024 cached positions: 4 splits a sequence and KV head, merged by the last in the kernel's launch
     # (arrival counters, zeros of the q/k/v projection input's shape written by the launch that writes
@@ -268,6 +279,7 @@ def test_split_attention_merges_in_its_launch_with_counters_from_the_norms_launc
     assert kernel["bytes"] == one_split["bytes"] + caches + states + 2 * counters  # counters read, written
 
 
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
 def test_swiglu_epilogue_takes_the_mlps_product_into_the_gate_up_kernel(records):
     # Batch 8: the gate/up kernel (its weight's columns gate and up interleaved, FusedGateUp) stores
     # silu(r gate) * (r up), r the post-attention norm's scale from its sum of squares, and the down kernel
@@ -289,6 +301,7 @@ def test_swiglu_epilogue_takes_the_mlps_product_into_the_gate_up_kernel(records)
     assert len(b8) == len(b2) - 1, ([la["op_name"] for la in b2], [la["op_name"] for la in b8])
 
 
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
 def test_qk_norms_take_one_launch(records):
     # Qwen3's q/k norms (tiny-moe): one reduction for every head's sum of squares; each normalized head is
     # computed where it is read (the query's rotary fusion, the key's cache write), so between the qkv and
@@ -303,6 +316,7 @@ def test_qk_norms_take_one_launch(records):
     assert len([la for la in qwen3 if "/norm/" in la["op_name"]]) == 1
 
 
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
 def test_moe_routing_sums_take_one_launch_with_the_group_sizes(records):
     # tiny-moe at batch 2 (8 token-expert pairs, 16 experts): between the attention's o kernel and the
     # first grouped kernel, two sums past the router's (which takes the norm's sum of squares, MoE.normed):
@@ -518,6 +532,7 @@ def test_compare_puts_two_runs_side_by_side():
     assert "| m | 1 | 2.00x -> 2.00x | 4.00x | 50% |" in text
 
 
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
 def test_the_moe_router_is_one_launch_reading_its_weight_once(records):
     # Batch 1: the router's weight is (experts, hidden) (moe.Router), so XLA's one-token product over it
     # is a row reduction, one launch; over nnx.Linear's (hidden, experts) it wrote and reread the products
@@ -537,6 +552,7 @@ def test_the_moe_router_is_one_launch_reading_its_weight_once(records):
     assert layer[kernels[1] + 1] is router[0], [la["name"] for la in layer[kernels[1] : kernels[2]]]
 
 
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
 def test_one_token_is_routed_by_ranks_without_a_sort(records):
     # Batch 1 (moe.route_ranked): between the router's launch and the gate/up kernel, two launches of
     # reductions over the experts and the k rows of x (jax 0.12's XLA writes the rows in the second; 0.11.2's
@@ -559,6 +575,7 @@ def test_one_token_is_routed_by_ranks_without_a_sort(records):
     assert sum(n.endswith("/top_k") for n in softmax) == 2, softmax
 
 
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
 def test_one_tokens_routing_kernel_is_the_one_launch_between_router_and_experts(records):
     # set_decode_routing(model, "triton"): from the router's launch to the experts' gate/up kernel, the
     # routing kernel alone (the ranks, the group sizes, the slots' scores and the k rows, where XLA's
@@ -581,6 +598,7 @@ def test_one_tokens_routing_kernel_is_the_one_launch_between_router_and_experts(
     assert len(after) == 1 and after[0].endswith("/norm/reduce_sum"), names
 
 
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
 def test_the_experts_swiglu_product_is_in_the_gate_up_kernel(records):
     # The experts' gate/up stack, its columns interleaved (FusedExpertsGateUp): the grouped kernel stores
     # silu(gate) * up, (rows, intermediate), and the down kernel reads it, nothing between them (an

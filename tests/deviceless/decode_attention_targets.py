@@ -13,8 +13,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,32 +25,27 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from bench.kernel_xray import get_gpu, hlo
 from bench.kernel_xray.target import deviceless_devices
 from nybble.kernels.triton import decode_attention as kernel
+from tests.deviceless.common import kernel_code
 
 BATCH, KV_HEADS, GROUPS, HEAD_DIM, CONTEXT = 1, 8, 4, 128, 4096
 
 
 def kernel_sass(cubins: list[Path]) -> dict:
     """The attention kernel's SASS: its main loop (``bench.xray.gpus.mma_loop``) and spills."""
-    from bench.kernel_xray import sass
-    from bench.kernel_xray.toolchain import find_toolchain
     from bench.xray.gpus import mma_loop
-    from bench.xray.marlin import control_code_sass
 
-    nvdisasm = find_toolchain().nvdisasm
-    for path in cubins:
-        text = subprocess.run([str(nvdisasm), "-c", "-hex", str(path)], capture_output=True, text=True).stdout
-        if not re.search(r"\.text\.nybble_decode_attention\b", text):
-            continue
-        code = sass.parse_sass(control_code_sass(text))
-        loop = mma_loop(code) or []
-        opcodes = collections.Counter(ins.base_opcode for ins in code.instructions)
-        return {
-            "loop_instructions": len(loop),
-            "loop_opcodes": dict(collections.Counter(ins.base_opcode for ins in loop)),
-            "atomics": sum(n for op, n in opcodes.items() if op.startswith(("ATOM", "RED"))),
-            "spills": opcodes["STL"] + opcodes["LDL"],
-        }
-    return {}
+    found = kernel_code(cubins, "nybble_decode_attention")
+    if found is None:
+        return {}
+    code = found[0]
+    loop = mma_loop(code) or []
+    opcodes = collections.Counter(ins.base_opcode for ins in code.instructions)
+    return {
+        "loop_instructions": len(loop),
+        "loop_opcodes": dict(collections.Counter(ins.base_opcode for ins in loop)),
+        "atomics": sum(n for op, n in opcodes.items() if op.startswith(("ATOM", "RED"))),
+        "spills": opcodes["STL"] + opcodes["LDL"],
+    }
 
 
 def compile_for(gpu: str) -> dict:

@@ -12,7 +12,6 @@ import collections
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,30 +24,23 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from bench.kernel_xray import hlo
 from bench.kernel_xray.target import deviceless_devices
 from nybble.kernels.triton import moe_routing as kernel
+from tests.deviceless.common import kernel_code
 
 SHAPES = {"qwen3": (128, 8, 2048), "e256": (256, 8, 7168)}  # experts, top k, hidden
 
 
 def kernel_sass(cubins: list[Path]) -> dict:
     """The routing kernel's SASS: instructions, the registers it names, spills."""
-    from bench.kernel_xray import sass
-    from bench.kernel_xray.toolchain import find_toolchain
-    from bench.xray.marlin import control_code_sass
-
-    nvdisasm = find_toolchain().nvdisasm
-    for path in cubins:
-        text = subprocess.run([str(nvdisasm), "-c", "-hex", str(path)], capture_output=True, text=True).stdout
-        if not re.search(r"\.text\.nybble_moe_routing\b", text):
-            continue
-        code = sass.parse_sass(control_code_sass(text))
-        opcodes = collections.Counter(ins.base_opcode for ins in code.instructions)
-        registers = {int(r) for r in re.findall(r"\bR(\d+)\b", text)}
-        return {
-            "instructions": len(code.instructions),
-            "registers": max(registers) + 1,
-            "spills": opcodes["STL"] + opcodes["LDL"],
-        }
-    return {}
+    found = kernel_code(cubins, "nybble_moe_routing")
+    if found is None:
+        return {}
+    code, text = found
+    opcodes = collections.Counter(ins.base_opcode for ins in code.instructions)
+    return {
+        "instructions": len(code.instructions),
+        "registers": max(int(r) for r in re.findall(r"\bR(\d+)\b", text)) + 1,
+        "spills": opcodes["STL"] + opcodes["LDL"],
+    }
 
 
 def compile_for(gpu: str, experts: int, top_k: int, hidden: int) -> dict:
