@@ -35,7 +35,7 @@ def _inputs(experts: int, hidden: int, seed: int, logits=None):
 
 
 def _route(logits, parts, weight, sums, top_k):
-    cfg = kernel.choose_config(parts[0].shape[0], top_k, parts[0].shape[0], EPS)
+    cfg = kernel.choose_config(parts[0].shape[0], top_k, EPS)
     with interpret():
         return kernel.route_one(logits, parts, weight, sums, cfg, interpret=True)
 
@@ -118,9 +118,9 @@ def test_unsupported_arguments_are_named(experts, top_k, hidden, dtype, match):
 
 
 def test_configs_take_the_widest_block_dividing_hidden():
-    assert kernel.choose_config(2048, 8, 2048, EPS).block == 256
-    assert kernel.choose_config(192, 4, 192, EPS).block == 64
-    assert kernel.choose_config(384, 4, 384, EPS).block == 128
+    assert kernel.choose_config(2048, 8, EPS).block == 256
+    assert kernel.choose_config(192, 4, EPS).block == 64
+    assert kernel.choose_config(384, 4, EPS).block == 128
 
 
 def _tiny_moe(dtype, experts: int = 8, **changes) -> Llama:

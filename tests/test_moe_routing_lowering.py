@@ -20,7 +20,7 @@ KINDS = ("NVIDIA A100-SXM4-80GB", "NVIDIA L40", "NVIDIA H200", "NVIDIA B200", "N
 def test_lowers_to_one_triton_call(kind):
     # Qwen3-30B-A3B's routing (128 experts, top 8, hidden 2048) for a GPU, with none here: Pallas' Triton
     # lowering reads its target from the abstract mesh's device
-    cfg = kernel.choose_config(2048, 8, 2048, EPS)
+    cfg = kernel.choose_config(2048, 8, EPS)
     args = (
         jax.ShapeDtypeStruct((128,), jnp.float32),
         jax.ShapeDtypeStruct((2048,), jnp.bfloat16),

@@ -205,7 +205,7 @@ def test_moe_routing_against_float64(case):
     weight = np.asarray(jnp.asarray(rng.uniform(0.5, 1.5, hidden), jnp.bfloat16), np.float64)
     x = np.asarray(jnp.asarray(parts[0] + parts[1], jnp.float32).astype(jnp.bfloat16), np.float64)
     sums = np.full(experts, (x * x).sum(), np.float32)
-    cfg = kernel.choose_config(hidden, top_k, hidden, 1e-6)
+    cfg = kernel.choose_config(hidden, top_k, 1e-6)
     sizes, slot_scores, total, rows = kernel.route_one(
         jnp.asarray(logits), [jnp.asarray(p, jnp.bfloat16) for p in parts], jnp.asarray(weight, jnp.bfloat16),
         jnp.asarray(sums), cfg, interpret=INTERPRET,

@@ -46,7 +46,7 @@ def kernel_sass(cubins: list[Path]) -> dict:
 def compile_for(gpu: str, experts: int, top_k: int, hidden: int) -> dict:
     device = deviceless_devices(gpu, 1)[0]
     sharding = SingleDeviceSharding(device)
-    cfg = kernel.choose_config(hidden, top_k, hidden, 1e-6)
+    cfg = kernel.choose_config(hidden, top_k, 1e-6)
 
     def arg(shape, dtype=jnp.bfloat16):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)

@@ -49,11 +49,10 @@ BLOCK_COLUMNS = (256, 128, 64)  # the rows' columns a program writes, largest fi
 
 @dataclasses.dataclass(frozen=True)
 class RoutingConfig:
-    """``top_k`` experts a token; the RMSNorm's ``dim`` and ``eps``; ``block`` columns of the rows a
-    program writes."""
+    """``top_k`` experts a token; the RMSNorm's ``eps`` (its dim is the rows' width); ``block`` columns of
+    the rows a program writes."""
 
     top_k: int
-    dim: int
     eps: float
     block: int
     num_warps: int = 4
@@ -81,10 +80,10 @@ def unsupported(logits: Any, x: Any, top_k: int) -> str | None:
     return None
 
 
-def choose_config(hidden: int, top_k: int, dim: int, eps: float) -> RoutingConfig:
+def choose_config(hidden: int, top_k: int, eps: float) -> RoutingConfig:
     """The widest block of :data:`BLOCK_COLUMNS` that divides ``hidden``."""
     block = next(b for b in BLOCK_COLUMNS if hidden % b == 0)
-    return RoutingConfig(top_k=top_k, dim=dim, eps=float(eps), block=block)
+    return RoutingConfig(top_k=top_k, eps=float(eps), block=block)
 
 
 def _round(x: jax.Array, dtype: Any) -> jax.Array:
@@ -116,7 +115,7 @@ def _kernel(*refs, cfg: RoutingConfig, parts: int):
     sizes_ref, slot_scores_ref, total_ref, rows_ref = refs[parts + 3 :]
     c = pl.program_id(0)
     k = cfg.top_k
-    scale = jax.lax.rsqrt(ss_ref[0] / cfg.dim + cfg.eps)  # RMSNorm.deferred_sum's row scale
+    scale = jax.lax.rsqrt(ss_ref[0] / w_ref.shape[0] + cfg.eps)  # RMSNorm.deferred_sum's row scale
 
     @pl.when(c == 0)
     def _write_routing():

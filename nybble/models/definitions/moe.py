@@ -422,9 +422,8 @@ class MoE(nnx.Module):
         # NaN anyway): what keeps XLA from reducing the squares once and broadcasting the sum
         squares = jnp.where(jnp.isnan(w), 0.0, xf[:, None, :] * xf[:, None, :])
         sums = jnp.sum(squares, axis=-1)  # (T, experts): every column holds the same sum
-        total = sums[:, :1]
         if xt.shape[0] == 1 and self.decode_routing == "triton":
-            sizes, slot_scores, total, rows = route_one_on_kernel(
+            sizes, slot_scores, score_total, rows = route_one_on_kernel(
                 logits[0],
                 [p.reshape(hidden) for p in (parts or (x,))],
                 norm.weight[...],
@@ -436,9 +435,9 @@ class MoE(nnx.Module):
             # k adds, not a reduction over the experts: XLA fuses them into the launch that reads the sum
             # (the next norm's), where a reduction is a launch of its own
             out = functools.reduce(operator.add, [y[s : s + 1] * slot_scores[s] for s in range(y.shape[0])])
-            return (out / total[0]).astype(x.dtype).reshape(x.shape)
+            return (out / score_total[0]).astype(x.dtype).reshape(x.shape)
         with jax.named_scope("norm"):
-            scale = jax.lax.rsqrt(total / hidden + norm.eps)
+            scale = jax.lax.rsqrt(sums[:, :1] / hidden + norm.eps)
         return self._scaled(ht, scale, logits).reshape(x.shape)
 
     def _scaled(self, ht: jax.Array, scale: jax.Array, logits: jax.Array) -> jax.Array:
@@ -498,7 +497,7 @@ def route_one_on_kernel(
     if (why := routing_kernel.unsupported(logits, parts[0], top_k) or no_gpu_target()) is not None:
         raise NotImplementedError(f"MoE decode routing 'triton': {why}; or set_decode_routing(model, 'xla')")
     hidden = parts[0].shape[-1]
-    cfg = routing_kernel.choose_config(hidden, top_k, hidden, eps)
+    cfg = routing_kernel.choose_config(hidden, top_k, eps)
     return routing_kernel.route_one(
         logits, parts, norm_weight, sums_of_squares, cfg, interpret=triton_backend.is_interpret_active()
     )
