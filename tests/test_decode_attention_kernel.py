@@ -126,6 +126,51 @@ def test_the_last_split_merges_as_the_combine_launch_does(case):
             kernel.write_and_attend(*args, arrivals=bad, **kw)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[9]], ids=lambda c: CASE_ID.format(*c))
+def test_the_kernel_sums_the_norm_input_rows_as_given_sums_scale(case):
+    # The input norm's scale from its input rows (the model's residual stream), whose squares the kernel
+    # sums itself in chunks (576 wide: SmolLM2's, 9 chunks of 64), against the same kernel given their f32
+    # sums (as XLA's reduction makes them) and float64. The sums' orders differ: a scale an f32 ulp apart
+    # may round a new q/k/v element one bf16 ulp apart, no more.
+    b, _, _, d, _, position, window, block_s, splits, _, _ = case
+    qkv, k_cache, v_cache, _, norms, token = _inputs(case, jnp.bfloat16)
+    hidden = 576
+    token = dataclasses.replace(token, row_norm=(hidden, 1e-5))
+    rng = np.random.default_rng(position)
+    rows = jnp.asarray(rng.standard_normal((b, hidden)) * rng.uniform(0.5, 4.0, (b, 1)), jnp.bfloat16)
+    sums = (np.asarray(rows, np.float32) ** 2).sum(-1)
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
+    args = (
+        *(jnp.asarray(a, jnp.bfloat16) for a in (qkv, k_cache, v_cache)),
+        jnp.int32(position), window, kernel.AttentionConfig(block_s, splits), token,
+        kernel.rope_factors(jnp.int32(position), inv_freq),
+    )  # fmt: skip
+    weights = None if norms is None else tuple(jnp.asarray(w) for w in norms)
+    kw = dict(norm_weights=weights, out_dtype=jnp.float32, interpret=True)
+    summed, k_summed, v_summed = kernel.write_and_attend(*args, row_inputs=rows, **kw)
+    given, k_given, v_given = kernel.write_and_attend(*args, row_sum_of_squares=jnp.asarray(sums), **kw)
+    bf16_ulp = float(jnp.finfo(jnp.bfloat16).eps)
+    for got, want in ((k_summed, k_given), (v_summed, v_given)):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        np.testing.assert_allclose(got, want, rtol=bf16_ulp, atol=0)
+    np.testing.assert_allclose(np.asarray(summed), np.asarray(given), rtol=0, atol=1e-2)
+    ref, k_ref, _ = kernel.reference(
+        qkv, k_cache, v_cache, position, window, token, inv_freq, norm_weights=norms, row_inputs=rows
+    )
+    np.testing.assert_allclose(np.asarray(summed, np.float64), ref, rtol=0, atol=2e-2)
+    new_key = np.asarray(k_summed, np.float64)[:, :, position]
+    np.testing.assert_allclose(new_key, k_ref[:, :, position], rtol=3 * bf16_ulp, atol=3 * bf16_ulp)
+    assert np.abs(ref).max() > 0.1
+    for bad in (rows[:, : hidden - 64], rows[None]):
+        with pytest.raises(ValueError, match=rf"row_inputs must be \({b}, 576\)"):
+            kernel.write_and_attend(*args, row_inputs=bad, **kw)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        narrow = dataclasses.replace(token, row_norm=(40, 1e-5))
+        kernel.write_and_attend(*args[:6], narrow, args[7], row_inputs=rows[:, :40], **kw)
+    with pytest.raises(ValueError, match="one of row_sum_of_squares and row_inputs"):
+        kernel.write_and_attend(*args, row_inputs=rows, row_sum_of_squares=jnp.asarray(sums), **kw)
+
+
 def test_output_in_the_projection_dtype_is_the_f32_output_rounded():
     case = CASES[0]
     qkv, k_cache, v_cache, _, _, token = _inputs(case, jnp.bfloat16)

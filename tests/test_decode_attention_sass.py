@@ -39,12 +39,12 @@ def test_one_kernel_launch_and_the_cache_read_once(programs, gpu):
     cache = BATCH * KV_HEADS * CONTEXT * HEAD_DIM * 2
     # the kernel reads the qkv projection's output as it is (no fusion between: the scale, the rotation and
     # the padding of the query heads are the kernel's), both caches once, the rope factors, the input
-    # norm's sum of squares
+    # norm's bf16 rows (the kernel sums their squares)
     assert kernel["operands"] == {
         "position": 4,
         "qkv": BATCH * KV_HEADS * (GROUPS + 2) * HEAD_DIM * 2,
         "intermediate": rope_bytes + counters,
-        "row_sum_of_squares": 4 * BATCH,
+        "row_inputs": BATCH * 4096 * 2,
         "k_cache": cache,
         "v_cache": cache,
     }

@@ -1,6 +1,7 @@
 """bench.decode: a small Llama's decode step compiled for an H200 on this CPU (the X-ray toolchain), its
 launches and bytes checked against independent counts: XLA's own thunk sequence, the model's parameter
-bytes, and a whole-model compile for the one-layer extrapolation; and the fused step launches less."""
+bytes, and whole-model compiles for the extrapolations (3 layers, the middle one repeated; 1 layer
+multiplied); and the fused step launches less."""
 
 from __future__ import annotations
 
@@ -39,6 +40,23 @@ CASES = {
     "moe-b1-serving": StepCase(
         "tiny-moe", "int4", 1, CONTEXT, 1, fused=True, donate=True, attention="triton", routing="triton"
     ),
+    # 3 layers (bench.decode's default: layer 1 repeated) against 5 compiled whole; batch 2 routes by a sort
+    "moe-serving-3": StepCase(
+        "tiny-moe", "int4", BATCH, CONTEXT, 3, fused=True, donate=True, attention="triton", routing="triton"
+    ),
+    "moe-serving-5": StepCase(
+        "tiny-moe", "int4", BATCH, CONTEXT, 5, fused=True, donate=True, attention="triton", routing="triton"
+    ),
+    "moe-b1-bf16-serving-3": StepCase(
+        "tiny-moe", "bf16", 1, CONTEXT, 3, fused=True, donate=True, attention="triton", routing="triton"
+    ),
+    "moe-b1-bf16-serving-5": StepCase(
+        "tiny-moe", "bf16", 1, CONTEXT, 5, fused=True, donate=True, attention="triton", routing="triton"
+    ),
+    "int4-serving-5": StepCase(
+        "tiny-llama", "int4", BATCH, CONTEXT, 5, fused=True, donate=True, attention="triton"
+    ),
+    "int4-5": StepCase("tiny-llama", "int4", BATCH, CONTEXT, 5, fused=True, donate=True),
     # the softmax's top k (not renormalized): one token's routing sorts (tiny-moe's is by ranks)
     "moe-softmax-b1": StepCase("tiny-moe-softmax", "int4", 1, CONTEXT, 1, fused=True, donate=True),
     # batch 64: XLA fuses the embedding gather into layer 0's residual add and launches the residual adds
@@ -132,6 +150,47 @@ def test_one_layer_extrapolates_to_the_whole_model(records, one_layer, more, rel
     assert one["bytes"] == pytest.approx(whole["bytes"], rel=rel)
     for f in FAMILIES:
         assert one[f]["launches"] == whole[f]["launches"], f
+
+
+# The residual stream a layer deeper re-summed from its parts by each norm's fusion (above): 0.9% of the
+# 5-layer tiny-llama's bytes, which a middle layer repeated counts as a middle layer's.
+@pytest.mark.parametrize(
+    "three, five, rel",
+    [
+        ("int4-serving-whole", "int4-serving-5", 0.01),
+        ("int4-whole", "int4-5", 0.01),  # on jax 0.11.2 nybble's kernels cut the step into 5 graphs
+        ("moe-serving-3", "moe-serving-5", 1e-3),
+        ("moe-b1-bf16-serving-3", "moe-b1-bf16-serving-5", 1e-3),
+    ],
+)
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
+def test_a_middle_layer_repeated_gives_the_whole_model(records, three, five, rel):
+    # bench.decode's default: 3 layers compiled, layer 1 (read from its ops' scope, layer_1) counted for
+    # every middle layer. Against the 5-layer compile: launches per family, launches inside command
+    # buffers, the command buffers themselves; bytes. (The one-layer rule counts 69 launches for the bf16
+    # MoE token's 5 layers, whose compile has 61: its layer boundary is fused otherwise.)
+    ex = extrapolate(records[three]["launches"], 3, 5)
+    whole = totals(extrapolate(records[five]["launches"], 5, 5))
+    got = totals(ex)
+    assert sum(la["middle"] for la in ex) > 5 and {la["layer_index"] for la in ex} >= {0, 1, 2}
+    assert got["launches"] == whole["launches"] and got["in_command_buffers"] == whole["in_command_buffers"]
+    for f in FAMILIES:
+        assert got[f]["launches"] == whole[f]["launches"], f
+    assert got["bytes"] == pytest.approx(whole["bytes"], rel=rel)
+    assert graph_launches(ex) == records[five]["command_buffers"]
+
+
+@pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
+def test_the_attention_kernel_sums_the_input_norms_row_itself(records):
+    # The serving step's middle layer (batch 1 and 2, Llama and MoE): the Triton attention kernel sums the
+    # squares of the input norm's row (DeferredNorm.rows), so no launch before the qkv kernel reduces: the
+    # residual add and the norm's product are one elementwise launch, or fused into the one before.
+    for name in ("int4-serving-whole", "moe-serving-3", "moe-b1-bf16-serving-3"):
+        layer = [la for la in extrapolate(records[name]["launches"], 3, 5) if la["middle"]]
+        attention = next(i for i, la in enumerate(layer) if "nybble_decode_attention" in la["op_name"])
+        before = [la["op_name"] for la in layer[:attention] if la["family"] != "linear"]
+        assert not any("reduce" in n.rsplit("/", 1)[-1] for n in before), (name, before)
+        assert len(layer[:attention]) <= 3, name  # at most the add's launch and the q/k/v projection's
 
 
 @pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
@@ -251,10 +310,10 @@ def test_triton_attention_takes_one_launch_and_reads_the_cache_once(records):
     out = BATCH * cfg.num_heads * cfg.head_dim * 2  # the o kernel's bf16 input
     qkv = BATCH * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * 2
     rope = 2 * cfg.head_dim * 4
+    rows = BATCH * cfg.hidden_size * 2  # the input norm's bf16 rows, whose squares the kernel sums
     # both caches read once, a row of each written (aliased: not the whole cache), the o kernel's input
-    # written; the qkv output, the rotary factors, the input norm's sums of squares (f32) and the position
-    # read
-    assert kernel["bytes"] == 2 * cache + 2 * cache / CONTEXT + out + qkv + rope + 4 * BATCH + 4
+    # written; the qkv output, the rotary factors, the input norm's rows and the position read
+    assert kernel["bytes"] == 2 * cache + 2 * cache / CONTEXT + out + qkv + rope + rows + 4
 
 
 @pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)

@@ -79,8 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--layers",
         type=int,
-        default=1,
-        help="layers to compile (the rest extrapolated: non-layer + L x per-layer); 0: the whole model",
+        default=3,
+        help="layers to compile (3 or more: layer 1 repeated for every middle layer; 1: the one layer "
+        "multiplied); 0: the whole model",
     )
     ap.add_argument("--int4-lm-head", action="store_true", help="int4 rows: the LM head int4 too (QuantRule)")
     ap.add_argument("--jobs", type=int, default=None, help=f"compile workers (default {default_jobs()})")
@@ -94,7 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     gpu = get_gpu(args.gpu)
     cases = []
     for model in args.models:
-        layers = args.layers or config_for(model).num_layers
+        model_layers = config_for(model).num_layers
+        layers = min(args.layers, model_layers) if args.layers else model_layers
         for batch in args.batch:
             for weights in ("bf16", "int4"):
                 case = StepCase(model, weights, batch, args.context, layers, **VARIANTS[args.variant])
@@ -145,12 +147,16 @@ NOTES: list[str] = [
     "second; opt-in until a GPU has run it), and for an MoE model `set_decode_routing(model, 'triton')`, "
     "nybble's Pallas-on-Triton routing kernel (a batch-1 token's top k, group sizes, scores in slot order "
     "and the experts' k rows in one launch; opt-in likewise).",
-    "- **One layer compiled, the rest multiplied**: the model is compiled with 1 layer; launches outside the "
-    "layers (embedding gather, final norm, LM head, the rotary angles XLA computes once for all layers) "
-    "count once, every other launch `layers` times. Checked against a whole compile of a 3-layer model in "
-    "tests/test_decode_bench.py (fused variant: launches equal, per family too; bytes within 0.3%, XLA "
-    "fusing a few elementwise ops across a layer boundary differently; serving variant: launches equal, "
-    "bytes within 0.8%, each norm summing the residual stream's parts itself).",
+    "- **Three layers compiled, the middle one repeated**: the model is compiled with 3 layers (`--layers`); "
+    "layer 1's launches (its ops' scope, `layer_1`) count once for each of the model's `layers - 2` middle "
+    "layers, every other launch once (embedding gather, final norm, LM head, the rotary angles XLA computes "
+    "once for all layers; layers 0 and 2, the first and the last). Layer 1, like every middle layer, reads a "
+    "residual stream a layer wrote and writes one a layer reads, so what XLA fuses across a layer boundary "
+    "is its own. Checked against whole compiles of 5-layer models in tests/test_decode_bench.py (launches "
+    "equal, per family, inside command buffers and the command buffers too; bytes within 0.9%, each norm "
+    "re-summing the residual stream's parts a layer deeper). Until 2026-12-07 one layer was compiled and "
+    "multiplied, with the launches a layer boundary adds patched in: it missed fusions only a middle layer "
+    "has (the residual add fused with the next layer's input norm).",
     "- **Launches and bytes** are read off XLA's optimized HLO (`bench.kernel_xray.hlo`: every fusion, "
     "custom call and copy of the entry computation; bytes = operands + result as typed), with three "
     "corrections where the type is not the traffic: the embedding gather (alone or fused into the first "

@@ -5,9 +5,9 @@ with ``jax.named_scope``) and the parameters it reads: ``embedding/lm_head`` (th
 LM head, and the final norm's parameter), ``attention`` (the KV-cache write, scores, softmax, values; any
 launch reading the cache), ``linear`` (the projections: nybble's kernels, XLA's GEMMs and every launch that
 reads a projection's weights), ``norm/rope/elementwise`` (the rest). Launches of the first family are the
-step's non-layer part; every other launch belongs to a layer, so a model compiled with one layer gives the
-whole step as ``non-layer + layers x per-layer`` (:func:`extrapolate`; the tests check it against a whole
-compile of a small model).
+step's non-layer part; every other launch belongs to a layer, so a model compiled with 3 layers gives the
+whole step as ``the 3 layers' step + (layers - 3) x layer 1's launches`` (:func:`extrapolate`; the tests
+check it against a whole compile of a small model).
 
 Bytes are each launch's operands and result as XLA types them (``bench.kernel_xray.hlo``), except where the
 type is not the traffic: a grouped (MoE) kernel's weight stack, of which it reads the experts that have rows
@@ -158,7 +158,9 @@ def _reads_non_layer(source: str, sources: list[str]) -> bool:
     may fuse the gather into another of layer 0's launches too (a residual add at batch 64): in a deeper
     layer that launch reads the residual stream instead, so it is a layer launch."""
     if source.startswith("state['embed']"):
-        return any("['input_norm']" in s for s in sources)
+        # layer 0's norm; a deeper one's residual add may re-read the gather too (batch 2: XLA recomputes the
+        # residual stream from its parts where it fuses), a layer launch
+        return any(s.startswith("state['layers'][0]['input_norm']") for s in sources)
     return source.startswith(_NON_LAYER_PARAMS)
 
 
@@ -364,16 +366,58 @@ def _issue_seconds(
     return None if t["t_issue_us"] is None else t["t_issue_us"] * 1e-6
 
 
+MIDDLE_LAYER = 1  # the layer a compile of 3 or more layers repeats: it has a layer before it and one after
+
+
 def extrapolate(launches: list[dict[str, Any]], compiled_layers: int, layers: int) -> list[dict[str, Any]]:
-    """The whole model's launches from a compile of ``compiled_layers`` layers: each layer launch
-    weighted ``layers / compiled_layers`` (field ``count``), non-layer launches once."""
-    scale = layers / compiled_layers
+    """The whole model's launches from a compile of ``compiled_layers`` layers (field ``count``: how often
+    each runs a step; non-layer launches once).
+
+    - 3 or more layers: layer 1's launches (:func:`layer_indices`) ``layers - compiled_layers + 1`` times,
+      every other launch once. Layer 1 stands for every middle layer: like them it reads a residual stream a
+      layer wrote and writes one a layer reads, so the fusions XLA makes across a layer boundary (the
+      residual add with the next norm's sum of squares, the attention kernel summing its row) are its.
+    - 1 layer: each layer launch ``layers`` times, plus the launches a one-layer compile fuses away
+      (``_one_layer_missing``, read off whole compiles of small models).
+    - 2 layers: each layer launch ``layers / 2`` times."""
+    if compiled_layers > layers:
+        raise ValueError(f"compiled {compiled_layers} layers of a {layers}-layer model")
+    indices = layer_indices(launches)
+    middle = compiled_layers >= 3 and compiled_layers < layers
     out = []
-    for la in launches:
+    for la, index in zip(launches, indices, strict=True):
         layer = la["family"] != EMBED and not _shared(la["op_name"], list(la["operand_bytes"]))
-        out.append({**la, "layer": layer, "count": scale if layer else 1.0})
+        if middle:
+            repeated = layer and index == MIDDLE_LAYER
+            count = float(layers - compiled_layers + 1) if repeated else 1.0
+            out.append({**la, "layer": layer, "layer_index": index, "middle": repeated, "count": count})
+        else:
+            scale = layers / compiled_layers if layer else 1.0
+            out.append({**la, "layer": layer, "layer_index": index, "count": scale})
     if compiled_layers == 1 and layers > 1:
         out += _one_layer_missing(out, layers)
+    return out
+
+
+_LAYER_SCOPE = re.compile(r"^layer_(\d+)$")  # Llama.hidden_states_cached's scope of each layer
+_LAYER_SOURCE = re.compile(r"^(?:state\['layers'\]\[(\d+)\]|cache\.[kv]\[(\d+)\])")
+
+
+def layer_indices(launches: list[dict[str, Any]]) -> list[int | None]:
+    """Each launch's layer: its op's scope (``layer_i``), else the one layer whose parameters or cache it
+    reads (XLA names some fusions after no op: a GEMM's, a copy's), else its predecessor's in program order
+    (an op-less launch of no parameter, such as a broadcast of zeros the next launch fills); None before the
+    first layer."""
+    out: list[int | None] = []
+    for la in launches:
+        scoped = [int(m[1]) for s in la["op_name"].split("/") if (m := _LAYER_SCOPE.match(s))]
+        read = {int(m[1] or m[2]) for s in la["operand_bytes"] if (m := _LAYER_SOURCE.match(s))}
+        if scoped:
+            out.append(scoped[-1])
+        elif len(read) == 1:
+            out.append(read.pop())
+        else:
+            out.append(out[-1] if out else None)
     return out
 
 

@@ -103,7 +103,8 @@ HF_CONFIGS["tiny-moe-softmax"] = {**HF_CONFIGS["tiny-moe"], "norm_topk_prob": Fa
 
 
 def config_for(name: str, num_layers: int | None = None) -> LlamaConfig:
-    """The ``LlamaConfig`` of a model of :data:`HF_CONFIGS`, optionally cut to ``num_layers`` layers."""
+    """The ``LlamaConfig`` of a model of :data:`HF_CONFIGS`, optionally cut to (or, a model of
+    one kind of layer, grown to) ``num_layers`` layers."""
     from nybble.models.io.hf.config import decoder_config_from_hf
 
     if name not in HF_CONFIGS:
@@ -112,7 +113,9 @@ def config_for(name: str, num_layers: int | None = None) -> LlamaConfig:
     if num_layers is None:
         return cfg
     moe_layers = cfg.moe_layers
-    if moe_layers is not None:
+    if moe_layers is not None and set(moe_layers) == set(range(cfg.num_layers)):
+        moe_layers = tuple(range(num_layers))  # every layer MoE, also in a deeper copy (the tests' 5 layers)
+    elif moe_layers is not None:
         moe_layers = tuple(i for i in moe_layers if i < num_layers)
     return dataclasses.replace(cfg, num_layers=num_layers, moe_layers=moe_layers)
 

@@ -69,12 +69,22 @@ def predict(launches: list[dict[str, Any]], gpu: Any, batch: int) -> dict[str, A
 def graph_launches(launches: list[dict[str, Any]]) -> float:
     """Command buffers the host launches per step: each run of consecutive captured launches in program order
     is one graph, as often as the most frequent launch in it runs (a run inside a layer repeats with the
-    layer; a launch computed once for all layers rides in one of its runs). Launches a one-layer compile
+    layer; a launch computed once for all layers rides in one of its runs; with a middle layer repeated,
+    each run as often as the launch that starts it). Launches a one-layer compile
     lacks (``inserted``, ``count.extrapolate``) join their neighbours' graph where captured; where every
     compiled launch is captured (jax 0.12) the step is one graph."""
     compiled = [la for la in launches if not la.get("inserted")]
     if compiled and all(la["in_command_buffer"] for la in compiled):
         return 1.0
+    if any(la.get("middle") for la in compiled):
+        # A middle layer repeated (count.extrapolate): each graph counted by the launch that starts it, as
+        # often as that launch runs: a run across a layer boundary starts in one layer and ends in the next.
+        starts = (
+            la.get("count", 1.0)
+            for i, la in enumerate(compiled)
+            if la["in_command_buffer"] and (i == 0 or not compiled[i - 1]["in_command_buffer"])
+        )
+        return float(sum(starts))
     graphs, run = 0.0, None
     for la in compiled:
         if la["in_command_buffer"]:

@@ -1,12 +1,12 @@
 """Compiles the Triton decode attention kernel for deviceless GPUs of each compute capability named on the
 command line, at Llama-3-8B's shape: the qkv projection's output of one token (32 query heads, 8 KV heads
-of 128), the deferred input norm's sum of squares, a 4096-position bf16 cache, batch 1, the caches donated,
-the splits' arrival counters given (the model's setup: the last split merges them in the launch). Prints one
-JSON line: per GPU, the config, the optimized program's launches (kind, name, bytes of each operand by
-source, result bytes) and the attention kernel's SASS (its main loop's instructions and opcodes, its atomics,
-local-memory spills). Run it in the X-ray toolchain's environment with ptxas wrapped to keep its cubins
-(``bench.kernel_xray.toolchain.child_environment``, ``CUDA_ROOT`` from ``bench.xray.gpus.wrapped_cuda_root``),
-as tests/test_decode_attention_sass.py does."""
+of 128), the deferred input norm's input rows (the kernel sums their squares), a 4096-position bf16 cache,
+batch 1, the caches donated, the splits' arrival counters given (the model's setup: the last split merges
+them in the launch). Prints one JSON line: per GPU, the config, the optimized program's launches (kind,
+name, bytes of each operand by source, result bytes) and the attention kernel's SASS (its instructions, its
+main loop's instructions and opcodes, its atomics, local-memory spills). Run it in the X-ray toolchain's
+environment with ptxas wrapped to keep its cubins (``bench.kernel_xray.toolchain.child_environment``,
+``CUDA_ROOT`` from ``bench.xray.gpus.wrapped_cuda_root``), as tests/test_decode_attention_sass.py does."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def kernel_sass(cubins: list[Path]) -> dict:
     loop = mma_loop(code) or []
     opcodes = collections.Counter(ins.base_opcode for ins in code.instructions)
     return {
+        "instructions": len(code.instructions),
         "loop_instructions": len(loop),
         "loop_opcodes": dict(collections.Counter(ins.base_opcode for ins in loop)),
         "atomics": sum(n for op, n in opcodes.items() if op.startswith(("ATOM", "RED"))),
@@ -58,19 +59,19 @@ def compile_for(gpu: str) -> dict:
     def arg(shape, dtype=jnp.bfloat16):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-    def step(qkv, row_sum_of_squares, k_cache, v_cache, position):
+    def step(qkv, row_inputs, k_cache, v_cache, position):
         rope = kernel.rope_factors(position, inv_freq)
         # the splits' arrival counters: zeros, a launch of their own here (the model writes them in the
         # launch that writes the q/k/v projection's input: tests/test_decode_bench.py)
-        arrivals = (row_sum_of_squares[:, None] * jnp.zeros((1, KV_HEADS))).astype(jnp.int32)
+        arrivals = (row_inputs[:, :KV_HEADS].astype(jnp.float32) * 0).astype(jnp.int32)
         return kernel.write_and_attend(
-            qkv, k_cache, v_cache, position, None, cfg, token, rope, row_sum_of_squares=row_sum_of_squares,
+            qkv, k_cache, v_cache, position, None, cfg, token, rope, row_inputs=row_inputs,
             arrivals=arrivals, out_dtype=jnp.bfloat16,
         )  # fmt: skip
 
     cache = arg((BATCH, KV_HEADS, CONTEXT, HEAD_DIM))
     qkv = arg((BATCH, KV_HEADS * (GROUPS + 2), HEAD_DIM))
-    args = (qkv, arg((BATCH,), jnp.float32), cache, cache, arg((), jnp.int32))
+    args = (qkv, arg((BATCH, 4096)), cache, cache, arg((), jnp.int32))
     dump = Path(tempfile.mkdtemp(prefix="nybble-attention-cubins-"))
     os.environ["NYBBLE_PTX_DUMP"] = str(dump)  # read by the ptxas wrapper XLA runs
     with jax.set_mesh(Mesh(np.array([device]), ("x",))):  # the Triton lowering reads its target here

@@ -9,7 +9,8 @@ heads, then keys, then values; a reshape of its (b, 1, N) output, no copy); cach
 d), bf16 or f16, updated in place (``input_output_aliases``: a donated cache is never copied); ``position``
 is the new token's (a scalar). ``token`` (:class:`NewToken`) says what turns the projections into the query,
 key and value, as the model's XLA path computes them, in its order and with its roundings to x's dtype: the
-input norm's deferred row scale (``RMSNorm.deferred``), Qwen3's per-head q/k norms, the rotary embedding
+input norm's deferred row scale (``RMSNorm.deferred``: from each sequence's sum of squares, or from the norm's
+input row, whose squares the kernel sums), Qwen3's per-head q/k norms, the rotary embedding
 (``rope``: full-width cos and signed sin, so a rotated copy of each head, read with permuted columns, needs
 no half-width slices, which Triton tensors do not have).
 
@@ -44,7 +45,9 @@ nybble's jax range reaches that release.
 
 SASS (ptxas 12.9, Llama-3-8B's shape, 2026-12-06): 325 instructions a 64-position block on sm_90 (32 HMMA,
 28 LDSM), 123 registers on sm_80, no spills; with the new row swapped into each loaded block in registers,
-the loop took 872 (128 selects, 133 shared-memory stores) and 255 registers.
+the loop took 872 (128 selects, 133 shared-memory stores) and 255 registers. Summing the input norm's row
+in the kernel (2026-12-07): 1,856 instructions in all on sm_90 (1,824 given the sum), 1,800 on sm_100
+(1,768), 1,872 on sm_80 (1,816); the loop unchanged, no spills.
 """
 
 from __future__ import annotations
@@ -147,6 +150,26 @@ def _round(x: jax.Array, dtype: Any) -> jax.Array:
     return x.astype(dtype).astype(jnp.float32)
 
 
+def row_chunk(dim: int) -> int:
+    """Columns of the norm's input row a step of :func:`_sum_of_squares` reads: the largest power of two
+    dividing ``dim``, up to 1024 (Triton's tensors are powers of two; Llama-3's 4096: 4 steps)."""
+    return min(1024, dim & -dim)
+
+
+def _sum_of_squares(rows_ref, i):
+    """Sequence i's f32 sum of squares of its norm input row (the residual stream, in its dtype), as
+    ``RMSNorm.deferred_sum`` sums it (the order of the terms aside). Every program of the sequence sums it
+    (8 KB of Llama-3's row, from L2 after the first): XLA's sum would be a launch, its reduction's result
+    a fusion of no consumer."""
+    chunk = row_chunk(rows_ref.shape[1])
+
+    def step(j, total):
+        x = rows_ref[i, pl.ds(pl.multiple_of(j * chunk, chunk), chunk)].astype(jnp.float32)
+        return total + (x * x).sum()
+
+    return jax.lax.fori_loop(0, rows_ref.shape[1] // chunk, step, jnp.zeros((), jnp.float32))
+
+
 def _new_token(qkv_ref, rope_ref, scale_ref, qw_ref, kw_ref, i, h, *, token: NewToken, rows: int):
     """(q (rows, d), k (1, d), v (1, d)) of program (i, h) in qkv's dtype: the model's steps (see the
     module), each rounded to that dtype where the model rounds."""
@@ -157,7 +180,8 @@ def _new_token(qkv_ref, rope_ref, scale_ref, qw_ref, kw_ref, i, h, *, token: New
     scale = None
     if token.row_norm is not None:  # RMSNorm.deferred_sum's scale, as DeferredNorm.scale computes it
         dim, eps = token.row_norm
-        scale = jax.lax.rsqrt(scale_ref[i] / dim + eps)
+        total = scale_ref[i] if len(scale_ref.shape) == 1 else _sum_of_squares(scale_ref, i)
+        scale = jax.lax.rsqrt(total / dim + eps)
 
     def head(row_ids, weight_ref, eps):
         x = qkv_ref[i, row_ids, :].astype(jnp.float32)
@@ -326,13 +350,15 @@ def write_and_attend(
     rope: jax.Array,
     *,
     row_sum_of_squares: jax.Array | None = None,
+    row_inputs: jax.Array | None = None,
     norm_weights: tuple[jax.Array, jax.Array] | None = None,
     arrivals: jax.Array | None = None,
     out_dtype: Any = jnp.float32,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The kernel (see module): (out (b, kv_heads, groups, d) of ``out_dtype``, k_cache, v_cache).
-    ``rope``: :func:`rope_factors`; ``row_sum_of_squares`` (b,) f32 where ``token.row_norm``;
+    ``rope``: :func:`rope_factors`; where ``token.row_norm``, ``row_sum_of_squares`` (b,) f32 or the rows
+    the norm normalizes, ``row_inputs`` (b, dim) (the kernel sums their squares; ``row_chunk(dim)`` >= 16);
     ``norm_weights`` (the q and k norms', (d,) each) where ``token.norm_eps``. ``arrivals``: (b, n >=
     kv_heads) int32 zeros, the splits' arrival counters (column h: KV head h's): the last split of each
     merges them in this launch (else :func:`combine`, a second launch). With one split (``cfg.splits``)
@@ -340,13 +366,22 @@ def write_and_attend(
     b, kv_heads, max_len, d = k_cache.shape
     if max_len % (cfg.block_s * cfg.splits):
         raise ValueError(f"{cfg}: block_s x splits must divide the cache's {max_len} positions")
-    if (row_sum_of_squares is None) != (token.row_norm is None) or (norm_weights is None) != (
-        token.norm_eps is None
-    ):
-        raise ValueError(f"{token}: row_sum_of_squares and norm_weights are given exactly where it says so")
+    row_operands = (row_sum_of_squares is not None) + (row_inputs is not None)
+    if row_operands != (token.row_norm is not None) or (norm_weights is None) != (token.norm_eps is None):
+        raise ValueError(
+            f"{token}: one of row_sum_of_squares and row_inputs, and norm_weights, are given exactly where "
+            "it says so"
+        )
     operands = [jnp.asarray(position, jnp.int32).reshape(()), qkv, rope]
     if row_sum_of_squares is not None:
         operands.append(jnp.asarray(row_sum_of_squares, jnp.float32).reshape(b))
+    if row_inputs is not None:
+        dim = token.row_norm[0]
+        if row_inputs.shape != (b, dim) or row_chunk(dim) < MIN_ROWS:
+            raise ValueError(
+                f"row_inputs must be ({b}, {dim}) with {dim} a multiple of 16, got {tuple(row_inputs.shape)}"
+            )
+        operands.append(row_inputs)
     if norm_weights is not None:
         operands.extend(norm_weights)
     caches = len(operands)
@@ -411,11 +446,15 @@ def reference(
     inv_freq,
     row_sum_of_squares=None,
     norm_weights=None,
+    row_inputs=None,
 ):
     """float64 numpy, no rounding: the new token's q, k, v from qkv (row scale, q/k norms, rotary
-    embedding), the caches with the new rows written, then softmax(q k^T / sqrt(d)) v over the positions
-    ``position - window + 1 .. position``; (out (b, kv_heads, groups, d), k_cache, v_cache)."""
+    embedding; the row scale from ``row_sum_of_squares`` or from ``row_inputs``' rows), the caches with the
+    new rows written, then softmax(q k^T / sqrt(d)) v over the positions ``position - window + 1 ..
+    position``; (out (b, kv_heads, groups, d), k_cache, v_cache)."""
     x = np.array(qkv, np.float64)
+    if row_inputs is not None:
+        row_sum_of_squares = np.square(np.asarray(row_inputs, np.float64)).sum(-1)
     if row_sum_of_squares is not None:
         dim, eps = token.row_norm
         x = x / np.sqrt(np.asarray(row_sum_of_squares, np.float64).reshape(-1, 1, 1) / dim + eps)
@@ -451,6 +490,7 @@ __all__ = [
     "padded_groups",
     "reference",
     "rope_factors",
+    "row_chunk",
     "state_rows",
     "unsupported",
     "write_and_attend",

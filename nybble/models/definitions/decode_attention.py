@@ -21,7 +21,7 @@ rounded to the query's dtype before they weight the values, as the einsum path r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,23 @@ from nybble.kernels.triton import backend as triton_backend
 from nybble.kernels.triton import decode_attention as kernel
 
 _LOWEST = float(jnp.finfo(jnp.float32).min)
+
+
+class DeferredNorm(NamedTuple):
+    """An RMSNorm's per-row scale, not yet computed (``llama.RMSNorm.deferred_sum``):
+    ``rsqrt(sum_of_squares / dim + eps)``. ``rows``: the norm's input (..., dim), for a consumer that sums
+    their squares itself (the Triton decode attention kernel: then XLA's reduction has no reader and is
+    never launched)."""
+
+    sum_of_squares: jax.Array  # (..., 1) float32
+    dim: int
+    eps: float
+    rows: jax.Array | None = None
+
+    def scale(self) -> jax.Array:
+        """The scale (as ``RMSNorm.deferred`` computes it: the mean is the sum over ``dim``)."""
+        with jax.named_scope("norm"):
+            return jax.lax.rsqrt(self.sum_of_squares / self.dim + self.eps)
 
 
 def _softmax_stats(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]):
@@ -118,22 +135,23 @@ def write_and_attend_on_kernel(
     heads: int,
     window: int | None,
     inv_freq: np.ndarray,
-    row_norm: tuple[jax.Array, int, float] | None,
+    row_norm: DeferredNorm | None,
     norms: tuple[jax.Array, jax.Array, float, float] | None,
     counters_from: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The decode step's attention on the Triton kernel, from the q/k/v projections' output qkv (b, 1,
-    (heads + 2 kv_heads) d): the input norm's deferred row scale as (sum of squares (b, 1, 1) f32, dim,
-    eps) or None, the q/k norms (weights and eps) or None, the rotary embedding, the cache write and the
-    attention in one launch; returns (out (b, 1, heads * d) in qkv's dtype, k_cache, v_cache). The splits
-    are merged by the last of them, in the launch, where ``counters_from`` (the projection's input x: the
-    launch that writes it writes their arrival counters, zeros of its shape) is given; else by a second
-    launch. Arguments are checked here (a clear error, never one from inside Pallas); the machine at
-    lowering, as for a forced ``nybble.matmul`` backend."""
+    (heads + 2 kv_heads) d): the input norm's deferred row scale (:class:`DeferredNorm`: the kernel sums
+    the squares of its ``rows`` where they are given and their width a multiple of 16) or None, the q/k
+    norms (weights and eps) or None, the rotary embedding, the cache write and the attention in one launch;
+    returns (out (b, 1, heads * d) in qkv's dtype, k_cache, v_cache). The splits are merged by the last of
+    them, in the launch, where ``counters_from`` (the projection's input x: the launch that writes it
+    writes their arrival counters, zeros of its shape) is given; else by a second launch. Arguments are
+    checked here (a clear error, never one from inside Pallas); the machine at lowering, as for a forced
+    ``nybble.matmul`` backend."""
     b, kv_heads, max_len, d = k_cache.shape
     rows = qkv.reshape(b, heads + 2 * kv_heads, d)
     eps = None if norms is None else (float(norms[2]), float(norms[3]))
-    token = kernel.NewToken(heads, kv_heads, None if row_norm is None else row_norm[1:], eps)
+    token = kernel.NewToken(heads, kv_heads, None if row_norm is None else (row_norm.dim, row_norm.eps), eps)
     if (why := kernel.unsupported(rows, k_cache, v_cache, token) or no_gpu_target()) is not None:
         raise NotImplementedError(f"decode attention 'triton': {why}; or set_decode_attention(model, 'xla')")
     cfg = kernel.choose_config(b, kv_heads, max_len, triton_backend.target_gpu().sms)
@@ -145,9 +163,15 @@ def write_and_attend_on_kernel(
         # launch of their own; an array of its shape, of which the kernel uses (b, kv_heads)): x * 0 is 0
         # for a number, NaN for inf or NaN, and converts to 0 either way
         arrivals = (counters_from.reshape(b, -1).astype(jnp.float32) * 0).astype(jnp.int32)
+    row_sums = row_inputs = None
+    summable = row_norm is not None and kernel.row_chunk(row_norm.dim) >= kernel.MIN_ROWS
+    if summable and row_norm.rows is not None:
+        row_inputs = row_norm.rows.reshape(b, row_norm.dim)  # XLA's sum of squares then has no reader
+    elif row_norm is not None:
+        row_sums = row_norm.sum_of_squares.reshape(b)
     out, k_cache, v_cache = kernel.write_and_attend(
         rows, k_cache, v_cache, position, window, cfg, token, rope,
-        row_sum_of_squares=None if row_norm is None else row_norm[0].reshape(b),
+        row_sum_of_squares=row_sums, row_inputs=row_inputs,
         norm_weights=None if norms is None else norms[:2], arrivals=arrivals,
         out_dtype=qkv.dtype, interpret=triton_backend.is_interpret_active(),
     )  # fmt: skip
@@ -156,6 +180,7 @@ def write_and_attend_on_kernel(
 
 __all__: list[Any] = [
     "DECODE_ATTENTION",
+    "DeferredNorm",
     "attend_one",
     "check_decode_attention",
     "visible_positions",

@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from nybble.models.definitions.decode_attention import (
+    DeferredNorm,
     check_decode_attention,
     write_and_attend,
     write_and_attend_on_kernel,
@@ -137,19 +138,6 @@ class KVCache(NamedTuple):
         return int(self.k[0].shape[0])
 
 
-class DeferredNorm(NamedTuple):
-    """An RMSNorm's per-row scale, not yet computed: ``rsqrt(sum_of_squares / dim + eps)``."""
-
-    sum_of_squares: jax.Array  # (..., 1) float32
-    dim: int
-    eps: float
-
-    def scale(self) -> jax.Array:
-        """The scale (as ``RMSNorm.deferred`` computes it: the mean is the sum over ``dim``)."""
-        with jax.named_scope("norm"):
-            return jax.lax.rsqrt(self.sum_of_squares / self.dim + self.eps)
-
-
 class RMSNorm(nnx.Module):
     """``x / rms(x) * weight``, computed in float32, returned in ``x.dtype``."""
 
@@ -171,7 +159,7 @@ class RMSNorm(nnx.Module):
             xf = x.astype(jnp.float32)
             total = jnp.sum(xf * xf, axis=-1, keepdims=True)
             h = (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
-            return h, DeferredNorm(total, x.shape[-1], self.eps)
+            return h, DeferredNorm(total, x.shape[-1], self.eps, x)
 
     def deferred(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(x * weight, 1 / rms(x))``: the norm with its per-row scale left for after a bias-free
@@ -383,7 +371,7 @@ class Attention(FusedParts, nnx.Module):
                 qkv, k_cache, v_cache, position,
                 heads=self.num_heads, window=self.sliding_window,
                 inv_freq=rope_frequencies(self.head_dim, float(self.rope_theta), self.rope_scaling),
-                row_norm=None if row_scale is None else tuple(row_scale), norms=norms, counters_from=x,
+                row_norm=row_scale, norms=norms, counters_from=x,
             )  # fmt: skip
         return self.o_proj(out), k_cache, v_cache
 
@@ -585,8 +573,9 @@ class Llama(nnx.Module):
             raise ValueError(f"token batch {token_ids.shape[0]} != cache batch {cache.batch}")
         x = self._embed(token_ids)
         ks, vs = [], []
-        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v, strict=True):
-            x, k_cache, v_cache = layer.cached(x, position, k_cache, v_cache)
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, cache.k, cache.v, strict=True)):
+            with jax.named_scope(f"layer_{i}"):  # bench.decode repeats a middle layer's launches by it
+                x, k_cache, v_cache = layer.cached(x, position, k_cache, v_cache)
             ks.append(k_cache)
             vs.append(v_cache)
         return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs))
