@@ -162,7 +162,8 @@ test-fast: $(STAMP)
 # took 1340 s for the stop of 2026-12-06; with the other sweeps, 1272 s on this machine on 2026-12-07.
 INTERPRET_TESTS := tests/test_grouped_interpret.py tests/test_kernel_interpret.py tests/test_triton_interpret.py \
 	tests/test_blackwell_interpret.py tests/test_blackwell_grouped.py tests/test_decode_attention_kernel.py \
-	tests/test_swiglu.py tests/test_grouped_swiglu.py tests/test_moe_routing_kernel.py
+	tests/test_swiglu.py tests/test_grouped_swiglu.py tests/test_moe_routing_kernel.py \
+	tests/test_moe_routing_tokens_kernel.py
 # the fast tier but its two jax-independent files (the layering's static checks, the heuristics' picks)
 LATEST_TESTS := $(filter-out tests/test_structure.py tests/test_golden_picks.py,$(FAST_TESTS)) $(INTERPRET_TESTS)
 LATEST_DESELECT := not test_every_pick_lowers_for_cuda and not test_blackwell_picks_lower_for_sm100a

@@ -461,6 +461,33 @@ def test_graph_launches_count_each_run_of_captured_launches_as_often_as_it_runs(
     whole = [_launch(True), _launch(True, 32), _launch(True), _launch(True, 31, inserted=True)]
     assert graph_launches(whole) == 1
     assert graph_launches([_launch(False), _launch(False, 32)]) == 0
+    # a middle layer repeated (3 compiled layers of 32): each run counted by the launch that starts it, so a
+    # run across a layer boundary (starting in layer 0, or in layer 1 and ending in layer 2) once a boundary
+    middle = [
+        _launch(True),  # layer 0's run, into layer 1's first launch
+        {**_launch(True, 30), "middle": True},
+        {**_launch(False, 30), "middle": True},
+        {**_launch(True, 30), "middle": True},  # layer 1's run, into layer 2's first launch
+        _launch(True),
+        _launch(False),
+        _launch(True),  # layer 2's last run, the step's tail
+    ]
+    assert graph_launches(middle) == 1 + 30 + 1
+
+
+def test_a_fusion_of_no_op_as_large_as_a_cache_is_not_a_cache_copy():
+    # An undonated cache is copied (kind "copy", no op): an attention launch. XLA's ragged_dot expanding bf16
+    # Qwen3-30B-A3B's 512 rows of batch 64 over its 128 experts is a fusion of no op whose 268 MB are a
+    # layer's cache by chance: not attention.
+    from types import SimpleNamespace
+
+    from bench.decode.count import ATTENTION, ELEMENTWISE, _family
+
+    cache = 64 * 4096 * 4 * 128 * 2
+    copy = SimpleNamespace(kind="copy", result_bytes=cache)
+    expansion = SimpleNamespace(kind="fusion", result_bytes=512 * 128 * 2048 * 2)
+    assert _family(copy, "", ["cache.k[3]"], cache) == ATTENTION
+    assert _family(expansion, "", ["intermediate"], cache) == ELEMENTWISE
 
 
 def test_needed_bytes_and_active_experts():

@@ -159,14 +159,21 @@ def test_model_refuses_the_kernel_by_name():
         step.trace(model, model.init_cache(1, 16))
 
 
-def test_decode_steps_on_the_kernel_equal_the_xla_routing():
-    # The same model, prefilled, then 6 decode steps of the same tokens (teacher-forced), one sequence
-    # (the kernel routes a batch-1 step): routed by the kernel (interpret mode) and by XLA's route_ranked.
-    # The experts' rows reach the same kernels; only the weighted sum's order differs (k adds of the
-    # slots' rows against a sum over the experts), so logits within float32's rounding of it, and the
-    # same greedy tokens.
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_steps_on_the_kernel_equal_the_xla_routing(batch, monkeypatch):
+    # The same model, prefilled, then 6 decode steps of the same tokens (teacher-forced): batch 1 routed by
+    # the one-token kernel, batch 3 by the tokens' kernel (interpret mode), against XLA's route_ranked and
+    # route_scores with sort_by_expert. The experts' rows reach the same kernels; only the weighted sum's
+    # order differs (the kernels' choices in expert order, XLA's in top-k order), so logits within
+    # float32's rounding of it, and the same greedy tokens.
+    from nybble.kernels.triton import moe_routing_tokens
+
+    module, name = (kernel, "route_one") if batch == 1 else (moe_routing_tokens, "route_tokens")
+    traced = []  # the kernel as the steps trace it: every layer's, each trace
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: traced.append(1) or original(*a, **kw))
     rng = np.random.RandomState(7)
-    ids = rng.randint(0, TINY_CONFIG.vocab_size, (1, 11)).astype(np.int32)
+    ids = rng.randint(0, TINY_CONFIG.vocab_size, (batch, 11)).astype(np.int32)
     results = {}
     for implementation in ("xla", "triton"):
         model = _tiny_moe(jnp.bfloat16)
@@ -178,8 +185,9 @@ def test_decode_steps_on_the_kernel_equal_the_xla_routing():
         with interpret():
             for pos in range(5, ids.shape[1]):
                 logits, cache = step(model, ids[:, pos : pos + 1], cache, jnp.int32(pos))
-                steps.append(np.asarray(logits, np.float64)[0, 0])
+                steps.append(np.asarray(logits, np.float64)[:, 0])
         results[implementation] = np.stack(steps)
+    assert traced and len(traced) % TINY_CONFIG.num_layers == 0  # the triton model's layers, each trace
     xla, tri = results["xla"], results["triton"]
     np.testing.assert_allclose(tri, xla, rtol=0, atol=0.02 * np.abs(xla).max())
     np.testing.assert_array_equal(tri.argmax(-1), xla.argmax(-1))

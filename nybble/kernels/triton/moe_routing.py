@@ -61,11 +61,17 @@ class RoutingConfig:
 def unsupported(logits: Any, x: Any, top_k: int) -> str | None:
     """Why the kernel cannot route one token of these logits (E,) and row x (hidden,) (a part of it), or
     None."""
+    return experts_and_rows_unsupported(int(np.shape(logits)[-1]), x, top_k)
+
+
+def experts_and_rows_unsupported(experts: int, x: Any, top_k: int) -> str | None:
+    """Why neither routing kernel (one token's, or ``moe_routing_tokens``) routes ``experts`` experts' top
+    ``top_k`` and writes rows like x (a part of them), or None: the rules both kernels share."""
     from nybble.jax_range import outside_reason
 
     if (reason := outside_reason()) is not None:
         return reason
-    e = int(np.shape(logits)[-1])
+    e = experts
     if e & (e - 1) or not 2 <= e <= MAX_EXPERTS:
         return f"the MoE routing kernel takes a power-of-two number of experts up to {MAX_EXPERTS}, got {e}"
     if not 1 <= top_k <= e:

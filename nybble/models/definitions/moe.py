@@ -34,6 +34,7 @@ from flax import nnx
 from nybble.kernels.backends import Implementation
 from nybble.kernels.triton import backend as triton_backend
 from nybble.kernels.triton import moe_routing as routing_kernel
+from nybble.kernels.triton import moe_routing_tokens as tokens_routing_kernel
 from nybble.models.definitions.decode_attention import no_gpu_target
 from nybble.models.definitions.fuse import FusedExpertsGateUp, FusedParts
 from nybble.models.definitions.layers import QuantizedParam, projections
@@ -436,6 +437,18 @@ class MoE(nnx.Module):
             # (the next norm's), where a reduction is a launch of its own
             out = functools.reduce(operator.add, [y[s : s + 1] * slot_scores[s] for s in range(y.shape[0])])
             return (out / score_total[0]).astype(x.dtype).reshape(x.shape)
+        if 1 < xt.shape[0] <= tokens_routing_kernel.MAX_TOKENS and self.decode_routing == "triton":
+            sizes, slots, scores, totals, rows = route_tokens_on_kernel(
+                logits,
+                [p.reshape(-1, hidden) for p in (parts or (x,))],
+                norm.weight[...],
+                sums,
+                self.config.top_k,
+                norm.eps,
+            )
+            y = self.experts(rows, sizes)  # (T k, hidden), sorted by expert: token t's j-th at slots[t, j]
+            out = jnp.einsum("tkh,tk->th", y[slots].astype(jnp.float32), scores) / totals[:, None]
+            return out.astype(x.dtype).reshape(x.shape)
         with jax.named_scope("norm"):
             scale = jax.lax.rsqrt(sums[:, :1] / hidden + norm.eps)
         return self._scaled(ht, scale, logits).reshape(x.shape)
@@ -503,10 +516,36 @@ def route_one_on_kernel(
     )
 
 
+def route_tokens_on_kernel(
+    logits: jax.Array,
+    parts: list[jax.Array],
+    norm_weight: jax.Array,
+    sums_of_squares: jax.Array,
+    top_k: int,
+    eps: float,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """2 to 16 tokens' routing on nybble's Triton kernel (``nybble.kernels.triton.moe_routing_tokens``,
+    one launch): from the router's f32 logits (T, E) of the unscaled normed rows, the residual rows x (T,
+    hidden) as the parts they sum, the norm's weight and each row's f32 sum of squares (column 0 of
+    ``sums_of_squares`` (T, n)): the group sizes (E,), each token's chosen experts' rows among the sorted
+    ones (T, k) and scores (T, k), their totals (T,), and the T k normalized rows sorted by expert (T k,
+    hidden) in x's dtype. Arguments are checked here (a clear error, never one from inside Pallas)."""
+    why = tokens_routing_kernel.unsupported(logits, parts[0], top_k) or no_gpu_target()
+    if why is not None:
+        raise NotImplementedError(f"MoE decode routing 'triton': {why}; or set_decode_routing(model, 'xla')")
+    tokens, experts = logits.shape
+    cfg = tokens_routing_kernel.choose_config(parts[0].shape[-1], top_k, eps, tokens, experts)
+    return tokens_routing_kernel.route_tokens(
+        logits, parts, norm_weight, sums_of_squares, cfg, interpret=triton_backend.is_interpret_active()
+    )
+
+
 def set_decode_routing(model: nnx.Module, implementation: str) -> nnx.Module:
-    """Every MoE block of ``model`` routes a decode step's one token (batch 1, ``MoE.normed``) with
-    ``implementation``: "xla" (the default: two launches of reductions over the experts) or "triton"
-    (nybble's one-launch Pallas-on-Triton kernel, ``nybble.kernels.triton.moe_routing``, on NVIDIA GPUs of
+    """Every MoE block of ``model`` routes a decode step's tokens (batch 1 to 16, ``MoE.normed``) with
+    ``implementation``: "xla" (the default: at batch 1 two launches of reductions over the experts, from 2
+    tokens the top k, the sort's reductions and the rows' gather) or "triton" (nybble's one-launch
+    Pallas-on-Triton kernels, ``nybble.kernels.triton.moe_routing`` for one token and
+    ``moe_routing_tokens`` for 2 to 16, on NVIDIA GPUs of
     compute capability 8.0 or newer, or on a CPU inside ``nybble.kernels.triton.backend.interpret()``) for
     the blocks it can route (``MoE.defers_norm``: renormalized top k, no shared expert; a model with none is
     refused). The same experts and weights. In place; returns the model."""
@@ -561,6 +600,7 @@ __all__ = [
     "route_one_on_kernel",
     "route_ranked",
     "route_scores",
+    "route_tokens_on_kernel",
     "set_decode_routing",
     "sort_by_expert",
 ]
