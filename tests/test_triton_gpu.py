@@ -12,7 +12,8 @@ Where it runs:
 What is checked: every config the heuristics can pick for any GPU of ``nybble.kernels.gpu.GPUS``, bit-exact on
 small integers on the smallest problem that runs each code path; ``nybble.matmul(implementation="triton")``
 at Llama-3-8B shapes and M = 1, 16, 64, 2048 on random data within the rounding bound of the float64
-reference; f16 and f32 activations; the grouped kernel with empty experts and rows past the group sizes.
+reference; f16 and f32 activations; the grouped kernel with empty experts and rows past the group sizes;
+the decode attention kernel and the MoE routing kernels (one token's, 2 to 16 tokens') against float64.
 """
 
 from __future__ import annotations
@@ -217,3 +218,37 @@ def test_moe_routing_against_float64(case):
     np.testing.assert_allclose(np.asarray(slot_scores), ref_scores, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(total), ref_total, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(rows, np.float64), ref_rows, rtol=3 * 2**-8, atol=1e-6)
+
+
+# (tokens, experts, top k, hidden): Mixtral at batch 3 (first: CI's interpret-mode smoke check, the
+# cheapest), Qwen3-30B-A3B at 8 and 16 (16: the 8-warp config), the kernel's largest expert count at 16
+TOKENS_ROUTING_CASES = [(3, 8, 2, 4096), (8, 128, 8, 2048), (16, 128, 8, 2048), (16, 256, 8, 7168)]
+
+
+@pytest.mark.parametrize("case", _cases(TOKENS_ROUTING_CASES), ids=lambda c: "t{}e{}k{}h{}".format(*c))
+def test_moe_routing_tokens_against_float64(case):
+    # 2 to 16 decode tokens' routing (nybble.kernels.triton.moe_routing_tokens): each token's float64 top k,
+    # exactly (its logits spread 1e-3 apart at least), the group sizes, each chosen row's place among the
+    # rows sorted by expert, the scores, totals and rows, on every config choose_config picks
+    from nybble.kernels.triton import moe_routing_tokens as kernel
+
+    tokens, experts, top_k, hidden = case
+    rng = np.random.default_rng(tokens * experts + hidden)
+    spread = np.stack([rng.permutation(experts) for _ in range(tokens)]) * 1e-3
+    logits = (spread + rng.standard_normal((tokens, 1)) * 0.1).astype(np.float32)
+    parts = [jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16) for _ in range(2)]
+    weight = jnp.asarray(rng.uniform(0.5, 1.5, hidden), jnp.bfloat16)
+    x = (parts[0].astype(jnp.float32) + parts[1].astype(jnp.float32)).astype(jnp.bfloat16)
+    x = np.asarray(x, np.float64)
+    sums = (x * x).sum(1).astype(np.float32)
+    cfg = kernel.choose_config(hidden, top_k, 1e-6, tokens, experts)
+    sizes, slots, scores, totals, rows = kernel.route_tokens(
+        jnp.asarray(logits), parts, weight, jnp.asarray(np.repeat(sums[:, None], experts, 1)), cfg,
+        interpret=INTERPRET,
+    )  # fmt: skip
+    ref = kernel.reference(logits, x, np.asarray(weight, np.float64), sums, top_k, 1e-6)
+    np.testing.assert_array_equal(np.asarray(sizes), ref[0])
+    np.testing.assert_array_equal(np.asarray(slots), ref[1])
+    np.testing.assert_allclose(np.asarray(scores), ref[2], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(totals), ref[3], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(rows, np.float64), ref[4], rtol=3 * 2**-8, atol=1e-6)
