@@ -9,6 +9,7 @@ from flax import nnx
 import nybble
 from nybble import models
 from nybble.models.definitions.moe import (
+    WINDOW_MAX_GROUP,
     Experts,
     MoE,
     MoEConfig,
@@ -18,6 +19,7 @@ from nybble.models.definitions.moe import (
     route_ranked,
     route_scores,
     sort_by_expert,
+    windowed_experts,
 )
 from nybble.ops import available_ragged_implementations
 from nybble.quant.stacked import num_experts, unstack_weight
@@ -210,6 +212,51 @@ def test_float_experts_gather_below_the_expert_count(tokens, monkeypatch):
 
 
 _EINSUM = jnp.einsum
+
+
+def test_float_experts_window_from_the_expert_count_exactly():
+    """With at least as many rows as experts and groups bounded by ``max_group`` (a top-k routing's
+    tokens) a float stack multiplies a window of max_group rows an expert (XLA's GPU ragged_dot expands the
+    rows over every expert): exact on small integers against float64 row by row, with empty groups, a
+    group of max_group rows, and the last group's window past the rows' end."""
+    rng = np.random.default_rng(0)
+    experts, din, dout, max_group = 6, 16, 8, 5
+    sizes = np.array([2, 0, 5, 1, 0, 4])  # 12 rows; expert 2 fills its window; expert 5's runs past the end
+    x = rng.integers(-4, 5, (sizes.sum(), din)).astype(np.float32)
+    w = rng.integers(-3, 4, (experts, din, dout)).astype(np.float32)
+    got = np.asarray(
+        windowed_experts(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes, jnp.int32), max_group)
+    )
+    expert = np.repeat(np.arange(experts), sizes)
+    want = np.stack([x[r].astype(np.float64) @ w[expert[r]] for r in range(len(x))])
+    np.testing.assert_array_equal(got, want)
+    # bf16 rows: the product accumulated in f32 and rounded once, as ragged_dot
+    xb, wb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    got_b = windowed_experts(xb, wb, jnp.asarray(sizes, jnp.int32), max_group)
+    assert got_b.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got_b, np.float64), want)
+
+
+# 6 tokens: 18 rows of 16 experts; 70: past WINDOW_MAX_GROUP
+@pytest.mark.parametrize("tokens, path", [(6, "eci,eio->eco"), (70, None)])
+def test_float_experts_window_a_decode_steps_groups(tokens, path, monkeypatch):
+    """The block at 6 tokens (18 rows, 16 experts) multiplies windows of 6 rows an expert and still
+    matches float64; past ``WINDOW_MAX_GROUP`` tokens (prefill) ``lax.ragged_dot`` again."""
+    cfg = MoEConfig(hidden_size=64, intermediate_size=32, num_experts=16, top_k=3)
+    moe = MoE(cfg, rngs=nnx.Rngs(3))
+    x = jax.random.normal(jax.random.key(4), (tokens, 64), jnp.float32)
+    calls, ragged = [], []
+    monkeypatch.setattr(jnp, "einsum", lambda *a, **k: calls.append(a[0]) or _EINSUM(*a, **k))
+    monkeypatch.setattr(jax.lax, "ragged_dot", lambda *a, **k: ragged.append(1) or _RAGGED_DOT(*a, **k))
+    y = moe(x)
+    if path is None:
+        assert tokens > WINDOW_MAX_GROUP and len(ragged) == 3 and "eci,eio->eco" not in calls
+    else:
+        assert calls.count(path) == 3 and not ragged  # gate, up, down
+    np.testing.assert_allclose(np.asarray(y), _np_moe(moe, x), rtol=2e-4, atol=2e-5)
+
+
+_RAGGED_DOT = jax.lax.ragged_dot
 
 
 def test_quantized_block():

@@ -100,8 +100,10 @@ class FusedExperts(FusedLinear):
     """Expert stacks of one input as one (MoE gate/up): ``inner`` (``QExperts`` or ``Experts``) of
     N = sum(sizes) per expert; ``fused(x, group_sizes)`` returns the parts' outputs."""
 
-    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> tuple[jax.Array, ...]:  # type: ignore[override]
-        y = self.inner(x, group_sizes)
+    def __call__(  # type: ignore[override]
+        self, x: jax.Array, group_sizes: jax.Array, max_group: int | None = None
+    ) -> tuple[jax.Array, ...]:
+        y = self.inner(x, group_sizes, max_group)
         return tuple(jnp.split(y, np.cumsum(self.sizes[:-1]).tolist(), axis=-1))
 
 
@@ -112,7 +114,9 @@ class FusedExpertsGateUp(FusedExperts):
     ``nybble.kernels.ragged_swiglu_matmul``).
     ``fused(x, group_sizes)`` still returns ``(gate, up)``."""
 
-    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> tuple[jax.Array, ...]:  # type: ignore[override]
+    def __call__(  # type: ignore[override]
+        self, x: jax.Array, group_sizes: jax.Array, max_group: int | None = None
+    ) -> tuple[jax.Array, ...]:
         return split_gate_up(self.inner(x, group_sizes))
 
     def swiglu(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:

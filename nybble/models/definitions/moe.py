@@ -241,11 +241,13 @@ class Experts(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (num_experts, in_features, out_features), dtype))
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
 
-    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        """x (rows, in) sorted by expert -> (rows, out) in x's dtype, f32 accumulation: ``lax.ragged_dot``,
-        or, with fewer rows than experts (decode: Qwen3-30B-A3B's 8 rows a token, 128 experts), each row
-        times its own expert's matrix, gathered (XLA's GPU compile fuses the gather into the product, reading
-        the rows' matrices only, where ``lax.ragged_dot`` reads every expert's)."""
+    def __call__(self, x: jax.Array, group_sizes: jax.Array, max_group: int | None = None) -> jax.Array:
+        """x (rows, in) sorted by expert -> (rows, out) in x's dtype, f32 accumulation: ``lax.ragged_dot``;
+        with fewer rows than experts (decode: Qwen3-30B-A3B's 8 rows a token, 128 experts), each row times
+        its own expert's matrix, gathered (XLA's GPU compile fuses the gather into the product, reading the
+        rows' matrices only, where ``lax.ragged_dot`` reads every expert's); with ``max_group`` (a bound on
+        every group size: the tokens of a top-k routing, which picks an expert once a token) up to
+        :data:`WINDOW_MAX_GROUP`, a window of that many rows an expert (:func:`windowed_experts`)."""
         w = self.kernel[...].astype(x.dtype)
         rows = x.shape[0]
         if rows < self.num_experts:
@@ -255,7 +257,34 @@ class Experts(nnx.Module):
                 mats = w[expert]  # (rows, in, out)
             y = jnp.einsum("ri,rio->ro", x, mats, preferred_element_type=jnp.float32)
             return y.astype(x.dtype)
+        if max_group is not None and max_group <= WINDOW_MAX_GROUP:
+            return windowed_experts(x, w, group_sizes, max_group)
         return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+# A decode step's float experts with at least as many rows as experts: XLA's GPU ragged_dot expands the rows
+# over every expert and writes that (Qwen3-30B-A3B at batch 64, 512 rows of 2048 over 128 experts: 268 MB a
+# layer, 66% of the step's HBM limit on an H200), so a window of ``max_group`` rows an expert is multiplied
+# instead: experts x max_group rows, each weight read once and used max_group times, bytes-bound while
+# 2 max_group flops a 2-byte weight stay under the tensor rate over HBM's (H200 ~206 rows, B200 ~280).
+WINDOW_MAX_GROUP = 64
+
+
+def windowed_experts(x: jax.Array, w: jax.Array, group_sizes: jax.Array, max_group: int) -> jax.Array:
+    """``lax.ragged_dot(x, w, group_sizes)`` in x's dtype (f32 accumulation) for rows x (rows, in) sorted
+    by expert whose groups hold at most ``max_group`` rows each: expert e multiplies the window of
+    ``max_group`` rows from its group's first (rows past its group, another expert's or clamped to the
+    last, are computed and never read), one batched product (experts, max_group, in) x (experts, in, out);
+    each row is read back from its expert's window."""
+    rows, experts = x.shape[0], w.shape[0]
+    with jax.named_scope("expert_windows"):
+        starts = jnp.cumsum(group_sizes) - group_sizes  # each expert's first row
+        offsets = jnp.arange(max_group, dtype=starts.dtype)
+        windows = x[jnp.minimum(starts[:, None] + offsets[None, :], rows - 1)]  # (experts, max_group, in)
+        # rounded to x's dtype before the rows are read back: the GEMM writes half the bytes of f32
+        y = jnp.einsum("eci,eio->eco", windows, w, preferred_element_type=jnp.float32).astype(x.dtype)
+        expert = jnp.repeat(jnp.arange(experts), group_sizes, total_repeat_length=rows)  # each row's expert
+        return y[expert, jnp.arange(rows) - starts[expert]]
 
 
 class QExperts(nnx.Module):
@@ -297,7 +326,10 @@ class QExperts(nnx.Module):
     def weight(self) -> Any:
         return self.qweight.get_value()
 
-    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, group_sizes: jax.Array, max_group: int | None = None) -> jax.Array:
+        """x (rows, in) sorted by expert -> (rows, out) through ``nybble.ragged_matmul``; ``max_group`` (a
+        bound on the group sizes, :class:`Experts`' window) is not needed: the grouped kernels read each
+        expert's own rows."""
         return ragged_matmul(x, self.qweight.get_value(), group_sizes, implementation=self.implementation)
 
 
@@ -310,15 +342,17 @@ class ExpertMLP(FusedParts, nnx.Module):
         self.up_proj = Experts(e, h, i, rngs=rngs, dtype=dtype)
         self.down_proj = Experts(e, i, h, rngs=rngs, dtype=dtype)
 
-    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, group_sizes: jax.Array, max_group: int | None = None) -> jax.Array:
+        """x (rows, hidden) sorted by expert -> (rows, hidden); ``max_group``: a bound on every group size
+        (a top-k routing's tokens), which float stacks use (:class:`Experts`)."""
         fused = vars(self).get("gate_up_proj")  # models.definitions.fuse: one grouped launch for both
         if isinstance(fused, FusedExpertsGateUp):  # int4: the SiLU product in the grouped kernel too
             return self.down_proj(fused.swiglu(x, group_sizes), group_sizes)
         if fused is not None:
-            gate, up = fused(x, group_sizes)
+            gate, up = fused(x, group_sizes, max_group)
         else:
-            gate, up = self.gate_proj(x, group_sizes), self.up_proj(x, group_sizes)
-        return self.down_proj(jax.nn.silu(gate) * up, group_sizes)
+            gate, up = self.gate_proj(x, group_sizes, max_group), self.up_proj(x, group_sizes, max_group)
+        return self.down_proj(jax.nn.silu(gate) * up, group_sizes, max_group)
 
 
 class SharedMLP(FusedParts, nnx.Module):
@@ -446,7 +480,8 @@ class MoE(nnx.Module):
                 self.config.top_k,
                 norm.eps,
             )
-            y = self.experts(rows, sizes)  # (T k, hidden), sorted by expert: token t's j-th at slots[t, j]
+            # (T k, hidden), sorted by expert: token t's j-th at slots[t, j]; an expert's group <= T rows
+            y = self.experts(rows, sizes, xt.shape[0])
             out = jnp.einsum("tkh,tk->th", y[slots].astype(jnp.float32), scores) / totals[:, None]
             return out.astype(x.dtype).reshape(x.shape)
         with jax.named_scope("norm"):
@@ -485,7 +520,9 @@ class MoE(nnx.Module):
         cfg = self.config
         order, inverse, group_sizes = sort_by_expert(experts, cfg.num_experts)
         rows = xt[order // cfg.top_k]  # (T*k, hidden), sorted by expert
-        y = self.experts(rows, group_sizes)[inverse].reshape(xt.shape[0], cfg.top_k, cfg.hidden_size)
+        # a token picks an expert once: no group holds more rows than there are tokens
+        y = self.experts(rows, group_sizes, xt.shape[0])[inverse]
+        y = y.reshape(xt.shape[0], cfg.top_k, cfg.hidden_size)
         # Each expert's output is rounded to x's dtype, then weighted and summed in float32 (the weights'
         # normalization after the sum: one fusion with it).
         return jnp.einsum("tkh,tk->th", y.astype(jnp.float32), scores) / totals
@@ -586,6 +623,7 @@ def num_weights(experts: Experts | QExperts) -> int:
 __all__ = [
     "DECODE_ROUTING",
     "NORMED_MAX_TOKENS",
+    "WINDOW_MAX_GROUP",
     "ExpertMLP",
     "Experts",
     "MoE",
@@ -603,4 +641,5 @@ __all__ = [
     "route_tokens_on_kernel",
     "set_decode_routing",
     "sort_by_expert",
+    "windowed_experts",
 ]

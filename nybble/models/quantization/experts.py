@@ -69,7 +69,7 @@ class ExpertCapture:
         self.result: QExperts | None = None
         self.unrouted: list[int] = []
 
-    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, group_sizes: jax.Array, max_group: int | None = None) -> jax.Array:
         if self.result is None:
             fmt, w = self.format, self.experts.kernel[...]
             sizes = np.asarray(group_sizes)
@@ -85,7 +85,7 @@ class ExpertCapture:
                 )
             self.result = QExperts(stack_weights(weights))
             setattr(self.parent, self.attr, self.result)
-        return self.result(x, group_sizes)
+        return self.result(x, group_sizes, max_group)
 
 
 __all__ = ["ExpertCapture", "quantize_expert_stacks"]
