@@ -13,10 +13,11 @@ configured ``shared_expert.{gate,up,down}_proj`` (plain ``nnx.Linear`` s) and ``
 The forward pass, dropless and with static shapes under ``jit``: the router's logits in float32, softmax over
 the experts, the top k per token (renormalized to sum 1 when ``norm_topk_prob``: Mixtral always, Qwen3-MoE per
 its config), the T * k (token, expert) pairs sorted by expert (a stable sort, so each expert's rows keep token
-order), ``ragged_matmul`` (int4) or ``lax.ragged_dot`` (float) for gate/up and for down, then the rows put
-back in token order and summed with their router weights (a decode step's one token, ``MoE.normed`` and
-``MoE.deferred``: routed without a sort, :func:`route_ranked`). Shared experts are added to every token,
-scaled by ``sigmoid(shared_expert_gate(x))`` when that gate exists (Qwen2-MoE).
+order), ``ragged_matmul`` (int4) or, for float stacks, ``lax.ragged_dot`` (a decode step's few rows: each
+row's own expert gathered, or a window of rows an expert, :func:`windowed_experts`) for gate/up and for down,
+then the rows put back in token order and summed with their router weights (a decode step's one token,
+``MoE.normed`` and ``MoE.deferred``: routed without a sort, :func:`route_ranked`). Shared experts are added to
+every token, scaled by ``sigmoid(shared_expert_gate(x))`` when that gate exists (Qwen2-MoE).
 """
 
 from __future__ import annotations
