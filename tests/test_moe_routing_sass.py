@@ -52,8 +52,8 @@ def test_the_ranking_stays_in_registers(programs, gpu, shape):
     # Program 0 ranks the E experts, 32 columns of the (E, E) comparison at a time: no spills, within a
     # thread's 255 registers (2026-12-07, sm_90: 128 experts 1,016 instructions and 59 registers; 256
     # experts 3,576 and 166; the whole (256, 256) comparison at once spilled 200+ times). The tokens'
-    # kernel, each token's k-th key searched bit by bit: 8 tokens of 128 experts 3,168 and 56; 16 of 256
-    # at 8 warps 6,952 and 116 (at 4 warps: 253 registers, 14 spills)
+    # kernel, each token's k-th key searched bit by bit: 8 tokens of 128 experts 3,160 and 57; 16 of 256
+    # at 8 warps 6,904 and 115 (at 4 warps: 253 registers, 14 spills)
     sass = programs[gpu][shape]["sass"]
     assert sass, "the routing kernel's cubin was not found"
     assert sass["spills"] == 0, sass

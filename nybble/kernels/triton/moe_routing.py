@@ -86,14 +86,24 @@ def experts_and_rows_unsupported(experts: int, x: Any, top_k: int) -> str | None
     return None
 
 
+def widest_block(hidden: int) -> int:
+    """The widest block of :data:`BLOCK_COLUMNS` that divides ``hidden`` (the columns a program writes)."""
+    return next(b for b in BLOCK_COLUMNS if hidden % b == 0)
+
+
 def choose_config(hidden: int, top_k: int, eps: float) -> RoutingConfig:
     """The widest block of :data:`BLOCK_COLUMNS` that divides ``hidden``."""
-    block = next(b for b in BLOCK_COLUMNS if hidden % b == 0)
-    return RoutingConfig(top_k=top_k, eps=float(eps), block=block)
+    return RoutingConfig(top_k=top_k, eps=float(eps), block=widest_block(hidden))
 
 
 def _round(x: jax.Array, dtype: Any) -> jax.Array:
     return x.astype(dtype).astype(jnp.float32)
+
+
+def normed_row(x: jax.Array, weight: jax.Array, scale: Any, dtype: Any) -> jax.Array:
+    """``MoE.normed``'s row of the f32 sum x of the residual stream's parts: x rounded to ``dtype``, the
+    norm's f32 ``weight`` applied and rounded, then the row ``scale``, rounded (both kernels' rows)."""
+    return (_round(_round(x, dtype) * weight, dtype) * scale).astype(dtype)
 
 
 def _keys(logits: jax.Array) -> jax.Array:
@@ -146,8 +156,7 @@ def _kernel(*refs, cfg: RoutingConfig, parts: int):
     cols = pl.ds(pl.multiple_of(c * cfg.block, cfg.block), cfg.block)
     dtype = rows_ref.dtype
     x = functools.reduce(jnp.add, [ref[cols].astype(jnp.float32) for ref in part_refs])
-    h = _round(_round(x, dtype) * w_ref[cols].astype(jnp.float32), dtype)
-    row = (h * scale).astype(dtype)
+    row = normed_row(x, w_ref[cols].astype(jnp.float32), scale, dtype)
     for r in range(k):
         rows_ref[r, cols] = row
 

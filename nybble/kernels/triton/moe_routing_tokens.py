@@ -41,11 +41,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from nybble.kernels.triton.moe_routing import (
-    BLOCK_COLUMNS,
     _keys,
     _pow2,
-    _round,
     experts_and_rows_unsupported,
+    normed_row,
+    widest_block,
 )
 
 MAX_TOKENS = 16  # every program routes them all: T x E compares a step of the k-th key's search
@@ -77,11 +77,10 @@ ENTRIES_PER_4_WARPS = 1024
 
 
 def choose_config(hidden: int, top_k: int, eps: float, tokens: int, experts: int) -> TokensRoutingConfig:
-    """The widest block of ``BLOCK_COLUMNS`` that divides ``hidden``; 8 warps where the (tokens, experts)
-    tables (tokens padded to a power of two) pass ``ENTRIES_PER_4_WARPS``."""
-    block = next(b for b in BLOCK_COLUMNS if hidden % b == 0)
+    """Blocks of ``moe_routing.widest_block(hidden)`` columns; 8 warps where the (tokens, experts) tables
+    (tokens padded to a power of two) pass ``ENTRIES_PER_4_WARPS``."""
     warps = 4 if _pow2(tokens) * experts <= ENTRIES_PER_4_WARPS else 8
-    return TokensRoutingConfig(top_k=top_k, eps=float(eps), block=block, num_warps=warps)
+    return TokensRoutingConfig(top_k=top_k, eps=float(eps), block=widest_block(hidden), num_warps=warps)
 
 
 def _exclusive_cumsum(x: jax.Array, axis: int) -> jax.Array:
@@ -155,9 +154,7 @@ def _kernel(*refs, cfg: TokensRoutingConfig, parts: int, tokens: int):
     )
     for t in range(tokens):
         x = functools.reduce(jnp.add, [ref[t, cols].astype(jnp.float32) for ref in part_refs])
-        h = _round(_round(x, dtype) * weight, dtype)
-        row_scale = jnp.sum(jnp.where(token_ids == t, scale, 0.0))
-        row = (h * row_scale).astype(dtype)
+        row = normed_row(x, weight, jax.lax.rsqrt(ss_ref[t, 0] / dim + cfg.eps), dtype)
         # token t's k rows (its choices past k store the k-th's row again)
         rows_t = jnp.sum(jnp.where((token_of == t) & (choice_of == kept_choices[None, :]), table, 0), axis=0)
         rows_ref[rows_t, cols] = jnp.broadcast_to(row[None, :], (_pow2(k), cfg.block))
