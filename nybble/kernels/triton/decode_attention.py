@@ -62,6 +62,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from nybble.kernels.triton import pallas as triton_pallas
+
 DTYPES = ("bfloat16", "float16")  # the cache's and q's: the MMA's inputs
 MIN_ROWS = 16  # an MMA's smallest M, N and K on Triton (mma.sync m16n8k16): the groups are padded to it
 BLOCK_ROWS = (64, 32, 16)  # cache positions a block, largest first; one must divide max_len
@@ -320,7 +322,7 @@ def combine(top: jax.Array, total: jax.Array, out: jax.Array, groups: int, dtype
     into (b, h, groups, d) of ``dtype``: one launch, which writes the output projection's input itself (a
     power-of-two ``groups``; others write the next power of two of rows, then XLA slices)."""
     b, h, _, rows, d = out.shape
-    y = pl.pallas_call(
+    y = triton_pallas.pallas_call(
         _combine_kernel,
         out_shape=jax.ShapeDtypeStruct((b, h, rows, d), dtype),
         grid=(b, h),
@@ -418,7 +420,7 @@ def write_and_attend(
         aliases[caches + 2] = len(out_shape)
         out_shape.append(jax.ShapeDtypeStruct(arrivals.shape, jnp.int32))
         extra = [arrivals]
-    results = pl.pallas_call(
+    results = triton_pallas.pallas_call(
         functools.partial(
             _kernel, cfg=cfg, token=token, window=window, scale=d**-0.5, merge=merge, interpret=interpret
         ),

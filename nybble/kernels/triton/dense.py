@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from nybble.kernels.triton import dequant
+from nybble.kernels.triton import pallas as triton_pallas
 from nybble.kernels.triton.config import TuningConfig, plane_rows
 from nybble.packing import pad_to
 from nybble.quant.qweight import QuantizedWeight
@@ -115,7 +116,7 @@ def dense_matmul(
         asm=not interpret,  # inline PTX in the compiled kernel; its jnp equivalents in interpret mode
         m=m,
     )
-    y = pl.pallas_call(
+    y = triton_pallas.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=grid,

@@ -41,6 +41,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from nybble.kernels.triton import pallas as triton_pallas
+
 X_DTYPES = ("bfloat16", "float16", "float32")
 MAX_EXPERTS = 256  # program 0 ranks them all: E^2 comparisons
 RANK_COLUMNS = 32  # experts compared with all E at once: (E, 32) in registers
@@ -187,7 +189,7 @@ def route_one(
         jax.ShapeDtypeStruct((1,), jnp.float32),
         jax.ShapeDtypeStruct((cfg.top_k, hidden), dtype),
     )
-    return pl.pallas_call(
+    return triton_pallas.pallas_call(
         functools.partial(_kernel, cfg=cfg, parts=len(parts)),
         out_shape=out_shape,
         grid=(hidden // cfg.block,),

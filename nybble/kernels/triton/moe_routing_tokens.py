@@ -40,6 +40,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from nybble.kernels.triton import pallas as triton_pallas
 from nybble.kernels.triton.moe_routing import (
     _keys,
     _pow2,
@@ -185,7 +186,7 @@ def route_tokens(
         jax.ShapeDtypeStruct((tokens * cfg.top_k, hidden), dtype),
     )
     sums = jnp.asarray(sums_of_squares, jnp.float32)
-    return pl.pallas_call(
+    return triton_pallas.pallas_call(
         functools.partial(_kernel, cfg=cfg, parts=len(parts), tokens=tokens),
         out_shape=out_shape,
         grid=(hidden // cfg.block,),
