@@ -76,7 +76,7 @@ CC_MAJOR="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null
 if [ "${CC_MAJOR:-0}" = 10 ]; then
   MOSAIC_GPU_TESTS=tests/test_blackwell_gpu.py
 else
-  MOSAIC_GPU_TESTS="tests/test_kernel_gpu.py tests/test_swiglu.py tests/test_grouped_swiglu.py"
+  MOSAIC_GPU_TESTS="tests/test_kernel_gpu.py tests/test_swiglu.py tests/test_grouped_swiglu.py tests/test_residual.py"
 fi
 TESTS=()
 MISSING=()

@@ -81,7 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=3,
         help="layers to compile (3 or more: layer 1 repeated for every middle layer; 1: the one layer "
-        "multiplied); 0: the whole model",
+        "multiplied, which misses what a layer does for the next: an int4 down kernel's residual epilogue); "
+        "0: the whole model",
     )
     ap.add_argument("--int4-lm-head", action="store_true", help="int4 rows: the LM head int4 too (QuantRule)")
     ap.add_argument("--jobs", type=int, default=None, help=f"compile workers (default {default_jobs()})")

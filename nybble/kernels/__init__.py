@@ -12,6 +12,7 @@ from nybble.kernels.ops.ragged_matmul.api import available_ragged_implementation
 from nybble.kernels.ops.ragged_matmul.reference import reference_ragged_matmul
 from nybble.kernels.ops.ragged_matmul.xla import xla_ragged_matmul
 from nybble.kernels.ops.ragged_swiglu_matmul import ragged_swiglu_matmul
+from nybble.kernels.ops.residual_matmul import residual_matmul
 from nybble.kernels.ops.swiglu_matmul import swiglu_matmul
 
 
@@ -39,6 +40,7 @@ __all__ = [
     "reference_matmul",
     "reference_ragged_matmul",
     "relative_error",
+    "residual_matmul",
     "swiglu_matmul",
     "xla_matmul",
     "xla_ragged_matmul",

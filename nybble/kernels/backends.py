@@ -16,7 +16,8 @@ own (``nybble.kernels.swiglu_matmul``): ``swiglu_unsupported(x2d, qw, forced=...
 ``swiglu_matmul(x2d, qw, sum_of_squares, norm)``; without one, the op runs the backend's ``matmul`` and
 its SiLU product after it. The grouped one likewise (``nybble.kernels.ragged_swiglu_matmul``):
 ``ragged_swiglu_unsupported(x, qw, group_sizes, forced=...)`` and ``ragged_swiglu_matmul(x, qw,
-group_sizes)``.
+group_sizes)``. And a residual op (``nybble.kernels.residual_matmul``): ``residual_unsupported(x2d, qw,
+forced=...)`` and ``residual_matmul(x2d, qw, residual, norm_weight)`` -> (x, h).
 
 :data:`BACKENDS` maps each ``implementation=`` name to its module, in the order ``implementation=None``
 tries them; adding a backend is one line there. An op (``ops/matmul/api.py``, ``ops/ragged_matmul/api.py``)

@@ -31,4 +31,16 @@ def swiglu(y: Any, sum_of_squares: Any, norm: tuple[float, float]) -> Any:
     return silu_product(gate, up, r)
 
 
-__all__ = ["norm_scale", "silu_product", "swiglu"]
+def residual_norm(y: Any, residual: Any, norm_weight: Any, dtype: Any) -> tuple[Any, Any]:
+    """The residual epilogue of y (rows, n) f32: ``(x, h)`` in ``dtype``, x = residual + y and h = x * w,
+    rounded where a model's unfused step rounds them (y to ``dtype`` as the projection returns it, the sum
+    to ``dtype`` as the residual stream holds it, the product to ``dtype`` as ``RMSNorm.deferred_sum``
+    returns the next norm's input), each sum and product in f32. ``residual`` (rows, n) and ``norm_weight``
+    (n,) or (1, n) in any float dtype."""
+    y = y.astype(dtype).astype(jnp.float32)
+    x = (residual.astype(jnp.float32) + y).astype(dtype)
+    h = (x.astype(jnp.float32) * jnp.reshape(norm_weight, (1, -1)).astype(jnp.float32)).astype(dtype)
+    return x, h
+
+
+__all__ = ["norm_scale", "residual_norm", "silu_product", "swiglu"]

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from nybble import device
-from nybble.kernels.mosaic_gpu import dense, grouped, grouped_swiglu, hardware, swiglu
+from nybble.kernels.mosaic_gpu import dense, grouped, grouped_swiglu, hardware, residual, swiglu
 from nybble.kernels.mosaic_gpu.config import TuningConfig
 from nybble.kernels.mosaic_gpu.dense import is_interpret_active
 from nybble.kernels.mosaic_gpu.grouped_config import grouped_heuristic_config
@@ -209,6 +209,32 @@ def swiglu_matmul(
     return swiglu.mosaic_gpu_swiglu(x, qw, sum_of_squares, norm=norm, num_sms=sms, family=family_name)
 
 
+def residual_unsupported(x: Any, qw: QuantizedWeight, *, forced: bool) -> str | None:
+    """Why the Hopper kernel's residual epilogue (residual.py) cannot compute
+    ``nybble.kernels.residual_matmul``'s call here, or None: Hopper's kernel here (a Hopper GPU, interpreted
+    as one, or lowered on a machine with no GPU; Blackwell's kernel has no such epilogue yet), arguments it
+    reads, a config that fits; on a real GPU, unless ``forced``, only once a hardware check has run it
+    (``hardware.RESIDUAL_VERIFIED``)."""
+    if (why := no_kernel_here()) is not None:
+        return why
+    if family() == "blackwell":
+        return "the residual epilogue runs on the Hopper kernel only (the Blackwell kernel has none yet)"
+    if (why := residual.unsupported(x, qw)) is not None:
+        return why
+    if not forced and on_hopper_hardware() and not hardware.RESIDUAL_VERIFIED:
+        return "the residual epilogue has not run on a GPU yet (hardware.RESIDUAL_VERIFIED)"
+    if not residual.fits(x.shape[0], qw, device.num_sms()):
+        return f"no config with the residual epilogue fits M={x.shape[0]} (K-sliced decode configs)"
+    return None
+
+
+def residual_matmul(
+    x: jax.Array, qw: QuantizedWeight, residual_rows: jax.Array, norm_weight: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The Hopper kernel with the residual epilogue, for a call :func:`residual_unsupported` accepted."""
+    return residual.mosaic_gpu_residual(x, qw, residual_rows, norm_weight, num_sms=device.num_sms())
+
+
 def ragged_swiglu_unsupported(x: Any, qw: QuantizedWeight, group_sizes: Any, *, forced: bool) -> str | None:
     """:func:`swiglu_unsupported` for the grouped kernels' epilogue (grouped_swiglu.py), gated by the same
     hardware check."""
@@ -272,6 +298,8 @@ __all__ = [
     "ragged_swiglu_unsupported",
     "ragged_unsupported",
     "ragged_unverified",
+    "residual_matmul",
+    "residual_unsupported",
     "swiglu_matmul",
     "swiglu_unsupported",
     "unsupported",

@@ -61,6 +61,11 @@ class Problem:
     # squares), ``norm`` = (dim, eps); ``norm`` None: r = 1 and no such operand (the grouped kernels').
     swiglu: bool = False
     norm: tuple[float, float] | None = (1.0, 1.0)
+    # The residual epilogue (config.residual_reason): two (M, n) outputs, x = residual + y and h = x * w,
+    # from two operands after the others, the residual stream (M, n) and a norm's weight (1, n)
+    # (epilogue.residual_norm: the next layer's input norm, whose product XLA would launch).
+    residual: bool = False
+    norm_weight_dtype: Any = None  # the residual epilogue's w: bf16, f16 or f32
 
     @property
     def row_scaled(self) -> bool:
@@ -203,10 +208,11 @@ def store_rows(src: Any, out_gmem: Any, cols: Any, rows: RowWindow) -> None:
 
 
 def kernel_name(p: Problem, base: str = "nybble_w4a16") -> str:
-    """``<base>_<config tag>``, ``_o`` with offsets, ``_swiglu`` with the SwiGLU epilogue: what a profiler
-    and the X-ray show (``base``: the kernel family, ``nybble_w4a16`` dense, ``nybble_grouped_w4a16``
+    """``<base>_<config tag>``, ``_o`` with offsets, ``_swiglu`` or ``_residual`` with those epilogues: what a
+    profiler and the X-ray show (``base``: the kernel family, ``nybble_w4a16`` dense, ``nybble_grouped_w4a16``
     grouped)."""
-    return f"{base}_{p.config.tag}{'_o' if p.has_offsets else ''}{'_swiglu' if p.swiglu else ''}"
+    epilogue = "_swiglu" if p.swiglu else "_residual" if p.residual else ""
+    return f"{base}_{p.config.tag}{'_o' if p.has_offsets else ''}{epilogue}"
 
 
 def operand_views(p: Problem, x: jax.Array, codes: jax.Array, scales: Any, offsets: Any) -> list[Any]:
@@ -532,11 +538,23 @@ def store_tiles(
             red, y_tile = smem["slices"], smem["out"]
             for t, acc in enumerate(accs):
                 store_unoptimized(red.at[t], acc)
+            if p.residual:  # its two rows, copied in at the CTA's start (residual_copies)
+                plgpu.barrier_wait(smem["residual_barrier"])
+                names = ("residual", "norm_weight", "normed")
+                residual = {f"{name}_ref": smem[name] for name in names}
+            else:
+                residual = {}
             sum_slices(
                 red, y_tile, slices=c.slices, tiles=c.tiles, rows=c.tile_m, swiglu_pairs=p.swiglu,
-                row_norm_ref=smem.get("row_norm"), norm=p.norm if p.swiglu else None,
+                row_norm_ref=smem.get("row_norm"), norm=p.norm if p.swiglu else None, **residual,
             )  # fmt: skip
             plgpu.commit_smem()
+            if p.residual:  # x and h: the same columns of two outputs
+                cols = pl.ds(n_start, c.rows_per_wg)
+                for src, dst in ((y_tile, out_gmem[0]), (smem["normed"], out_gmem[1])):
+                    plgpu.copy_smem_to_gmem(src.at[: p.m], dst.at[:, cols])
+                plgpu.wait_smem_to_gmem(0)
+                return
             # The SwiGLU epilogue stores one column per gate/up pair: half the tile, from half the offset.
             width = c.rows_per_wg // 2 if p.swiglu else c.rows_per_wg
             cols = pl.ds(n_start // 2 if p.swiglu else n_start, width)

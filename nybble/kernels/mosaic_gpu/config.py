@@ -257,6 +257,25 @@ def swiglu_reason(config: TuningConfig) -> str | None:
     return None
 
 
+def residual_reason(config: TuningConfig) -> str | None:
+    """Why ``config`` cannot run the residual epilogue (x = residual + y, h = x * w: residual.py), or None.
+    It runs in the K slices' epilogue (``dequant_registers.sum_slices``: decode, M <= 8, one launch per
+    output tile), whose CTA copies its residual rows in at its start: one output tile per CTA."""
+    if config.slices == 1:
+        return f"the residual epilogue runs with K slices (decode configs), not slices=1 ({config.tag})"
+    if config.persistent_ctas:
+        return f"the residual epilogue copies one tile's rows per CTA: no persistent CTAs ({config.tag})"
+    return None
+
+
+def residual_smem_bytes(config: TuningConfig) -> int:
+    """SMEM the residual epilogue adds to :func:`smem_bytes`: h's staging tile, the residual rows and the norm
+    weight's row (f32 at most), each allocation rounded up to Mosaic's 1 KiB alignment (X-ray: +3,072 bytes
+    at Llama-3-8B's down projection, M = 1 and 8)."""
+    tile = config.tile_m * config.cta_rows * 2
+    return sum(-(-size // 1024) * 1024 for size in (tile, tile, config.cta_rows * 4))
+
+
 def split_k_shares(tile_m: int, split_k: int, tiles: int) -> list[tuple[int, int, int, int]]:
     """How the ``split_k`` CTAs of a cluster share the reduction of one output tile (split_k.py): CTA q
     sums and stores (rows, row slab, first A tile, A tiles) ``shares[q]``, whole 8-row slabs of y.

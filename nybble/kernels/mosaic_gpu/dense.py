@@ -112,11 +112,13 @@ def plan(
     config: TuningConfig | None = None,
     dtype: Any = jnp.bfloat16,
     allow: Callable[[TuningConfig], bool] | None = None,
+    extra_smem: Callable[[TuningConfig], int] | None = None,
 ) -> Problem:
     """The kernel launch one ``nybble.matmul`` of M rows against ``qw`` makes: config, padding, grid.
 
     ``config`` None takes :func:`heuristic_config`'s choice for a GPU of ``num_sms`` SMs (among the configs
-    ``allow`` accepts: on a real GPU, those that passed the hardware check, ``hardware.py``); ``dtype`` is
+    ``allow`` accepts: on a real GPU, those that passed the hardware check, ``hardware.py``; with an
+    epilogue's ``extra_smem`` bytes); ``dtype`` is
     the activations' (bf16 or f16: both 2 bytes, so the same config). What the X-ray (``bench.xray``) reads
     to model a call, and what the wrapper itself runs.
     """
@@ -126,7 +128,7 @@ def plan(
     m = max(m, 1)
     if config is None:
         config = heuristic_config(
-            m, n_pad, k_pad, qw.group_size, num_sms, allow=allow, **weight_options(qw)
+            m, n_pad, k_pad, qw.group_size, num_sms, allow=allow, extra_smem=extra_smem, **weight_options(qw)
         )
     config.check_problem(m, n_pad, k_pad, qw.group)
     return problem(m, qw, config, dtype)

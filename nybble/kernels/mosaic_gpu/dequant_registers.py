@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from nybble.kernels.epilogue import swiglu
+from nybble.kernels.epilogue import residual_norm, swiglu
 from nybble.kernels.mosaic_gpu.interpret import active_params
 from nybble.packing.gate_up import GATE_UP_BLOCK
 
@@ -289,6 +289,9 @@ def sum_slices(
     swiglu_pairs: bool = False,
     row_norm_ref: Any = None,
     norm: tuple[float, float] | None = None,
+    residual_ref: Any = None,
+    norm_weight_ref: Any = None,
+    normed_ref: Any = None,
 ) -> None:
     """y tile (rows, tiles * 64 / S) in ``out_ref`` (bf16/f16 SMEM) from ``acc_ref`` (tiles, 64, S rows) f32.
 
@@ -301,6 +304,10 @@ def sum_slices(
     comes from its entry s of ``row_norm_ref`` ((rows,) f32 SMEM) and ``norm`` = (dim, eps): an RMSNorm's
     sum of squares, its scale computed here (XLA would spend a launch on the rsqrt of a reduction's
     result); ``norm`` None (``Problem.norm``'s no row scale: no ``row_norm_ref``), r = 1.
+
+    With ``residual_ref`` (the residual epilogue: ``residual_ref`` (rows, tile columns) and
+    ``norm_weight_ref`` (1, tile columns) SMEM, any float dtypes) ``out_ref`` receives x = residual + y and
+    ``normed_ref`` h = x * w, rounded as ``nybble.kernels.epilogue.residual_norm`` rounds them.
     """
     width = 64 // slices
     if active_params() is not None:
@@ -310,7 +317,13 @@ def sum_slices(
         y = y.reshape(rows, tiles * width)
         if swiglu_pairs:
             y = swiglu(y, None if norm is None else row_norm_ref[...], norm)
+        if residual_ref is not None:
+            y, h = residual_norm(y, residual_ref[...], norm_weight_ref[...], out_ref.dtype)
+            normed_ref[...] = h
         out_ref[...] = y.astype(out_ref.dtype)
+        return
+    if residual_ref is not None:
+        _gpu_residual_slices(slices, tiles, rows)(acc_ref, out_ref, residual_ref, norm_weight_ref, normed_ref)
         return
     if swiglu_pairs:
         refs = (acc_ref, out_ref) if norm is None else (acc_ref, out_ref, row_norm_ref)
@@ -423,3 +436,37 @@ def _gpu_swiglu_slices(slices: int, tiles: int, rows: int, norm: tuple[float, fl
         utils.warpgroup_barrier()
 
     return swiglu
+
+
+def _gpu_residual_slices(slices: int, tiles: int, rows: int) -> Any:
+    """The residual pass over (acc, out, residual, norm_weight, normed): per output, the slices' total
+    rounded to y's dtype, x = residual + y and h = x * w in f32, each rounded to y's dtype."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 5)
+    def residual(ctx: Any, acc: Any, out: Any, res: Any, weight: Any, normed: Any) -> None:
+        from jax.experimental.mosaic.gpu import utils
+        from jaxlib.mlir import ir
+        from jaxlib.mlir.dialects import arith, memref
+
+        del ctx
+        f32 = ir.F32Type.get()
+        c = lambda v: arith.constant(ir.IndexType.get(), v)
+        width = 64 // slices
+        columns = tiles * width
+        out_ty = ir.MemRefType(out.type).element_type
+
+        def wide(v: Any) -> Any:  # an SMEM value in f32 (the residual's and the weight's own dtypes)
+            return v if v.type == f32 else arith.extf(f32, v)
+
+        def output(i: Any) -> None:
+            m, col = arith.divui(i, c(columns)), arith.remui(i, c(columns))
+            y = arith.extf(f32, arith.truncf(out_ty, _column_total(acc, col, m, width, slices)))
+            x = arith.truncf(out_ty, arith.addf(wide(memref.load(res, [m, col])), y))
+            memref.store(x, out, [m, col])
+            h = arith.mulf(arith.extf(f32, x), wide(memref.load(weight, [c(0), col])))
+            memref.store(arith.truncf(out_ty, h), normed, [m, col])
+
+        _for_each_output(rows * columns, output)
+        utils.warpgroup_barrier()
+
+    return residual

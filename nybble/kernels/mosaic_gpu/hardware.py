@@ -105,6 +105,9 @@ HOPPER_VERIFIED: frozenset[tuple[Any, ...]] = frozenset({
 # product as nybble.matmul does and the SiLU product after it) until a hardware check passes
 # tests/test_swiglu.py (bench/gpu_check.sh runs it) and this says True.
 SWIGLU_VERIFIED = False
+# The residual epilogue (residual.py), likewise: left out by implementation=None on a real Hopper GPU (the
+# op then adds and multiplies after nybble.matmul) until a hardware check passes tests/test_residual.py.
+RESIDUAL_VERIFIED = False
 
 
 def structure(config: TuningConfig) -> tuple[Any, ...]:
@@ -132,5 +135,6 @@ def unverified_reason(config: TuningConfig | None) -> str:
 
 
 __all__ = [
-    "HARDWARE_CHECK", "HOPPER_VERIFIED", "SWIGLU_VERIFIED", "structure", "unverified_reason", "verified",
+    "HARDWARE_CHECK", "HOPPER_VERIFIED", "RESIDUAL_VERIFIED", "SWIGLU_VERIFIED", "structure",
+    "unverified_reason", "verified",
 ]  # fmt: skip

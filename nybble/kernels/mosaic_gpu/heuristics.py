@@ -93,6 +93,7 @@ def heuristic_config(
     scale_bytes: int = 2,
     experts: int = 1,
     allow: Callable[[TuningConfig], bool] | None = None,
+    extra_smem: Callable[[TuningConfig], int] | None = None,
 ) -> TuningConfig:
     """Chooses a config for an (M, K_pad) x (K_pad, N_pad) problem on a GPU with ``num_sms`` SMs.
 
@@ -113,7 +114,8 @@ def heuristic_config(
 
     ``experts`` > 1: one launch runs that many such problems, each against its own weight (the grouped
     kernel, grouped.py): a config must fit one, the cost model counts the CTAs and weights of all. ``allow``:
-    a predicate on the candidates (what that kernel runs).
+    a predicate on the candidates (what that kernel runs); ``extra_smem``: SMEM bytes an epilogue adds to a
+    config's (``config.residual_smem_bytes``).
     """
     if m < 1 or n_pad < 1 or k_pad < 1:
         raise ValueError(f"heuristic_config: bad problem M={m}, N_pad={n_pad}, K_pad={k_pad}")
@@ -134,6 +136,7 @@ def heuristic_config(
                 continue  # every step has a slot: all copies go out up front, a producer saves nothing
             config = probe.with_steps(steps)
             used = smem_bytes(config, group=group, has_offsets=has_offsets, scale_bytes=scale_bytes)
+            used += 0 if extra_smem is None else extra_smem(config)
             if not smem_fits(used):
                 continue
             # A producer's CTA takes the whole register file (two warpgroups, up to 256 registers each).

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from nybble.kernels.mosaic_gpu.common import Problem, operand_views
-from nybble.kernels.mosaic_gpu.config import TuningConfig, swiglu_reason
+from nybble.kernels.mosaic_gpu.config import TuningConfig, residual_reason, swiglu_reason
 from nybble.kernels.mosaic_gpu.w4a16 import w4a16_single_wg
 from nybble.kernels.mosaic_gpu.w4a16_ws import w4a16_warp_specialized
 from nybble.packing.groups import num_groups
@@ -26,7 +26,9 @@ def w4a16(
     m: int | None = None,
     sum_of_squares: jax.Array | None = None,
     norm: tuple[float, float] = (1.0, 1.0),
-) -> jax.Array:
+    residual: jax.Array | None = None,
+    norm_weight: jax.Array | None = None,
+) -> Any:
     """y = x @ dequant(W) with the Hopper W4A16 kernel ``config`` describes; with ``sum_of_squares``, the
     SwiGLU epilogue's y = silu(r (x @ W_gate)) * (r (x @ W_up)) of a gate/up weight
     (``nybble.packing.gate_up``), r = rsqrt(sum_of_squares / dim + eps) per row, ``norm`` = (dim, eps).
@@ -44,17 +46,22 @@ def w4a16(
       sum_of_squares: None, or (m,) float32 (the SwiGLU epilogue; ``n`` then counts gate/up pairs: half of
         W's columns; ``config.swiglu_reason`` says which configs run it).
       norm: (dim, eps) of the epilogue's row scale.
+      residual, norm_weight: None, or (m, n) in x's dtype and (n,) float (the residual epilogue,
+        ``config.residual_reason``; residual.py): then two outputs, x = residual + y and h = x * w.
 
     Returns:
-      (m, n) in x's dtype (under split-K the partials are summed in f32 inside the launch).
+      (m, n) in x's dtype (under split-K the partials are summed in f32 inside the launch); with the
+      residual epilogue the pair (x, h).
     """
     p = check_operands(
         x, codes, scales, offsets, n=n, group=group, config=config, m=m, sum_of_squares=sum_of_squares,
-        norm=norm,
+        norm=norm, residual=residual, norm_weight=norm_weight,
     )  # fmt: skip
     views = operand_views(p, x, codes, scales, offsets)
     if sum_of_squares is not None:
         views.append(sum_of_squares)
+    if residual is not None:
+        views += [residual, norm_weight.reshape(1, n)]
     run = w4a16_single_wg if config.compute_wgs == 1 else w4a16_warp_specialized
     return run(p, views)
 
@@ -71,6 +78,8 @@ def check_operands(
     m: int | None = None,
     sum_of_squares: Any = None,
     norm: tuple[float, float] = (1.0, 1.0),
+    residual: Any = None,
+    norm_weight: Any = None,
 ) -> Problem:
     """Validates operands against each other and the config; returns the problem's static facts."""
     x_rows, k_pad = x.shape
@@ -103,6 +112,32 @@ def check_operands(
             )
     if not 0 < n * (2 if swiglu else 1) <= n_pad:
         raise ValueError(f"w4a16: n={n} {'pairs ' if swiglu else ''}must fit N_pad={n_pad}")
+    if (residual is None) != (norm_weight is None):
+        raise ValueError("w4a16: the residual epilogue takes both residual and norm_weight")
+    weight_dtype = None
+    if residual is not None:
+        if swiglu:
+            raise ValueError("w4a16: one epilogue at a time: SwiGLU (sum_of_squares) or residual")
+        if (why := residual_reason(config)) is not None:
+            raise ValueError(f"w4a16: {why}")
+        if residual.dtype != x.dtype or tuple(residual.shape) != (m, n):
+            raise ValueError(
+                f"w4a16: residual must be {x.dtype} (m, n) = ({m}, {n}), got {residual.dtype} "
+                f"{tuple(residual.shape)}"
+            )
+        weight_dtype = jnp.dtype(norm_weight.dtype)
+        if tuple(norm_weight.shape) != (n,) or weight_dtype not in NORM_WEIGHT_DTYPES:
+            raise ValueError(
+                f"w4a16: norm_weight must be (n,) = ({n},) bf16, f16 or f32, got {weight_dtype} "
+                f"{tuple(norm_weight.shape)}"
+            )
     config.check_problem(x_rows, n_pad, k_pad, group)
     norm = (float(norm[0]), float(norm[1]))
-    return Problem(m, n, n_pad, k_pad, group, x.dtype, offsets is not None, config, x_rows, swiglu, norm)
+    return Problem(
+        m, n, n_pad, k_pad, group, x.dtype, offsets is not None, config, x_rows, swiglu, norm,
+        residual is not None, weight_dtype,
+    )  # fmt: skip
+
+
+# The dtypes of a norm weight the residual epilogue reads (and widens to f32 itself).
+NORM_WEIGHT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))

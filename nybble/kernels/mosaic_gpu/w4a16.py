@@ -23,8 +23,8 @@ SM's register file, one CTA per SM. Without, the compute warpgroup refills each 
                 per group y += s acc) or ones (the group's sum of x: y += s (acc - 136 sum x) + o sum x)
             scales_on="weights": q exact (one more bf16x2 subtract), w = q * s (+ o) in bf16
     epilogue: accumulators -> SMEM -> (S > 1: sum of the slices, or with the SwiGLU epilogue silu(r g) *
-        (r u) of each gate/up pair, swiglu.py; split-K: sum of the cluster's partials, split_k.py) -> TMA
-        to y
+        (r u) of each gate/up pair, swiglu.py, or with the residual epilogue x = residual + y and
+        h = x * w, residual.py; split-K: sum of the cluster's partials, split_k.py) -> TMA to y (and h)
 
 w4a16_ws.py is the warp-specialized variant for prefill.
 """
@@ -79,12 +79,16 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array], work: Any = None) -> 
     n_in = len(operands)
     scratch_types = _scratch(p)
 
+    n_out = 2 if p.residual else 1
+
     def kernel(*refs):
-        ins, out_gmem = refs[:n_in], refs[n_in]
+        ins, out_gmem = refs[:n_in], refs[n_in] if n_out == 1 else refs[n_in : n_in + n_out]
         # The scratch refs come nested as _scratch lists their types (the split-K slabs: a list of refs).
-        scratch = dict(zip((name for name, _ in scratch_types), refs[n_in + 1 :], strict=True))
+        scratch = dict(zip((name for name, _ in scratch_types), refs[n_in + n_out :], strict=True))
         if p.row_scaled:  # the rows' sums of squares come last; the K loop reads the others
             ins, scratch["row_norm_gmem"] = ins[:-1], ins[-1]
+        if p.residual:  # the residual stream and the norm's weight come last
+            ins, scratch["residual_gmem"], scratch["norm_weight_gmem"] = ins[:-2], ins[-2], ins[-1]
 
         def body(tile: CtaTile) -> None:
             run_tile(
@@ -98,7 +102,9 @@ def w4a16_single_wg(p: Problem, operands: list[jax.Array], work: Any = None) -> 
         else:
             work.run(p, ins, body)
 
-    out_type = jax.ShapeDtypeStruct(p.out_shape, p.out_dtype)
+    out_type: Any = jax.ShapeDtypeStruct(p.out_shape, p.out_dtype)
+    if p.residual:  # x = residual + y and h = x * w
+        out_type = (out_type, out_type)
     launch = split_k.launch_args(c.split_k)
     call = plgpu.kernel(
         kernel,
@@ -143,6 +149,11 @@ def _compute(p: Problem, tile: CtaTile, scratch: dict[str, Any], out_gmem: Any) 
             pl.when(lax.axis_index("wg") == 0)(lambda: _stage_row_norm(p, scratch))
         else:
             _stage_row_norm(p, scratch)
+    if p.residual:
+        if c.producer:  # warpgroup 0 runs the epilogue that waits for them
+            pl.when(lax.axis_index("wg") == 0)(lambda: residual_copies(p, scratch, ni))
+        else:
+            residual_copies(p, scratch, ni)
     # One K partition: this CTA's own (split_k.py: all of them, in turn, when interpreting).
     for part in split_k.partitions(c.split_k):
         k_first = (lax.axis_index(split_k.AXIS) if part is None else part) * p.steps_per_split
@@ -225,6 +236,16 @@ def _stage_row_norm(p: Problem, scratch: dict[str, Any]) -> None:
         dst[i] = src[min(i, p.m - 1)]
 
 
+def residual_copies(p: Problem, scratch: dict[str, Any], ni: Any) -> None:
+    """The residual epilogue's rows into SMEM, issued at the CTA's start so that the K loop hides them: the
+    residual stream's M rows and the norm weight's row at the CTA's output columns, two TMAs on one barrier
+    (``common.store_tiles`` waits on it before the epilogue)."""
+    cols = pl.ds(ni * p.config.cta_rows, p.config.rows_per_wg)
+    barrier = scratch["residual_barrier"]
+    plgpu.copy_gmem_to_smem(scratch["residual_gmem"].at[:, cols], scratch["residual"].at[: p.m], barrier)
+    plgpu.copy_gmem_to_smem(scratch["norm_weight_gmem"].at[:, cols], scratch["norm_weight"], barrier)
+
+
 def _fill_const(p: Problem, const: Any) -> None:
     """The accumulator route's constant A tile (-136 or ones, ``common.constant_value``), committed for
     WGMMA: once per CTA, by the warpgroup that runs the steps."""
@@ -247,6 +268,11 @@ def _scratch(p: Problem) -> list[tuple[str, Any]]:
         scratch.append(("out", y))
     if p.row_scaled:
         scratch.append(("row_norm", plgpu.SMEM((c.tile_m,), jnp.float32)))
+    if p.residual:  # (config.residual_reason: K slices, so no split-K and the y staging above)
+        scratch.append(("normed", y_staging((c.tile_m, c.rows_per_wg), p.out_dtype, any_rows=False)))
+        scratch.append(("residual", plgpu.SMEM((c.tile_m, c.rows_per_wg), p.dtype)))
+        scratch.append(("norm_weight", plgpu.SMEM((1, c.rows_per_wg), p.norm_weight_dtype)))
+        scratch.append(("residual_barrier", plgpu.Barrier(num_arrivals=2)))
     if c.slices > 1:  # the K slices' partial sums, added in the epilogue (dequant_registers.sum_slices)
         scratch.append(("slices", plgpu.SMEM((c.tiles, 64, c.wgmma_n), jnp.float32)))
     if c.scales_on == "accumulators":

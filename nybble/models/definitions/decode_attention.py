@@ -50,6 +50,13 @@ class DeferredNorm(NamedTuple):
             return jax.lax.rsqrt(self.sum_of_squares / self.dim + self.eps)
 
 
+def split_counters(x: jax.Array) -> jax.Array:
+    """Zeros of x's shape in int32, computed from x so that XLA writes them in the launch that writes x
+    (the Triton decode attention kernel's split counters: no launch of their own): x * 0 is 0 for a number,
+    NaN for inf or NaN, and converts to 0 either way."""
+    return (x.astype(jnp.float32) * 0).astype(jnp.int32)
+
+
 def _softmax_stats(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]):
     """Combines two (maximum, sum of exp(score - maximum)) pairs: associative and commutative."""
     (m1, l1), (m2, l2) = a, b
@@ -160,9 +167,11 @@ def write_and_attend_on_kernel(
     arrivals = None
     if counters_from is not None and cfg.splits > 1:
         # The splits' arrival counters, zeros written by the launch that writes the projection's input (no
-        # launch of their own; an array of its shape, of which the kernel uses (b, kv_heads)): x * 0 is 0
-        # for a number, NaN for inf or NaN, and converts to 0 either way
-        arrivals = (counters_from.reshape(b, -1).astype(jnp.float32) * 0).astype(jnp.int32)
+        # launch of their own; an array of its shape, of which the kernel uses (b, kv_heads)), or made
+        # where an earlier launch wrote them (split_counters, int32 already)
+        arrivals = counters_from.reshape(b, -1)
+        if arrivals.dtype != jnp.int32:
+            arrivals = split_counters(arrivals)
     row_sums = row_inputs = None
     summable = row_norm is not None and kernel.row_chunk(row_norm.dim) >= kernel.MIN_ROWS
     if summable and row_norm.rows is not None:
@@ -183,6 +192,7 @@ __all__: list[Any] = [
     "DeferredNorm",
     "attend_one",
     "check_decode_attention",
+    "split_counters",
     "visible_positions",
     "write_and_attend",
     "write_and_attend_on_kernel",

@@ -29,14 +29,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nybble.kernels.ops.residual_matmul import fuses as residual_fuses
+from nybble.kernels.ops.residual_matmul import residual_matmul
 from nybble.models.definitions.decode_attention import (
     DeferredNorm,
     check_decode_attention,
+    split_counters,
     write_and_attend,
     write_and_attend_on_kernel,
 )
 from nybble.models.definitions.fuse import FusedGateUp, FusedParts
-from nybble.models.definitions.layers import projections
+from nybble.models.definitions.layers import QLinear, projections
 from nybble.models.definitions.moe import NORMED_MAX_TOKENS, MoE
 
 
@@ -160,6 +163,14 @@ class RMSNorm(nnx.Module):
             total = jnp.sum(xf * xf, axis=-1, keepdims=True)
             h = (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
             return h, DeferredNorm(total, x.shape[-1], self.eps, x)
+
+    def deferred_given(self, x: jax.Array) -> DeferredNorm:
+        """:meth:`deferred_sum`'s scale of x whose product ``x * weight`` was computed elsewhere (the
+        previous layer's down projection, ``MLP.chained``): XLA computes the sum of squares only where a
+        consumer reads it (the Triton attention kernel sums ``rows`` itself)."""
+        with jax.named_scope("norm"):
+            xf = x.astype(jnp.float32)
+            return DeferredNorm(jnp.sum(xf * xf, axis=-1, keepdims=True), x.shape[-1], self.eps, x)
 
     def deferred(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(x * weight, 1 / rms(x))``: the norm with its per-row scale left for after a bias-free
@@ -311,13 +322,16 @@ class Attention(FusedParts, nnx.Module):
         k_cache: jax.Array,
         v_cache: jax.Array,
         row_scale: DeferredNorm | None = None,
+        counters_from: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Attention of x (b, t, hidden) at positions ``position .. position + t - 1`` over the cache.
 
         Writes this chunk's keys and values into ``k_cache``/``v_cache`` (b, kv_heads, max_len, d) at
         ``position`` and attends causally to every cached position up to each query's own.
         Returns ``(output, k_cache, v_cache)``. ``row_scale``: the input norm's deferred scale
-        (``RMSNorm.deferred_sum``), applied to q, k and v.
+        (``RMSNorm.deferred_sum``), applied to q, k and v. ``counters_from``: an array of x's batch that an
+        XLA launch writes (the Triton kernel's split counters are zeros of its shape, written in that
+        launch: no launch of their own), or those zeros (``split_counters``); None: x.
 
         The cache is read once. One token (a decode step): written at ``position`` first, in place, then
         attended as one sequence (``decode_attention``: a few fused reductions, no GEMM). A chunk (a
@@ -328,7 +342,8 @@ class Attention(FusedParts, nnx.Module):
         b, t, _ = x.shape
         position = jnp.asarray(position, jnp.int32)
         if t == 1 and self.decode_attention == "triton":
-            return self._decode_on_kernel(x, position, k_cache, v_cache, row_scale)
+            counters_from = x if counters_from is None else counters_from
+            return self._decode_on_kernel(x, position, k_cache, v_cache, row_scale, counters_from)
         positions = jnp.broadcast_to(position + jnp.arange(t, dtype=jnp.int32), (b, t))
         q, k, v = self._qkv(x, positions, None if row_scale is None else row_scale.scale())
         if t == 1:  # a decode step: written first, then one read of the cache (decode_attention)
@@ -358,6 +373,7 @@ class Attention(FusedParts, nnx.Module):
         k_cache: jax.Array,
         v_cache: jax.Array,
         row_scale: DeferredNorm | None,
+        counters_from: jax.Array,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """A decode step's attention on the Triton kernel (``set_decode_attention``): the projections' output
         as one array (the fused layer's own: XLA folds the concatenation of its slices away), then the row
@@ -371,7 +387,7 @@ class Attention(FusedParts, nnx.Module):
                 qkv, k_cache, v_cache, position,
                 heads=self.num_heads, window=self.sliding_window,
                 inv_freq=rope_frequencies(self.head_dim, float(self.rope_theta), self.rope_scaling),
-                row_norm=row_scale, norms=norms, counters_from=x,
+                row_norm=row_scale, norms=norms, counters_from=counters_from,
             )  # fmt: skip
         return self.o_proj(out), k_cache, v_cache
 
@@ -444,6 +460,27 @@ class MLP(FusedParts, nnx.Module):
         return self.down_proj(jax.nn.silu(gate) * up)
 
 
+    def chained(
+        self, x: jax.Array, row_scale: DeferredNorm | None, residual: jax.Array, next_norm: RMSNorm
+    ) -> tuple[jax.Array, jax.Array] | None:
+        """``(residual + mlp(x), that * next_norm.weight)`` where the down projection's kernel adds the
+        residual and takes the next layer's norm product in its epilogue (``nybble.kernels.residual_matmul``:
+        one launch of the Hopper kernel at decode sizes, where XLA launched the add and the product);
+        None where it would not (a float or biased down projection, a backend without the epilogue), and
+        the caller adds the residual itself."""
+        fused, down = vars(self).get("gate_up_proj"), self.down_proj
+        if not isinstance(fused, FusedGateUp) or isinstance(row_scale, jax.Array):
+            return None
+        if not isinstance(down, QLinear) or down.bias is not None or down.input_perm is not None:
+            return None
+        weight = down.weight
+        a = jax.ShapeDtypeStruct((*x.shape[:-1], weight.shape[0]), x.dtype)
+        if residual.dtype != x.dtype or not residual_fuses(a, weight, implementation=down.implementation):
+            return None
+        a = fused.swiglu(x, row_scale)
+        return residual_matmul(a, weight, residual, next_norm.weight[...], implementation=down.implementation)
+
+
 def scaled(y: jax.Array, row_scale: jax.Array) -> jax.Array:
     """``y * row_scale`` in float32, rounded to y's dtype (fused by XLA into y's consumers)."""
     return (y.astype(jnp.float32) * row_scale).astype(y.dtype)
@@ -455,6 +492,16 @@ def _bias_free(module: nnx.Module, fused: str, names: tuple[str, ...]) -> bool:
     layer = getattr(module, fused, None)
     parts = [getattr(layer, "inner", None)] if layer is not None else [getattr(module, n) for n in names]
     return all(p is not None and getattr(p, "bias", None) is None for p in parts)
+
+
+class Chained(NamedTuple):
+    """A layer's input-norm product computed by the layer before (``Block.cached_chain``): ``product`` = x *
+    input_norm.weight, from the down projection's epilogue, and ``counters``, int32 zeros of x's shape that
+    an XLA launch of that layer writes (with its residual stream past attention): the Triton attention
+    kernel's split counters, which would take a launch of their own beside a kernel's output."""
+
+    product: jax.Array
+    counters: jax.Array
 
 
 class Block(nnx.Module):
@@ -480,9 +527,36 @@ class Block(nnx.Module):
 
         One token (a decode step): each norm's per-row scale is deferred past the bias-free projections
         that read it (``RMSNorm.deferred``), which saves the launch that would apply it."""
-        if x.shape[1] == 1 and _bias_free(self.attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")):
-            h, r = self.input_norm.deferred_sum(x)
-            a, k_cache, v_cache = self.attn.cached(h, position, k_cache, v_cache, row_scale=r)
+        return self.cached_chain(x, position, k_cache, v_cache)[:3]
+
+    def defers_input_norm(self, x: jax.Array) -> bool:
+        """Whether a decode step's input norm is deferred past q/k/v (one token, bias-free projections):
+        then the previous layer may hand over its product (:meth:`cached_chain`'s ``normed``)."""
+        return x.shape[1] == 1 and _bias_free(self.attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+
+    def cached_chain(
+        self,
+        x: jax.Array,
+        position: jax.Array | int,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        *,
+        normed: Chained | None = None,
+        next_norm: RMSNorm | None = None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, Chained | None]:
+        """:meth:`cached`, chained to its neighbours in a decode step: ``normed`` is this layer's input-norm
+        product ``x * input_norm.weight`` if the previous layer computed it (:class:`Chained`), and with
+        ``next_norm`` (the next layer's input norm) the down projection's kernel may compute the next one
+        (``MLP.chained``); returns ``(x, k_cache, v_cache, the next layer's Chained or None)``."""
+        if self.defers_input_norm(x):
+            if normed is None:
+                h, r = self.input_norm.deferred_sum(x)
+                a, k_cache, v_cache = self.attn.cached(h, position, k_cache, v_cache, row_scale=r)
+            else:
+                r = self.input_norm.deferred_given(x)
+                a, k_cache, v_cache = self.attn.cached(
+                    normed.product, position, k_cache, v_cache, row_scale=r, counters_from=normed.counters
+                )
         else:
             a, k_cache, v_cache = self.attn.cached(self.input_norm(x), position, k_cache, v_cache)
         parts = (x, a)  # MoE.normed's routing kernel adds them itself: XLA never writes their sum
@@ -493,7 +567,10 @@ class Block(nnx.Module):
             and _bias_free(self.mlp, "gate_up_proj", ("gate_proj", "up_proj"))
         ):
             h, norm = self.post_norm.deferred_sum(x)
-            return x + self.mlp.scaled(h, norm), k_cache, v_cache
+            if next_norm is not None and (chained := self.mlp.chained(h, norm, x, next_norm)) is not None:
+                # x (the residual stream past attention) is written by XLA's add launch: see Chained
+                return chained[0], k_cache, v_cache, Chained(chained[1], split_counters(x))
+            return x + self.mlp.scaled(h, norm), k_cache, v_cache, None
         # MoE: up to NORMED_MAX_TOKENS tokens the router's product is a reduction that takes the norm's sum
         # of squares in its launch (MoE.normed); past them XLA's GEMM, which wants the normalized rows
         if (
@@ -502,8 +579,8 @@ class Block(nnx.Module):
             and isinstance(self.mlp, MoE)
             and self.mlp.defers_norm
         ):
-            return x + self.mlp.normed(x, self.post_norm, parts), k_cache, v_cache
-        return x + self.mlp(self.post_norm(x)), k_cache, v_cache
+            return x + self.mlp.normed(x, self.post_norm, parts), k_cache, v_cache, None
+        return x + self.mlp(self.post_norm(x)), k_cache, v_cache, None
 
 
 class Llama(nnx.Module):
@@ -573,9 +650,15 @@ class Llama(nnx.Module):
             raise ValueError(f"token batch {token_ids.shape[0]} != cache batch {cache.batch}")
         x = self._embed(token_ids)
         ks, vs = [], []
-        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, cache.k, cache.v, strict=True)):
+        normed = None  # a layer's input-norm product, when the layer before computed it (Block.cached_chain)
+        layers = list(self.layers)
+        for i, (layer, k_cache, v_cache) in enumerate(zip(layers, cache.k, cache.v, strict=True)):
+            following = layers[i + 1] if i + 1 < len(layers) else None
+            next_norm = following.input_norm if following and following.defers_input_norm(x) else None
             with jax.named_scope(f"layer_{i}"):  # bench.decode repeats a middle layer's launches by it
-                x, k_cache, v_cache = layer.cached(x, position, k_cache, v_cache)
+                x, k_cache, v_cache, normed = layer.cached_chain(
+                    x, position, k_cache, v_cache, normed=normed, next_norm=next_norm
+                )
             ks.append(k_cache)
             vs.append(v_cache)
         return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs))

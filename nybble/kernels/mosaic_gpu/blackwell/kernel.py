@@ -153,6 +153,7 @@ class BlackwellProblem:
     # other operands, ``norm`` = (dim, eps); ``norm`` None: r = 1 and no such operand (grouped_swiglu.py).
     swiglu: bool = False
     norm: tuple[float, float] | None = (1.0, 1.0)
+    residual: bool = False  # the residual epilogue (residual.py) is Hopper's only: always False here
 
     @property
     def row_scaled(self) -> bool:
