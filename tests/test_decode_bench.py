@@ -56,10 +56,6 @@ CASES = {
     "int4-5": StepCase("tiny-llama", "int4", BATCH, CONTEXT, 5, fused=True, donate=True),
     # the softmax's top k (not renormalized): one token's routing sorts (tiny-moe's is by ranks)
     "moe-softmax-b1": StepCase("tiny-moe-softmax", "int4", 1, CONTEXT, 1, fused=True, donate=True),
-    # batch 64: XLA fuses the embedding gather into layer 0's residual add and launches the residual adds
-    # apart from the norms
-    "one-b64": StepCase("tiny-llama", "bf16", 64, CONTEXT, 1, fused=True, donate=True),
-    "whole-b64": StepCase("tiny-llama", "bf16", 64, CONTEXT, 3, fused=True, donate=True),
 }
 
 
@@ -133,7 +129,8 @@ def test_bytes_read_of_weights_and_cache(records):
 # a layer deeper (0.8% here, 8 KB a layer at Llama-3-8B's batch 1: 0.2% of its step). The int4 steps no
 # longer: a layer's down kernel computes its successor's norm product (the residual epilogue), which a
 # one-layer compile, with no successor, cannot show (3 layers, below, are bench.decode's default).
-@pytest.mark.parametrize("one_layer, more, rel", [("one", "whole", 5e-3), ("one-b64", "whole-b64", 0.1)])
+# (The batch-64 pair, within 10%, left CI's sweeps on 2026-12-07 to save its two compiles.)
+@pytest.mark.parametrize("one_layer, more, rel", [("one", "whole", 5e-3)])
 @pytest.mark.sweep  # compiles the decode steps of CASES (the records fixtures)
 def test_one_layer_extrapolates_to_the_whole_model(records, one_layer, more, rel):
     one = totals(extrapolate(records[one_layer]["launches"], 1, 3))

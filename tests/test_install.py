@@ -66,7 +66,8 @@ def test_install_pins_the_lower_end_of_the_jax_range(tmp_path):
             ["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, timeout=60
         )
         assert res.returncode == 0, res.stderr
-        assert f'{venv}/bin/python -m pip install -q "jax=={version}" "jaxlib=={version}" -e' in res.stdout
+        pip = f'{venv}/bin/python -m pip install -q --no-compile "jax=={version}" "jaxlib=={version}" -e'
+        assert pip in res.stdout
 
 
 def test_cuda_extra_can_be_chosen(tmp_path):

@@ -262,7 +262,9 @@ def _tiny_int4_llama(attention: str):
     return set_decode_attention(model, attention)
 
 
-@pytest.mark.parametrize("attention", ["xla", "triton"])
+# The Triton attention's pair with the sweeps (`make test-sweeps`): ~30 s of interpret mode, past make test's
+# budget; XLA's attention (the default) keeps its pair here.
+@pytest.mark.parametrize("attention", ["xla", pytest.param("triton", marks=pytest.mark.sweep)])
 def test_decode_steps_chained_through_the_epilogue_equal_the_unchained(attention, monkeypatch):
     """Interpret mode: layers 0 and 1 of a decode step take their successor's input-norm product from the
     down kernel's epilogue (two residual launches a step; layer 2's successor is the final norm, not
@@ -300,7 +302,7 @@ def test_decode_steps_chained_through_the_epilogue_equal_the_unchained(attention
         step = nnx.jit(lambda m, t, c, p: m.decode_step(t, c, p))
         c, steps = cache, []
         with nybble.kernels.interpret(), triton_interpret("h200"):
-            for pos in range(4, 7):
+            for pos in range(4, 6):
                 lg, c = step(model, ids[:, pos : pos + 1], c, jnp.int32(pos))
                 steps.append(np.asarray(lg, np.float64)[:, 0])
         assert len(calls) == (2 if chained else 0)  # traced once: layers 0 and 1
@@ -313,4 +315,4 @@ def test_decode_steps_chained_through_the_epilogue_equal_the_unchained(attention
         clear = top2[:, 1] - top2[:, 0] > 2 * tolerance
         np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
         compared += int(clear.sum())
-    assert compared >= 2, f"only {compared} of 6 greedy tokens were clear of ties"
+    assert compared >= 2, f"only {compared} of 4 greedy tokens were clear of ties"
