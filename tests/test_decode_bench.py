@@ -20,7 +20,6 @@ CASES = {
     "whole": StepCase("tiny-llama", "bf16", BATCH, CONTEXT, 3, fused=True, donate=True),
     "int4-base": StepCase("tiny-llama", "int4", BATCH, CONTEXT, 1),
     "int4": StepCase("tiny-llama", "int4", BATCH, CONTEXT, 1, fused=True, donate=True),
-    "int4-whole": StepCase("tiny-llama", "int4", BATCH, CONTEXT, 3, fused=True, donate=True),
     "int4-serving": StepCase(
         "tiny-llama", "int4", BATCH, CONTEXT, 1, fused=True, donate=True, attention="triton"
     ),
@@ -53,7 +52,6 @@ CASES = {
     "int4-serving-5": StepCase(
         "tiny-llama", "int4", BATCH, CONTEXT, 5, fused=True, donate=True, attention="triton"
     ),
-    "int4-5": StepCase("tiny-llama", "int4", BATCH, CONTEXT, 5, fused=True, donate=True),
     # the softmax's top k (not renormalized): one token's routing sorts (tiny-moe's is by ranks)
     "moe-softmax-b1": StepCase("tiny-moe-softmax", "int4", 1, CONTEXT, 1, fused=True, donate=True),
 }
@@ -146,8 +144,9 @@ def test_one_layer_extrapolates_to_the_whole_model(records, one_layer, more, rel
 @pytest.mark.parametrize(
     "three, five, rel",
     [
+        # on jax 0.11.2 nybble's kernels cut the step into graphs (the step with XLA's attention, the same
+        # cuts, left CI's sweeps on 2026-12-07 to save its two compiles)
         ("int4-serving-whole", "int4-serving-5", 0.01),
-        ("int4-whole", "int4-5", 0.01),  # on jax 0.11.2 nybble's kernels cut the step into 5 graphs
         ("moe-serving-3", "moe-serving-5", 1e-3),
     ],
 )
