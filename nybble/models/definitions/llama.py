@@ -158,11 +158,10 @@ class RMSNorm(nnx.Module):
         """``(x * weight, DeferredNorm)``: :meth:`deferred` with the scale not yet computed, for a consumer
         that computes it itself (the Triton decode attention kernel: the scale's rsqrt, a launch of its own
         after the reduction otherwise, since XLA fuses no elementwise op into a reduction's result)."""
+        norm = self.deferred_given(x)
         with jax.named_scope("norm"):
-            xf = x.astype(jnp.float32)
-            total = jnp.sum(xf * xf, axis=-1, keepdims=True)
-            h = (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
-            return h, DeferredNorm(total, x.shape[-1], self.eps, x)
+            h = (x.astype(jnp.float32) * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        return h, norm
 
     def deferred_given(self, x: jax.Array) -> DeferredNorm:
         """:meth:`deferred_sum`'s scale of x whose product ``x * weight`` was computed elsewhere (the
@@ -473,12 +472,12 @@ class MLP(FusedParts, nnx.Module):
             return None
         if not isinstance(down, QLinear) or down.bias is not None or down.input_perm is not None:
             return None
-        weight = down.weight
-        a = jax.ShapeDtypeStruct((*x.shape[:-1], weight.shape[0]), x.dtype)
-        if residual.dtype != x.dtype or not residual_fuses(a, weight, implementation=down.implementation):
+        weight, implementation = down.weight, down.implementation
+        a_shape = jax.ShapeDtypeStruct((*x.shape[:-1], weight.shape[0]), x.dtype)
+        if residual.dtype != x.dtype or not residual_fuses(a_shape, weight, implementation=implementation):
             return None
         a = fused.swiglu(x, row_scale)
-        return residual_matmul(a, weight, residual, next_norm.weight[...], implementation=down.implementation)
+        return residual_matmul(a, weight, residual, next_norm.weight[...], implementation=implementation)
 
 
 def scaled(y: jax.Array, row_scale: jax.Array) -> jax.Array:
