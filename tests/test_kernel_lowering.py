@@ -405,6 +405,24 @@ def test_one_launch_and_no_copy_of_x_at_decode():
     assert not ops & {"stablehlo.pad", "stablehlo.transpose", "stablehlo.reduce", "stablehlo.slice"}, ops
 
 
+def test_a_kernel_called_at_several_sites_is_lowered_once():
+    """Three layers of two projections (two problems): each problem's Mosaic GPU module is in the lowered
+    program once, a function each layer calls (``mosaic_gpu.lowered_once``), where every call site had
+    lowered its own copy (a 3-layer decode step's compile took twice as long)."""
+    up, down = _abstract_weight(576, 1536, 128, True), _abstract_weight(1536, 576, 128, True)
+
+    def layers(x, up, down):
+        for _ in range(3):
+            x = mg.mosaic_gpu_matmul(mg.mosaic_gpu_matmul(x, up, num_sms=NUM_SMS), down, num_sms=NUM_SMS)
+        return x
+
+    x = jax.ShapeDtypeStruct((1, 576), jnp.bfloat16)
+    text = jax.jit(layers).trace(x, up, down).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
+    calls = re.findall(r"\bcall @(\w+)\(", text)
+    assert len(calls) == 6 and len(set(calls)) == 2, calls
+
+
 def _small_weight() -> QuantizedWeight:
     return quantize(np.ones((256, 128), np.float32), group_size=128)
 

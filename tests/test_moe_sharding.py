@@ -1,8 +1,9 @@
 """MoE expert stacks beyond one device: 8 CPU devices (exact), and MoE experts compiled for 8 deviceless GPUs.
 
-* tests/multidevice/moe_8dev.py runs in a pytest subprocess with 8 CPU devices: expert-parallel and
-  expert + tensor-parallel ragged products equal the unsharded op bit for bit, ``nybble.models.shard`` of an
-  int4 MoE block keeps its outputs.
+* tests/multidevice/moe_8dev.py, with 8 CPU devices: expert-parallel and expert + tensor-parallel ragged
+  products equal the unsharded op bit for bit, ``nybble.models.shard`` of an int4 MoE block keeps its
+  outputs. It runs in tests/test_sharding_devices.py's 8-device pytest subprocess (one jax start for
+  both files' tests).
 * tests/multidevice/moe_8gpu.py compiles the experts' SwiGLU (experts split 4 ways, each expert cut 2 ways:
   gate/up column-, down row-parallel) for 8 deviceless H100s with the X-ray toolchain and reports the
   per-device program: each device's codes hold E / 4 experts' blocks, no float stack of experts exists,
@@ -30,20 +31,6 @@ def _env(base=None, **extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(path)
     env.update(extra)
     return env
-
-
-def test_eight_cpu_devices():
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "moe_8dev.py")],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"),
-        timeout=900,
-    )
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, tail
-    assert " passed" in proc.stdout and "failed" not in proc.stdout and "skipped" not in proc.stdout, tail
 
 
 def test_moe_experts_compiled_for_eight_h100s():

@@ -3,7 +3,8 @@
 * tests/multidevice/sharding_8dev.py runs in a pytest subprocess with 8 CPU devices
   (``XLA_FLAGS=--xla_force_host_platform_device_count=8``): sharded results equal the unsharded op on 1x8,
   2x4 and 8x1 meshes, bit for bit on small-integer data (XLA path, and the kernel in interpret mode),
-  models, checkpoints read into shards, SmolLM2's perplexity.
+  models, checkpoints read into shards, SmolLM2's perplexity; and, in the same process (one jax start
+  for both), tests/multidevice/moe_8dev.py: the MoE expert stacks (tests/test_moe_sharding.py says what).
 * two processes of a ``jax.distributed`` CPU cluster (4 devices each) load a checkpoint straight into the
   shards of a mesh spanning both, each reading half the bytes, and run a row-parallel product whose
   all-reduce crosses them.
@@ -53,11 +54,12 @@ def test_eight_cpu_devices():
             "-p",
             "no:cacheprovider",
             str(HERE / "sharding_8dev.py"),
+            str(HERE / "moe_8dev.py"),
         ],
         capture_output=True,
         text=True,
         cwd=REPO,
-        env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+        env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"),
         timeout=900,
     )
     tail = (proc.stdout + proc.stderr)[-6000:]

@@ -56,6 +56,7 @@ from nybble.kernels.mosaic_gpu.common import (
 )
 from nybble.kernels.mosaic_gpu.config import CHUNK_K, stores_any_rows, wgmma_k
 from nybble.kernels.mosaic_gpu.interpret import active_params
+from nybble.kernels.mosaic_gpu.lowered_once import per_problem
 from nybble.kernels.mosaic_gpu.staging import y_staging
 
 
@@ -65,6 +66,7 @@ def _smem_swizzle(dtype) -> tuple:
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
+@per_problem  # one trace and lowering per problem, however many call sites
 def w4a16_single_wg(p: Problem, operands: list[jax.Array], work: Any = None) -> jax.Array:
     """Runs the one-warpgroup kernel on the operand views of ``common.operand_views``.
 

@@ -46,9 +46,11 @@ from nybble.kernels.mosaic_gpu.common import (
 )
 from nybble.kernels.mosaic_gpu.config import stores_any_rows
 from nybble.kernels.mosaic_gpu.interpret import active_params
+from nybble.kernels.mosaic_gpu.lowered_once import per_problem
 from nybble.kernels.mosaic_gpu.staging import y_staging
 
 
+@per_problem  # one trace and lowering per problem, however many call sites
 def w4a16_warp_specialized(p: Problem, operands: list[jax.Array], work: Any = None) -> jax.Array:
     """Runs the warp-specialized kernel on the operand views of ``common.operand_views``.
 

@@ -131,6 +131,7 @@ from nybble.kernels.mosaic_gpu.dequant_registers import (
     tmem_rows,
 )
 from nybble.kernels.mosaic_gpu.interpret import active_params, check_warpgroup_threads
+from nybble.kernels.mosaic_gpu.lowered_once import per_problem
 from nybble.kernels.mosaic_gpu.staging import y_staging
 from nybble.quant.qweight import QuantizedWeight
 
@@ -450,6 +451,7 @@ def _block(ref: Any, shape: tuple[int, ...], index: tuple[Any, ...]) -> Any:
     return ref.at[tuple(pl.ds(jnp.int32(i) * b, b) for i, b in zip(index, shape, strict=True))]
 
 
+@per_problem  # one trace and lowering per problem, however many call sites
 def launch(p: BlackwellProblem, operands: list[Any], work: Any) -> jax.Array:
     """The kernel over ``work``'s CTAs (:class:`DenseTiles`, or the grouped kernel's): each CTA's
     ``common.CtaTile`` gives its GMEM operands (indexed by block (mi, ki) for x, (ni, ki) for the weight),
