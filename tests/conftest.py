@@ -72,64 +72,71 @@ def pytest_report_header(config):
 # The files that take longest on CI's two cores, started first so that both xdist workers end together; the
 # Makefile's --no-loadscope-reorder keeps this order (xdist would otherwise start the files with the most
 # tests first and leave a long file with few tests for the end). Files under ~10 s follow in collection
-# order. Seconds: each file's test durations summed in a `make test` run (2026-12-06, 1,257 s in all), the
-# X-ray gate's counted twice (its compile workers take both cores), test_decode_bench's and
-# test_blackwell_grouped's as they grew that day (their files alone).
+# order. Seconds: each file's test durations summed in a clean `.ci/run` of 2026-12-08 (make test 630 s),
+# less the tests that moved to the sweeps that day; the X-ray's compile workers take both cores.
 _SLOW_FILES = {
-    "test_xray.py": 196,  # two compile workers
-    "test_kernel_interpret.py": 169,
-    "test_kernel_lowering.py": 86,
-    "test_decode_bench.py": 75,  # compile workers for H200 and B200 steps
-    "test_fuse.py": 52,
-    "test_residual.py": 45,  # 2026-12-07: its interpret tests and one whole decode step pair
-    "test_moe_sharding.py": 39,  # 8-CPU-device subprocess and a deviceless 8-GPU compile
-    "test_sharding_devices.py": 38,
-    "test_models_smollm2.py": 37,
-    "test_quant_format.py": 33,
-    "test_blackwell_interpret.py": 33,
-    "test_moe.py": 31,
-    "test_triton_interpret.py": 31,
-    "test_cli.py": 30,
-    "test_readme.py": 28,
-    "test_moe_pretrained.py": 27,
-    "test_grouped_configs.py": 27,
-    "test_blackwell_grouped.py": 25,
+    "test_kernel_interpret.py": 58,
+    "test_models_smollm2.py": 54,
+    "test_grouped_swiglu.py": 47,
+    "test_moe.py": 46,
+    "test_kernel_lowering.py": 46,
+    "test_fuse.py": 45,
+    "test_decode_attention_kernel.py": 45,
+    "test_xray.py": 40,  # compile workers on both cores
+    "test_quant_format.py": 38,
+    "test_readme.py": 31,
+    "test_cli.py": 29,
+    "test_moe_routing_kernel.py": 26,
+    "test_grouped_interpret.py": 25,
     "test_quant.py": 22,
-    "test_blackwell_lowering.py": 21,
+    "test_moe_pretrained.py": 22,
     "test_gptq.py": 20,
     "test_hf_blockwise.py": 19,
+    "test_gpu_check.py": 19,
+    "test_decode_step.py": 19,
+    "test_blackwell_interpret.py": 19,
     "test_bench.py": 19,
-    "test_grouped_interpret.py": 18,
-    "test_gpu_check.py": 18,
-    "test_autoround_model.py": 18,
-    "test_hf_cli.py": 18,
-    "test_matmul.py": 16,
+    "test_swiglu.py": 18,
+    "test_triton_lowering.py": 17,
+    "test_residual.py": 17,
+    "test_autoround_model.py": 17,
     "test_models_decode.py": 16,
-    "test_decode_step.py": 15,
-    "test_autoround.py": 15,
-    "test_models_adapter.py": 14,
-    "test_refit.py": 14,
-    "test_hf_models.py": 13,
-    "test_ragged.py": 13,
-    "test_hf_quantized_models.py": 13,
-    "test_model_bench.py": 12,
-    "test_hf_smollm2.py": 12,
-    "test_triton_lowering.py": 12,
+    "test_hf_smollm2.py": 16,
+    "test_refit.py": 15,
+    "test_hf_models.py": 15,
+    "test_moe_routing_tokens_kernel.py": 14,
+    "test_matmul.py": 14,
+    "test_models_adapter.py": 13,
+    "test_model_bench.py": 13,
+    "test_autoround.py": 13,
+    "test_ragged.py": 12,
+    "test_xray_peers.py": 11,
+    "test_hf_cli.py": 10,
+    "test_hardware_gate.py": 10,
+    "test_blackwell_lowering.py": 10,
+    "test_blackwell_gpu.py": 10,
     "test_bench_moe.py": 10,
-    "test_xray_peers.py": 10,
 }
 
 
-# The same for the sweeps (`make test-sweeps`, `-m sweep`): seconds of each file's sweeps in a `.ci/run` of
-# 2026-12-07 (479 s in all), where xdist's own order had left the X-ray gate's compiles for the end (~50 s
-# on one core). test_decode_bench's decode-step compiles run in its module fixture, one after the other.
+# The same for the sweeps (`make test-sweeps`, `-m sweep`): seconds of each file's sweeps in that `.ci/run`
+# (464 s in all), with the tests that joined them that day. test_decode_bench's decode-step compiles run in
+# its module fixture, one after the other; the X-ray gate's in two compile workers.
 _SLOW_SWEEP_FILES = {
-    "test_decode_bench.py": 220,
     "test_xray.py": 200,  # two compile workers
+    "test_decode_bench.py": 162,
     "test_kernel_interpret.py": 135,
-    "test_kernel_lowering.py": 75,
-    "test_moe_routing_sass.py": 40,
-    "test_decode_attention_sass.py": 35,
+    "test_kernel_lowering.py": 89,
+    "test_residual.py": 81,
+    "test_sharding_devices.py": 76,  # an 8-CPU-device pytest subprocess
+    "test_grouped_swiglu.py": 37,
+    "test_blackwell_interpret.py": 36,
+    "test_blackwell_lowering.py": 32,
+    "test_grouped_configs.py": 31,
+    "test_moe_routing_sass.py": 29,
+    "test_blackwell_grouped.py": 28,
+    "test_triton_interpret.py": 23,
+    "test_decode_attention_sass.py": 23,
 }
 
 

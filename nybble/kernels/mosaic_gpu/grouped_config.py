@@ -17,6 +17,7 @@ over a count of tiles known only on the device).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +87,13 @@ def max_m_tiles(rows: int, experts: int, tile_m: int, align: int = 1) -> int:
     return min((rows + busy * (align - 1)) // tile_m + busy, (experts + 1) * -(-(rows + align - 1) // tile_m))
 
 
+@functools.cache
+def _grouped_and(allow: Callable[[TuningConfig], bool]) -> Callable[[TuningConfig], bool]:
+    """:func:`grouped_allows` and ``allow``: one function per ``allow``, so the heuristics' cache answers
+    each problem once (a new lambda per call missed it every time)."""
+    return lambda c: grouped_allows(c) and allow(c)
+
+
 def grouped_heuristic_config(
     rows: int,
     experts: int,
@@ -110,7 +118,7 @@ def grouped_heuristic_config(
         group_size,
         num_sms,
         experts=active_experts(rows, experts),
-        allow=grouped_allows if allow is None else (lambda c: grouped_allows(c) and allow(c)),
+        allow=grouped_allows if allow is None else _grouped_and(allow),
         **options,
     )
     # The dense heuristic puts a warp-specialized pick on a persistent grid where tiles outnumber SMs.

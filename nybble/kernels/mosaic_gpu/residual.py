@@ -66,9 +66,14 @@ def residual_plan(
     configs that run it (ValueError when none fits, e.g. M > 8), or ``config``."""
     if config is not None and (why := _reason(config, qw)) is not None:
         raise ValueError(f"residual_plan: {why}")
-    allow = lambda c: residual_reason(c) is None
-    p = plan(m, qw, num_sms=num_sms, config=config, dtype=dtype, allow=allow, extra_smem=residual_smem_bytes)
+    extra = residual_smem_bytes
+    p = plan(m, qw, num_sms=num_sms, config=config, dtype=dtype, allow=runs_residual, extra_smem=extra)
     return dataclasses.replace(p, residual=True)
+
+
+def runs_residual(config: TuningConfig) -> bool:
+    """The heuristics' predicate for this epilogue: one function, so their cache answers each problem once."""
+    return residual_reason(config) is None
 
 
 def _reason(config: TuningConfig, qw: QuantizedWeight) -> str | None:
@@ -183,4 +188,12 @@ def mosaic_gpu_residual(
     return _residual(x2d, qw, residual, norm_weight, config, int(num_sms))
 
 
-__all__ = ["OUT_COLUMNS", "fits", "mosaic_gpu_residual", "reference", "residual_plan", "unsupported"]
+__all__ = [
+    "OUT_COLUMNS",
+    "fits",
+    "mosaic_gpu_residual",
+    "reference",
+    "residual_plan",
+    "runs_residual",
+    "unsupported",
+]

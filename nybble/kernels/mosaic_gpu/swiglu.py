@@ -66,8 +66,13 @@ def swiglu_plan(
     among the configs that run it (ValueError when none fits, e.g. M > 8), or ``config``."""
     if config is not None and (why := swiglu_reason(config)) is not None:
         raise ValueError(f"swiglu_plan: {why}")
-    p = plan(m, qw, num_sms=num_sms, config=config, dtype=dtype, allow=lambda c: swiglu_reason(c) is None)
+    p = plan(m, qw, num_sms=num_sms, config=config, dtype=dtype, allow=runs_swiglu)
     return dataclasses.replace(p, n=qw.shape[1] // 2, swiglu=True)
+
+
+def runs_swiglu(config: TuningConfig) -> bool:
+    """The heuristics' predicate for this epilogue: one function, so their cache answers each problem once."""
+    return swiglu_reason(config) is None
 
 
 def fits(m: int, qw: QuantizedWeight, num_sms: int = DEFAULT_NUM_SMS, family: str = "hopper") -> bool:
@@ -193,5 +198,6 @@ def mosaic_gpu_swiglu(
 
 
 __all__ = [
-    "OUT_COLUMNS", "fits", "mosaic_gpu_swiglu", "reference", "swiglu_plan", "unsupported", "width_reason",
+    "OUT_COLUMNS", "fits", "mosaic_gpu_swiglu", "reference", "runs_swiglu", "swiglu_plan", "unsupported",
+    "width_reason",
 ]  # fmt: skip
