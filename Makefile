@@ -31,9 +31,6 @@ CUDA12_XRAY_PACKAGES = $$($(CUDA12_PY) -c "import tomllib; print(' '.join(p.repl
 # development machine does), every process a test starts (the X-ray, compile and multi-device workers)
 # would compile nybble's sources again. `make test` 527 -> 512 s on two cores (2026-12-07).
 unexport PYTHONDONTWRITEBYTECODE
-# pip installs without compiling bytecode (--no-compile): a process compiles the modules it imports, once, and
-# nobody imports most of jax's, scipy's or the CUDA wheels' (CI's installs take CPU from the sweeps they
-# overlap).
 # First Python >= 3.12 found: pyenv users get 3.12 from .python-version through `python3`.
 PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.14; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
@@ -53,6 +50,9 @@ CUDA_EXTRA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && { \
 comma := ,
 EXTRAS := test,models,bench$(if $(strip $(CUDA_EXTRA)),$(comma)$(strip $(CUDA_EXTRA)))
 
+# pip installs without compiling bytecode (--no-compile): a process compiles the modules it imports, once, and
+# nobody imports most of jax's, scipy's or the CUDA wheels' (CI's installs take CPU from the sweeps they
+# overlap).
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "nybble needs Python >= 3.12 (python3.12 on PATH, or pyenv with 3.12)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)

@@ -66,8 +66,10 @@ def residual_plan(
     configs that run it (ValueError when none fits, e.g. M > 8), or ``config``."""
     if config is not None and (why := _reason(config, qw)) is not None:
         raise ValueError(f"residual_plan: {why}")
-    extra = residual_smem_bytes
-    p = plan(m, qw, num_sms=num_sms, config=config, dtype=dtype, allow=runs_residual, extra_smem=extra)
+    p = plan(
+        m, qw, num_sms=num_sms, config=config, dtype=dtype, allow=runs_residual,
+        extra_smem=residual_smem_bytes,
+    )  # fmt: skip
     return dataclasses.replace(p, residual=True)
 
 
